@@ -1,0 +1,40 @@
+# Two entry points (see README): `make demo` runs a local swarm, `make check` runs every check.
+# Each creates/updates the project virtualenv by itself; re-running is cheap.
+PYTHON ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+
+.PHONY: venv demo check test lint typecheck bench clean
+
+venv: $(STAMP)
+
+# torch is installed first and pinned: an unpinned torch would pull a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/python examples/demo_swarm.py
+
+lint: $(STAMP)
+	$(BIN)/ruff check protocol peer training tests benchmarks examples
+	$(BIN)/ruff format --check protocol peer training tests benchmarks examples
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q
+
+check: lint typecheck test
+
+bench: $(STAMP)
+	$(BIN)/python benchmarks/codecs.py
+	$(BIN)/python benchmarks/dht.py
+
+clean:
+	rm -rf $(VENV) *.egg-info

@@ -1,0 +1,392 @@
+"""Typed RPC bodies: one frozen dataclass per message, strict both ways.
+
+Every message is a msgpack map whose ``"t"`` key is the message's type tag; the other
+keys are the message's fields, all required, no others allowed (a new field means a
+new tag or a new protocol version). Constructing a message checks it (a bad local
+message raises :class:`LocalProtocolError`); ``from_body`` checks a received one (a bad
+remote one raises :class:`RemoteProtocolError`), so a message object is always valid.
+
+    body = FindNodeRequest(sender="10.0.0.1:4000", target=DHTID.from_key("x")).to_body()
+    request = decode_message(body)          # dispatches on body["t"]
+
+Other layers add their own messages with :func:`register_message` and their own
+methods in their own tables; :data:`METHODS` lists the four DHT methods.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar, Self, TypeVar
+
+from .address import MAX_ADDRESS_LENGTH, Address
+from .dhtid import DHTID, ID_BYTES
+from .errors import LocalProtocolError, ProtocolError, RemoteProtocolError
+from .identity import PeerID
+from .records import MAX_ENTRIES_PER_STORE, MAX_SUBKEYS_PER_KEY, Entry
+from .records import Subkey as Subkey  # re-exported: entries are part of the messages
+
+MAX_NODES = 64
+"""Most nodes in one FIND_NODE or FIND_VALUE reply."""
+
+
+class Message:
+    """Base of every typed body. Subclasses set ``TAG`` and implement the two hooks."""
+
+    __slots__ = ()
+    TAG: ClassVar[str] = ""
+    FIELDS: ClassVar[tuple[str, ...]] = ()
+
+    def to_body(self) -> dict[str, Any]:
+        """The msgpack-ready map, ``"t"`` first."""
+        return {"t": self.TAG, **self._encode()}
+
+    @classmethod
+    def from_body(cls, body: Any) -> Self:
+        """Parse and check a received body.
+
+        Raises:
+            RemoteProtocolError: on a wrong tag, missing or unknown keys, wrong types,
+                sizes, counts or ranges.
+        """
+        if not isinstance(body, dict):
+            raise RemoteProtocolError(f"{cls.__name__} body must be a map")
+        if body.get("t") != cls.TAG:
+            raise RemoteProtocolError(f"expected message {cls.TAG!r}, got {_show(body.get('t'))}")
+        if len(body) != len(cls.FIELDS) + 1 or not all(name in body for name in cls.FIELDS):
+            got = _show([k for k in body if k != "t"])
+            raise RemoteProtocolError(f"{cls.TAG} has fields {list(cls.FIELDS)}, got {got}")
+        try:
+            return cls._decode(body)
+        except RemoteProtocolError:
+            raise
+        except (ProtocolError, TypeError, ValueError, OverflowError) as exc:
+            raise RemoteProtocolError(f"malformed {cls.TAG}: {exc}") from exc
+
+    def _encode(self) -> dict[str, Any]:
+        return {}
+
+    @classmethod
+    def _decode(cls, body: dict[str, Any]) -> Self:
+        return cls()
+
+
+MESSAGE_TYPES: dict[str, type[Message]] = {}
+"""Every registered message class by its tag."""
+
+_M = TypeVar("_M", bound=type[Message])
+
+
+def register_message(cls: _M) -> _M:
+    """Class decorator: make ``cls`` known to :func:`decode_message` by its ``TAG``.
+
+    Raises:
+        ValueError: if the tag is empty or already taken.
+    """
+    if not cls.TAG or cls.TAG in MESSAGE_TYPES:
+        raise ValueError(f"message tag {cls.TAG!r} is empty or already registered")
+    MESSAGE_TYPES[cls.TAG] = cls
+    return cls
+
+
+def decode_message(body: Any) -> Message:
+    """Parse any registered message, chosen by the body's ``"t"``.
+
+    Raises:
+        RemoteProtocolError: if the tag is unknown or the body is malformed.
+    """
+    tag = body.get("t") if isinstance(body, dict) else None
+    cls = MESSAGE_TYPES.get(tag) if isinstance(tag, str) else None
+    if cls is None:
+        raise RemoteProtocolError(f"unknown message type {_show(tag)}")
+    return cls.from_body(body)
+
+
+def _show(value: object) -> str:
+    """A bounded repr for error messages: received values can be long."""
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+# --- field checks (raise LocalProtocolError; from_body turns them into remote blame) ---
+
+
+def _check_hostport(value: object, what: str) -> None:
+    """``None`` (client mode) or a canonical routable ``HOST:PORT`` without a PeerID."""
+    if value is None:
+        return
+    if type(value) is not str or len(value) > MAX_ADDRESS_LENGTH:
+        raise LocalProtocolError(f"{what} must be a HOST:PORT string or None")
+    try:
+        address = Address.parse(value)
+    except ProtocolError as exc:
+        raise LocalProtocolError(f"{what}: {exc}") from exc
+    if address.peer_id is not None or address.port == 0 or address.hostport != value:
+        raise LocalProtocolError(
+            f"{what} {_show(value)} is not a canonical HOST:PORT with port > 0"
+        )
+
+
+def _check_dhtid(value: object, what: str) -> None:
+    if not isinstance(value, DHTID):
+        raise LocalProtocolError(f"{what} must be a DHTID")
+
+
+def _tuple_of(owner: object, name: str, kind: type, limit: int) -> None:
+    """Coerce ``owner.name`` from a list to a tuple, then check item types and count."""
+    items = getattr(owner, name)
+    if isinstance(items, list):
+        items = tuple(items)
+        object.__setattr__(owner, name, items)
+    if not isinstance(items, tuple):
+        raise LocalProtocolError(f"{name} must be a tuple")
+    if len(items) > limit:
+        raise LocalProtocolError(f"{name} holds {len(items)} items; at most {limit}")
+    if not all(type(item) is kind for item in items):
+        raise LocalProtocolError(f"{name} must hold only {kind.__name__}")
+
+
+def _seq(value: object, name: str, limit: int) -> tuple[Any, ...] | list[Any]:
+    """A received array (decoded as tuple, or a list from a local body) of bounded length."""
+    if not isinstance(value, tuple | list):
+        raise RemoteProtocolError(f"{name} must be an array")
+    if len(value) > limit:
+        raise RemoteProtocolError(f"{name} holds {len(value)} items; at most {limit}")
+    return value
+
+
+def _raw_id(value: object, what: str) -> DHTID:
+    if type(value) is not bytes or len(value) != ID_BYTES:
+        raise RemoteProtocolError(f"{what} must be {ID_BYTES} raw bytes")
+    return DHTID.from_bytes_exact(value)
+
+
+# --- the DHT messages ---
+
+
+@dataclass(frozen=True, slots=True)
+class NodeInfo:
+    """A DHT contact: ``{"p": PeerID (32 bytes), "a": "HOST:PORT" or nil}``.
+
+    ``address`` ``None`` marks a client-mode peer (not routable).
+
+    Raises:
+        LocalProtocolError: on a wrong type or a malformed address.
+    """
+
+    peer_id: PeerID
+    address: str | None
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.peer_id, PeerID):
+            raise LocalProtocolError("peer_id must be a PeerID")
+        _check_hostport(self.address, "address")
+
+    def to_body(self) -> dict[str, Any]:
+        return {"p": self.peer_id.raw, "a": self.address}
+
+    @classmethod
+    def from_body(cls, body: Any) -> NodeInfo:
+        """Parse ``{"p": bytes, "a": str | nil}``.
+
+        Raises:
+            RemoteProtocolError: on anything malformed.
+        """
+        if not isinstance(body, dict) or body.keys() != {"p", "a"}:
+            raise RemoteProtocolError("a node is a map with exactly the keys p and a")
+        raw = body["p"]
+        if type(raw) is not bytes:
+            raise RemoteProtocolError("a node's p must be bytes")
+        try:
+            return cls(PeerID(raw), body["a"])
+        except ProtocolError as exc:
+            raise RemoteProtocolError(f"malformed node: {exc}") from exc
+
+
+def _nodes(value: object) -> tuple[NodeInfo, ...]:
+    return tuple(NodeInfo.from_body(item) for item in _seq(value, "nodes", MAX_NODES))
+
+
+def _entries(value: object, limit: int) -> tuple[Entry, ...]:
+    return tuple(Entry.from_body(item) for item in _seq(value, "entries", limit))
+
+
+@register_message
+@dataclass(frozen=True, slots=True)
+class PingRequest(Message):
+    """``dht.ping``: is the callee alive? ``sender`` is our listen address (None: client)."""
+
+    TAG: ClassVar[str] = "dht.ping.req"
+    METHOD: ClassVar[str] = "dht.ping"
+    FIELDS: ClassVar[tuple[str, ...]] = ("sender",)
+    sender: str | None
+
+    def __post_init__(self) -> None:
+        _check_hostport(self.sender, "sender")
+
+    def _encode(self) -> dict[str, Any]:
+        return {"sender": self.sender}
+
+    @classmethod
+    def _decode(cls, body: dict[str, Any]) -> Self:
+        return cls(body["sender"])
+
+
+@register_message
+@dataclass(frozen=True, slots=True)
+class PingResponse(Message):
+    """Reply to ``dht.ping``: no fields."""
+
+    TAG: ClassVar[str] = "dht.ping.res"
+
+
+@register_message
+@dataclass(frozen=True, slots=True)
+class FindNodeRequest(Message):
+    """``dht.find_node``: the callee's closest known contacts to ``target``."""
+
+    TAG: ClassVar[str] = "dht.find_node.req"
+    METHOD: ClassVar[str] = "dht.find_node"
+    FIELDS: ClassVar[tuple[str, ...]] = ("sender", "target")
+    sender: str | None
+    target: DHTID
+
+    def __post_init__(self) -> None:
+        _check_hostport(self.sender, "sender")
+        _check_dhtid(self.target, "target")
+
+    def _encode(self) -> dict[str, Any]:
+        return {"sender": self.sender, "target": self.target.to_raw()}
+
+    @classmethod
+    def _decode(cls, body: dict[str, Any]) -> Self:
+        return cls(body["sender"], _raw_id(body["target"], "target"))
+
+
+@register_message
+@dataclass(frozen=True, slots=True)
+class FindNodeResponse(Message):
+    """Reply to ``dht.find_node``: at most ``MAX_NODES`` contacts."""
+
+    TAG: ClassVar[str] = "dht.find_node.res"
+    FIELDS: ClassVar[tuple[str, ...]] = ("nodes",)
+    nodes: tuple[NodeInfo, ...]
+
+    def __post_init__(self) -> None:
+        _tuple_of(self, "nodes", NodeInfo, MAX_NODES)
+
+    def _encode(self) -> dict[str, Any]:
+        return {"nodes": [node.to_body() for node in self.nodes]}
+
+    @classmethod
+    def _decode(cls, body: dict[str, Any]) -> Self:
+        return cls(_nodes(body["nodes"]))
+
+
+@register_message
+@dataclass(frozen=True, slots=True)
+class FindValueRequest(Message):
+    """``dht.find_value``: the callee's entries under ``key`` and its closest contacts."""
+
+    TAG: ClassVar[str] = "dht.find_value.req"
+    METHOD: ClassVar[str] = "dht.find_value"
+    FIELDS: ClassVar[tuple[str, ...]] = ("sender", "key")
+    sender: str | None
+    key: DHTID
+
+    def __post_init__(self) -> None:
+        _check_hostport(self.sender, "sender")
+        _check_dhtid(self.key, "key")
+
+    def _encode(self) -> dict[str, Any]:
+        return {"sender": self.sender, "key": self.key.to_raw()}
+
+    @classmethod
+    def _decode(cls, body: dict[str, Any]) -> Self:
+        return cls(body["sender"], _raw_id(body["key"], "key"))
+
+
+@register_message
+@dataclass(frozen=True, slots=True)
+class FindValueResponse(Message):
+    """Reply to ``dht.find_value``. ``entries`` None: the callee stores nothing for the key."""
+
+    TAG: ClassVar[str] = "dht.find_value.res"
+    FIELDS: ClassVar[tuple[str, ...]] = ("entries", "nodes")
+    entries: tuple[Entry, ...] | None
+    nodes: tuple[NodeInfo, ...]
+
+    def __post_init__(self) -> None:
+        if self.entries is not None:
+            _tuple_of(self, "entries", Entry, MAX_SUBKEYS_PER_KEY)
+        _tuple_of(self, "nodes", NodeInfo, MAX_NODES)
+
+    def _encode(self) -> dict[str, Any]:
+        entries = None if self.entries is None else [entry.to_body() for entry in self.entries]
+        return {"entries": entries, "nodes": [node.to_body() for node in self.nodes]}
+
+    @classmethod
+    def _decode(cls, body: dict[str, Any]) -> Self:
+        raw = body["entries"]
+        entries = None if raw is None else _entries(raw, MAX_SUBKEYS_PER_KEY)
+        return cls(entries, _nodes(body["nodes"]))
+
+
+@register_message
+@dataclass(frozen=True, slots=True)
+class StoreRequest(Message):
+    """``dht.store``: store 1..``MAX_ENTRIES_PER_STORE`` entries under ``key``."""
+
+    TAG: ClassVar[str] = "dht.store.req"
+    METHOD: ClassVar[str] = "dht.store"
+    FIELDS: ClassVar[tuple[str, ...]] = ("sender", "key", "entries")
+    sender: str | None
+    key: DHTID
+    entries: tuple[Entry, ...]
+
+    def __post_init__(self) -> None:
+        _check_hostport(self.sender, "sender")
+        _check_dhtid(self.key, "key")
+        _tuple_of(self, "entries", Entry, MAX_ENTRIES_PER_STORE)
+        if not self.entries:
+            raise LocalProtocolError("a store request carries at least one entry")
+
+    def _encode(self) -> dict[str, Any]:
+        return {
+            "sender": self.sender,
+            "key": self.key.to_raw(),
+            "entries": [entry.to_body() for entry in self.entries],
+        }
+
+    @classmethod
+    def _decode(cls, body: dict[str, Any]) -> Self:
+        key = _raw_id(body["key"], "key")
+        return cls(body["sender"], key, _entries(body["entries"], MAX_ENTRIES_PER_STORE))
+
+
+@register_message
+@dataclass(frozen=True, slots=True)
+class StoreResponse(Message):
+    """Reply to ``dht.store``: one flag per entry, in order (False: rejected)."""
+
+    TAG: ClassVar[str] = "dht.store.res"
+    FIELDS: ClassVar[tuple[str, ...]] = ("accepted",)
+    accepted: tuple[bool, ...]
+
+    def __post_init__(self) -> None:
+        _tuple_of(self, "accepted", bool, MAX_ENTRIES_PER_STORE)
+
+    def _encode(self) -> dict[str, Any]:
+        return {"accepted": list(self.accepted)}
+
+    @classmethod
+    def _decode(cls, body: dict[str, Any]) -> Self:
+        return cls(tuple(_seq(body["accepted"], "accepted", MAX_ENTRIES_PER_STORE)))
+
+
+METHODS: dict[str, tuple[type[Message], type[Message]]] = {
+    PingRequest.METHOD: (PingRequest, PingResponse),
+    FindNodeRequest.METHOD: (FindNodeRequest, FindNodeResponse),
+    FindValueRequest.METHOD: (FindValueRequest, FindValueResponse),
+    StoreRequest.METHOD: (StoreRequest, StoreResponse),
+}
+"""DHT method name -> (request class, response class)."""
