@@ -1,0 +1,215 @@
+"""A blocking facade for plain (non-async) scripts: the peer lives on a background thread.
+
+    with run_in_background(initial_peers=["PEERID@10.0.0.2:4000"]) as node:
+        print(node.address)
+        node.dht.store("run/x", 1, ttl=30.0)       # blocks until done, no await
+        node.dht.get("run/x")                      # 1
+        node.run(some_async_function, arg)         # any coroutine function, on the peer's loop
+
+One thread runs ``trio.run``; each call enters that loop through
+``trio.from_thread.run`` and blocks the calling thread until it returns. Errors raised
+on the loop propagate to the caller. Leaving the ``with`` block stops the peer and
+joins the thread.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import threading
+import time
+from collections.abc import Awaitable, Callable, Iterable, Iterator
+from contextlib import contextmanager
+from typing import Any, TypeVar
+
+import trio
+
+from protocol.address import Address
+from protocol.errors import SwarmError
+from protocol.identity import Identity, PeerID
+from protocol.records import Subkey
+
+from .network import Network
+from .node import Peer, PeerConfig, open_peer
+
+__all__ = ["BackgroundDHT", "BackgroundPeer", "PeerStoppedError", "run_in_background"]
+
+T = TypeVar("T")
+
+
+class PeerStoppedError(SwarmError):
+    """The background peer is no longer running (it was closed, or its loop crashed)."""
+
+
+class BackgroundPeer:
+    """A peer running on a background thread; every method blocks until done."""
+
+    def __init__(self, peer: Peer, token: trio.lowlevel.TrioToken) -> None:
+        self._peer = peer
+        self._token = token
+        self.identity: Identity = peer.identity
+        self.peer_id: PeerID = peer.peer_id
+        self.address: str = peer.address
+        self.dht = BackgroundDHT(self)
+
+    @property
+    def peer(self) -> Peer:
+        """The underlying async Peer; use its methods only from coroutines given to run()."""
+        return self._peer
+
+    def run(self, async_fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        """Run ``async_fn(*args)`` on the peer's loop and return its result.
+
+        Raises:
+            PeerStoppedError: if the peer is no longer running.
+            Exception: whatever ``async_fn`` raises.
+        """
+        try:
+            return trio.from_thread.run(async_fn, *args, trio_token=self._token)
+        except trio.RunFinishedError as exc:
+            raise PeerStoppedError("the background peer has stopped") from exc
+
+    def run_sync(self, fn: Callable[..., T], *args: Any) -> T:
+        """Run the plain function ``fn(*args)`` on the peer's loop (to read its state safely).
+
+        Raises:
+            PeerStoppedError: if the peer is no longer running.
+            Exception: whatever ``fn`` raises.
+        """
+        try:
+            return trio.from_thread.run_sync(fn, *args, trio_token=self._token)
+        except trio.RunFinishedError as exc:
+            raise PeerStoppedError("the background peer has stopped") from exc
+
+    def __repr__(self) -> str:
+        return f"<BackgroundPeer {self.address}>"
+
+
+class BackgroundDHT:
+    """The blocking twin of :class:`peer.dht.DHT`: same methods, no ``await``."""
+
+    def __init__(self, owner: BackgroundPeer) -> None:
+        self._owner = owner
+
+    def store(self, key: str, value: Any, ttl: float = 60.0, subkey: Subkey = None) -> bool:
+        """See :meth:`peer.dht.DHT.store`.
+
+        Raises:
+            RecordTooLargeError: (a ValueError) a key, subkey or value over its limit.
+            RecordError: a subkey bound to another peer.
+            ValueError: a ttl out of range. TypeError: a value msgpack cannot serialize.
+            PeerStoppedError: the peer is no longer running.
+        """
+        dht = self._owner.peer.dht
+        return self._owner.run(dht.store, key, value, ttl, subkey)
+
+    def get(self, key: str, *, latest: bool = True) -> Any:
+        """See :meth:`peer.dht.DHT.get`.
+
+        Raises:
+            RecordTooLargeError: (a ValueError) the key is over its limit.
+            PeerStoppedError: the peer is no longer running.
+        """
+        dht = self._owner.peer.dht
+
+        async def get() -> Any:
+            return await dht.get(key, latest=latest)
+
+        return self._owner.run(get)
+
+    def get_entries(self, key: str, *, latest: bool = True) -> dict[Subkey, tuple[Any, float]]:
+        """See :meth:`peer.dht.DHT.get_entries`.
+
+        Raises:
+            RecordTooLargeError: (a ValueError) the key is over its limit.
+            PeerStoppedError: the peer is no longer running.
+        """
+        dht = self._owner.peer.dht
+
+        async def get_entries() -> dict[Subkey, tuple[Any, float]]:
+            return await dht.get_entries(key, latest=latest)
+
+        return self._owner.run(get_entries)
+
+    def find_peers(self) -> list[tuple[PeerID, str]]:
+        """See :meth:`peer.dht.DHT.find_peers`.
+
+        Raises:
+            PeerStoppedError: the peer is no longer running.
+        """
+        return self._owner.run(self._owner.peer.dht.find_peers)
+
+    def routing_table_peers(self) -> list[tuple[PeerID, str]]:
+        """See :meth:`peer.dht.DHT.routing_table_peers`.
+
+        Raises:
+            PeerStoppedError: the peer is no longer running.
+        """
+        return self._owner.run_sync(self._owner.peer.dht.routing_table_peers)
+
+
+@contextmanager
+def run_in_background(
+    listen: str | None = "127.0.0.1:0",
+    initial_peers: Iterable[str | Address] = (),
+    identity: Identity | str | os.PathLike[str] | None = None,
+    client_mode: bool = False,
+    network: Network | None = None,
+    config: PeerConfig | None = None,
+    *,
+    announce_host: str | None = None,
+    clock: Callable[[], float] = time.time,
+) -> Iterator[BackgroundPeer]:
+    """Start a peer (see :func:`peer.open_peer` for the arguments) on a background thread.
+
+    Returns once the peer is up and bootstrapped; leaving the block stops it and joins
+    the thread.
+
+    Raises:
+        ProtocolError, IdentityFileError, OSError: as :func:`peer.open_peer`, at startup.
+    """
+    initial = list(initial_peers)
+    ready = threading.Event()
+    started: list[BackgroundPeer] = []
+    failure: list[BaseException] = []
+    stop: list[trio.Event] = []
+
+    async def main() -> None:
+        async with open_peer(
+            listen,
+            initial,
+            identity,
+            client_mode,
+            network,
+            config,
+            announce_host=announce_host,
+            clock=clock,
+        ) as peer:
+            stop.append(trio.Event())
+            started.append(BackgroundPeer(peer, trio.lowlevel.current_trio_token()))
+            ready.set()
+            await stop[0].wait()
+
+    def thread_main() -> None:
+        try:
+            trio.run(main)
+        except BaseException as exc:  # handed to the caller's thread
+            failure.append(exc)
+        finally:
+            ready.set()
+
+    thread = threading.Thread(target=thread_main, name="swarm-peer", daemon=True)
+    thread.start()
+    ready.wait()
+    if not started:
+        thread.join()
+        raise failure[0]
+    node = started[0]
+    try:
+        yield node
+    finally:
+        with contextlib.suppress(trio.RunFinishedError):
+            trio.from_thread.run_sync(stop[0].set, trio_token=node._token)
+        thread.join()
+    if failure:  # the loop crashed while the block ran
+        raise failure[0]

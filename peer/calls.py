@@ -1,0 +1,138 @@
+"""The values that cross the RPC API: requests, replies, handlers, and reply containers.
+
+Handlers see a :class:`Request` and answer with a :class:`Reply` (or, for a streaming
+method, yield several). ``payload`` carries raw bytes (tensors) outside the msgpack body; an
+incoming payload is a zero-copy ``memoryview`` valid for as long as it is referenced.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import trio
+
+from protocol.identity import PeerID
+
+from .errors import PeerUnavailableError
+
+__all__ = [
+    "STREAM_BUFFER_ITEMS",
+    "ConnectionClosedError",
+    "Handler",
+    "HandlerRegistry",
+    "PendingCall",
+    "PendingStream",
+    "Reply",
+    "ReplyStream",
+    "Request",
+    "StreamHandler",
+]
+
+STREAM_BUFFER_ITEMS = 32
+"""Items of a streaming reply buffered before the connection's reader waits for the consumer."""
+
+
+@dataclass(frozen=True, slots=True)
+class Request:
+    """An incoming call, as a handler sees it."""
+
+    peer_id: PeerID
+    method: str
+    body: dict[str, Any]
+    payload: bytes | memoryview
+    remote_host: str = "?"
+    """The caller's network host (IP), e.g. to build its address from an advertised port."""
+
+
+@dataclass(frozen=True, slots=True)
+class Reply:
+    """A handler's answer (or one item of a streaming answer)."""
+
+    body: dict[str, Any] = field(default_factory=dict)
+    payload: bytes | memoryview = b""
+
+
+Handler = Callable[[Request], Awaitable[Reply]]
+StreamHandler = Callable[[Request], AsyncIterator[Reply]]
+
+
+class ConnectionClosedError(PeerUnavailableError):
+    """The connection was already closed: the request was never sent (safe to retry)."""
+
+
+class HandlerRegistry:
+    """Methods by name: plain handlers answer once, stream handlers yield items."""
+
+    def __init__(self) -> None:
+        self.unary: dict[str, Handler] = {}
+        self.streaming: dict[str, StreamHandler] = {}
+
+    def register(self, method: str, handler: Handler) -> None:
+        """Serve ``method`` with ``handler``.
+
+        Raises:
+            ValueError: if ``method`` is already registered.
+        """
+        self._check_free(method)
+        self.unary[method] = handler
+
+    def register_stream(self, method: str, handler: StreamHandler) -> None:
+        """Serve ``method`` with an async generator of reply items.
+
+        Raises:
+            ValueError: if ``method`` is already registered.
+        """
+        self._check_free(method)
+        self.streaming[method] = handler
+
+    def _check_free(self, method: str) -> None:
+        if method in self.unary or method in self.streaming:
+            raise ValueError(f"method {method!r} is already registered")
+
+
+class PendingCall:
+    """The caller's side of a plain call: the reader sets ``reply`` or ``error``, then ``done``."""
+
+    __slots__ = ("done", "error", "reply")
+
+    def __init__(self) -> None:
+        self.done = trio.Event()
+        self.reply: Reply | None = None
+        self.error: BaseException | None = None
+
+
+class PendingStream:
+    """The caller's side of a streaming call: items arrive on ``send``; ``finish`` ends it."""
+
+    __slots__ = ("error", "finished", "receive", "send")
+
+    def __init__(self) -> None:
+        self.send, self.receive = trio.open_memory_channel[Reply](STREAM_BUFFER_ITEMS)
+        self.error: BaseException | None = None
+        self.finished = False
+
+    def finish(self, error: BaseException | None) -> None:
+        """End the stream, cleanly (``error`` None) or with ``error`` raised to the reader."""
+        self.error = error
+        self.finished = True
+        self.send.close()
+
+
+class ReplyStream:
+    """The items of a streaming reply; raises ``RemoteError``/``PeerUnavailableError``."""
+
+    def __init__(self, pending: PendingStream) -> None:
+        self._pending = pending
+
+    def __aiter__(self) -> ReplyStream:
+        return self
+
+    async def __anext__(self) -> Reply:
+        try:
+            return await self._pending.receive.receive()
+        except trio.EndOfChannel:
+            if self._pending.error is not None:
+                raise self._pending.error from self._pending.error.__cause__
+            raise StopAsyncIteration from None

@@ -1,0 +1,82 @@
+"""Walk the DHT to list every reachable peer (used by ``swarm status``).
+
+Asks each peer it learns of for the nodes closest to a few spread-out targets,
+until no new peer turns up. Peers that do not answer are left out: the result
+is who can be reached *now*, not who was ever announced.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+
+import trio
+
+from protocol.address import Address
+from protocol.dhtid import DHTID, ID_BITS
+from protocol.errors import SwarmError
+from protocol.identity import PeerID
+from protocol.messages import FindNodeRequest, FindNodeResponse
+
+from .node import Peer
+
+logger = logging.getLogger(__name__)
+
+# Targets spread over the id space so every region of each routing table is asked.
+_TARGETS_PER_PEER = 8
+
+
+async def crawl(
+    node: Peer, *, request_timeout: float = 3.0, max_parallel: int = 16
+) -> list[tuple[PeerID, str]]:
+    """Every peer that answered, with its ``HOST:PORT``, sorted by PeerID.
+
+    Raises:
+        SwarmError: never for an unreachable peer; those are skipped.
+    """
+    rng = random.Random(0)
+    targets = [DHTID(rng.getrandbits(ID_BITS)) for _ in range(_TARGETS_PER_PEER)]
+    answered: dict[PeerID, str] = {}
+    seen: set[str] = set()
+    frontier: list[Address] = [addr for _, addr in _known(node)]
+    limiter = trio.CapacityLimiter(max_parallel)
+
+    async def visit(address: Address, found: list[Address]) -> None:
+        async with limiter:
+            for target in [*targets, DHTID.from_peer_id(address.peer_id or node.peer_id)]:
+                with trio.move_on_after(request_timeout):
+                    try:
+                        reply = await node.rpc.call(
+                            address,
+                            "dht.find_node",
+                            FindNodeRequest(sender=None, target=target).to_body(),
+                        )
+                        response = FindNodeResponse.from_body(reply.body)
+                    except (SwarmError, OSError) as exc:
+                        logger.debug("crawl: %s did not answer: %s", address, exc)
+                        return
+                    if address.peer_id is not None:
+                        answered[address.peer_id] = address.hostport
+                    for info in response.nodes:
+                        if info.address is not None:
+                            found.append(Address.parse(info.address).with_peer_id(info.peer_id))
+
+    while frontier:
+        found: list[Address] = []
+        async with trio.open_nursery() as nursery:
+            for address in frontier:
+                key = str(address)
+                if key in seen:
+                    continue
+                seen.add(key)
+                nursery.start_soon(visit, address, found)
+        frontier = [a for a in found if str(a) not in seen]
+    return sorted(answered.items())
+
+
+def _known(node: Peer) -> list[tuple[PeerID, Address]]:
+    return [
+        (pid, Address.parse(addr).with_peer_id(pid))
+        for pid, addr in node.dht.routing_table_peers()
+        if addr is not None
+    ]

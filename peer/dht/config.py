@@ -1,0 +1,50 @@
+"""The DHT's one config dataclass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True, slots=True)
+class DHTConfig:
+    """Tuning of one DHT node. The defaults follow the Kademlia paper unless noted."""
+
+    k: int = 20  # bucket size, and how many nodes hold each key
+    alpha: int = 3  # requests in flight per lookup
+    request_timeout: float = 3.0  # seconds for one DHT RPC, connection included
+    # DHT RPCs this node has in flight at once (its lookups queue for a slot beyond).
+    max_concurrent_requests: int = 32
+    # A bucket with no lookup into its range for this long is refreshed by a lookup of a
+    # random id in it (the paper's hour is too slow for swarms that live for hours).
+    refresh_interval: float = 600.0
+    # How often an owner re-stores the records it put into the DHT while they are valid,
+    # so they move to the nodes that are closest *now* (joins, deaths, healed partitions).
+    republish_interval: float = 300.0
+    # Records with less than this many seconds left are not republished (they would be
+    # gone before anyone missed them).
+    republish_margin: float = 5.0
+    max_republished_records: int = 10_000  # bounds the owner's republish list
+    client_mode: bool = False  # query and store, never store for others nor enter tables
+    max_stored_keys: int = 100_000  # keys this node stores for others; new keys refused beyond
+    max_stored_bytes: int = 256 << 20  # and bytes of values; new entries refused beyond
+    # Failed RPCs in a row after which a contact leaves its bucket even when no replacement
+    # waits; with a replacement it leaves at the first failure.
+    max_failures: int = 3
+    # A full bucket pings its least-recently-seen contact before choosing between it and a
+    # newcomer only when that contact was last heard from this long ago (BEP 5's "good"
+    # nodes); failed RPCs evict dead contacts sooner anyway.
+    ping_after: float = 60.0
+    # Concurrent pings of least-recently-seen contacts of full buckets.
+    max_parallel_pings: int = 8
+
+    def __post_init__(self) -> None:
+        if self.k < 1 or self.alpha < 1:
+            raise ValueError("DHTConfig: k and alpha must be positive")
+        if self.request_timeout <= 0 or self.refresh_interval <= 0:
+            raise ValueError("DHTConfig: timeouts and intervals must be positive")
+        if self.republish_interval <= 0 or self.republish_margin < 0:
+            raise ValueError("DHTConfig: republish_interval > 0 and republish_margin >= 0")
+        if min(self.max_stored_keys, self.max_stored_bytes, self.max_failures) < 1:
+            raise ValueError("DHTConfig: limits must be positive")
+        if self.max_parallel_pings < 1 or self.max_concurrent_requests < 1:
+            raise ValueError("DHTConfig: limits must be positive")

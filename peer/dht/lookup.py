@@ -1,0 +1,190 @@
+"""Iterative Kademlia lookups: alpha requests in flight until the k closest have answered.
+
+:class:`LookupState` is the sans-I/O core; :func:`iterative_lookup` drives it with an
+injected async ``query(node) -> nodes | None`` (None: the node failed), so the same
+code runs over RPC, over an in-memory network, or over a dict in a unit test.
+
+Rules:
+- Candidates are kept sorted by XOR distance to the target; nodes that fail are
+  dropped from them (and never asked again).
+- The next node asked is the closest not-yet-asked candidate among the k closest
+  candidates still alive; at most ``alpha`` requests are in flight until an answer
+  brings no candidate closer than the closest already seen: from then on the lookup
+  has converged and asks every remaining one of the k closest at once (the paper's
+  final round, which saves round trips, not requests).
+- The lookup ends when the k closest live candidates have all answered (or fewer,
+  when the network knows fewer), and nothing is in flight.
+- Hops: the seeds are hop 1; a node first named by a hop-h node is hop h + 1.
+  ``rounds`` is the largest hop among the nodes that answered.
+"""
+
+from __future__ import annotations
+
+import bisect
+import enum
+import math
+from collections.abc import Awaitable, Callable, Iterable, Sequence
+from dataclasses import dataclass
+
+import trio
+
+from protocol.dhtid import DHTID
+from protocol.identity import PeerID
+from protocol.messages import NodeInfo
+
+Query = Callable[[NodeInfo], Awaitable[Sequence[NodeInfo] | None]]
+
+
+class _Status(enum.Enum):
+    NEW = enum.auto()
+    IN_FLIGHT = enum.auto()
+    ANSWERED = enum.auto()
+    FAILED = enum.auto()
+
+
+@dataclass(slots=True)
+class _Candidate:
+    node: NodeInfo
+    distance: int
+    hop: int
+    status: _Status = _Status.NEW
+
+
+@dataclass(frozen=True, slots=True)
+class LookupResult:
+    """What a lookup found."""
+
+    target: int
+    closest: tuple[NodeInfo, ...]  # nodes that answered, closest first, at most k
+    rounds: int  # longest referral chain to a node that answered (0: nobody answered)
+    queried: int  # requests sent
+    failed: int  # requests that failed
+
+
+class LookupState:
+    """The bookkeeping of one lookup; see the module rules."""
+
+    def __init__(self, target: int, k: int, exclude: PeerID | None = None) -> None:
+        self.target = int(target)
+        self.k = k
+        self.exclude = exclude
+        self._candidates: dict[PeerID, _Candidate] = {}
+        self._order: list[tuple[int, PeerID]] = []  # (distance, peer) of live candidates
+        self.in_flight = 0
+        self.queried = 0
+        self.failed = 0
+        self.converged = False
+        self._closest_seen: int | None = None
+
+    def add(self, node: NodeInfo, hop: int) -> None:
+        """Learn of ``node`` (a seed, or named in an answer); duplicates keep the lower hop."""
+        if node.address is None or node.peer_id == self.exclude:
+            return
+        known = self._candidates.get(node.peer_id)
+        if known is not None:
+            known.hop = min(known.hop, hop)
+            return
+        distance = DHTID.from_peer_id(node.peer_id) ^ self.target
+        self._candidates[node.peer_id] = _Candidate(node, distance, hop)
+        bisect.insort(self._order, (distance, node.peer_id))
+        if self._closest_seen is None or distance < self._closest_seen:
+            self._closest_seen = distance
+
+    def next_to_query(self) -> NodeInfo | None:
+        """The closest unasked node among the k closest live ones, now marked in flight."""
+        for _, peer_id in self._order[: self.k]:
+            candidate = self._candidates[peer_id]
+            if candidate.status is _Status.NEW:
+                candidate.status = _Status.IN_FLIGHT
+                self.in_flight += 1
+                self.queried += 1
+                return candidate.node
+        return None
+
+    def parallelism(self, alpha: int) -> int:
+        """How many requests may be in flight now."""
+        return self.k if self.converged else alpha
+
+    def on_answer(self, node: NodeInfo, nodes: Iterable[NodeInfo]) -> None:
+        candidate = self._candidates[node.peer_id]
+        candidate.status = _Status.ANSWERED
+        self.in_flight -= 1
+        closest_before = self._closest_seen
+        for other in nodes:
+            self.add(other, candidate.hop + 1)
+        if self._closest_seen == closest_before:
+            self.converged = True
+
+    def on_failure(self, node: NodeInfo) -> None:
+        candidate = self._candidates[node.peer_id]
+        candidate.status = _Status.FAILED
+        self.in_flight -= 1
+        self.failed += 1
+        self._order.remove((candidate.distance, node.peer_id))
+
+    def done(self) -> bool:
+        if self.in_flight:
+            return False
+        return all(self._candidates[p].status is _Status.ANSWERED for _, p in self._order[: self.k])
+
+    def result(self) -> LookupResult:
+        answered = [
+            self._candidates[p]
+            for _, p in self._order
+            if self._candidates[p].status is _Status.ANSWERED
+        ]
+        return LookupResult(
+            target=self.target,
+            closest=tuple(c.node for c in answered[: self.k]),
+            rounds=max((c.hop for c in answered), default=0),
+            queried=self.queried,
+            failed=self.failed,
+        )
+
+
+async def iterative_lookup(
+    target: int,
+    seeds: Iterable[NodeInfo],
+    query: Query,
+    *,
+    k: int,
+    alpha: int,
+    exclude: PeerID | None = None,
+    stop: Callable[[], bool] | None = None,
+) -> LookupResult:
+    """Run one lookup of ``target`` from ``seeds``, with ``alpha`` queries in flight.
+
+    ``query(node)`` returns the nodes ``node`` knows closest to the target, or None when
+    it failed; it must bound its own time (a cancel scope) and not raise for a dead peer.
+    ``stop()``, when given, is asked after each answer: True ends the lookup at once
+    (queries in flight are cancelled), e.g. when a value was found.
+
+    Raises:
+        Exception: whatever ``query`` raises (a bug there, not a dead peer).
+    """
+    state = LookupState(target, k, exclude)
+    for node in seeds:
+        state.add(node, hop=1)
+    send, receive = trio.open_memory_channel[tuple[NodeInfo, Sequence[NodeInfo] | None]](math.inf)
+
+    async def ask(node: NodeInfo) -> None:
+        send.send_nowait((node, await query(node)))
+
+    async with trio.open_nursery() as nursery:
+        while True:
+            while state.in_flight < state.parallelism(alpha):
+                next_node = state.next_to_query()
+                if next_node is None:
+                    break
+                nursery.start_soon(ask, next_node)
+            if state.in_flight == 0:
+                break
+            node, answer = await receive.receive()
+            if answer is None:
+                state.on_failure(node)
+            else:
+                state.on_answer(node, answer)
+                if stop is not None and stop():
+                    nursery.cancel_scope.cancel()
+                    break
+    return state.result()

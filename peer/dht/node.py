@@ -1,0 +1,401 @@
+"""The DHT node: store and get, lookups, bootstrap, and the maintenance that keeps it healthy.
+
+    dht = DHT(host, identity, DHTConfig(), sender="10.0.0.1:4000")
+    async with trio.open_nursery() as nursery:
+        await nursery.start(dht.serve)          # pings, bucket refresh, republish
+        await dht.bootstrap([Address.parse("PEERID@10.0.0.2:4000")])
+        await dht.store("run/progress", {"epoch": 3}, ttl=30.0, subkey=str(identity.peer_id))
+        await dht.get("run/progress")           # {"<peer id>": {"epoch": 3}}
+
+Values are msgpack-serialized user values. A STORE goes to the k closest nodes that
+answered a lookup of the key (and to ourselves when we are among them); a GET merges
+what the k closest answering nodes hold, so every subkey and the newest version of
+each are seen. Owners re-store what they stored while it lives (see ``republish``).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import msgpack
+import trio
+
+from protocol.address import Address
+from protocol.dhtid import DHTID
+from protocol.errors import SwarmError
+from protocol.identity import Identity, PeerID
+from protocol.messages import Entry, NodeInfo
+from protocol.records import (
+    MAX_ENTRIES_PER_STORE,
+    MAX_TTL,
+    RecordError,
+    Subkey,
+    check_key,
+    owner_of,
+    sign_entry,
+    validate_entry,
+)
+
+from ..host import RpcHost
+from .config import DHTConfig
+from .lookup import LookupResult, Query, iterative_lookup
+from .protocol import DHTProtocol
+from .routing import RoutingTable
+from .storage import DHTStorage, Record, merge_entry
+
+logger = logging.getLogger(__name__)
+
+_REPUBLISH_PARALLEL = 4
+
+
+@dataclass(slots=True)
+class LookupStats:
+    """Counters over this node's lookups (tests and benchmarks read them)."""
+
+    lookups: int = 0
+    total_rounds: int = 0
+    max_rounds: int = 0
+
+    def record(self, result: LookupResult) -> None:
+        self.lookups += 1
+        self.total_rounds += result.rounds
+        self.max_rounds = max(self.max_rounds, result.rounds)
+
+
+class DHT:
+    """One Kademlia node on an RPC host. Construct, then run :meth:`serve` in a nursery."""
+
+    def __init__(
+        self,
+        host: RpcHost,
+        identity: Identity,
+        config: DHTConfig | None = None,
+        *,
+        sender: str | None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        """``sender``: our routable ``HOST:PORT`` (None in client mode); ``clock``: unix time.
+
+        Raises:
+            ValueError: if ``sender`` is None outside client mode.
+        """
+        self.config = config = config or DHTConfig()
+        if sender is None and not config.client_mode:
+            raise ValueError("a DHT node that is not in client mode needs a sender address")
+        self.identity = identity
+        self.peer_id: PeerID = identity.peer_id
+        self.node_id = DHTID.from_peer_id(self.peer_id)
+        self.table = RoutingTable(
+            self.node_id, config.k, max_failures=config.max_failures, ping_after=config.ping_after
+        )
+        self.storage: DHTStorage | None = None
+        if not config.client_mode:
+            self.storage = DHTStorage(
+                clock=clock, max_keys=config.max_stored_keys, max_bytes=config.max_stored_bytes
+            )
+        self.protocol = DHTProtocol(
+            host, self.table, self.storage, config, sender=None if config.client_mode else sender
+        )
+        self.protocol.register()
+        self.host = host
+        self.stats = LookupStats()
+        self._clock = clock
+        self._rng = random.Random(self.peer_id.raw)
+        self._initial_peers: list[Address] = []
+        self._published: OrderedDict[tuple[DHTID, Subkey], Entry] = OrderedDict()
+
+    def now(self) -> float:
+        """The unix time this node stamps expirations with (its injected clock)."""
+        return self._clock()
+
+    # ---- service ---------------------------------------------------------------------
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Run the maintenance tasks until cancelled: pings of full buckets' oldest
+        contacts, bucket refresh every ``refresh_interval``, republish every
+        ``republish_interval``."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self.protocol.run_pings)
+            nursery.start_soon(self._every, self.config.refresh_interval, self.refresh)
+            nursery.start_soon(self._every, self.config.republish_interval, self.republish)
+            task_status.started()
+
+    async def _every(self, interval: float, job: Callable[[], Any]) -> None:
+        while True:
+            await trio.sleep(interval * self._rng.uniform(0.9, 1.1))
+            try:
+                await job()
+            except SwarmError:
+                logger.warning("DHT maintenance %s failed", job.__name__, exc_info=True)
+
+    async def bootstrap(self, initial_peers: Sequence[Address]) -> int:
+        """Join through ``initial_peers``: ping them, then look up our own id.
+
+        Returns:
+            How many initial peers answered (0: we are alone, e.g. the first node).
+
+        Raises:
+            Nothing for unreachable peers: they count as not answering.
+        """
+        self._initial_peers = [a for a in initial_peers]
+        reached = await self._contact(self._initial_peers)
+        if reached:
+            await self.find_nodes(self.node_id)
+        elif self._initial_peers:
+            logger.warning("no initial peer answered (%d tried)", len(self._initial_peers))
+        return reached
+
+    async def _contact(self, addresses: Sequence[Address]) -> int:
+        reached = 0
+
+        async def one(address: Address) -> None:
+            nonlocal reached
+            with trio.move_on_after(self.config.request_timeout):
+                try:
+                    peer_id = address.peer_id or await self.host.connect(address)
+                except (SwarmError, OSError) as exc:
+                    logger.debug("initial peer %s: %r", address, exc)
+                    return
+                if peer_id == self.peer_id:
+                    return
+                if await self.protocol.ping(NodeInfo(peer_id, address.hostport)):
+                    reached += 1
+
+        async with trio.open_nursery() as nursery:
+            for address in addresses:
+                nursery.start_soon(one, address)
+        return reached
+
+    async def refresh(self) -> None:
+        """One maintenance round: drop expired records, re-contact initial peers missing
+        from the table (heals partitions), look up our own id, refresh stale buckets.
+
+        Raises:
+            Nothing for unreachable peers (they are dropped from the table in time).
+        """
+        if self.storage is not None:
+            self.storage.expire()
+        missing = [a for a in self._initial_peers if a.peer_id not in self.table]
+        if missing:
+            await self._contact(missing)
+        await self.find_nodes(self.node_id)
+        now = trio.current_time()
+        for index in self.table.stale_buckets(now, self.config.refresh_interval):
+            await self.find_nodes(self.table.random_id_in_bucket(index, self._rng))
+
+    async def republish(self) -> int:
+        """Re-store the live records this node stored, to the nodes closest now.
+
+        Returns:
+            How many keys were republished.
+
+        Raises:
+            Nothing for unreachable peers: a record no node accepts waits for the next round.
+        """
+        now = self._clock()
+        by_key: dict[DHTID, list[Entry]] = {}
+        for (key_id, subkey), entry in list(self._published.items()):
+            if entry.expiration <= now + self.config.republish_margin:
+                if entry.expiration <= now:
+                    del self._published[key_id, subkey]
+                continue
+            by_key.setdefault(key_id, []).append(entry)
+        limiter = trio.CapacityLimiter(_REPUBLISH_PARALLEL)
+
+        async def one(key_id: DHTID, entries: list[Entry]) -> None:
+            async with limiter:
+                for start in range(0, len(entries), MAX_ENTRIES_PER_STORE):
+                    chunk = tuple(entries[start : start + MAX_ENTRIES_PER_STORE])
+                    await self._store_entries(key_id, chunk)
+
+        async with trio.open_nursery() as nursery:
+            for key_id, entries in by_key.items():
+                nursery.start_soon(one, key_id, entries)
+        return len(by_key)
+
+    # ---- lookups ---------------------------------------------------------------------
+
+    async def find_nodes(self, target: DHTID) -> LookupResult:
+        """Iterative FIND_NODE: the (at most k) closest nodes to ``target`` that answered.
+
+        Raises:
+            Nothing for unreachable peers: they are left out of the result.
+        """
+
+        async def query(node: NodeInfo) -> Sequence[NodeInfo] | None:
+            response = await self.protocol.find_node(node, target)
+            return None if response is None else response.nodes
+
+        return await self._lookup(target, query)
+
+    async def _lookup(
+        self, target: DHTID, query: Query, stop: Callable[[], bool] | None = None
+    ) -> LookupResult:
+        seeds = self.table.nearest(target, self.config.k)
+        result = await iterative_lookup(
+            target,
+            seeds,
+            query,
+            k=self.config.k,
+            alpha=self.config.alpha,
+            exclude=self.peer_id,
+            stop=stop,
+        )
+        self.table.mark_lookup(target, trio.current_time())
+        self.stats.record(result)
+        return result
+
+    def _among_closest(self, target: DHTID, closest: Sequence[NodeInfo]) -> bool:
+        if len(closest) < self.config.k:
+            return True
+        farthest = DHTID.from_peer_id(closest[-1].peer_id)
+        return self.node_id.distance(target) < farthest.distance(target)
+
+    # ---- store and get ---------------------------------------------------------------
+
+    async def store(self, key: str, value: Any, ttl: float = 60.0, subkey: Subkey = None) -> bool:
+        """Store ``value`` under ``key`` (and ``subkey``) for ``ttl`` seconds.
+
+        A ``subkey`` equal to ``str(peer_id)`` makes an owner-bound record, signed here.
+        The expiration is the version: a store replaces what is there only if it expires
+        later (so an update with a shorter ttl than the previous value is refused).
+
+        Returns:
+            True when at least one node (maybe this one) accepted it.
+
+        Raises:
+            RecordTooLargeError: (a ValueError) the key, subkey or serialized value is
+                over its limit (MAX_KEY_BYTES, MAX_SUBKEY_BYTES, MAX_VALUE_BYTES).
+            RecordError: the subkey is bound to another peer, or is of a wrong type.
+            ValueError: ``ttl`` is not in (0, MAX_TTL].
+            TypeError: ``value`` cannot be serialized with msgpack.
+        """
+        key_id = check_key(key)
+        if not 0 < ttl <= MAX_TTL:
+            raise ValueError(f"ttl must be in (0, {MAX_TTL}] seconds, got {ttl}")
+        data = msgpack.packb(value, use_bin_type=True)
+        expiration = self._clock() + ttl
+        if owner_of(subkey) is not None:
+            entry = sign_entry(self.identity, key_id, subkey, data, expiration)
+        else:
+            entry = Entry(subkey, data, expiration)
+        validate_entry(key_id, entry, now=self._clock())
+        self._published[key_id, subkey] = entry
+        self._published.move_to_end((key_id, subkey))
+        while len(self._published) > self.config.max_republished_records:
+            self._published.popitem(last=False)
+        return await self._store_entries(key_id, (entry,))
+
+    async def _store_entries(self, key_id: DHTID, entries: tuple[Entry, ...]) -> bool:
+        result = await self.find_nodes(key_id)
+        stored = False
+        if self.storage is not None and self._among_closest(key_id, result.closest):
+            for entry in entries:
+                try:
+                    stored = self.storage.store(key_id, entry) or stored
+                except RecordError as exc:
+                    logger.debug("local store refused: %s", exc)
+
+        async def one(node: NodeInfo) -> None:
+            nonlocal stored
+            response = await self.protocol.store(node, key_id, entries)
+            if response is not None and any(response.accepted):
+                stored = True
+
+        async with trio.open_nursery() as nursery:
+            for node in result.closest:
+                nursery.start_soon(one, node)
+        return stored
+
+    async def get_entries(
+        self, key: str, *, latest: bool = True
+    ) -> dict[Subkey, tuple[Any, float]]:
+        """Every live ``subkey -> (value, expiration)`` under ``key`` (empty when none).
+
+        ``latest=True`` merges what the k closest answering nodes hold (every subkey, the
+        newest version of each); ``latest=False`` returns after the first node that holds
+        anything (faster, may miss subkeys or newer versions).
+
+        Raises:
+            RecordTooLargeError: (a ValueError) the key is over MAX_KEY_BYTES.
+        """
+        key_id = check_key(key)
+        record: Record = {}
+        values: dict[Subkey, Any] = {}
+        if self.storage is not None:
+            for entry in self.storage.get(key_id).values():
+                self._merge(key_id, record, values, entry, verified=True)
+
+        async def query(node: NodeInfo) -> Sequence[NodeInfo] | None:
+            response = await self.protocol.find_value(node, key_id)
+            if response is None:
+                return None
+            for entry in response.entries or ():
+                self._merge(key_id, record, values, entry, verified=False)
+            return response.nodes
+
+        if record and not latest:
+            return _live(record, values, self._clock())
+        await self._lookup(key_id, query, stop=None if latest else lambda: bool(record))
+        return _live(record, values, self._clock())
+
+    def _merge(
+        self,
+        key_id: DHTID,
+        record: Record,
+        values: dict[Subkey, Any],
+        entry: Entry,
+        *,
+        verified: bool,
+    ) -> None:
+        old = record.get(entry.subkey)
+        if old is not None and old.expiration >= entry.expiration:
+            return  # loses anyway (or is the same one): no need to verify it
+        try:
+            if not verified:
+                validate_entry(key_id, entry, now=self._clock())
+            value = msgpack.unpackb(entry.value, raw=False, strict_map_key=False)
+        except (RecordError, ValueError, TypeError) as exc:
+            logger.debug("dropped an invalid entry from a lookup: %r", exc)
+            return
+        if merge_entry(record, entry):
+            values[entry.subkey] = value
+
+    async def get(self, key: str, *, latest: bool = True) -> Any:
+        """The value under ``key``: a plain value, ``{subkey: value}`` for a dictionary
+        key, or None when nothing live is stored.
+
+        Raises:
+            RecordTooLargeError: (a ValueError) the key is over MAX_KEY_BYTES.
+        """
+        entries = await self.get_entries(key, latest=latest)
+        if not entries:
+            return None
+        if None in entries:
+            return entries[None][0]
+        return {subkey: value for subkey, (value, _) in entries.items()}
+
+    # ---- peers -----------------------------------------------------------------------
+
+    def routing_table_peers(self) -> list[tuple[PeerID, str]]:
+        """``(peer_id, "HOST:PORT")`` of every routing-table contact, far buckets first."""
+        return [(n.peer_id, n.address) for n in self.table.nodes() if n.address is not None]
+
+    async def find_peers(self) -> list[tuple[PeerID, str]]:
+        """Look up our own neighbourhood, then list the routing table.
+
+        Raises:
+            Nothing for unreachable peers: they are left out.
+        """
+        await self.find_nodes(self.node_id)
+        return self.routing_table_peers()
+
+
+def _live(record: Record, values: dict[Subkey, Any], now: float) -> dict[Subkey, tuple[Any, float]]:
+    return {s: (values[s], e.expiration) for s, e in record.items() if e.expiration > now}

@@ -1,0 +1,225 @@
+"""The DHT's four RPCs over the RPC host: handlers for others' requests, calls to others.
+
+Learning rules (the routing table's only inputs):
+- A request teaches us its sender: the handshake-verified ``request.peer_id`` with the
+  ``sender`` address it claims (None: a client, never added).
+- A reply teaches us the node we called (we dialed its address and the handshake proved
+  its id). Nodes named *inside* replies are only lookup candidates until they answer.
+- A failed call (timeout, refused, malformed or error reply) counts against the node.
+- At most ``max_concurrent_requests`` calls are in flight; the deadline of a call
+  starts when it gets its slot, so a node overloaded by its own lookups does not
+  blame its peers for the wait.
+- When learning meets a full bucket, the bucket's least-recently-seen contact is queued
+  for a ping (bounded queue; a full queue keeps the old contact), which the DHT's
+  maintenance task runs through :meth:`DHTProtocol.run_pings`.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from typing import TypeVar
+
+import trio
+
+from protocol.address import Address
+from protocol.dhtid import DHTID
+from protocol.errors import SwarmError
+from protocol.identity import PeerID
+from protocol.messages import (
+    Entry,
+    FindNodeRequest,
+    FindNodeResponse,
+    FindValueRequest,
+    FindValueResponse,
+    Message,
+    NodeInfo,
+    PingRequest,
+    PingResponse,
+    StoreRequest,
+    StoreResponse,
+)
+from protocol.records import RecordError
+
+from ..errors import RemoteError
+from ..host import RpcHost
+from ..rpc import Reply, Request
+from .config import DHTConfig
+from .routing import RoutingTable
+from .storage import DHTStorage
+
+logger = logging.getLogger(__name__)
+
+# A FIND_VALUE reply carries at most this many value bytes (the frame limit is a few MiB);
+# a key holding more answers with its latest-expiring entries.
+_MAX_REPLY_VALUE_BYTES = 1 << 20
+_PING_QUEUE = 256
+_M = TypeVar("_M", bound=Message)
+
+
+class DHTProtocol:
+    """Serves and sends ``dht.ping``, ``dht.find_node``, ``dht.find_value``, ``dht.store``."""
+
+    def __init__(
+        self,
+        host: RpcHost,
+        table: RoutingTable,
+        storage: DHTStorage | None,
+        config: DHTConfig,
+        *,
+        sender: str | None,
+        now: Callable[[], float] = trio.current_time,
+    ) -> None:
+        self.host = host
+        self.table = table
+        self.storage = storage  # None in client mode: we store nothing for others
+        self.config = config
+        self.sender = sender
+        self._now = now
+        self._ping_send, self._ping_receive = trio.open_memory_channel[NodeInfo](_PING_QUEUE)
+        self._addresses: dict[tuple[str, PeerID], Address] = {}
+        self._limiter = trio.CapacityLimiter(config.max_concurrent_requests)
+        self.calls_sent = 0
+        self.calls_failed = 0
+
+    def register(self) -> None:
+        """Install the four handlers on the host."""
+        self.host.register(PingRequest.METHOD, self._on_ping)
+        self.host.register(FindNodeRequest.METHOD, self._on_find_node)
+        self.host.register(FindValueRequest.METHOD, self._on_find_value)
+        self.host.register(StoreRequest.METHOD, self._on_store)
+
+    # ---- learning --------------------------------------------------------------------
+
+    def learn(self, node: NodeInfo) -> None:
+        """``node`` proved its id to us and is reachable at its address."""
+        if node.address is None:
+            return
+        to_ping = self.table.update(node, self._now())
+        if to_ping is not None:
+            try:
+                self._ping_send.send_nowait(to_ping)
+            except trio.WouldBlock:
+                self.table.ping_result(to_ping.peer_id, alive=True, now=self._now())
+
+    def _learn_sender(self, peer_id: PeerID, sender: str | None) -> None:
+        if sender is None:
+            return
+        known = self.table.get(peer_id)
+        if known is None or known.address != sender:
+            known = NodeInfo(peer_id, sender)
+        self.learn(known)
+
+    async def run_pings(self) -> None:
+        """Ping least-recently-seen contacts of full buckets, forever (a maintenance task)."""
+
+        async def worker(receive: trio.MemoryReceiveChannel[NodeInfo]) -> None:
+            async for node in receive:
+                alive = await self.ping(node)
+                self.table.ping_result(node.peer_id, alive=alive, now=self._now())
+
+        async with trio.open_nursery() as nursery:
+            for _ in range(self.config.max_parallel_pings):
+                nursery.start_soon(worker, self._ping_receive.clone())
+
+    # ---- handlers --------------------------------------------------------------------
+
+    async def _on_ping(self, request: Request) -> Reply:
+        message = PingRequest.from_body(request.body)
+        self._learn_sender(request.peer_id, message.sender)
+        return Reply(PingResponse().to_body())
+
+    async def _on_find_node(self, request: Request) -> Reply:
+        message = FindNodeRequest.from_body(request.body)
+        self._learn_sender(request.peer_id, message.sender)
+        nodes = self.table.nearest(message.target, self.config.k, exclude=request.peer_id)
+        return Reply(FindNodeResponse(tuple(nodes)).to_body())
+
+    async def _on_find_value(self, request: Request) -> Reply:
+        message = FindValueRequest.from_body(request.body)
+        self._learn_sender(request.peer_id, message.sender)
+        nodes = self.table.nearest(message.key, self.config.k, exclude=request.peer_id)
+        entries: tuple[Entry, ...] | None = None
+        if self.storage is not None:
+            record = self.storage.get(message.key)
+            if record:
+                entries = _within_budget(record.values())
+        return Reply(FindValueResponse(entries, tuple(nodes)).to_body())
+
+    async def _on_store(self, request: Request) -> Reply:
+        message = StoreRequest.from_body(request.body)
+        self._learn_sender(request.peer_id, message.sender)
+        accepted = []
+        for entry in message.entries:
+            if self.storage is None:
+                accepted.append(False)
+                continue
+            try:
+                accepted.append(self.storage.store(message.key, entry))
+            except RecordError as exc:
+                logger.debug("refused a record from %s: %s", request.peer_id.short(), exc)
+                accepted.append(False)
+        return Reply(StoreResponse(tuple(accepted)).to_body())
+
+    # ---- calls -----------------------------------------------------------------------
+
+    async def ping(self, node: NodeInfo) -> bool:
+        """True when ``node`` answered a ping in time."""
+        return await self._call(node, PingRequest(self.sender), PingResponse) is not None
+
+    async def find_node(self, node: NodeInfo, target: DHTID) -> FindNodeResponse | None:
+        """``node``'s closest contacts to ``target``; None when it failed."""
+        return await self._call(node, FindNodeRequest(self.sender, target), FindNodeResponse)
+
+    async def find_value(self, node: NodeInfo, key: DHTID) -> FindValueResponse | None:
+        """``node``'s entries under ``key`` and closest contacts; None when it failed."""
+        return await self._call(node, FindValueRequest(self.sender, key), FindValueResponse)
+
+    async def store(
+        self, node: NodeInfo, key: DHTID, entries: tuple[Entry, ...]
+    ) -> StoreResponse | None:
+        """Ask ``node`` to store ``entries``; None when it failed."""
+        return await self._call(node, StoreRequest(self.sender, key, entries), StoreResponse)
+
+    async def _call(self, node: NodeInfo, request: Message, response_type: type[_M]) -> _M | None:
+        assert node.address is not None
+        address = self._address_of(node.address, node.peer_id)
+        method: str = getattr(request, "METHOD")  # noqa: B009 - a ClassVar of request types
+        async with self._limiter:  # waiting for a slot is not the peer's fault: no deadline
+            self.calls_sent += 1
+            maybe_alive = True  # a timeout, or an error answer: slow or busy, not dead
+            with trio.move_on_after(self.config.request_timeout):
+                try:
+                    reply = await self.host.call(address, method, request.to_body())
+                    response = response_type.from_body(reply.body)
+                except (SwarmError, OSError) as exc:
+                    logger.debug("%s to %s failed: %r", method, node.peer_id.short(), exc)
+                    maybe_alive = isinstance(exc, RemoteError)
+                else:
+                    self.learn(node)
+                    return response
+        self.calls_failed += 1
+        self.table.record_failure(node.peer_id, timed_out=maybe_alive)
+        return None
+
+    def _address_of(self, hostport: str, peer_id: PeerID) -> Address:
+        key = (hostport, peer_id)
+        address = self._addresses.get(key)
+        if address is None:
+            if len(self._addresses) > 4096:
+                self._addresses.clear()
+            address = self._addresses[key] = Address.parse(hostport).with_peer_id(peer_id)
+        return address
+
+
+def _within_budget(entries: Iterable[Entry]) -> tuple[Entry, ...]:
+    """Entries for a reply, latest-expiring first, until the value budget is spent."""
+    chosen: list[Entry] = []
+    spent = 0
+    for entry in sorted(entries, key=lambda e: -e.expiration):
+        spent += len(entry.value) + 200
+        if spent > _MAX_REPLY_VALUE_BYTES:
+            logger.warning("find_value reply truncated to %d entries", len(chosen))
+            break
+        chosen.append(entry)
+    return tuple(chosen)

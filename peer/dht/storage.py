@@ -1,0 +1,162 @@
+"""The local value store: ``key -> {subkey -> Entry}`` with expiry on an injected clock.
+
+Rules (the same ones merge answers from many nodes in a lookup, see :func:`merge_entry`):
+- A key holds either one plain value (subkey ``None``) or a dictionary of subkeys.
+- Per subkey, the later expiration wins; an identical entry is accepted again (a
+  republish), an older or equally old different one is refused (a replay).
+- A plain value replaces a dictionary only when it outlives every subkey of it, and a
+  subkey replaces a plain value only when it outlives that value.
+- A full dictionary (``max_subkeys``) drops its soonest-expiring subkey for a newcomer
+  that outlives it, and refuses it otherwise.
+- Entries vanish at their expiration (``expiration <= now``); every store is first
+  checked by :func:`protocol.records.validate_entry` (size, ttl, owner signature).
+
+The clock is injected and must be unix time, because expirations travel between
+peers: tests on trio's virtual clock pass ``lambda: EPOCH + trio.current_time()``.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import logging
+import time
+from collections.abc import Callable, Iterator
+
+from protocol.dhtid import DHTID
+from protocol.messages import Entry
+from protocol.records import MAX_SUBKEYS_PER_KEY, validate_entry
+
+logger = logging.getLogger(__name__)
+
+Subkey = None | str | int | bytes
+Record = dict[Subkey, Entry]
+
+
+def merge_entry(record: Record, entry: Entry, max_subkeys: int = MAX_SUBKEYS_PER_KEY) -> bool:
+    """Merge ``entry`` into ``record`` in place under the module rules.
+
+    Returns:
+        True when the entry is now held (new, newer, or identical), False when refused.
+    """
+    subkey = entry.subkey
+    old = record.get(subkey)
+    if old is not None and old == entry:
+        return True
+    if subkey is None:
+        if record and max(e.expiration for e in record.values()) >= entry.expiration:
+            return False
+        record.clear()
+        record[None] = entry
+        return True
+    plain = record.get(None)
+    if plain is not None:
+        if plain.expiration >= entry.expiration:
+            return False
+        del record[None]
+    if old is not None:
+        if old.expiration >= entry.expiration:
+            return False
+    elif len(record) >= max_subkeys:
+        soonest = min(record, key=lambda s: record[s].expiration)
+        if record[soonest].expiration >= entry.expiration:
+            return False
+        del record[soonest]
+    record[subkey] = entry
+    return True
+
+
+def _size(record: Record) -> int:
+    return sum(len(entry.value) for entry in record.values())
+
+
+class DHTStorage:
+    """Records this node holds, for itself and for others."""
+
+    def __init__(
+        self,
+        *,
+        clock: Callable[[], float] = time.time,
+        max_keys: int = 100_000,
+        max_bytes: int = 256 << 20,
+        max_subkeys_per_key: int = MAX_SUBKEYS_PER_KEY,
+    ) -> None:
+        self._clock = clock
+        self.max_keys = max_keys
+        self.max_bytes = max_bytes
+        self.max_subkeys_per_key = max_subkeys_per_key
+        self._records: dict[DHTID, Record] = {}
+        self.num_bytes = 0  # serialized values held, the part a peer controls
+        # (expiration, tiebreak, key, subkey); stale items are skipped when popped
+        self._expiry: list[tuple[float, int, DHTID, Subkey]] = []
+        self._counter = itertools.count()
+
+    def now(self) -> float:
+        return self._clock()
+
+    def store(self, key: DHTID, entry: Entry) -> bool:
+        """Validate and merge one entry.
+
+        Returns:
+            True when the entry is held, False when a newer one wins or storage is full
+            (``max_keys`` keys, or ``max_bytes`` of values).
+
+        Raises:
+            RecordError: the entry is invalid (oversized, expired, bad or missing signature).
+        """
+        now = self._clock()
+        validate_entry(key, entry, now=now)
+        self.expire()
+        if self.num_bytes + len(entry.value) > self.max_bytes:
+            logger.debug("storage full (%d bytes): refused an entry", self.max_bytes)
+            return False
+        record = self._records.get(key)
+        if record is None:
+            if len(self._records) >= self.max_keys:
+                logger.debug("storage full (%d keys): refused a new key", self.max_keys)
+                return False
+            record = self._records[key] = {}
+        before = _size(record)
+        accepted = merge_entry(record, entry, self.max_subkeys_per_key)
+        if accepted:
+            self.num_bytes += _size(record) - before
+            item = (entry.expiration, next(self._counter), key, entry.subkey)
+            heapq.heappush(self._expiry, item)
+        elif not record:
+            del self._records[key]
+        return accepted
+
+    def get(self, key: DHTID) -> Record:
+        """A copy of the live entries of ``key`` (empty when none)."""
+        record = self._records.get(key)
+        if record is None:
+            return {}
+        now = self._clock()
+        return {s: e for s, e in record.items() if e.expiration > now}
+
+    def expire(self) -> int:
+        """Drop expired entries now; returns how many went."""
+        now = self._clock()
+        dropped = 0
+        while self._expiry and self._expiry[0][0] <= now:
+            expiration, _, key, subkey = heapq.heappop(self._expiry)
+            record = self._records.get(key)
+            if record is None:
+                continue
+            entry = record.get(subkey)
+            if entry is not None and entry.expiration == expiration:
+                del record[subkey]
+                self.num_bytes -= len(entry.value)
+                dropped += 1
+                if not record:
+                    del self._records[key]
+        return dropped
+
+    def keys(self) -> Iterator[DHTID]:
+        return iter(list(self._records))
+
+    def __len__(self) -> int:
+        return len(self._records)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._records

@@ -1,0 +1,40 @@
+"""Errors raised by the networked layer, by blame.
+
+- :class:`RemoteError`: the remote peer answered, but with an error (its handler raised, or it
+  refused the request). The connection is fine.
+- :class:`PeerUnavailableError`: we could not reach the peer, it failed the handshake or proved
+  a different identity, or the connection died mid-call. ``__cause__`` says how.
+- :class:`LimitExceededError`: a local limit refused the operation (oversized message, too many
+  connections).
+"""
+
+from __future__ import annotations
+
+from protocol.errors import SwarmError
+
+__all__ = ["LimitExceededError", "PeerUnavailableError", "RemoteError"]
+
+
+class RemoteError(SwarmError):
+    """The remote handler raised or refused the request.
+
+    ``code`` is a short machine-readable word; the ones swarm uses are ``"not_found"``,
+    ``"bad_request"``, ``"busy"``, ``"internal"``, ``"unknown_method"`` and ``"timeout"``.
+    A handler may raise ``RemoteError(code, message)`` itself to answer with a typed error.
+    """
+
+    def __init__(self, code: str, message: str = "") -> None:
+        super().__init__(f"{code}: {message}" if message else code)
+        self.code = code
+        self.message = message
+
+    def __reduce__(self) -> tuple[type[RemoteError], tuple[str, str]]:
+        return (type(self), (self.code, self.message))
+
+
+class PeerUnavailableError(SwarmError):
+    """The peer cannot be reached, failed the handshake, or the connection died mid-call."""
+
+
+class LimitExceededError(SwarmError):
+    """A configured limit refused the operation (message size, connections)."""

@@ -1,0 +1,364 @@
+"""The RPC host: a listener, a pool of secure connections (one per peer), and the handlers.
+
+    async with open_rpc_host(identity, listen=Address("0.0.0.0", 0)) as host:
+        host.register("ping", ping)
+        reply = await host.call(Address.parse("PEERID@10.0.0.2:4000"), "ping", {"x": 1})
+
+Rules:
+
+- One connection per peer pair, used both ways: inbound connections serve our outbound calls
+  too. When both peers dialed each other at once, both keep using the connection dialed by
+  the peer with the smaller PeerID; the other one idles out.
+- Concurrent calls to a peer we are not connected to share one dial. A dial (connect and
+  handshake) is bounded by ``dial_timeout``; with ``address.peer_id`` set, the handshake must
+  prove that identity.
+- Inbound: over ``max_connections`` in all or ``max_connections_per_ip`` from one host, a new
+  connection is closed at once; a handshake not done within ``handshake_timeout`` is cut off.
+- Each connection lives in its own task; whatever a peer does, only its connection ends.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import AsyncIterator
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import trio
+
+from protocol.address import Address
+from protocol.errors import ProtocolError
+from protocol.framing import DEFAULT_MAX_FRAME_SIZE
+from protocol.identity import Identity, PeerID
+
+from .errors import PeerUnavailableError
+from .network import Network, TcpNetwork, remote_host_of
+from .rpc import (
+    ConnectionClosedError,
+    Handler,
+    HandlerRegistry,
+    Reply,
+    ReplyStream,
+    RpcConnection,
+    StreamHandler,
+)
+from .secure import SecureStream, secure_handshake
+
+__all__ = ["HostConfig", "RpcHost", "open_rpc_host"]
+
+logger = logging.getLogger(__name__)
+
+_MAX_REMEMBERED_ADDRESSES = 4096
+"""``HOST:PORT -> PeerID`` learnt by dialing, so later calls without a PeerID reuse the pool."""
+_CONNECTION_ERRORS = (
+    PeerUnavailableError,
+    ProtocolError,
+    trio.BrokenResourceError,
+    trio.ClosedResourceError,
+    OSError,
+)
+
+
+@dataclass(frozen=True)
+class HostConfig:
+    """Limits and timeouts of an :class:`RpcHost` (seconds, bytes)."""
+
+    max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
+    max_connections: int = 1024
+    """Inbound connections are refused beyond this many connections in all."""
+    max_connections_per_ip: int = 128
+    """Inbound connections from one remote host; generous, since NATs share addresses."""
+    max_inflight_requests: int = 128
+    """Per connection: a peer that exceeds it is dropped; our own calls wait for a slot."""
+    handshake_timeout: float = 10.0
+    idle_timeout: float = 60.0
+    """A connection with no call in flight and no traffic for this long is closed."""
+    dial_timeout: float = 10.0
+    """Connect plus handshake, for outbound connections."""
+
+
+class _Dial:
+    __slots__ = ("connection", "done", "error")
+
+    def __init__(self) -> None:
+        self.done = trio.Event()
+        self.connection: RpcConnection | None = None
+        self.error: BaseException | None = None
+
+
+class RpcHost:
+    """Calls to and from peers; made by :func:`open_rpc_host`."""
+
+    def __init__(
+        self, identity: Identity, network: Network, config: HostConfig, nursery: trio.Nursery
+    ) -> None:
+        self.identity = identity
+        self.peer_id: PeerID = identity.peer_id
+        self.config = config
+        self.network = network
+        self.listen_address: Address | None = None
+        self._nursery = nursery
+        self._handlers = HandlerRegistry()
+        self._connections: dict[RpcConnection, PeerID] = {}  # -> the PeerID that dialed
+        self._by_peer: dict[PeerID, RpcConnection] = {}
+        self._by_address: dict[str, PeerID] = {}
+        self._dials: dict[tuple[str, PeerID | None], _Dial] = {}
+        self._handshaking = 0
+        self._per_host: Counter[str] = Counter()
+
+    def __repr__(self) -> str:
+        return f"<RpcHost {self.peer_id.short()} at {self.listen_address}>"
+
+    @property
+    def num_connections(self) -> int:
+        """Established connections (both directions)."""
+        return len(self._connections)
+
+    def connected_peers(self) -> list[PeerID]:
+        """Peers with an open connection."""
+        return [peer for peer, conn in self._by_peer.items() if not conn.closed]
+
+    # -- handlers --------------------------------------------------------------------------
+
+    def register(self, method: str, handler: Handler) -> None:
+        """Serve ``method`` with ``handler``.
+
+        Raises:
+            ValueError: if ``method`` is already registered.
+        """
+        self._handlers.register(method, handler)
+
+    def register_stream(self, method: str, handler: StreamHandler) -> None:
+        """Serve ``method`` with an async generator of reply items.
+
+        Raises:
+            ValueError: if ``method`` is already registered.
+        """
+        self._handlers.register_stream(method, handler)
+
+    # -- calls -----------------------------------------------------------------------------
+
+    async def call(
+        self,
+        address: Address,
+        method: str,
+        body: dict[str, Any] | None = None,
+        payload: bytes | memoryview = b"",
+    ) -> Reply:
+        """Call ``method`` on the peer at ``address`` (dialing it if needed).
+
+        Bound it with a cancel scope: the time left is sent along as the call's deadline.
+
+        Raises:
+            RemoteError: the peer's handler failed or refused (``code`` says how).
+            PeerUnavailableError: cannot connect, wrong identity, or the connection died.
+            LimitExceededError: the request exceeds the maximum frame size.
+        """
+        connection = await self._connection(address)
+        try:
+            return await connection.call(method, body, payload)
+        except ConnectionClosedError:  # closed (idle) just before we sent: never sent
+            connection = await self._connection(address)
+            return await connection.call(method, body, payload)
+
+    def stream(
+        self,
+        address: Address,
+        method: str,
+        body: dict[str, Any] | None = None,
+        payload: bytes | memoryview = b"",
+    ) -> AbstractAsyncContextManager[AsyncIterator[Reply]]:
+        """Call a streaming ``method``; iterate the context's value for the items.
+
+        Iteration raises what :meth:`call` raises; leaving early cancels the call.
+        """
+        return self._stream(address, method, body, payload)
+
+    @asynccontextmanager
+    async def _stream(
+        self,
+        address: Address,
+        method: str,
+        body: dict[str, Any] | None,
+        payload: bytes | memoryview,
+    ) -> AsyncIterator[AsyncIterator[Reply]]:
+        connection = await self._connection(address)
+        items: ReplyStream
+        async with connection.stream(method, body, payload) as items:
+            yield items
+
+    async def connect(self, address: Address) -> PeerID:
+        """Dial ``address`` (or reuse a connection) and return the proven remote PeerID.
+
+        Raises:
+            PeerUnavailableError: cannot connect, or the peer proved another identity.
+        """
+        return (await self._connection(address)).peer_id
+
+    async def disconnect(self, peer_id: PeerID) -> None:
+        """Close every connection to ``peer_id`` (pending calls fail)."""
+        for connection in [c for c in self._connections if c.peer_id == peer_id]:
+            await connection.aclose()
+
+    async def close_connections(self) -> None:
+        """Close every connection; the listener keeps serving."""
+        for connection in list(self._connections):
+            await connection.aclose()
+
+    async def aclose(self) -> None:
+        """Stop listening and close everything (the host cannot be used afterwards)."""
+        self._nursery.cancel_scope.cancel()
+        await trio.lowlevel.checkpoint()
+
+    # -- the pool --------------------------------------------------------------------------
+
+    def _pooled(self, address: Address) -> RpcConnection | None:
+        peer_id = address.peer_id or self._by_address.get(address.hostport)
+        connection = self._by_peer.get(peer_id) if peer_id is not None else None
+        return connection if connection is not None and not connection.closed else None
+
+    async def _connection(self, address: Address) -> RpcConnection:
+        if address.peer_id == self.peer_id:
+            raise PeerUnavailableError(f"{address} is this host itself")
+        if (connection := self._pooled(address)) is not None:
+            await trio.lowlevel.checkpoint()
+            return connection
+        key = (address.hostport, address.peer_id)
+        dial = self._dials.get(key)
+        if dial is None:
+            dial = self._dials[key] = _Dial()
+            self._nursery.start_soon(self._dial, address, key, dial)
+        await dial.done.wait()
+        if dial.connection is None:
+            raise PeerUnavailableError(f"cannot reach {address}: {dial.error}") from dial.error
+        return dial.connection
+
+    async def _dial(self, address: Address, key: tuple[str, PeerID | None], dial: _Dial) -> None:
+        try:
+            with trio.fail_after(self.config.dial_timeout):
+                raw = await self.network.connect(address.host, address.port)
+                secure = await secure_handshake(
+                    raw, self.identity, initiator=True, expected_peer_id=address.peer_id
+                )
+            if secure.remote_peer_id == self.peer_id:
+                await secure.aclose()
+                raise PeerUnavailableError(f"{address} is this host itself")
+            if len(self._by_address) >= _MAX_REMEMBERED_ADDRESSES:
+                self._by_address.clear()
+            self._by_address[address.hostport] = secure.remote_peer_id
+            await self._nursery.start(self._serve_connection, secure, self.peer_id)
+            dial.connection = self._by_peer.get(secure.remote_peer_id)
+            if dial.connection is None:
+                raise PeerUnavailableError(f"the connection to {address} closed at once")
+        except (*_CONNECTION_ERRORS, trio.TooSlowError) as exc:
+            logger.debug("dial %s failed: %r", address, exc)
+            dial.error = exc
+        finally:
+            del self._dials[key]
+            dial.done.set()
+
+    async def _serve_connection(
+        self,
+        secure: SecureStream,
+        initiator: PeerID,
+        *,
+        task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        config = self.config
+        connection = RpcConnection(
+            secure,
+            secure.remote_peer_id,
+            self._handlers,
+            remote_host=secure.remote_host,
+            max_frame_size=config.max_frame_size,
+            max_inflight_requests=config.max_inflight_requests,
+            idle_timeout=config.idle_timeout,
+        )
+        peer_id = connection.peer_id
+        self._connections[connection] = initiator
+        current = self._by_peer.get(peer_id)
+        if current is None or current.closed or initiator.raw < self._connections[current].raw:
+            self._by_peer[peer_id] = connection
+        logger.debug("%r: connected to %s at %s", self, peer_id.short(), secure.remote_host)
+        try:
+            await connection.run(task_status=task_status)
+        finally:
+            del self._connections[connection]
+            if self._by_peer.get(peer_id) is connection:
+                del self._by_peer[peer_id]
+                self._promote(peer_id)
+            logger.debug("%r: disconnected from %s", self, peer_id.short())
+
+    def _promote(self, peer_id: PeerID) -> None:
+        """After the pooled connection to ``peer_id`` ended, pool another live one, if any."""
+        others = [(i.raw, id(c), c) for c, i in self._connections.items() if c.peer_id == peer_id]
+        others = [entry for entry in others if not entry[2].closed]
+        if others:
+            self._by_peer[peer_id] = min(others)[2]
+
+    async def _handle_inbound(self, raw: trio.abc.Stream) -> None:
+        host = remote_host_of(raw)
+        config = self.config
+        if self._handshaking + len(self._connections) >= config.max_connections:
+            logger.debug("%r: refusing %s: %d connections", self, host, config.max_connections)
+            await trio.aclose_forcefully(raw)
+            return
+        if self._per_host[host] >= config.max_connections_per_ip:
+            logger.debug("%r: refusing %s: too many connections from it", self, host)
+            await trio.aclose_forcefully(raw)
+            return
+        self._per_host[host] += 1
+        self._handshaking += 1
+        try:
+            try:
+                with trio.fail_after(config.handshake_timeout):
+                    secure = await secure_handshake(raw, self.identity, initiator=False)
+            finally:
+                self._handshaking -= 1
+            if secure.remote_peer_id == self.peer_id:
+                await secure.aclose()
+                return
+            await self._serve_connection(secure, secure.remote_peer_id)
+        except (*_CONNECTION_ERRORS, trio.TooSlowError) as exc:
+            logger.debug("%r: inbound connection from %s failed: %r", self, host, exc)
+        finally:
+            self._per_host[host] -= 1
+            if not self._per_host[host]:
+                del self._per_host[host]
+
+
+@asynccontextmanager
+async def open_rpc_host(
+    identity: Identity,
+    *,
+    listen: Address | None,
+    network: Network | None = None,
+    config: HostConfig = HostConfig(),
+) -> AsyncIterator[RpcHost]:
+    """An :class:`RpcHost` listening on ``listen`` (``None``: client mode, no listener).
+
+    The listener is up before the host is yielded (``host.listen_address`` has the bound
+    port). Leaving the context closes every connection and stops every task at once.
+
+    Raises:
+        OSError: if the listen address cannot be bound.
+    """
+    network = TcpNetwork() if network is None else network
+    body_error: BaseException | None = None
+    async with trio.open_nursery() as nursery:
+        host = RpcHost(identity, network, config, nursery)
+        try:
+            if listen is not None:
+                port = await nursery.start(
+                    network.serve, listen.host, listen.port, host._handle_inbound
+                )
+                host.listen_address = Address(listen.host, port, identity.peer_id)
+            yield host
+        except BaseException as exc:  # re-raised below, outside the nursery (no group)
+            body_error = exc
+        finally:
+            nursery.cancel_scope.cancel()
+    if body_error is not None:
+        raise body_error

@@ -1,0 +1,147 @@
+"""The Peer: an identity, an RPC host and a DHT node, run by one trio nursery.
+
+    async with open_peer(listen="127.0.0.1:0", initial_peers=["PEERID@10.0.0.2:4000"]) as node:
+        print(node.address)                        # PEERID@127.0.0.1:PORT
+        await node.dht.store("run/x", {"a": 1}, ttl=60.0)
+        await node.dht.get("run/x")                # {"a": 1}
+        node.rpc.register("my.method", handler)   # other services share the host
+
+``open_peer`` returns once the peer is listening and has bootstrapped (or failed to,
+with a warning: it keeps running and retries the initial peers at each refresh).
+Leaving the context stops every task of the peer and closes its connections.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from collections.abc import AsyncIterator, Callable, Iterable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field, replace
+
+import trio
+
+from protocol.address import Address
+from protocol.identity import Identity, PeerID
+
+from .dht import DHT, DHTConfig
+from .host import HostConfig, RpcHost, open_rpc_host
+from .network import Network
+
+__all__ = ["Peer", "PeerConfig", "open_peer"]
+
+logger = logging.getLogger(__name__)
+
+_WILDCARD_HOSTS = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
+
+
+@dataclass(frozen=True, slots=True)
+class PeerConfig:
+    """Everything tunable about a peer, one part per component."""
+
+    host: HostConfig = field(default_factory=HostConfig)
+    dht: DHTConfig = field(default_factory=DHTConfig)
+
+
+class Peer:
+    """A running peer, made by :func:`open_peer`.
+
+    Attributes:
+        identity: the peer's key pair; ``peer_id`` its id.
+        rpc: the RPC host; other services register their methods on it and call peers.
+        dht: the DHT node (``store``, ``get``, ``get_entries``, ``find_peers``, ...).
+        address: ``"PEERID@HOST:PORT"`` to give to others, or ``str(peer_id)`` for a
+            client-mode peer (it cannot be dialed).
+    """
+
+    def __init__(self, identity: Identity, rpc: RpcHost, dht: DHT, address: str) -> None:
+        self.identity = identity
+        self.peer_id: PeerID = identity.peer_id
+        self.rpc = rpc
+        self.dht = dht
+        self.address = address
+
+    @property
+    def client_mode(self) -> bool:
+        return self.dht.config.client_mode
+
+    def __repr__(self) -> str:
+        return f"<Peer {self.address}>"
+
+
+def load_identity(identity: Identity | str | os.PathLike[str] | None) -> Identity:
+    """An Identity as given, loaded from (or created at) a key-file path, or a fresh one.
+
+    Raises:
+        IdentityFileError: if the file exists but is not a key file.
+    """
+    if identity is None:
+        return Identity.generate()
+    if isinstance(identity, Identity):
+        return identity
+    return Identity.load_or_create(identity)
+
+
+@asynccontextmanager
+async def open_peer(
+    listen: str | None = "127.0.0.1:0",
+    initial_peers: Iterable[str | Address] = (),
+    identity: Identity | str | os.PathLike[str] | None = None,
+    client_mode: bool = False,
+    network: Network | None = None,
+    config: PeerConfig | None = None,
+    *,
+    announce_host: str | None = None,
+    clock: Callable[[], float] = time.time,
+) -> AsyncIterator[Peer]:
+    """Start a peer, bootstrap its DHT through ``initial_peers``, and yield it.
+
+    Args:
+        listen: ``HOST:PORT`` to accept connections on (port 0: any free one); None, or
+            ``client_mode=True``, makes a client-mode peer that listens nowhere.
+        initial_peers: ``PEERID@HOST:PORT`` or ``HOST:PORT`` of peers already in the swarm.
+        identity: an Identity, a key-file path (created when missing), or None (fresh).
+        network: where connections come from (default: real TCP).
+        config: host and DHT tuning.
+        announce_host: the host others should dial (default: the listen host; a wildcard
+            listen host announces the loopback address).
+        clock: unix time, for record expirations (tests pass a virtual one).
+
+    Raises:
+        ProtocolError: if ``listen`` or an initial peer is not a valid address.
+        IdentityFileError: if the identity file exists but is not a key file.
+        OSError: if the listen address cannot be bound.
+    """
+    config = config or PeerConfig()
+    client = client_mode or listen is None or config.dht.client_mode
+    dht_config = replace(config.dht, client_mode=client)
+    me = load_identity(identity)
+    listen_address = None if client or listen is None else Address.parse(listen)
+    peers = [p if isinstance(p, Address) else Address.parse(p) for p in initial_peers]
+    body_error: BaseException | None = None
+    async with open_rpc_host(
+        me, listen=listen_address, network=network, config=config.host
+    ) as host:
+        sender = None
+        address = str(me.peer_id)
+        if host.listen_address is not None:
+            bound = host.listen_address
+            if announce_host is None:
+                announce_host = _WILDCARD_HOSTS.get(bound.host, bound.host)
+                if bound.host in _WILDCARD_HOSTS:
+                    logger.warning("listening on %s: announcing %s", bound.host, announce_host)
+            public = Address(announce_host, bound.port, me.peer_id)
+            sender, address = public.hostport, str(public)
+        dht = DHT(host, me, dht_config, sender=sender, clock=clock)
+        async with trio.open_nursery() as nursery:
+            await nursery.start(dht.serve)
+            await dht.bootstrap(peers)
+            try:
+                yield Peer(me, host, dht, address)
+            except BaseException as exc:  # re-raised below, outside the nursery (no group)
+                body_error = exc
+            finally:
+                nursery.cancel_scope.cancel()
+    if body_error is not None:
+        raise body_error

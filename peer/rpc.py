@@ -1,0 +1,436 @@
+"""Multiplexed RPC over one stream: many concurrent calls, each with a deadline.
+
+One :class:`RpcConnection` per secure stream. Its :meth:`~RpcConnection.run` owns three kinds of
+task in one nursery: the reader (dispatches frames), the writer (the only task that writes;
+frames reach it through a bounded outbox), and one task per incoming request.
+
+Rules (see ``protocol/rpc.py`` for the frames):
+
+- ``req``/``cancel`` go caller -> callee; ``res``/``item``/``end``/``err`` go back. Each side
+  numbers its own calls.
+- The caller sends the time left before its effective deadline as ``t``; the callee runs the
+  handler under ``move_on_after(t)`` and answers ``err timeout`` when it runs out.
+- A caller cancelled mid-call sends ``cancel``; the callee cancels that handler. Late frames
+  for finished calls are ignored.
+- A handler's ``RemoteError`` keeps its code, a ``ProtocolError`` is ``bad_request``, anything
+  else ``internal``; an unregistered method is ``unknown_method``.
+- More than ``max_inflight_requests`` concurrent requests from the peer, an oversized or
+  malformed frame, or a frame that breaks the rules: the connection is dropped. Our own calls
+  wait for a slot instead, so that two peers with the same limits never trip each other.
+- When the connection ends, every pending call fails at once with ``PeerUnavailableError``.
+- With no call in flight either way and no frame read or written for ``idle_timeout``
+  seconds, the connection closes itself.
+- A streaming reply is buffered up to ``STREAM_BUFFER_ITEMS`` items; beyond that the reader
+  waits for the consumer (head-of-line blocking for the whole connection), so consume promptly.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import math
+from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AbstractAsyncContextManager, asynccontextmanager
+from typing import Any
+
+import trio
+
+from protocol.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
+from protocol.framing import DEFAULT_MAX_FRAME_SIZE, HEADER
+from protocol.identity import PeerID
+from protocol.rpc import (
+    MAX_ERROR_CODE_LENGTH,
+    MAX_ERROR_MESSAGE_LENGTH,
+    MAX_REQUEST_ID,
+    MAX_TIMEOUT,
+    FrameKind,
+    RpcFrame,
+    decode_rpc_frame,
+    encode_rpc_frame,
+)
+
+from .calls import STREAM_BUFFER_ITEMS as STREAM_BUFFER_ITEMS
+from .calls import ConnectionClosedError as ConnectionClosedError
+from .calls import Handler as Handler
+from .calls import HandlerRegistry as HandlerRegistry
+from .calls import PendingCall, PendingStream
+from .calls import Reply as Reply
+from .calls import ReplyStream as ReplyStream
+from .calls import Request as Request
+from .calls import StreamHandler as StreamHandler
+from .errors import LimitExceededError, PeerUnavailableError, RemoteError
+from .wire import FrameReader, Outbox, write_pieces
+
+__all__ = [
+    "ConnectionClosedError",
+    "Handler",
+    "HandlerRegistry",
+    "Reply",
+    "ReplyStream",
+    "Request",
+    "RpcConnection",
+    "StreamHandler",
+]
+
+logger = logging.getLogger(__name__)
+
+_MIN_TIMEOUT = 1e-3
+_NO_LIMIT = (1 << 32) - 1
+
+
+class _Incoming:
+    __slots__ = ("by_caller", "scope")
+
+    def __init__(self, scope: trio.CancelScope) -> None:
+        self.scope = scope
+        self.by_caller = False
+
+
+class RpcConnection:
+    """Calls both ways over one stream. Start :meth:`run` in a nursery, then call."""
+
+    def __init__(
+        self,
+        stream: trio.abc.Stream,
+        peer_id: PeerID,
+        handlers: HandlerRegistry,
+        *,
+        remote_host: str = "?",
+        max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
+        max_inflight_requests: int = 128,
+        idle_timeout: float = math.inf,
+    ) -> None:
+        self._byte_stream = stream
+        self.peer_id = peer_id
+        self.remote_host = remote_host
+        self.max_frame_size = max_frame_size
+        self.max_inflight_requests = max_inflight_requests
+        self.idle_timeout = idle_timeout
+        self._handlers = handlers
+        self._outbox = Outbox(capacity=max(8, max_inflight_requests // 4))
+        self._call_slots = trio.Semaphore(max_inflight_requests)
+        self._pending: dict[int, PendingCall | PendingStream] = {}
+        self._incoming: dict[int, _Incoming] = {}
+        self._next_id = 0
+        self._scope = trio.CancelScope()
+        self._cause: BaseException | None = None
+        self._finished = trio.Event()
+        self.closed = False
+        self.last_activity = trio.current_time()
+
+    def __repr__(self) -> str:
+        return f"<RpcConnection {self.peer_id.short()} at {self.remote_host}>"
+
+    @property
+    def num_inflight(self) -> int:
+        """Calls in flight both ways."""
+        return len(self._pending) + len(self._incoming)
+
+    # -- lifetime --------------------------------------------------------------------------
+
+    async def run(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Serve the connection until it ends; connection failures are not raised."""
+        try:
+            with self._scope:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(self._guard, self._read_loop, nursery)
+                    nursery.start_soon(self._guard, self._write_loop)
+                    if math.isfinite(self.idle_timeout):
+                        nursery.start_soon(self._guard, self._idle_watchdog)
+                    task_status.started()
+        finally:
+            self._shutdown(self._cause or PeerUnavailableError("connection closed"))
+            await trio.aclose_forcefully(self._byte_stream)
+            self._finished.set()
+
+    async def aclose(self) -> None:
+        """Close the connection; pending calls fail with ``PeerUnavailableError``."""
+        self._shutdown(PeerUnavailableError("connection closed locally"))
+        await self._finished.wait()
+
+    def _shutdown(self, cause: BaseException) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        self._cause = cause
+        self._scope.cancel()
+        self._outbox.close()
+        for pending in self._pending.values():
+            error = PeerUnavailableError(f"connection to {self.peer_id.short()} lost: {cause}")
+            error.__cause__ = cause
+            if isinstance(pending, PendingCall):
+                pending.error = error
+                pending.done.set()
+            else:
+                pending.finish(error)
+
+    async def _guard(self, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
+        try:
+            await fn(*args)
+        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+            logger.debug("%r: connection lost: %r", self, exc)
+            self._shutdown(exc)
+        except ProtocolError as exc:
+            logger.debug("%r: protocol error, dropping the peer: %s", self, exc)
+            self._shutdown(exc)
+
+    # -- calling ---------------------------------------------------------------------------
+
+    async def call(
+        self, method: str, body: dict[str, Any] | None = None, payload: bytes | memoryview = b""
+    ) -> Reply:
+        """Call ``method`` on the peer and wait for its reply.
+
+        Raises:
+            RemoteError: the peer's handler failed or refused (typed by ``code``).
+            PeerUnavailableError: the connection is closed or died before the reply.
+            LimitExceededError: the request is larger than the maximum frame.
+        """
+        async with self._call_slots:
+            pending = PendingCall()
+            request_id = await self._send_request(method, body, payload, pending)
+            try:
+                await pending.done.wait()
+            except BaseException:
+                self._cancel_remote(request_id, pending)
+                raise
+            finally:
+                self._pending.pop(request_id, None)
+        if pending.error is not None:
+            raise pending.error from pending.error.__cause__
+        assert pending.reply is not None
+        return pending.reply
+
+    def stream(
+        self, method: str, body: dict[str, Any] | None = None, payload: bytes | memoryview = b""
+    ) -> AbstractAsyncContextManager[ReplyStream]:
+        """Call a streaming ``method``; iterate the context's value for the reply items.
+
+        Leaving the context early cancels the call on the peer. Iteration raises what
+        :meth:`call` raises.
+        """
+        return self._stream(method, body, payload)
+
+    @asynccontextmanager
+    async def _stream(
+        self, method: str, body: dict[str, Any] | None, payload: bytes | memoryview
+    ) -> AsyncIterator[ReplyStream]:
+        async with self._call_slots:
+            pending = PendingStream()
+            request_id = await self._send_request(method, body, payload, pending)
+            try:
+                yield ReplyStream(pending)
+            finally:
+                self._cancel_remote(request_id, pending)
+                self._pending.pop(request_id, None)
+                pending.receive.close()
+
+    async def _send_request(
+        self,
+        method: str,
+        body: dict[str, Any] | None,
+        payload: bytes | memoryview,
+        pending: PendingCall | PendingStream,
+    ) -> int:
+        self._check_open()
+        request_id = self._allocate_id()
+        frame = RpcFrame(
+            FrameKind.REQUEST,
+            request_id,
+            method=method,
+            body={} if body is None else body,
+            payload=payload,
+            timeout=_time_left(),
+        )
+        pieces = self._encode(frame)
+        self._pending[request_id] = pending
+        try:
+            await self._outbox.put(pieces)
+        except trio.ClosedResourceError:
+            self._pending.pop(request_id, None)
+            self._check_open()
+            raise
+        except BaseException:
+            self._pending.pop(request_id, None)
+            raise
+        return request_id
+
+    def _cancel_remote(self, request_id: int, pending: PendingCall | PendingStream) -> None:
+        finished = pending.done.is_set() if isinstance(pending, PendingCall) else pending.finished
+        if not finished and not self.closed:
+            self._outbox.put_nowait(self._encode(RpcFrame(FrameKind.CANCEL, request_id)))
+
+    def _check_open(self) -> None:
+        if self.closed:
+            error = ConnectionClosedError(f"connection to {self.peer_id.short()} is closed")
+            raise error from self._cause
+
+    def _allocate_id(self) -> int:
+        while True:
+            request_id = self._next_id
+            self._next_id = (self._next_id + 1) & MAX_REQUEST_ID
+            if request_id not in self._pending:
+                return request_id
+
+    def _encode(self, frame: RpcFrame) -> list[bytes | memoryview]:
+        pieces = encode_rpc_frame(frame, _NO_LIMIT)
+        size = sum(memoryview(piece).nbytes for piece in pieces) - HEADER.size
+        if size > self.max_frame_size:
+            raise LimitExceededError(
+                f"a {frame.kind.value!r} frame of {size} bytes exceeds the maximum "
+                f"{self.max_frame_size}; send large data in several calls or stream items"
+            )
+        return pieces
+
+    # -- reading ---------------------------------------------------------------------------
+
+    async def _read_loop(self, nursery: trio.Nursery) -> None:
+        reader = FrameReader(self._byte_stream, self.max_frame_size)
+        while (data := await reader.next_frame()) is not None:
+            self.last_activity = trio.current_time()
+            frame = decode_rpc_frame(data)
+            del data  # hold no frame buffer while waiting: the reader reuses free ones
+            if frame.kind is FrameKind.REQUEST:
+                self._start_request(frame, nursery)
+            elif frame.kind is FrameKind.CANCEL:
+                incoming = self._incoming.pop(frame.request_id, None)
+                if incoming is not None:
+                    incoming.by_caller = True
+                    incoming.scope.cancel()
+            else:
+                await self._deliver(frame)
+            del frame
+        self._shutdown(PeerUnavailableError("the peer closed the connection"))
+
+    def _start_request(self, frame: RpcFrame, nursery: trio.Nursery) -> None:
+        if frame.request_id in self._incoming:
+            raise RemoteProtocolError(f"request id {frame.request_id} is already in flight")
+        if len(self._incoming) >= self.max_inflight_requests:
+            raise RemoteProtocolError(
+                f"more than {self.max_inflight_requests} requests in flight; dropping the peer"
+            )
+        deadline = math.inf if frame.timeout is None else trio.current_time() + frame.timeout
+        incoming = _Incoming(trio.CancelScope(deadline=deadline))
+        self._incoming[frame.request_id] = incoming
+        nursery.start_soon(self._serve_request, frame, incoming)
+
+    async def _deliver(self, frame: RpcFrame) -> None:
+        pending = self._pending.get(frame.request_id)
+        if pending is None:
+            return  # a late answer to a call we gave up on
+        kind = frame.kind
+        error = None
+        if kind is FrameKind.ERROR:
+            error = RemoteError(frame.error_code, frame.error_message)
+        if isinstance(pending, PendingCall):
+            if kind is FrameKind.RESPONSE:
+                pending.reply = Reply(frame.body, frame.payload)
+            elif error is not None:
+                pending.error = error
+            else:
+                raise RemoteProtocolError(f"{kind.value!r} frame for a plain call")
+            del self._pending[frame.request_id]
+            pending.done.set()
+            return
+        if kind is FrameKind.ITEM:
+            # the consumer may have left (it sent a cancel): drop the item
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                await pending.send.send(Reply(frame.body, frame.payload))
+            return
+        if kind is FrameKind.RESPONSE:
+            raise RemoteProtocolError("'res' frame for a streaming call")
+        del self._pending[frame.request_id]
+        pending.finish(error)
+
+    # -- serving ---------------------------------------------------------------------------
+
+    async def _serve_request(self, frame: RpcFrame, incoming: _Incoming) -> None:
+        request_id = frame.request_id
+        request = Request(self.peer_id, frame.method, frame.body, frame.payload, self.remote_host)
+        try:
+            with incoming.scope:
+                try:
+                    await self._answer(request, request_id)
+                except RemoteError as exc:
+                    await self._send_error(request_id, exc.code, exc.message)
+                except LocalProtocolError as exc:  # e.g. our reply's body cannot be packed
+                    logger.debug("%r: cannot answer %s: %s", self, frame.method, exc)
+                    await self._send_error(request_id, "internal", str(exc))
+                except ProtocolError as exc:
+                    await self._send_error(request_id, "bad_request", str(exc))
+                except LimitExceededError as exc:
+                    logger.debug("%r: reply to %s too large: %s", self, frame.method, exc)
+                    await self._send_error(request_id, "internal", "reply too large")
+                except Exception as exc:
+                    logger.debug("%r: handler %s failed", self, frame.method, exc_info=True)
+                    await self._send_error(request_id, "internal", f"{type(exc).__name__}: {exc}")
+            if incoming.scope.cancelled_caught and not incoming.by_caller and not self.closed:
+                await self._send_error(request_id, "timeout", "the deadline passed")
+        except PeerUnavailableError:
+            pass  # the connection closed under us
+        finally:
+            if self._incoming.get(request_id) is incoming:
+                del self._incoming[request_id]
+
+    async def _answer(self, request: Request, request_id: int) -> None:
+        method = request.method
+        if (handler := self._handlers.unary.get(method)) is not None:
+            reply = await handler(request)
+            await self._put(
+                RpcFrame(FrameKind.RESPONSE, request_id, body=reply.body, payload=reply.payload)
+            )
+        elif (stream_handler := self._handlers.streaming.get(method)) is not None:
+            items = stream_handler(request)
+            try:
+                async for item in items:
+                    await self._put(
+                        RpcFrame(FrameKind.ITEM, request_id, body=item.body, payload=item.payload)
+                    )
+            finally:
+                if (aclose := getattr(items, "aclose", None)) is not None:
+                    await aclose()  # an async generator: run its finally blocks now
+            await self._put(RpcFrame(FrameKind.END, request_id))
+        else:
+            raise RemoteError("unknown_method", f"no method {method!r}")
+
+    async def _send_error(self, request_id: int, code: str, message: str) -> None:
+        frame = RpcFrame(
+            FrameKind.ERROR,
+            request_id,
+            error_code=code[:MAX_ERROR_CODE_LENGTH],
+            error_message=message[:MAX_ERROR_MESSAGE_LENGTH],
+        )
+        await self._put(frame)
+
+    async def _put(self, frame: RpcFrame) -> None:
+        pieces = self._encode(frame)
+        try:
+            await self._outbox.put(pieces)
+        except trio.ClosedResourceError:
+            raise PeerUnavailableError("connection closed") from None
+
+    # -- writing and idling ----------------------------------------------------------------
+
+    async def _write_loop(self) -> None:
+        while True:
+            await write_pieces(self._byte_stream, await self._outbox.get_batch())
+            self.last_activity = trio.current_time()
+
+    async def _idle_watchdog(self) -> None:
+        while True:
+            deadline = self.last_activity + self.idle_timeout
+            now = trio.current_time()
+            if now >= deadline:
+                if not self.num_inflight and not self._call_slots.statistics().tasks_waiting:
+                    logger.debug("%r: idle for %.1f s, closing", self, self.idle_timeout)
+                    self._shutdown(PeerUnavailableError("connection closed for idleness"))
+                    return
+                deadline = now + self.idle_timeout
+            await trio.sleep_until(deadline)
+
+
+def _time_left() -> float | None:
+    deadline = trio.current_effective_deadline()
+    if math.isinf(deadline):
+        return None
+    return min(max(deadline - trio.current_time(), _MIN_TIMEOUT), MAX_TIMEOUT)

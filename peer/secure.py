@@ -1,0 +1,268 @@
+"""A secure channel over any ``trio.abc.Stream``: the Noise XX handshake, then sealed data.
+
+    secure = await secure_handshake(raw, identity, initiator=True, expected_peer_id=pid)
+    await secure.send_all(b"hello")
+    data = await secure.receive_some()
+
+The data path avoids copies: outgoing data is sealed (``encrypt_into``) into one reusable
+buffer a slice at a time and written from it; incoming bytes are read up to 1 MiB at a time
+and :meth:`SecureStream.receive_into` decrypts straight into the caller's buffer.
+
+Blame: a tampered, replayed or truncated message from the peer closes the stream and raises
+``trio.BrokenResourceError`` whose ``__cause__`` is the ``ProtocolError``.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+import trio
+
+from protocol.errors import LocalProtocolError, ProtocolError
+from protocol.identity import Identity, PeerID
+from protocol.noise import MAX_PLAINTEXT_PER_MESSAGE, NEED_DATA, NoiseHandshake, NoiseTransport
+
+from .errors import PeerUnavailableError
+from .network import remote_host_of
+
+__all__ = ["SecureStream", "secure_handshake"]
+
+logger = logging.getLogger(__name__)
+
+RECEIVE_SIZE = 1 << 20
+"""Bytes asked of the raw stream per read (trio reads fastest at <= 1 MiB)."""
+SEAL_SLICE = 1 << 20
+"""Plaintext sealed per write: bounds the reusable send buffer to ~1 MiB."""
+_HANDSHAKE_READ = 4096
+
+Buffer = bytes | bytearray | memoryview
+
+
+class SecureStream(trio.abc.Stream):
+    """A Noise-sealed stream with a proven remote identity (made by :func:`secure_handshake`).
+
+    One task may send and one may receive at a time, as with any trio stream.
+    """
+
+    def __init__(self, stream: trio.abc.Stream, transport: NoiseTransport, remote_peer_id: PeerID):
+        self.transport_stream = stream
+        self.remote_peer_id = remote_peer_id
+        self.remote_host = remote_host_of(stream)
+        self._transport = transport
+        self._out = bytearray()
+        self._scratch = bytearray(MAX_PLAINTEXT_PER_MESSAGE)
+        self._pending: memoryview | None = None  # decrypted bytes not yet handed out
+        self._eof = False
+        self._closed = False
+        self._sending = False
+        self._receiving = False
+
+    def __repr__(self) -> str:
+        return f"<SecureStream {self.remote_peer_id.short()} at {self.remote_host}>"
+
+    # -- sending ---------------------------------------------------------------------------
+
+    async def send_all(self, data: Buffer) -> None:
+        """Seal and send ``data``.
+
+        Raises:
+            trio.BrokenResourceError: if the connection failed.
+            trio.ClosedResourceError: if we closed the stream.
+            trio.BusyResourceError: if another task is sending.
+        """
+        await self.send_pieces((data,))
+
+    async def send_pieces(self, pieces: Sequence[Buffer]) -> None:
+        """Seal and send several buffers back to back, in as few writes as possible.
+
+        Raises:
+            trio.BrokenResourceError: if the connection failed.
+            trio.ClosedResourceError: if we closed the stream.
+            trio.BusyResourceError: if another task is sending.
+        """
+        if self._sending:
+            raise trio.BusyResourceError("another task is sending on this stream")
+        self._sending = True
+        try:
+            if self._closed:
+                raise trio.ClosedResourceError("stream closed")
+            used = 0
+            for piece in pieces:
+                view = memoryview(piece).cast("B")
+                for start in range(0, len(view), SEAL_SLICE):
+                    part = view[start : start + SEAL_SLICE]
+                    if used and used + len(part) > SEAL_SLICE:
+                        await self._write(used)
+                        used = 0
+                    used += self._seal(part, used)
+            if used:
+                await self._write(used)
+            else:
+                await trio.lowlevel.checkpoint()
+        finally:
+            self._sending = False
+
+    def _seal(self, data: memoryview, offset: int) -> int:
+        try:
+            return self._transport.seal_into(data, self._out, offset)
+        except LocalProtocolError as exc:  # nonce exhausted: this connection is spent
+            raise trio.BrokenResourceError("the secure channel cannot send more") from exc
+
+    async def _write(self, size: int) -> None:
+        with memoryview(self._out) as view, view[:size] as chunk:
+            await self.transport_stream.send_all(chunk)
+
+    async def wait_send_all_might_not_block(self) -> None:
+        await self.transport_stream.wait_send_all_might_not_block()
+
+    # -- receiving -------------------------------------------------------------------------
+
+    async def receive_some(self, max_bytes: int | None = None) -> bytes:
+        """The next decrypted bytes (at most ``max_bytes``), or ``b""`` at end of stream.
+
+        Raises:
+            trio.BrokenResourceError: on a tampered/replayed/truncated message or a failure.
+            trio.ClosedResourceError: if we closed the stream.
+            trio.BusyResourceError: if another task is receiving.
+        """
+        size = MAX_PLAINTEXT_PER_MESSAGE if max_bytes is None else max_bytes
+        if size < 1:
+            raise ValueError("max_bytes must be >= 1")
+        buffer = bytearray(size)
+        n = await self.receive_into(buffer)
+        del buffer[n:]
+        return bytes(buffer)
+
+    async def receive_into(self, buffer: bytearray | memoryview) -> int:
+        """Decrypt the next bytes straight into ``buffer``; returns the count, 0 at EOF.
+
+        Only waits for the network when nothing is decrypted or decryptable yet; then fills
+        ``buffer`` with every whole buffered message that fits. A message larger than
+        ``buffer`` is decrypted aside and handed out over several calls.
+
+        Raises:
+            trio.BrokenResourceError: on a tampered/replayed/truncated message or a failure.
+            trio.ClosedResourceError: if we closed the stream.
+            trio.BusyResourceError: if another task is receiving.
+        """
+        if self._receiving:
+            raise trio.BusyResourceError("another task is receiving on this stream")
+        self._receiving = True
+        try:
+            if self._closed:
+                raise trio.ClosedResourceError("stream closed")
+            target = memoryview(buffer).cast("B")
+            if not len(target):
+                return 0
+            while True:
+                if self._pending is not None:
+                    return self._take_pending(target)
+                n = self._open_into(target)
+                if n is not None:
+                    return n
+                if self._eof or not await self._fill():
+                    return 0
+        finally:
+            self._receiving = False
+
+    def _take_pending(self, target: memoryview) -> int:
+        assert self._pending is not None
+        n = min(len(target), len(self._pending))
+        target[:n] = self._pending[:n]
+        rest = self._pending[n:]
+        self._pending = rest if len(rest) else None
+        return n
+
+    def _open_into(self, target: memoryview) -> int | None:
+        """Decrypt every whole message that fits into ``target`` (a larger first one goes
+        aside); None if no whole message is buffered yet."""
+        open_into = self._transport.next_plaintext_into
+        filled = 0
+        try:
+            while filled < len(target):
+                try:
+                    n = open_into(target[filled:] if filled else target)
+                except LocalProtocolError:  # the next message does not fit in what is left
+                    if filled:
+                        break
+                    n = open_into(self._scratch)
+                    if n is NEED_DATA:
+                        return None
+                    self._pending = memoryview(self._scratch)[:n]
+                    return self._take_pending(target)
+                if n is NEED_DATA:
+                    break
+                filled += n
+        except ProtocolError as exc:
+            self._fail(exc)
+            raise trio.BrokenResourceError(f"secure channel failed: {exc}") from exc
+        return filled or None
+
+    async def _fill(self) -> bool:
+        """Read more ciphertext; False at a clean end of stream."""
+        data = await self.transport_stream.receive_some(RECEIVE_SIZE)
+        if not data:
+            self._eof = True
+            if self._transport.buffered:
+                exc = ProtocolError("stream ended inside a sealed message")
+                self._fail(exc)
+                raise trio.BrokenResourceError("secure channel truncated") from exc
+            return False
+        try:
+            self._transport.receive_data(data)
+        except ProtocolError as exc:
+            self._fail(exc)
+            raise trio.BrokenResourceError(f"secure channel failed: {exc}") from exc
+        return True
+
+    def _fail(self, exc: ProtocolError) -> None:
+        logger.debug("secure channel with %s failed: %s", self.remote_peer_id.short(), exc)
+        self._pending = None
+        self._eof = True
+
+    # -- closing ---------------------------------------------------------------------------
+
+    async def aclose(self) -> None:
+        """Close the stream (and the raw stream under it)."""
+        self._closed = True
+        self._pending = None
+        await self.transport_stream.aclose()
+
+
+async def secure_handshake(
+    stream: trio.abc.Stream,
+    identity: Identity,
+    *,
+    initiator: bool,
+    expected_peer_id: PeerID | None = None,
+) -> SecureStream:
+    """Run the Noise XX handshake on ``stream`` and return the secure stream.
+
+    Not bounded in time: wrap it in a cancel scope. On any failure (including
+    cancellation) ``stream`` is closed.
+
+    Raises:
+        PeerUnavailableError: the peer closed the stream, sent something invalid, or proved
+            an identity other than ``expected_peer_id`` (``__cause__`` says which).
+    """
+    try:
+        handshake = NoiseHandshake(identity, initiator=initiator, expected_peer_id=expected_peer_id)
+        while not handshake.complete:
+            if out := handshake.data_to_send():
+                await stream.send_all(out)
+            data = await stream.receive_some(_HANDSHAKE_READ)
+            if not data:
+                raise PeerUnavailableError("connection closed during the handshake")
+            handshake.receive_data(data)
+        if out := handshake.data_to_send():
+            await stream.send_all(out)
+        peer_id = handshake.remote_peer_id
+        return SecureStream(stream, handshake.into_transport(), peer_id)
+    except BaseException as exc:
+        await trio.aclose_forcefully(stream)
+        if isinstance(exc, ProtocolError):
+            raise PeerUnavailableError(f"handshake failed: {exc}") from exc
+        if isinstance(exc, trio.BrokenResourceError | trio.ClosedResourceError | OSError):
+            raise PeerUnavailableError(f"connection lost during the handshake: {exc}") from exc
+        raise

@@ -1,0 +1,192 @@
+"""The RPC data path on a stream: a bounded outbox for the writer, and a frame reader.
+
+Frames are ``protocol.framing`` frames (4-byte big-endian length, then the content). The reader
+allocates each frame's buffer once and, on a :class:`~peer.secure.SecureStream`, decrypts
+straight into it, so a large payload is copied exactly once after the kernel.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections import deque
+from collections.abc import Sequence
+
+import trio
+
+from protocol.errors import RemoteProtocolError
+from protocol.framing import HEADER
+
+from .secure import RECEIVE_SIZE, SecureStream
+
+__all__ = ["FrameReader", "Outbox", "Piece", "write_pieces"]
+
+Piece = bytes | bytearray | memoryview
+BATCH_BYTES = 1 << 20
+"""The writer takes queued frames until it holds about this many bytes."""
+_COALESCE_BELOW = 1 << 16
+"""Adjacent pieces smaller than this are joined before sealing (one message, not many)."""
+_POOL_MIN = 1 << 16
+_POOL_SIZE = 4
+"""Large frame buffers kept per connection for reuse (<= 4 x max_frame_size bytes)."""
+
+
+class Outbox:
+    """Frames waiting for the writer: ``put`` waits while ``capacity`` frames are queued;
+    ``put_nowait`` (for small control frames) never waits. Closing wakes everyone."""
+
+    def __init__(self, capacity: int) -> None:
+        self._items: deque[Sequence[Piece]] = deque()
+        self._capacity = capacity
+        self._space = trio.lowlevel.ParkingLot()
+        self._ready = trio.lowlevel.ParkingLot()
+        self._closed = False
+
+    async def put(self, pieces: Sequence[Piece]) -> None:
+        """Queue one frame's pieces; either queued or (on cancel/close) not at all.
+
+        Raises:
+            trio.ClosedResourceError: if the outbox is closed.
+        """
+        await trio.lowlevel.checkpoint_if_cancelled()
+        while not self._closed and len(self._items) >= self._capacity:
+            await self._space.park()
+        if self._closed:
+            raise trio.ClosedResourceError("the connection is closed")
+        self._items.append(pieces)
+        self._ready.unpark()
+        await trio.lowlevel.cancel_shielded_checkpoint()
+
+    def put_nowait(self, pieces: Sequence[Piece]) -> None:
+        """Queue a frame regardless of capacity; dropped when the outbox is closed."""
+        if not self._closed:
+            self._items.append(pieces)
+            self._ready.unpark()
+
+    async def get_batch(self) -> list[Piece]:
+        """The pieces of one or more queued frames, in order (waits for at least one).
+
+        Raises:
+            trio.ClosedResourceError: if the outbox is closed.
+        """
+        while not self._closed and not self._items:
+            await self._ready.park()
+        if self._closed:
+            raise trio.ClosedResourceError("the connection is closed")
+        pieces: list[Piece] = []
+        size = taken = 0
+        while self._items and size < BATCH_BYTES:
+            frame = self._items.popleft()
+            taken += 1
+            pieces.extend(frame)
+            size += sum(memoryview(p).nbytes for p in frame)
+        self._space.unpark(count=taken)
+        return pieces
+
+    def close(self) -> None:
+        self._closed = True
+        self._items.clear()
+        self._space.unpark_all()
+        self._ready.unpark_all()
+
+
+async def write_pieces(stream: trio.abc.Stream, pieces: Sequence[Piece]) -> None:
+    """Write ``pieces`` in order: small neighbours joined, large ones passed through uncopied.
+
+    Raises:
+        trio.BrokenResourceError: if the stream failed.
+        trio.ClosedResourceError: if the stream was closed.
+    """
+    merged: list[Piece] = []
+    small: list[Piece] = []
+    for piece in pieces:
+        size = memoryview(piece).nbytes
+        if size >= _COALESCE_BELOW:
+            if small:
+                merged.append(b"".join(small))
+                small = []
+            merged.append(piece)
+        elif size:
+            small.append(piece)
+    if small:
+        merged.append(b"".join(small))
+    if isinstance(stream, SecureStream):
+        await stream.send_pieces(merged)
+    else:
+        for piece in merged:
+            await stream.send_all(piece)
+
+
+class _PlainReceiver:
+    """``receive_into`` for a stream that only has ``receive_some``."""
+
+    def __init__(self, stream: trio.abc.Stream) -> None:
+        self._stream = stream
+        self._pending = memoryview(b"")
+
+    async def receive_into(self, buffer: memoryview) -> int:
+        if not self._pending:
+            data = await self._stream.receive_some(RECEIVE_SIZE)
+            if not data:
+                return 0
+            self._pending = memoryview(data).cast("B")
+        n = min(len(buffer), len(self._pending))
+        buffer[:n] = self._pending[:n]
+        self._pending = self._pending[n:]
+        return n
+
+
+class FrameReader:
+    """Whole frames from a stream, each in its own buffer."""
+
+    def __init__(self, stream: trio.abc.Stream, max_frame_size: int) -> None:
+        self.max_frame_size = max_frame_size
+        self._receive_into = (
+            stream.receive_into
+            if isinstance(stream, SecureStream)
+            else _PlainReceiver(stream).receive_into
+        )
+        self._head = bytearray(HEADER.size)
+        self._pool: list[bytearray] = []
+
+    async def next_frame(self) -> memoryview | None:
+        """The next frame's content, or None at a clean end of stream.
+
+        Raises:
+            RemoteProtocolError: for a frame over ``max_frame_size`` or a truncated frame.
+            trio.BrokenResourceError: if the stream failed.
+        """
+        if not await self._fill(memoryview(self._head), at_boundary=True):
+            return None
+        (length,) = HEADER.unpack(self._head)
+        if length > self.max_frame_size:
+            raise RemoteProtocolError(
+                f"peer sent a frame of {length} bytes; the maximum is {self.max_frame_size}"
+            )
+        frame = self._buffer(length)
+        await self._fill(frame, at_boundary=False)
+        return frame
+
+    def _buffer(self, length: int) -> memoryview:
+        """A buffer for a frame: large ones reuse a pooled buffer nobody references any more
+        (a fresh large buffer costs page faults); the payload handed out keeps it alive."""
+        if length < _POOL_MIN:
+            return memoryview(bytearray(length))
+        for buffer in self._pool:
+            # referenced by the pool, the loop and getrefcount only: no view is alive
+            if len(buffer) >= length and sys.getrefcount(buffer) <= 3:
+                return memoryview(buffer)[:length]
+        buffer = bytearray(length)
+        if len(self._pool) < _POOL_SIZE:
+            self._pool.append(buffer)
+        return memoryview(buffer)
+
+    async def _fill(self, target: memoryview, *, at_boundary: bool) -> bool:
+        filled = 0
+        while filled < len(target):
+            n = await self._receive_into(target[filled:])
+            if not n:
+                if at_boundary and not filled:
+                    return False
+                raise RemoteProtocolError("stream ended inside a frame (truncated frame)")
+            filled += n
+        return True

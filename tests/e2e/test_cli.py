@@ -1,0 +1,142 @@
+"""The real `swarm` command line, as subprocesses on loopback."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import trio
+
+from peer import open_peer
+
+pytestmark = pytest.mark.slow
+
+SWARM = [sys.executable, "-m", "peer.cli"]
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+class Bootstrap:
+    """A `swarm bootstrap` process; its address is the first line it prints."""
+
+    def __init__(self, *args: str) -> None:
+        self.proc = subprocess.Popen(
+            [*SWARM, "bootstrap", "--host", "127.0.0.1", *args],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=_env(),
+        )
+        assert self.proc.stdout is not None
+        self.address = self.proc.stdout.readline().strip()
+        assert "@127.0.0.1:" in self.address, self.proc.stderr.read() if not self.address else ""
+
+    def stop(self, sig: int = signal.SIGTERM) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout=15)
+        finally:
+            for stream in (self.proc.stdout, self.proc.stderr):
+                if stream is not None:
+                    stream.close()
+
+
+@pytest.fixture
+def bootstraps() -> Iterator[list[Bootstrap]]:
+    started: list[Bootstrap] = []
+    yield started
+    for node in started:
+        if node.proc.poll() is None:
+            node.proc.kill()
+        node.stop()
+
+
+def _status(address: str) -> dict[str, object]:
+    out = subprocess.run(
+        [*SWARM, "status", "--initial-peers", address, "--json", "--timeout", "20"],
+        capture_output=True,
+        text=True,
+        timeout=40,
+        env=_env(),
+        check=True,
+    )
+    return json.loads(out.stdout)
+
+
+def test_three_bootstraps_find_each_other_and_survive_the_first(
+    bootstraps: list[Bootstrap], tmp_path: Path
+) -> None:
+    key = tmp_path / "first.key"
+    first = Bootstrap("--identity", str(key))
+    bootstraps.append(first)
+    assert oct(key.stat().st_mode & 0o777) == "0o600"
+    second = Bootstrap("--initial-peers", first.address)
+    third = Bootstrap("--initial-peers", first.address)
+    bootstraps += [second, third]
+    everyone = {first.address, second.address, third.address}
+
+    for node in bootstraps:
+        report = _status(node.address)
+        assert {p["address"] for p in report["peers"]} == everyone  # type: ignore[index,union-attr]
+        assert report["num_peers"] == 3
+
+    assert first.stop(signal.SIGINT) == 0
+
+    async def store_via_second_get_via_third() -> None:
+        with trio.fail_after(30):
+            async with open_peer(listen=None, initial_peers=[second.address]) as writer:
+                assert await writer.dht.store("after-the-first-left", {"ok": 1}, ttl=60)
+            async with open_peer(listen=None, initial_peers=[third.address]) as reader:
+                assert await reader.dht.get("after-the-first-left") == {"ok": 1}
+
+    trio.run(store_via_second_get_via_third)
+    report = _status(third.address)
+    assert {p["address"] for p in report["peers"]} == {second.address, third.address}  # type: ignore[index,union-attr]
+
+
+def test_bootstrap_keeps_its_address_across_restarts(
+    bootstraps: list[Bootstrap], tmp_path: Path
+) -> None:
+    key = tmp_path / "boot.key"
+    node = Bootstrap("--identity", str(key))
+    first_id = node.address.split("@")[0]
+    assert node.stop() == 0
+    again = Bootstrap("--identity", str(key))
+    bootstraps.append(again)
+    assert again.address.split("@")[0] == first_id
+
+
+def test_bootstrap_refuses_a_corrupt_identity_file(tmp_path: Path) -> None:
+    key = tmp_path / "bad.key"
+    key.write_bytes(b"not a key")
+    out = subprocess.run(
+        [*SWARM, "bootstrap", "--host", "127.0.0.1", "--identity", str(key)],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=_env(),
+    )
+    assert out.returncode != 0
+    assert "identity file" in out.stderr
+    assert key.read_bytes() == b"not a key"  # nothing lost
+
+
+def test_bootstrap_and_status_do_not_import_torch_or_numpy() -> None:
+    code = (
+        "import sys, peer.cli, peer.node, peer.crawl; "
+        "bad = [m for m in ('torch', 'numpy', 'training') if m in sys.modules]; "
+        "assert not bad, bad"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60, env=_env())

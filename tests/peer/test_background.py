@@ -1,0 +1,59 @@
+"""The blocking facade: a peer on a background thread, driven from plain code."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+import trio.lowlevel
+
+import peer
+from protocol.errors import ProtocolError
+from protocol.records import MAX_VALUE_BYTES
+
+
+def test_blocking_store_get_run_and_clean_shutdown() -> None:
+    with (
+        peer.run_in_background() as first,
+        peer.run_in_background(initial_peers=[first.address]) as second,
+    ):
+        assert first.address.startswith(f"{first.peer_id}@127.0.0.1:")
+        assert second.dht.store("bg/plain", {"x": [1, 2]}, ttl=30.0)
+        assert first.dht.get("bg/plain") == {"x": [1, 2]}
+        assert second.dht.store("bg/dict", 7, ttl=30.0, subkey=str(second.peer_id))
+        entries = first.dht.get_entries("bg/dict")
+        assert list(entries) == [str(second.peer_id)] and entries[str(second.peer_id)][0] == 7
+        hostport = first.address.split("@")[1]
+        assert second.dht.routing_table_peers() == [(first.peer_id, hostport)]
+
+        async def on_the_loop(x: int) -> tuple[int, int]:
+            with trio.fail_after(10):
+                await trio.lowlevel.checkpoint()
+                return x * 2, len(first.peer.dht.table)
+
+        assert first.run(on_the_loop, 21) == (42, 1)
+        with pytest.raises(peer.RecordTooLargeError, match="MAX_VALUE_BYTES"):
+            first.dht.store("bg/big", b"x" * (MAX_VALUE_BYTES + 1))
+
+        async def fails() -> None:
+            raise KeyError("from the loop")
+
+        with pytest.raises(KeyError, match="from the loop"):
+            first.run(fails)
+    with pytest.raises(peer.PeerStoppedError):
+        first.dht.get("bg/plain")
+
+
+def test_startup_errors_reach_the_caller() -> None:
+    with pytest.raises(ProtocolError), peer.run_in_background(listen="no-port-here"):
+        pass  # pragma: no cover
+
+
+def test_client_mode_peer_has_no_address_but_queries() -> None:
+    with (
+        peer.run_in_background() as server,
+        peer.run_in_background(initial_peers=[server.address], client_mode=True) as client,
+    ):
+        assert client.address == str(client.peer_id)
+        assert client.dht.store("bg/client", "hi", ttl=30.0)
+        assert server.dht.get("bg/client") == "hi"
+        assert server.dht.routing_table_peers() == []  # clients never enter tables

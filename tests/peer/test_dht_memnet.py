@@ -1,0 +1,291 @@
+"""Hundreds of DHT peers in one trio loop on the in-memory network, on virtual time.
+
+Every peer runs the real stack (Noise handshake, RPC, DHT) over
+:class:`peer.memnet.MemoryNetwork`; ``autojump_clock`` skips the waits. Ids come from
+seeded identities and the workload from a seeded RNG; the figures are printed (``-s``).
+
+CPU, not virtual time, bounds these tests: a DHT operation is 25-55 RPCs, and on a
+2-core CI box each costs ~1 ms of CPU, plus ~5 ms and ~170 KB for each new connection
+(most lookups reach peers never met before). The default sizes fit CI; the full scale
+of the design (500 peers, 1000 keys, ~10 min, several GB) runs with
+
+    DHT_MEMNET_PEERS=500 DHT_MEMNET_KEYS=1000 pytest tests/peer/test_dht_memnet.py -s
+"""
+
+from __future__ import annotations
+
+import gc
+import math
+import os
+import random
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import pytest
+import trio
+import trio.testing
+
+from peer.dht import DHTConfig
+from peer.host import HostConfig
+from peer.memnet import MemoryNetwork
+from peer.node import Peer, PeerConfig, open_peer
+from protocol.identity import Identity
+from protocol.records import check_key
+
+EPOCH = 1_700_000_000.0  # unix time at virtual time 0: expirations travel as unix times
+LATENCY = 0.01  # one way, seconds (virtual)
+
+N_PEERS = int(os.environ.get("DHT_MEMNET_PEERS", "120"))
+N_KEYS = int(os.environ.get("DHT_MEMNET_KEYS", "150"))
+KILL_FRACTION = 0.3
+N_PARTITION_PEERS = int(os.environ.get("DHT_MEMNET_PARTITION_PEERS", "64"))
+N_PARTITION_KEYS = 64
+PARALLEL_OPS = 8  # workload operations in flight at once
+
+
+@pytest.fixture(autouse=True)
+def fewer_full_collections() -> Iterator[None]:
+    """One process holds every peer's heap: with the default thresholds, Python's full
+    collections rescan thousands of live connections again and again (a third of the
+    CPU here). Collect young objects less often for the duration of a test."""
+    thresholds = gc.get_threshold()
+    gc.set_threshold(50_000, 20, 100)
+    try:
+        yield
+    finally:
+        gc.set_threshold(*thresholds)
+
+
+def virtual_unix_time() -> float:
+    return EPOCH + trio.current_time()
+
+
+@dataclass
+class SimPeer:
+    peer: Peer
+    host: str
+    scope: trio.CancelScope
+
+
+async def _run_peer(
+    net: MemoryNetwork,
+    index: int,
+    initial_peers: Sequence[str],
+    config: PeerConfig,
+    *,
+    task_status: trio.TaskStatus[SimPeer],
+) -> None:
+    host = f"10.0.{index // 256}.{index % 256}"
+    with trio.CancelScope() as scope:
+        async with open_peer(
+            listen=f"{host}:0",
+            initial_peers=initial_peers,
+            identity=Identity.from_seed(index.to_bytes(32, "big")),
+            network=net.interface(host),
+            config=config,
+            clock=virtual_unix_time,
+        ) as peer:
+            task_status.started(SimPeer(peer, host, scope))
+            await trio.sleep_forever()
+
+
+async def start_swarm(
+    nursery: trio.Nursery, net: MemoryNetwork, n: int, config: PeerConfig
+) -> list[SimPeer]:
+    """``n`` peers, joining one after another through peer 0."""
+    bootstrap: SimPeer = await nursery.start(_run_peer, net, 0, [], config)
+    swarm = [bootstrap]
+    for index in range(1, n):
+        swarm.append(await nursery.start(_run_peer, net, index, [bootstrap.peer.address], config))
+    return swarm
+
+
+def kill(net: MemoryNetwork, victim: SimPeer) -> None:
+    """Crash without warning: its streams break first, then its tasks stop."""
+    net.kill_host(victim.host)
+    victim.scope.cancel()
+
+
+async def run_all(jobs: Sequence[tuple[SimPeer, str, int]], op: str) -> int:
+    """Run store or get jobs ``(peer, key, value)``, PARALLEL_OPS at a time; count successes."""
+    limiter = trio.CapacityLimiter(PARALLEL_OPS)
+    successes = 0
+
+    async def one(sim: SimPeer, key: str, value: int) -> None:
+        nonlocal successes
+        async with limiter:
+            if op == "store":
+                ok = await sim.peer.dht.store(key, value, ttl=86400.0)
+            else:
+                ok = await sim.peer.dht.get(key) == value
+        successes += ok
+
+    async with trio.open_nursery() as nursery:
+        for job in jobs:
+            nursery.start_soon(one, *job)
+    return successes
+
+
+def max_rounds(swarm: Sequence[SimPeer]) -> int:
+    return max(sim.peer.dht.stats.max_rounds for sim in swarm)
+
+
+@pytest.mark.slow
+async def test_swarm_stores_gets_and_survives_30_percent_crashes(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    rng = random.Random(2024)
+    net = MemoryNetwork(latency=LATENCY)
+    config = PeerConfig()
+    started = time.perf_counter()
+    with trio.fail_after(3600):  # virtual seconds
+        async with trio.open_nursery() as nursery:
+            swarm = await start_swarm(nursery, net, N_PEERS, config)
+            joined = time.perf_counter()
+            keys = [f"memnet/key/{i}" for i in range(N_KEYS)]
+            stored = await run_all([(rng.choice(swarm), k, i) for i, k in enumerate(keys)], "store")
+            gets = [(rng.choice(swarm), k, i) for i, k in enumerate(keys)]
+            found = await run_all(gets, "get")
+            rounds = max_rounds(swarm)
+
+            victims = rng.sample(swarm, int(KILL_FRACTION * N_PEERS))
+            for victim in victims:
+                kill(net, victim)
+            alive = [sim for sim in swarm if sim not in victims]
+            found_after = await run_all(
+                [(rng.choice(alive), k, i) for i, k in enumerate(keys)], "get"
+            )
+            rounds_after = max_rounds(alive)
+            nursery.cancel_scope.cancel()
+    wall = time.perf_counter() - started
+    bound = 2 * math.log2(N_PEERS)
+    print(
+        f"\n{N_PEERS} peers: joined in {joined - started:.1f} s wall; stored {stored}/{N_KEYS}, "
+        f"found {found}/{N_KEYS}; after killing {len(victims)}: found {found_after}/{N_KEYS}; "
+        f"max lookup rounds {rounds} then {rounds_after} (bound {bound:.1f}); "
+        f"{net.connections_opened} connections; virtual {trio.current_time():.0f} s; "
+        f"wall {wall:.1f} s"
+    )
+    assert stored == N_KEYS
+    assert found >= 0.999 * N_KEYS
+    assert found_after >= 0.99 * N_KEYS
+    assert max(rounds, rounds_after) <= bound
+
+
+@pytest.mark.slow
+async def test_partition_then_heal_merges_into_one_network(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    rng = random.Random(7)
+    net = MemoryNetwork(latency=LATENCY)
+    dht = DHTConfig(refresh_interval=300.0, republish_interval=300.0)
+    # connections outlive the quiet hour below: handshakes are the costly part here
+    config = PeerConfig(host=HostConfig(idle_timeout=3600.0), dht=dht)
+    started = time.perf_counter()
+    with trio.fail_after(3600):
+        async with trio.open_nursery() as nursery:
+            swarm = await start_swarm(nursery, net, N_PARTITION_PEERS, config)
+            shuffled = rng.sample(swarm, len(swarm))
+            halves = shuffled[: len(swarm) // 2], shuffled[len(swarm) // 2 :]
+            net.partition(*[[sim.host for sim in half] for half in halves])
+
+            jobs = [(rng.choice(halves[i % 2]), f"split/{i}", i) for i in range(N_PARTITION_KEYS)]
+            stored = await run_all(jobs, "store")
+            # each side sees its own values during the partition
+            same_side = [(rng.choice(halves[i % 2]), k, v) for i, (_, k, v) in enumerate(jobs)]
+            found_during = await run_all(same_side, "get")
+
+            await trio.sleep(60.0)
+            net.heal()
+            await trio.sleep(1.2 * max(dht.refresh_interval, dht.republish_interval))
+
+            crossed = 0
+            for half, other in (halves, halves[::-1]):
+                others = {sim.peer.peer_id for sim in other}
+                crossed += sum(
+                    any(p in others for p, _ in sim.peer.dht.routing_table_peers()) for sim in half
+                )
+            from_both = [(rng.choice(halves[side]), k, v) for _, k, v in jobs for side in (0, 1)]
+            found_after = await run_all(from_both, "get")
+            nursery.cancel_scope.cancel()
+    print(
+        f"\npartition of {N_PARTITION_PEERS} peers: stored {stored}/{N_PARTITION_KEYS}, "
+        f"found on the same side {found_during}; after heal: {crossed} peers know the other "
+        f"side, found {found_after}/{len(from_both)} from both sides; "
+        f"wall {time.perf_counter() - started:.1f} s"
+    )
+    assert stored == found_during == N_PARTITION_KEYS
+    assert crossed == N_PARTITION_PEERS
+    assert found_after == len(from_both)
+
+
+# ---- semantics on a small swarm (fast) ----
+
+
+async def test_values_expire_and_dictionaries_merge_across_peers(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    net = MemoryNetwork(latency=LATENCY)
+    with trio.fail_after(600):
+        async with trio.open_nursery() as nursery:
+            swarm = await start_swarm(nursery, net, 12, PeerConfig())
+            for sim in swarm:
+                owner = str(sim.peer.peer_id)
+                assert await sim.peer.dht.store("progress", {"step": 1}, ttl=30.0, subkey=owner)
+            assert await swarm[0].peer.dht.store("plain", "v", ttl=10.0)
+            reader = swarm[-1].peer.dht
+            progress = await reader.get("progress")
+            assert progress == {str(sim.peer.peer_id): {"step": 1} for sim in swarm}
+            entries = await reader.get_entries("plain")
+            assert entries == {None: ("v", pytest.approx(virtual_unix_time() + 10.0, abs=1))}
+            assert await reader.get("plain", latest=False) == "v"
+            await trio.sleep(10.5)
+            assert await reader.get("plain") is None  # expired everywhere
+            assert len(await reader.get("progress")) == len(swarm)
+            nursery.cancel_scope.cancel()
+
+
+async def test_client_mode_peers_use_the_dht_but_never_enter_tables(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    net = MemoryNetwork(latency=LATENCY)
+    with trio.fail_after(600):
+        async with trio.open_nursery() as nursery:
+            swarm = await start_swarm(nursery, net, 6, PeerConfig())
+            async with open_peer(
+                listen=None,
+                initial_peers=[swarm[0].peer.address],
+                client_mode=True,
+                network=net.interface("10.9.0.1"),
+                clock=virtual_unix_time,
+            ) as client:
+                assert client.address == str(client.peer_id)
+                assert await client.dht.store("from-client", 1, ttl=60.0)
+                assert await swarm[3].peer.dht.get("from-client") == 1
+                assert await client.dht.get("from-client") == 1
+                assert len(client.dht.routing_table_peers()) == len(swarm)
+                for sim in swarm:
+                    assert client.peer_id not in sim.peer.dht.table
+            nursery.cancel_scope.cancel()
+
+
+async def test_owner_republishes_to_the_nodes_closest_now(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    net = MemoryNetwork(latency=LATENCY)
+    dht = DHTConfig(k=3, republish_interval=60.0)
+    key = check_key("moving")
+    with trio.fail_after(600):
+        async with trio.open_nursery() as nursery:
+            swarm = await start_swarm(nursery, net, 16, PeerConfig(dht=dht))
+            by_distance = sorted(swarm, key=lambda sim: sim.peer.dht.node_id.distance(key))
+            holders, owner, readers = by_distance[:3], by_distance[-1], by_distance[3:-1]
+            assert await owner.peer.dht.store("moving", "here", ttl=3600.0)
+            for sim in holders:
+                kill(net, sim)
+            assert await readers[0].peer.dht.get("moving") is None  # every copy died
+            await trio.sleep(1.2 * dht.republish_interval)
+            for sim in readers:
+                assert await sim.peer.dht.get("moving") == "here"
+            nursery.cancel_scope.cancel()

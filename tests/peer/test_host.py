@@ -1,0 +1,188 @@
+"""The RPC host: real TCP, dialing, the connection pool, client mode, lifetime."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+import trio.testing
+
+from peer.errors import PeerUnavailableError
+from peer.host import HostConfig, open_rpc_host
+from peer.memnet import MemoryNetwork
+from peer.rpc import Reply, Request
+from protocol.address import Address
+from protocol.identity import Identity
+
+ID_A = Identity.from_seed(b"a" * 32)
+ID_B = Identity.from_seed(b"b" * 32)
+ID_C = Identity.from_seed(b"c" * 32)
+
+
+async def whoami(request: Request) -> Reply:
+    return Reply({"caller": request.peer_id.to_base58(), "host": request.remote_host})
+
+
+async def test_tcp_smoke() -> None:
+    with trio.fail_after(10):
+        async with (
+            open_rpc_host(ID_A, listen=Address("127.0.0.1", 0)) as a,
+            open_rpc_host(ID_B, listen=None) as b,
+        ):
+            a.register("whoami", whoami)
+            assert b.listen_address is None
+            address = a.listen_address
+            assert address is not None and address.peer_id == ID_A.peer_id and address.port > 0
+            reply = await b.call(address, "whoami")
+            assert reply.body == {"caller": ID_B.peer_id.to_base58(), "host": "127.0.0.1"}
+            # a HOST:PORT address learns the PeerID; the connection is reused
+            assert await b.connect(Address("127.0.0.1", address.port)) == ID_A.peer_id
+            big = bytes(range(256)) * 8192  # 2 MiB through the secure channel
+            a.register("echo", lambda r: _echo(r))
+            assert bytes((await b.call(address, "echo", {}, big)).payload) == big
+            assert a.num_connections == b.num_connections == 1
+            assert b.connected_peers() == [ID_A.peer_id]
+
+
+async def _echo(request: Request) -> Reply:
+    return Reply({}, request.payload)
+
+
+async def test_wrong_peer_id_and_unreachable(autojump_clock: trio.testing.MockClock) -> None:
+    net = MemoryNetwork()
+    async with open_rpc_host(ID_A, listen=Address("a", 1), network=net.interface("a")) as a:
+        a.register("whoami", whoami)
+        async with open_rpc_host(ID_B, listen=None, network=net.interface("b")) as b:
+            with trio.fail_after(5):
+                with pytest.raises(PeerUnavailableError) as info:
+                    await b.call(Address("a", 1, ID_C.peer_id), "whoami")
+                assert info.value.__cause__ is not None
+                with pytest.raises(PeerUnavailableError) as info:
+                    await b.call(Address("nowhere", 1), "whoami")
+                assert isinstance(info.value.__cause__, ConnectionRefusedError)
+                with pytest.raises(PeerUnavailableError):
+                    await b.call(Address("x", 1, ID_B.peer_id), "whoami")  # ourselves
+                await b.call(Address("a", 1, ID_A.peer_id), "whoami")
+            assert b.num_connections == 1
+
+
+async def test_concurrent_calls_share_one_dial(autojump_clock: trio.testing.MockClock) -> None:
+    net = MemoryNetwork(latency=0.1)
+    async with (
+        open_rpc_host(ID_A, listen=Address("a", 1), network=net.interface("a")) as a,
+        open_rpc_host(ID_B, listen=None, network=net.interface("b")) as b,
+    ):
+        a.register("whoami", whoami)
+        assert a.listen_address is not None
+        with trio.fail_after(5):
+            async with trio.open_nursery() as nursery:
+                for _ in range(20):
+                    nursery.start_soon(b.call, a.listen_address, "whoami")
+        assert net.connections_opened == 1
+        assert trio.current_time() == pytest.approx(0.4)  # 3 handshake legs + 1 reply
+
+
+async def test_inbound_connection_serves_outbound_calls(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    net = MemoryNetwork(latency=0.1)
+    async with (
+        open_rpc_host(ID_A, listen=Address("a", 1), network=net.interface("a")) as a,
+        open_rpc_host(ID_B, listen=None, network=net.interface("b")) as b,
+    ):
+        a.register("whoami", whoami)
+        b.register("whoami", whoami)
+        assert a.listen_address is not None
+        with trio.fail_after(5):
+            await b.call(a.listen_address, "whoami")
+            # a calls the client-mode b back over b's connection; the host part is unused
+            reply = await a.call(Address("unused", 1, ID_B.peer_id), "whoami")
+        assert reply.body["caller"] == ID_A.peer_id.to_base58()
+        assert net.connections_opened == 1
+
+
+async def test_simultaneous_dials_converge(autojump_clock: trio.testing.MockClock) -> None:
+    net = MemoryNetwork(latency=0.1)
+    config = HostConfig(idle_timeout=30)
+    async with (
+        open_rpc_host(ID_A, listen=Address("a", 1), network=net.interface("a"), config=config) as a,
+        open_rpc_host(ID_B, listen=Address("b", 1), network=net.interface("b"), config=config) as b,
+    ):
+        a.register("whoami", whoami)
+        b.register("whoami", whoami)
+        assert a.listen_address is not None and b.listen_address is not None
+        with trio.fail_after(5):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(a.call, b.listen_address, "whoami")
+                nursery.start_soon(b.call, a.listen_address, "whoami")
+        assert net.connections_opened == 2
+        # both now use the same one; the other idles out
+        with trio.fail_after(200):
+            for _ in range(10):
+                await trio.sleep(10)
+                await a.call(b.listen_address, "whoami")
+                await b.call(a.listen_address, "whoami")
+        assert a.num_connections == b.num_connections == 1
+        assert net.connections_opened == 2
+
+
+async def test_dial_timeout_on_a_frozen_peer(autojump_clock: trio.testing.MockClock) -> None:
+    net = MemoryNetwork()
+    config = HostConfig(dial_timeout=2.0)
+    async with (
+        open_rpc_host(ID_A, listen=Address("a", 1), network=net.interface("a")) as a,
+        open_rpc_host(ID_B, listen=None, network=net.interface("b"), config=config) as b,
+    ):
+        assert a.listen_address is not None
+        net.freeze_host("a")
+        with pytest.raises(PeerUnavailableError) as info:
+            await b.connect(a.listen_address)
+        assert isinstance(info.value.__cause__, trio.TooSlowError)
+        assert trio.current_time() == 2.0
+
+
+async def test_disconnect_and_close_connections(autojump_clock: trio.testing.MockClock) -> None:
+    net = MemoryNetwork()
+    async with (
+        open_rpc_host(ID_A, listen=Address("a", 1), network=net.interface("a")) as a,
+        open_rpc_host(ID_B, listen=Address("b", 1), network=net.interface("b")) as b,
+        open_rpc_host(ID_C, listen=None, network=net.interface("c")) as c,
+    ):
+        assert a.listen_address is not None and b.listen_address is not None
+        with trio.fail_after(5):
+            await c.connect(a.listen_address)
+            await c.connect(b.listen_address)
+            assert c.num_connections == 2
+            await c.disconnect(ID_A.peer_id)
+            assert c.connected_peers() == [ID_B.peer_id]
+            await c.close_connections()
+            assert c.num_connections == 0
+            await trio.testing.wait_all_tasks_blocked()
+            assert a.num_connections == b.num_connections == 0
+            await c.connect(a.listen_address)  # dials again
+
+
+async def test_exit_closes_everything_and_errors_are_not_grouped(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    net = MemoryNetwork()
+    with pytest.raises(KeyError):
+        async with (
+            open_rpc_host(ID_A, listen=Address("a", 1), network=net.interface("a")) as a,
+            open_rpc_host(ID_B, listen=None, network=net.interface("b")) as b,
+        ):
+            assert a.listen_address is not None
+            await b.connect(a.listen_address)
+            raise KeyError("from the body")
+    await trio.testing.wait_all_tasks_blocked()
+    assert net.open_connections == 0
+    # the port is free again
+    async with open_rpc_host(ID_A, listen=Address("a", 1), network=net.interface("a")) as a:
+        assert a.listen_address == Address("a", 1, ID_A.peer_id)
+
+
+async def test_listen_address_in_use() -> None:
+    net = MemoryNetwork()
+    async with open_rpc_host(ID_A, listen=Address("a", 1), network=net.interface("a")):
+        with pytest.raises(OSError):
+            async with open_rpc_host(ID_B, listen=Address("a", 1), network=net.interface("a")):
+                pass

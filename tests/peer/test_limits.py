@@ -1,0 +1,204 @@
+"""Limits: frame size, connections (total, per host), in-flight requests, handshake and idle
+timeouts. In every case the bad peer is cut off and everyone else keeps being served."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+import trio.testing
+
+from peer.errors import PeerUnavailableError
+from peer.host import HostConfig, open_rpc_host
+from peer.memnet import MemoryNetwork
+from peer.rpc import Reply, Request
+from protocol.address import Address
+from protocol.identity import Identity
+
+SERVER = Identity.from_seed(b"s" * 32)
+GOOD = Identity.from_seed(b"g" * 32)
+BAD = Identity.from_seed(b"b" * 32)
+
+
+async def echo(request: Request) -> Reply:
+    return Reply(request.body, request.payload)
+
+
+async def sleepy(request: Request) -> Reply:
+    await trio.sleep(request.body.get("seconds", 1.0))
+    return Reply()
+
+
+async def _is_closed_at_once(stream: trio.abc.Stream) -> bool:
+    """True when the far end closed the stream (EOF or reset) without waiting for us."""
+    with trio.move_on_after(0.001):
+        try:
+            return await stream.receive_some() == b""
+        except trio.BrokenResourceError:
+            return True
+    return False
+
+
+async def test_oversized_frame_drops_only_that_peer(autojump_clock: trio.testing.MockClock) -> None:
+    net = MemoryNetwork()
+    small = HostConfig(max_frame_size=1 << 16)
+    large = HostConfig(max_frame_size=1 << 20)
+    async with (
+        open_rpc_host(
+            SERVER, listen=Address("s", 1), network=net.interface("s"), config=small
+        ) as s,
+        open_rpc_host(BAD, listen=None, network=net.interface("bad"), config=large) as bad,
+        open_rpc_host(GOOD, listen=None, network=net.interface("good"), config=small) as good,
+    ):
+        s.register("echo", echo)
+        assert s.listen_address is not None
+        with trio.fail_after(5):
+            await good.call(s.listen_address, "echo", {"hi": 1})
+            await bad.call(s.listen_address, "echo", {}, bytes(1000))
+            with pytest.raises(PeerUnavailableError):
+                await bad.call(s.listen_address, "echo", {}, bytes(100_000))
+            assert (await good.call(s.listen_address, "echo", {"still": 1})).body == {"still": 1}
+            await trio.testing.wait_all_tasks_blocked()
+            assert s.num_connections == 1
+
+
+async def test_connection_limits(autojump_clock: trio.testing.MockClock) -> None:
+    net = MemoryNetwork()
+    config = HostConfig(max_connections=4, max_connections_per_ip=2)
+    async with open_rpc_host(
+        SERVER, listen=Address("s", 1), network=net.interface("s"), config=config
+    ) as s:
+        s.register("echo", echo)
+        assert s.listen_address is not None
+        with trio.fail_after(5):
+            evil = net.interface("evil")
+            held = [await evil.connect("s", 1), await evil.connect("s", 1)]
+            await trio.testing.wait_all_tasks_blocked()
+            third = await evil.connect("s", 1)
+            assert await _is_closed_at_once(third)  # per-host limit
+            assert not await _is_closed_at_once(held[0])
+            async with open_rpc_host(GOOD, listen=None, network=net.interface("good")) as good:
+                await good.call(s.listen_address, "echo")  # another host is still welcome
+                held.append(await net.interface("other").connect("s", 1))
+                await trio.testing.wait_all_tasks_blocked()
+                fifth = await net.interface("fifth").connect("s", 1)
+                assert await _is_closed_at_once(fifth)  # total limit
+                assert (await good.call(s.listen_address, "echo", {"x": 1})).body == {"x": 1}
+            for stream in held:
+                await stream.aclose()
+            await trio.testing.wait_all_tasks_blocked()
+            async with open_rpc_host(GOOD, listen=None, network=net.interface("evil")) as again:
+                await again.call(s.listen_address, "echo")
+
+
+async def test_inflight_limit(autojump_clock: trio.testing.MockClock) -> None:
+    net = MemoryNetwork()
+    limited = HostConfig(max_inflight_requests=4)
+    greedy = HostConfig(max_inflight_requests=100)
+    async with (
+        open_rpc_host(
+            SERVER, listen=Address("s", 1), network=net.interface("s"), config=limited
+        ) as s,
+        open_rpc_host(GOOD, listen=None, network=net.interface("good"), config=limited) as good,
+        open_rpc_host(BAD, listen=None, network=net.interface("bad"), config=greedy) as bad,
+    ):
+        s.register("sleepy", sleepy)
+        address = s.listen_address
+        assert address is not None
+        await good.connect(address)
+        start = trio.current_time()
+        failures: list[BaseException] = []
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                # a peer with the same limit queues its own calls: 10 calls, 4 at a time
+                for _ in range(10):
+                    nursery.start_soon(good.call, address, "sleepy")
+
+                async def greedy_call() -> None:
+                    try:
+                        await bad.call(address, "sleepy")
+                    except PeerUnavailableError as exc:
+                        failures.append(exc)
+
+                for _ in range(5):
+                    nursery.start_soon(greedy_call)
+        assert trio.current_time() - start == pytest.approx(3.0)
+        assert len(failures) == 5  # one over the limit: the greedy peer is dropped
+
+
+async def test_handshake_timeout_and_garbage(autojump_clock: trio.testing.MockClock) -> None:
+    net = MemoryNetwork(latency=0.01)
+    config = HostConfig(handshake_timeout=5.0)
+    async with open_rpc_host(
+        SERVER, listen=Address("s", 1), network=net.interface("s"), config=config
+    ) as s:
+        s.register("echo", echo)
+        assert s.listen_address is not None
+        with trio.fail_after(10):
+            silent = await net.interface("silent").connect("s", 1)
+            garbage = await net.interface("garbage").connect("s", 1)
+            await garbage.send_all(b"\x00\x05hello" + bytes(200))
+            assert await garbage.receive_some() == b""
+            assert trio.current_time() == pytest.approx(0.02)
+            async with open_rpc_host(GOOD, listen=None, network=net.interface("good")) as good:
+                await good.call(s.listen_address, "echo")
+            assert await silent.receive_some() == b""
+            assert trio.current_time() == pytest.approx(5.01)
+
+
+async def test_idle_timeout(autojump_clock: trio.testing.MockClock) -> None:
+    net = MemoryNetwork()
+    config = HostConfig(idle_timeout=60.0)
+    async with (
+        open_rpc_host(
+            SERVER, listen=Address("s", 1), network=net.interface("s"), config=config
+        ) as s,
+        open_rpc_host(GOOD, listen=None, network=net.interface("good"), config=config) as good,
+    ):
+        s.register("sleepy", sleepy)
+        assert s.listen_address is not None
+        await good.call(s.listen_address, "sleepy", {"seconds": 200.0})  # never cut mid-call
+        assert trio.current_time() == 200
+        await trio.sleep(59.9)
+        assert s.num_connections == good.num_connections == 1
+        await trio.sleep(0.2)
+        assert s.num_connections == good.num_connections == 0
+        await good.call(s.listen_address, "sleepy", {"seconds": 0.0})  # dials again
+        assert net.connections_opened == 2
+
+
+async def test_tcp_flood_and_garbage_do_not_stop_service() -> None:
+    async with (
+        open_rpc_host(SERVER, listen=Address("127.0.0.1", 0)) as s,
+        open_rpc_host(GOOD, listen=None) as good,
+    ):
+        s.register("echo", echo)
+        address = s.listen_address
+        assert address is not None
+        flood: list[trio.socket.SocketType] = []
+        with trio.fail_after(30):
+            await good.call(address, "echo")
+            garbage = await trio.open_tcp_stream("127.0.0.1", address.port)
+            await garbage.send_all(b"GET / HTTP/1.1\r\n\r\n" * 20)
+            with pytest.raises(trio.BrokenResourceError):
+                while await garbage.receive_some():
+                    pass
+                raise trio.BrokenResourceError  # a clean EOF is fine too
+            await garbage.aclose()
+            try:
+                for i in range(1000):
+                    sock = trio.socket.socket()
+                    flood.append(sock)
+                    await sock.connect(("127.0.0.1", address.port))
+                    if i % 100 == 0:
+                        reply = await good.call(address, "echo", {"i": i})
+                        assert reply.body == {"i": i}
+                await trio.testing.wait_all_tasks_blocked(0.05)
+                # the flood is held to the per-host limit; the rest were closed at once
+                assert s._handshaking <= HostConfig().max_connections_per_ip
+                with pytest.raises(ConnectionResetError):  # the last one was closed at once
+                    if await flood[-1].recv(1) == b"":
+                        raise ConnectionResetError
+                assert (await good.call(address, "echo", {"end": 1})).body == {"end": 1}
+            finally:
+                for sock in flood:
+                    sock.close()

@@ -1,0 +1,255 @@
+"""Routing table (k-buckets, ping-before-evict, replacement cache) and iterative lookups."""
+
+from __future__ import annotations
+
+import functools
+import math
+import random
+
+import pytest
+import trio
+
+from peer.dht.lookup import LookupState, iterative_lookup
+from peer.dht.routing import RoutingTable
+from protocol.dhtid import DHTID, ID_BITS
+from protocol.identity import PeerID
+from protocol.messages import NodeInfo
+
+LOCAL = DHTID(0)
+
+
+@functools.cache
+def node(value: int) -> NodeInfo:
+    """A contact whose DHT id is exactly ``value``."""
+    return NodeInfo(PeerID(value.to_bytes(32, "big")), "10.0.0.1:4000")
+
+
+def in_bucket(index: int, offset: int) -> NodeInfo:
+    """The ``offset``-th id of bucket ``index`` around LOCAL (id 0)."""
+    return node((1 << index) + offset)
+
+
+def test_nearest_matches_brute_force() -> None:
+    rng = random.Random(1)
+    local = DHTID(rng.getrandbits(ID_BITS))
+    table = RoutingTable(local, k=20)
+    nodes = [node(rng.getrandbits(ID_BITS)) for _ in range(2000)]
+    for n in nodes:
+        table.update(n, now=0.0)
+    held = list(table.nodes())
+    assert len(held) == len(table) < len(nodes)  # far buckets filled up
+    for _ in range(50):
+        target = (
+            rng.getrandbits(ID_BITS) if rng.random() < 0.5 else int(local) ^ rng.getrandbits(20)
+        )
+        expected = sorted(held, key=lambda n: DHTID.from_peer_id(n.peer_id) ^ target)[:20]
+        assert table.nearest(target, 20) == expected
+    first = table.nearest(int(local), 5)
+    assert (
+        table.nearest(int(local), 5, exclude=first[0].peer_id) == table.nearest(int(local), 6)[1:]
+    )
+
+
+def test_bucket_orders_by_last_seen_and_refreshes_address() -> None:
+    table = RoutingTable(LOCAL, k=3)
+    a, b, c = (in_bucket(10, i) for i in range(3))
+    for n in (a, b, c):
+        assert table.update(n, now=0.0) is None
+    moved = NodeInfo(a.peer_id, "10.0.0.9:5000")
+    table.update(moved, now=1.0)
+    assert table.bucket_nodes(10) == [b, c, moved]
+    assert table.get(a.peer_id) == moved
+
+
+def test_full_bucket_pings_oldest_and_keeps_it_when_alive() -> None:
+    table = RoutingTable(LOCAL, k=3)
+    a, b, c, d, e = (in_bucket(10, i) for i in range(5))
+    for n in (a, b, c):
+        table.update(n, now=0.0)
+    assert table.update(d, now=1.0) == a  # full: ping the least recently seen
+    assert table.update(e, now=1.0) is None  # a ping of this bucket is already pending
+    assert table.replacement_nodes(10) == [d, e]
+    table.ping_result(a.peer_id, alive=True, now=2.0)
+    assert table.bucket_nodes(10) == [b, c, a]  # a answered: it stays, now most recent
+    assert d.peer_id not in table and table.replacement_nodes(10) == [d, e]
+
+
+def test_full_bucket_evicts_dead_oldest_for_freshest_replacement() -> None:
+    table = RoutingTable(LOCAL, k=3)
+    a, b, c, d, e = (in_bucket(10, i) for i in range(5))
+    for n in (a, b, c):
+        table.update(n, now=0.0)
+    assert table.update(d, now=1.0) == a
+    table.update(e, now=1.0)
+    table.ping_result(a.peer_id, alive=False, now=2.0)
+    assert table.bucket_nodes(10) == [b, c, e]
+    assert a.peer_id not in table and table.replacement_nodes(10) == [d]
+    assert table.update(d, now=3.0) == b  # the next newcomer pings the new oldest
+
+
+def test_recently_seen_oldest_is_kept_without_a_ping() -> None:
+    table = RoutingTable(LOCAL, k=2, ping_after=10.0)
+    a, b, c = (in_bucket(10, i) for i in range(3))
+    table.update(a, now=0.0)
+    table.update(b, now=1.0)
+    assert table.update(c, now=5.0) is None  # a was heard from 5 s ago: still good
+    assert table.replacement_nodes(10) == [c]
+    assert table.update(c, now=10.0) == a  # now a is questionable: ping it
+
+
+def test_replacement_cache_is_bounded_and_keeps_freshest() -> None:
+    table = RoutingTable(LOCAL, k=2, replacement_cache_size=3)
+    for i in range(10):
+        table.update(in_bucket(20, i), now=float(i))
+    assert table.replacement_nodes(20) == [in_bucket(20, i) for i in (7, 8, 9)]
+
+
+def test_failures_evict_at_once_with_replacement_else_after_max() -> None:
+    table = RoutingTable(LOCAL, k=2, max_failures=3)
+    a, b, c = (in_bucket(5, i) for i in range(3))
+    table.update(a, now=0.0)
+    table.update(b, now=0.0)
+    for _ in range(2):
+        table.record_failure(a.peer_id)
+    assert a.peer_id in table  # alone in a partition, a contact is kept a while
+    table.update(a, now=1.0)  # seen again: the failure count resets
+    table.record_failure(a.peer_id)
+    table.record_failure(a.peer_id)
+    assert a.peer_id in table
+    table.update(c, now=2.0)  # c waits in the replacement cache
+    table.record_failure(b.peer_id)
+    assert b.peer_id not in table and c.peer_id in table
+    for _ in range(3):
+        table.record_failure(a.peer_id)
+    assert a.peer_id not in table and len(table) == 1
+
+
+def test_timeouts_only_count_toward_max_failures() -> None:
+    table = RoutingTable(LOCAL, k=1, max_failures=2)
+    a, b = in_bucket(7, 0), in_bucket(7, 1)
+    table.update(a, now=0.0)
+    table.update(b, now=0.0)  # waits in the replacement cache
+    table.record_failure(a.peer_id, timed_out=True)
+    assert a.peer_id in table  # slow is not dead
+    table.record_failure(a.peer_id, timed_out=True)
+    assert a.peer_id not in table and b.peer_id in table
+
+
+def test_client_mode_and_self_never_enter() -> None:
+    table = RoutingTable(LOCAL, k=2)
+    table.update(NodeInfo(PeerID(bytes(31) + b"\x07"), None), now=0.0)
+    table.update(node(0), now=0.0)
+    assert len(table) == 0
+
+
+def test_stale_buckets_and_random_ids() -> None:
+    rng = random.Random(3)
+    table = RoutingTable(LOCAL, k=20)
+    for index in (255, 254, 200):
+        table.update(in_bucket(index, 1), now=0.0)
+    stale = table.stale_buckets(now=100.0, interval=50.0)
+    assert stale == list(range(255, 200, -1))
+    table.mark_lookup((1 << 254) | 12345, now=90.0)
+    table.update(in_bucket(230, 1), now=95.0)  # a contact seen keeps its bucket fresh too
+    stale = table.stale_buckets(now=100.0, interval=50.0)
+    assert 254 not in stale and 230 not in stale and 255 in stale
+    for index in (0, 1, 100, 255):
+        assert LOCAL.bucket_index(table.random_id_in_bucket(index, rng)) == index
+
+
+# ---- lookups over a simulated network (no RPC: query() reads the other tables) ----
+
+
+@functools.cache
+def build_network(n: int, k: int, seed: int) -> dict[PeerID, RoutingTable]:
+    rng = random.Random(seed)
+    ids = [rng.getrandbits(ID_BITS) for _ in range(n)]
+    tables = {}
+    for me in ids:
+        table = RoutingTable(DHTID(me), k=k)
+        # what a joined node knows: its neighbourhood, and a random sample farther out
+        for other in [*sorted(ids, key=lambda x: x ^ me)[: 2 * k], *rng.sample(ids, 4 * k)]:
+            table.update(node(other), now=0.0)
+        tables[node(me).peer_id] = table
+    return tables
+
+
+@pytest.mark.parametrize("dead_fraction", [0.0, 0.3])
+async def test_lookup_finds_true_closest_in_few_rounds(dead_fraction: float) -> None:
+    k, n = 20, 1000
+    tables = build_network(n, k, seed=5)
+    everyone = [node(int(t.local_id)) for t in tables.values()]
+    rng = random.Random(6)
+    dead = {p for p in tables if rng.random() < dead_fraction}
+
+    async def query(target: int, asker: NodeInfo) -> list[NodeInfo] | None:
+        await trio.lowlevel.checkpoint()
+        if asker.peer_id in dead:
+            return None
+        return tables[asker.peer_id].nearest(target, k)
+
+    start = next(iter(tables.values()))
+    worst = 0
+    for _ in range(20):
+        target = rng.getrandbits(ID_BITS)
+        result = await iterative_lookup(
+            target, start.nearest(target, k), functools.partial(query, target), k=k, alpha=3
+        )
+        alive = [x for x in everyone if x.peer_id not in dead]
+        truth = sorted(alive, key=lambda x: DHTID.from_peer_id(x.peer_id) ^ target)[:k]
+        if not dead:
+            assert list(result.closest) == truth
+        else:  # static tables keep naming dead nodes; still, the nearest must be found
+            assert result.closest[:10] == tuple(truth[:10])
+        worst = max(worst, result.rounds)
+    print(f"\nlookup over {n} simulated nodes, {dead_fraction:.0%} dead: max rounds {worst}")
+    assert worst <= 2 * math.log2(n)
+
+
+def test_lookup_state_drops_failed_and_stops_when_k_closest_answered() -> None:
+    state = LookupState(target=0, k=2)
+    near, mid, far = node(1), node(2), node(8)
+    for n in (far, mid, near):
+        state.add(n, hop=1)
+    assert state.next_to_query() == near
+    assert state.next_to_query() == mid
+    assert state.next_to_query() is None  # far is outside the 2 closest
+    state.on_failure(near)
+    assert state.next_to_query() == far  # near dropped: far moves up
+    state.on_answer(mid, [node(3)])
+    state.on_answer(far, [])
+    assert state.next_to_query() == node(3)
+    assert not state.done()
+    state.on_answer(node(3), [])
+    assert state.done()
+    result = state.result()
+    assert result.closest == (mid, node(3)) and result.rounds == 2
+    assert (result.queried, result.failed) == (4, 1)
+
+
+@pytest.mark.parametrize("alpha", [1, 3])
+async def test_lookup_keeps_alpha_in_flight_then_fans_out(
+    alpha: int, autojump_clock: trio.abc.Clock
+) -> None:
+    in_flight = peak_descending = peak_final = 0
+    lowest = 1000  # each answer names 3 nodes closer than any seen, down to 970
+
+    async def query(asker: NodeInfo) -> list[NodeInfo]:
+        nonlocal in_flight, peak_descending, peak_final, lowest
+        in_flight += 1
+        if lowest > 970:
+            peak_descending = max(peak_descending, in_flight)
+        else:
+            peak_final = max(peak_final, in_flight)
+        await trio.sleep(1)
+        in_flight -= 1
+        if lowest > 970:
+            lowest -= 3
+            return [node(lowest + i) for i in range(3)]
+        return []
+
+    seeds = [node(i) for i in range(1000, 1010)]
+    result = await iterative_lookup(0, seeds, query, k=10, alpha=alpha)
+    assert peak_descending == alpha
+    assert peak_final > alpha  # converged: every remaining one of the k closest at once
+    assert [DHTID.from_peer_id(n.peer_id) for n in result.closest] == list(range(970, 980))

@@ -1,0 +1,451 @@
+"""Multiplexed RPC between two hosts on the in-memory network, on virtual time."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import pytest
+import trio
+import trio.testing
+
+from peer.errors import LimitExceededError, PeerUnavailableError, RemoteError
+from peer.host import HostConfig, RpcHost, open_rpc_host
+from peer.memnet import MemoryNetwork
+from peer.rpc import HandlerRegistry, Reply, Request, RpcConnection
+from protocol.address import Address
+from protocol.errors import ProtocolError, RemoteProtocolError
+from protocol.framing import NEED_DATA, FrameDecoder
+from protocol.identity import Identity
+from protocol.rpc import FrameKind, RpcFrame, decode_rpc_frame, encode_rpc_frame
+
+ID_A = Identity.from_seed(b"a" * 32)
+ID_B = Identity.from_seed(b"b" * 32)
+
+
+@asynccontextmanager
+async def two_hosts(
+    net: MemoryNetwork, config: HostConfig | None = None
+) -> AsyncIterator[tuple[RpcHost, RpcHost, Address]]:
+    """Hosts a (10.0.0.1) and b (10.0.0.2); yields them and b's full address."""
+    config = config or HostConfig()
+    async with (
+        open_rpc_host(
+            ID_A, listen=Address("10.0.0.1", 4000), network=net.interface("10.0.0.1"), config=config
+        ) as a,
+        open_rpc_host(
+            ID_B, listen=Address("10.0.0.2", 4000), network=net.interface("10.0.0.2"), config=config
+        ) as b,
+    ):
+        assert b.listen_address == Address("10.0.0.2", 4000, ID_B.peer_id)
+        yield a, b, b.listen_address
+
+
+async def echo(request: Request) -> Reply:
+    return Reply({"method": request.method, "body": request.body}, request.payload)
+
+
+async def test_call_roundtrip(autojump_clock: trio.testing.MockClock) -> None:
+    net = MemoryNetwork(latency=0.05)
+    seen: list[Request] = []
+
+    async def record(request: Request) -> Reply:
+        seen.append(request)
+        return Reply({"n": len(request.payload)}, memoryview(b"xyz"))
+
+    async with two_hosts(net) as (a, b, address):
+        b.register("echo", echo)
+        b.register("record", record)
+        with trio.fail_after(5):
+            reply = await a.call(address, "echo", {"x": [1, 2]}, b"payload")
+            assert reply.body == {"method": "echo", "body": {"x": (1, 2)}}
+            assert bytes(reply.payload) == b"payload"
+            start = trio.current_time()
+            reply = await a.call(address, "record", {}, memoryview(bytearray(1000)))
+            assert trio.current_time() - start == pytest.approx(0.1)  # one round trip
+            assert reply.body == {"n": 1000} and bytes(reply.payload) == b"xyz"
+        assert seen[0].peer_id == ID_A.peer_id
+        assert seen[0].remote_host == "10.0.0.1"
+        assert a.num_connections == b.num_connections == 1
+
+
+async def test_remote_errors_are_typed(autojump_clock: trio.testing.MockClock) -> None:
+    async def not_found(request: Request) -> Reply:
+        raise RemoteError("not_found", "no such key")
+
+    async def crash(request: Request) -> Reply:
+        raise ValueError("boom")
+
+    async def bad(request: Request) -> Reply:
+        raise RemoteProtocolError("malformed body")
+
+    async with two_hosts(MemoryNetwork()) as (a, b, address):
+        b.register("not_found", not_found)
+        b.register("crash", crash)
+        b.register("bad", bad)
+        b.register("echo", echo)
+        with pytest.raises(ValueError, match="already registered"):
+            b.register_stream("echo", echo)  # type: ignore[arg-type]
+        expected = {
+            "not_found": ("not_found", "no such key"),
+            "crash": ("internal", "ValueError: boom"),
+            "bad": ("bad_request", "malformed body"),
+            "nope": ("unknown_method", "no method 'nope'"),
+        }
+        with trio.fail_after(5):
+            for method, (code, message) in expected.items():
+                with pytest.raises(RemoteError) as info:
+                    await a.call(address, method)
+                assert (info.value.code, info.value.message) == (code, message)
+            # the connection survives all of them
+            assert (await a.call(address, "echo", {"ok": True})).body["body"] == {"ok": True}
+        assert a.num_connections == 1
+
+
+async def test_streaming_reply(autojump_clock: trio.testing.MockClock) -> None:
+    finished: list[str] = []
+
+    async def count(request: Request) -> AsyncIterator[Reply]:
+        try:
+            for i in range(request.body["n"]):
+                yield Reply({"i": i}, bytes([i]) * 1000)
+                await trio.sleep(1)
+            if request.body.get("fail"):
+                raise RemoteError("busy", "try later")
+        finally:
+            finished.append("cancelled" if trio.current_effective_deadline() < 0 else "done")
+
+    async with two_hosts(MemoryNetwork(latency=0.01)) as (a, b, address):
+        b.register_stream("count", count)
+        with trio.fail_after(100):
+            async with a.stream(address, "count", {"n": 5}) as items:
+                got = [(item.body["i"], bytes(item.payload)[:1]) async for item in items]
+            assert got == [(i, bytes([i])) for i in range(5)]
+            with pytest.raises(RemoteError) as info:
+                async with a.stream(address, "count", {"n": 2, "fail": True}) as items:
+                    async for _ in items:
+                        pass
+            assert info.value.code == "busy"
+            # leaving early cancels the handler on the remote side
+            async with a.stream(address, "count", {"n": 1000}) as items:
+                async for item in items:
+                    if item.body["i"] == 2:
+                        break
+            await trio.sleep(1)
+            assert len(finished) == 3
+            with pytest.raises(RemoteError) as info:
+                async with a.stream(address, "no_such_stream") as items:
+                    async for _ in items:
+                        pass
+            assert info.value.code == "unknown_method"
+
+
+async def test_many_concurrent_calls_share_one_connection(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    async def delayed(request: Request) -> Reply:
+        await trio.sleep(request.body["delay"])
+        return Reply({"i": request.body["i"]})
+
+    net = MemoryNetwork(latency=0.02)
+    order: list[int] = []
+    async with two_hosts(net) as (a, b, address):
+        b.register("delayed", delayed)
+
+        async def one(i: int) -> None:
+            reply = await a.call(address, "delayed", {"i": i, "delay": (50 - i) / 10})
+            order.append(reply.body["i"])
+
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                for i in range(50):
+                    nursery.start_soon(one, i)
+        assert order == list(reversed(range(50)))
+        assert net.connections_opened == 1
+
+
+async def test_deadline_travels_to_the_callee(autojump_clock: trio.testing.MockClock) -> None:
+    seen: dict[str, float] = {}
+    done = trio.Event()
+
+    async def slow(request: Request) -> Reply:
+        seen["time_left"] = trio.current_effective_deadline() - trio.current_time()
+        try:
+            await trio.sleep_forever()
+        finally:
+            seen["cancelled_at"] = trio.current_time()
+            done.set()
+
+    async with two_hosts(MemoryNetwork(latency=0.5)) as (a, b, address):
+        b.register("slow", slow)
+        b.register("echo", echo)
+        await a.connect(address)
+        start = trio.current_time()
+        with pytest.raises(trio.TooSlowError):
+            with trio.fail_after(5):
+                await a.call(address, "slow")
+        assert trio.current_time() - start == 5
+        # the callee's clock starts on arrival (one-way latency later): it gives up at 5.5,
+        # when the caller's cancel arrives too
+        assert seen["time_left"] == pytest.approx(5.0)
+        await done.wait()
+        assert seen["cancelled_at"] - start == pytest.approx(5.5)
+        seen.clear()
+        with trio.move_on_after(100):
+            await a.call(address, "slow")
+        assert seen["time_left"] == pytest.approx(100.0)
+
+
+async def test_cancelled_caller_cancels_the_handler(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    started, cancelled = trio.Event(), trio.Event()
+
+    async def forever(request: Request) -> Reply:
+        started.set()
+        try:
+            await trio.sleep_forever()
+        finally:
+            cancelled.set()
+
+    async with two_hosts(MemoryNetwork(latency=0.1)) as (a, b, address):
+        b.register("forever", forever)
+        b.register("echo", echo)
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(a.call, address, "forever")
+                await started.wait()
+                nursery.cancel_scope.cancel()
+            await cancelled.wait()
+            assert (await a.call(address, "echo", {"still": "ok"})).body["body"] == {"still": "ok"}
+
+
+async def test_killed_peer_fails_pending_calls_promptly(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    net = MemoryNetwork(latency=0.1)
+    started = trio.Event()
+
+    async def forever(request: Request) -> Reply:
+        started.set()
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    async with two_hosts(net) as (a, b, address):
+        b.register("forever", forever)
+        killed_at: list[float] = []
+        async with trio.open_nursery() as nursery:
+
+            async def kill() -> None:
+                await started.wait()
+                net.kill_host("10.0.0.2")
+                killed_at.append(trio.current_time())
+
+            nursery.start_soon(kill)
+            with trio.fail_after(30), pytest.raises(PeerUnavailableError) as info:
+                await a.call(address, "forever")
+            assert [trio.current_time()] == killed_at  # at once, not at a deadline
+            assert info.value.__cause__ is not None
+        with trio.fail_after(30), pytest.raises(PeerUnavailableError) as info:
+            await a.call(address, "forever")
+        assert isinstance(info.value.__cause__, OSError)
+
+
+async def test_frozen_peer_hits_the_callers_deadline(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    net = MemoryNetwork(latency=0.1)
+    async with two_hosts(net) as (a, b, address):
+        b.register("echo", echo)
+        await a.connect(address)
+        net.freeze_host("10.0.0.2")
+        start = trio.current_time()
+        with trio.move_on_after(3) as scope:
+            await a.call(address, "echo")
+        assert scope.cancelled_caught and trio.current_time() - start == 3
+        net.unfreeze_host("10.0.0.2")
+        with trio.fail_after(1):
+            await a.call(address, "echo")
+
+
+async def test_partition_and_heal(autojump_clock: trio.testing.MockClock) -> None:
+    net = MemoryNetwork(latency=0.1)
+    async with two_hosts(net) as (a, b, address):
+        b.register("echo", echo)
+        with trio.fail_after(5):
+            await a.call(address, "echo")
+            net.partition(["10.0.0.1"], ["10.0.0.2"])
+            with pytest.raises(PeerUnavailableError):
+                await a.call(address, "echo")
+            with pytest.raises(PeerUnavailableError):
+                await a.call(address, "echo")  # a fresh dial is refused too
+            net.heal()
+            await a.call(address, "echo")
+        assert net.connections_opened == 2
+
+
+async def test_oversized_request_is_refused_locally(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    config = HostConfig(max_frame_size=1 << 16)
+    async with two_hosts(MemoryNetwork(), config) as (a, b, address):
+        b.register("echo", echo)
+        with trio.fail_after(5):
+            with pytest.raises(LimitExceededError):
+                await a.call(address, "echo", {}, bytes(1 << 16))
+            await a.call(address, "echo", {}, bytes(1 << 15))
+
+            async def big_reply(request: Request) -> Reply:
+                return Reply({}, bytes(1 << 17))
+
+            b.register("big", big_reply)
+            with pytest.raises(RemoteError) as info:
+                await a.call(address, "big")
+            assert info.value.code == "internal"
+
+
+async def test_remote_host_exit_fails_pending_calls(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    net = MemoryNetwork(latency=0.1)
+    started = trio.Event()
+
+    async def forever(request: Request) -> Reply:
+        started.set()
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    async with open_rpc_host(
+        ID_A, listen=Address("10.0.0.1", 1), network=net.interface("10.0.0.1")
+    ) as a:
+        async with trio.open_nursery() as nursery:
+            b_scope = trio.CancelScope()
+
+            async def run_b(task_status: trio.TaskStatus[Address]) -> None:
+                with b_scope:
+                    async with open_rpc_host(
+                        ID_B, listen=Address("10.0.0.2", 1), network=net.interface("10.0.0.2")
+                    ) as b:
+                        b.register("forever", forever)
+                        assert b.listen_address is not None
+                        task_status.started(b.listen_address)
+                        await trio.sleep_forever()
+
+            address = await nursery.start(run_b)
+
+            async def stop_b() -> None:
+                await started.wait()
+                b_scope.cancel()
+
+            nursery.start_soon(stop_b)
+            with trio.fail_after(5), pytest.raises(PeerUnavailableError):
+                await a.call(address, "forever")
+        await trio.testing.wait_all_tasks_blocked()
+        assert a.num_connections == 0
+
+
+class FrameWire:
+    """The far end of an RpcConnection, driven frame by frame."""
+
+    def __init__(self, stream: trio.abc.Stream) -> None:
+        self.stream = stream
+        self.decoder = FrameDecoder()
+
+    async def send(self, frame: RpcFrame) -> None:
+        await self.stream.send_all(b"".join(bytes(p) for p in encode_rpc_frame(frame)))
+
+    async def receive(self) -> RpcFrame:
+        while (data := self.decoder.next_frame()) is NEED_DATA:
+            chunk = await self.stream.receive_some()
+            assert chunk, "connection closed"
+            self.decoder.receive_data(chunk)
+        assert isinstance(data, bytes)
+        return decode_rpc_frame(data)
+
+
+@asynccontextmanager
+async def wired_connection(
+    max_inflight_requests: int = 8,
+) -> AsyncIterator[tuple[RpcConnection, FrameWire]]:
+    ours, theirs = trio.testing.memory_stream_pair()
+    handlers = HandlerRegistry()
+    handlers.register("echo", echo)
+    connection = RpcConnection(
+        ours, ID_B.peer_id, handlers, max_inflight_requests=max_inflight_requests
+    )
+    async with trio.open_nursery() as nursery:
+        await nursery.start(connection.run)
+        yield connection, FrameWire(theirs)
+        nursery.cancel_scope.cancel()
+
+
+async def test_late_and_unknown_answers_are_ignored() -> None:
+    with trio.fail_after(5):
+        async with wired_connection() as (connection, wire):
+            await wire.send(RpcFrame(FrameKind.RESPONSE, 77, body={"late": True}))
+            await wire.send(RpcFrame(FrameKind.REQUEST, 1, method="echo", body={"x": 1}))
+            answer = await wire.receive()
+            assert (answer.kind, answer.request_id) == (FrameKind.RESPONSE, 1)
+            assert answer.body == {"method": "echo", "body": {"x": 1}}
+            assert not connection.closed
+
+
+async def test_wire_call_and_cancel_frames() -> None:
+    with trio.fail_after(5):
+        async with wired_connection() as (connection, wire):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(connection.call, "remote.method", {"a": 1}, b"data")
+                request = await wire.receive()
+                assert (request.kind, request.method, request.body) == (
+                    FrameKind.REQUEST,
+                    "remote.method",
+                    {"a": 1},
+                )
+                assert bytes(request.payload) == b"data"
+                assert request.timeout is not None and 0 < request.timeout <= 5
+                nursery.cancel_scope.cancel()
+            # the cancelled call told the peer
+            cancel = await wire.receive()
+            assert (cancel.kind, cancel.request_id) == (FrameKind.CANCEL, request.request_id)
+
+
+@pytest.mark.parametrize(
+    "junk",
+    [
+        pytest.param(b"\x00\x00\x00\x05hello", id="malformed-frame"),
+        pytest.param(b"\xff\xff\xff\xff", id="oversized-frame"),
+        pytest.param(
+            b"".join(bytes(p) for p in encode_rpc_frame(RpcFrame(FrameKind.ITEM, 0))),
+            id="item-for-a-plain-call",
+        ),
+    ],
+)
+async def test_protocol_violations_drop_the_connection(junk: bytes) -> None:
+    with trio.fail_after(5):
+        async with wired_connection() as (connection, wire), trio.open_nursery() as nursery:
+            failures: list[BaseException] = []
+
+            async def call() -> None:
+                with pytest.raises(PeerUnavailableError) as info:
+                    await connection.call("remote.method")
+                failures.append(info.value)
+
+            nursery.start_soon(call)
+            await wire.receive()
+            await wire.stream.send_all(junk)
+        assert connection.closed
+        assert isinstance(failures[0].__cause__, ProtocolError)
+
+
+async def test_duplicate_request_id_drops_the_connection() -> None:
+    async def block(request: Request) -> Reply:
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    with trio.fail_after(5):
+        async with wired_connection() as (connection, wire):
+            connection._handlers.register("block", block)
+            await wire.send(RpcFrame(FrameKind.REQUEST, 5, method="block"))
+            await wire.send(RpcFrame(FrameKind.REQUEST, 5, method="block"))
+            assert await wire.stream.receive_some() == b""
+            assert connection.closed

@@ -1,0 +1,142 @@
+"""The secure channel: handshake over a stream, identity checks, sealed data, tampering."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+import trio.testing
+
+from peer.errors import PeerUnavailableError
+from peer.memnet import MemoryNetwork
+from peer.secure import SecureStream, secure_handshake
+from protocol.identity import Identity
+
+
+def _identity(n: int) -> Identity:
+    return Identity.from_seed(bytes([n]) * 32)
+
+
+async def _pair(
+    a: trio.abc.Stream, b: trio.abc.Stream, ia: Identity, ib: Identity
+) -> tuple[SecureStream, SecureStream]:
+    result: dict[str, SecureStream] = {}
+
+    async def side(name: str, stream: trio.abc.Stream, me: Identity, initiator: bool) -> None:
+        result[name] = await secure_handshake(stream, me, initiator=initiator)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(side, "a", a, ia, True)
+        nursery.start_soon(side, "b", b, ib, False)
+    return result["a"], result["b"]
+
+
+async def test_handshake_and_bulk_data() -> None:
+    ia, ib = _identity(1), _identity(2)
+    raw_a, raw_b = trio.testing.memory_stream_pair()
+    with trio.fail_after(10):
+        a, b = await _pair(raw_a, raw_b, ia, ib)
+        assert a.remote_peer_id == ib.peer_id
+        assert b.remote_peer_id == ia.peer_id
+        data = bytes(range(256)) * 12_000  # ~3 MiB: several seal slices and messages
+        got = bytearray()
+
+        async def reader() -> None:
+            buffer = bytearray(100_000)
+            while len(got) < len(data) + 5:
+                n = await b.receive_into(buffer)
+                assert n
+                got.extend(buffer[:n])
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(reader)
+            await a.send_pieces([data[:10], data[10:], b"", memoryview(b"tail!")])
+        assert got == data + b"tail!"
+        # small reads keep the rest of a message
+        await b.send_all(b"0123456789")
+        assert await a.receive_some(3) == b"012"
+        assert await a.receive_some() == b"3456789"
+        await a.aclose()
+        assert await b.receive_some() == b""
+        with pytest.raises(trio.ClosedResourceError):
+            await a.send_all(b"x")
+
+
+async def test_expected_peer_id_mismatch() -> None:
+    ia, ib, other = _identity(1), _identity(2), _identity(3)
+    raw_a, raw_b = trio.testing.memory_stream_pair()
+    errors: list[BaseException] = []
+
+    async def responder() -> None:
+        try:
+            await secure_handshake(raw_b, ib, initiator=False)
+        except PeerUnavailableError as exc:
+            errors.append(exc)
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(responder)
+            with pytest.raises(PeerUnavailableError) as info:
+                await secure_handshake(raw_a, ia, initiator=True, expected_peer_id=other.peer_id)
+            assert info.value.__cause__ is not None
+    assert len(errors) == 1  # the responder saw the connection close
+
+
+async def test_garbage_and_eof_during_handshake() -> None:
+    raw_a, raw_b = trio.testing.memory_stream_pair()
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+
+            async def garbage() -> None:
+                await raw_a.send_all(b"\xff" * 100)
+
+            nursery.start_soon(garbage)
+            with pytest.raises(PeerUnavailableError):
+                await secure_handshake(raw_b, _identity(2), initiator=False)
+        raw_a, raw_b = trio.testing.memory_stream_pair()
+        await raw_a.aclose()
+        with pytest.raises(PeerUnavailableError):
+            await secure_handshake(raw_b, _identity(2), initiator=False)
+
+
+async def test_tampered_message_breaks_the_stream() -> None:
+    ia, ib = _identity(1), _identity(2)
+    net = MemoryNetwork()
+    accepted: list[SecureStream] = []
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+
+            async def serve(stream: trio.abc.Stream) -> None:
+                accepted.append(await secure_handshake(stream, ib, initiator=False))
+
+            port = await nursery.start(net.serve, "b", 0, serve)
+            raw = await net.connect("b", port)
+            a = await secure_handshake(raw, ia, initiator=True)
+            await trio.testing.wait_all_tasks_blocked()
+            b = accepted[0]
+            # a valid message, then a forged one written under the secure layer
+            await a.send_all(b"fine")
+            assert await b.receive_some() == b"fine"
+            await raw.send_all(b"\x00\x20" + b"\x00" * 32)
+            with pytest.raises(trio.BrokenResourceError) as info:
+                await b.receive_some()
+            assert info.value.__cause__ is not None
+            nursery.cancel_scope.cancel()
+
+
+async def test_truncated_stream_is_broken() -> None:
+    ia, ib = _identity(1), _identity(2)
+    raw_a, raw_b = trio.testing.memory_stream_pair()
+    with trio.fail_after(10):
+        _, b = await _pair(raw_a, raw_b, ia, ib)
+        await raw_a.send_all(b"\x01\x00\x12")  # a length prefix and part of a message
+        await raw_a.aclose()
+        with pytest.raises(trio.BrokenResourceError):
+            await b.receive_some()
+
+
+async def test_handshake_cancelled_closes_stream(autojump_clock: trio.testing.MockClock) -> None:
+    _, raw_b = trio.testing.memory_stream_pair()
+    with trio.move_on_after(5):
+        await secure_handshake(raw_b, _identity(2), initiator=False)
+    with pytest.raises(trio.ClosedResourceError):
+        await raw_b.send_all(b"x")

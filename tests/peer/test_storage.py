@@ -1,0 +1,137 @@
+"""The local value store: merge rules, expiry on an injected clock, signatures, limits."""
+
+from __future__ import annotations
+
+import pytest
+
+from peer.dht.storage import DHTStorage, merge_entry
+from protocol.dhtid import DHTID
+from protocol.identity import Identity
+from protocol.messages import Entry
+from protocol.records import MAX_VALUE_BYTES, RecordError, RecordTooLargeError, sign_entry
+
+KEY = DHTID.from_key("run/progress")
+ALICE = Identity.from_seed(bytes([1]) * 32)
+MALLORY = Identity.from_seed(bytes([2]) * 32)
+
+
+class Clock:
+    def __init__(self, now: float = 1_700_000_000.0) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def clock() -> Clock:
+    return Clock()
+
+
+@pytest.fixture
+def storage(clock: Clock) -> DHTStorage:
+    return DHTStorage(clock=clock)
+
+
+def test_store_get_and_expire_on_the_injected_clock(storage: DHTStorage, clock: Clock) -> None:
+    entry = Entry(None, b"\x01", clock.now + 10)
+    assert storage.store(KEY, entry)
+    assert storage.get(KEY) == {None: entry}
+    clock.now += 9.9
+    assert storage.get(KEY) == {None: entry}
+    clock.now += 0.1  # expiration <= now: gone
+    assert storage.get(KEY) == {}
+    assert storage.expire() == 1 and KEY not in storage and len(storage) == 0
+
+
+def test_later_expiration_wins_and_older_replays_lose(storage: DHTStorage, clock: Clock) -> None:
+    old = Entry("a", b"old", clock.now + 10)
+    new = Entry("a", b"new", clock.now + 20)
+    assert storage.store(KEY, new)
+    assert not storage.store(KEY, old)  # a replay of an older version
+    assert not storage.store(KEY, Entry("a", b"other", clock.now + 20))  # same age, different
+    assert storage.store(KEY, new)  # the same record again (a republish) is fine
+    assert storage.get(KEY) == {"a": new}
+    newest = Entry("a", b"newest", clock.now + 30)
+    assert storage.store(KEY, newest)
+    assert storage.get(KEY) == {"a": newest}
+    clock.now += 20.5  # the replaced versions' expiry must not remove the newest
+    assert storage.expire() == 0 and storage.get(KEY) == {"a": newest}
+
+
+def test_plain_value_and_dictionary_replace_each_other_by_expiration(clock: Clock) -> None:
+    record: dict = {}
+    a, b = Entry("a", b"1", clock.now + 10), Entry("b", b"2", clock.now + 30)
+    assert merge_entry(record, a) and merge_entry(record, b)
+    assert not merge_entry(record, Entry(None, b"p", clock.now + 20))  # b outlives it
+    plain = Entry(None, b"p", clock.now + 40)
+    assert merge_entry(record, plain) and record == {None: plain}
+    assert not merge_entry(record, Entry("c", b"3", clock.now + 40))
+    c = Entry("c", b"3", clock.now + 50)
+    assert merge_entry(record, c) and record == {"c": c}
+
+
+def test_full_dictionary_drops_soonest_expiring_for_a_longer_lived_newcomer(clock: Clock) -> None:
+    storage = DHTStorage(clock=clock, max_subkeys_per_key=3)
+    for i in range(3):
+        assert storage.store(KEY, Entry(i, b"x", clock.now + 10 + i))
+    assert not storage.store(KEY, Entry(9, b"x", clock.now + 5))
+    assert storage.store(KEY, Entry(9, b"x", clock.now + 50))
+    assert set(storage.get(KEY)) == {1, 2, 9}
+
+
+def test_storage_refuses_new_keys_when_full(clock: Clock) -> None:
+    storage = DHTStorage(clock=clock, max_keys=2)
+    for name in ("a", "b"):
+        assert storage.store(DHTID.from_key(name), Entry(None, b"x", clock.now + 5))
+    assert not storage.store(DHTID.from_key("c"), Entry(None, b"x", clock.now + 5))
+    assert storage.store(DHTID.from_key("a"), Entry(None, b"y", clock.now + 6))  # known key: ok
+    clock.now += 5.5  # the old keys expire: room again
+    assert storage.store(DHTID.from_key("c"), Entry(None, b"x", clock.now + 5))
+
+
+def test_storage_refuses_entries_beyond_its_byte_budget(clock: Clock) -> None:
+    storage = DHTStorage(clock=clock, max_bytes=100)
+    assert storage.store(KEY, Entry("a", bytes(60), clock.now + 5))
+    assert not storage.store(KEY, Entry("b", bytes(60), clock.now + 5))
+    assert storage.store(KEY, Entry("a", bytes(30), clock.now + 6))  # replaces: 30 bytes held
+    assert storage.num_bytes == 30
+    assert storage.store(KEY, Entry("b", bytes(60), clock.now + 5))
+    clock.now += 5.5
+    storage.expire()
+    assert storage.num_bytes == 30 and set(storage.get(KEY)) == {"a"}
+
+
+def test_owner_bound_subkeys_need_the_owners_signature(storage: DHTStorage, clock: Clock) -> None:
+    subkey = str(ALICE.peer_id)
+    signed = sign_entry(ALICE, KEY, subkey, b"alice", clock.now + 10)
+    assert storage.store(KEY, signed)
+
+    with pytest.raises(RecordError, match="unsigned"):
+        storage.store(KEY, Entry(subkey, b"mallory", clock.now + 20))
+    forged = sign_entry(MALLORY, KEY, str(MALLORY.peer_id), b"mallory", clock.now + 20)
+    stolen = Entry(subkey, forged.value, forged.expiration, forged.owner_key, forged.signature)
+    with pytest.raises(RecordError, match="another peer"):
+        storage.store(KEY, stolen)
+    assert signed.signature is not None and signed.owner_key is not None
+    tampered = Entry(subkey, b"tampered", signed.expiration, signed.owner_key, signed.signature)
+    with pytest.raises(RecordError, match="signature"):
+        storage.store(KEY, tampered)
+    other_key = Entry(subkey, b"alice", clock.now + 30, signed.owner_key, signed.signature)
+    with pytest.raises(RecordError, match="signature"):
+        storage.store(KEY, other_key)  # a signature does not carry over to a new expiration
+
+    older = sign_entry(ALICE, KEY, subkey, b"alice-older", clock.now + 5)
+    assert not storage.store(KEY, older)  # validly signed but older: a replay
+    assert storage.get(KEY) == {subkey: signed}
+
+
+def test_expired_and_oversized_records_are_refused_clearly(
+    storage: DHTStorage, clock: Clock
+) -> None:
+    with pytest.raises(RecordError, match="expired"):
+        storage.store(KEY, Entry(None, b"x", clock.now - 1))
+    with pytest.raises(RecordTooLargeError, match="MAX_VALUE_BYTES") as info:
+        Entry(None, bytes(MAX_VALUE_BYTES + 1), clock.now + 5)
+    assert isinstance(info.value, ValueError)
+    assert len(storage) == 0
