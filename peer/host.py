@@ -156,7 +156,10 @@ class RpcHost:
             PeerUnavailableError: cannot connect, wrong identity, or the connection died.
             LimitExceededError: the request exceeds the maximum frame size.
         """
-        connection = await self._connection(address)
+        # A pooled connection is used without a scheduler pass: the call checkpoints.
+        connection = self._pooled(address) if address.peer_id != self.peer_id else None
+        if connection is None:
+            connection = await self._connection(address)
         try:
             return await connection.call(method, body, payload)
         except ConnectionClosedError:  # closed (idle) just before we sent: never sent

@@ -1,8 +1,9 @@
 """Multiplexed RPC over one stream: many concurrent calls, each with a deadline.
 
 One :class:`RpcConnection` per secure stream. Its :meth:`~RpcConnection.run` owns three kinds of
-task in one nursery: the reader (dispatches frames), the writer (the only task that writes;
-frames reach it through a bounded outbox), and one task per incoming request.
+task in one nursery: the reader (dispatches frames), the writer (frames reach it through a
+bounded outbox), and one task per incoming request. A small frame is written by the task
+that made it when the stream is idle (no hop through the writer); anything else queues.
 
 Rules (see ``protocol/rpc.py`` for the frames):
 
@@ -18,6 +19,8 @@ Rules (see ``protocol/rpc.py`` for the frames):
   malformed frame, or a frame that breaks the rules: the connection is dropped. Our own calls
   wait for a slot instead, so that two peers with the same limits never trip each other.
 - When the connection ends, every pending call fails at once with ``PeerUnavailableError``.
+  A direct write cut off midway (a deadline while the socket is full) ends the connection
+  too: the stream cannot be resynchronised after half a sealed frame.
 - With no call in flight either way and no frame read or written for ``idle_timeout``
   seconds, the connection closes itself.
 - A streaming reply is buffered up to ``STREAM_BUFFER_ITEMS`` items; beyond that the reader
@@ -76,6 +79,9 @@ logger = logging.getLogger(__name__)
 
 _MIN_TIMEOUT = 1e-3
 _NO_LIMIT = (1 << 32) - 1
+_DIRECT_MAX = 1 << 16
+"""Frames up to this size are written by the task that made them when the stream is idle."""
+_WRITE_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
 
 
 class _Incoming:
@@ -186,7 +192,8 @@ class RpcConnection:
             PeerUnavailableError: the connection is closed or died before the reply.
             LimitExceededError: the request is larger than the maximum frame.
         """
-        async with self._call_slots:
+        await self._acquire_slot()
+        try:
             pending = PendingCall()
             request_id = await self._send_request(method, body, payload, pending)
             try:
@@ -196,6 +203,8 @@ class RpcConnection:
                 raise
             finally:
                 self._pending.pop(request_id, None)
+        finally:
+            self._call_slots.release()
         if pending.error is not None:
             raise pending.error from pending.error.__cause__
         assert pending.reply is not None
@@ -215,7 +224,8 @@ class RpcConnection:
     async def _stream(
         self, method: str, body: dict[str, Any] | None, payload: bytes | memoryview
     ) -> AsyncIterator[ReplyStream]:
-        async with self._call_slots:
+        await self._acquire_slot()
+        try:
             pending = PendingStream()
             request_id = await self._send_request(method, body, payload, pending)
             try:
@@ -224,6 +234,15 @@ class RpcConnection:
                 self._cancel_remote(request_id, pending)
                 self._pending.pop(request_id, None)
                 pending.receive.close()
+        finally:
+            self._call_slots.release()
+
+    async def _acquire_slot(self) -> None:
+        # No scheduler pass when a slot is free: the call checkpoints when it sends.
+        try:
+            self._call_slots.acquire_nowait()
+        except trio.WouldBlock:
+            await self._call_slots.acquire()
 
     async def _send_request(
         self,
@@ -242,10 +261,10 @@ class RpcConnection:
             payload=payload,
             timeout=_time_left(),
         )
-        pieces = self._encode(frame)
+        pieces, size = self._encode(frame)
         self._pending[request_id] = pending
         try:
-            await self._outbox.put(pieces)
+            await self._send(pieces, size)
         except trio.ClosedResourceError:
             self._pending.pop(request_id, None)
             self._check_open()
@@ -255,10 +274,36 @@ class RpcConnection:
             raise
         return request_id
 
+    async def _send(self, pieces: list[bytes | memoryview], size: int) -> None:
+        """Write a frame now when the stream is idle and the frame small, else queue it.
+
+        Raises:
+            trio.ClosedResourceError: if the connection is closed (nothing was sent).
+            PeerUnavailableError: if the direct write failed (the connection is gone).
+        """
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if size > _DIRECT_MAX or not self._outbox.try_claim():
+            await self._outbox.put(pieces)
+            return
+        # No checkpoint since the one above, so nothing interrupts the write before its
+        # first byte; an interruption after it leaves half a frame: the connection ends.
+        try:
+            await write_pieces(self._byte_stream, pieces)
+        except BaseException as exc:
+            cause = exc if isinstance(exc, _WRITE_ERRORS) else None
+            logger.debug("%r: write interrupted: %r", self, exc)
+            self._shutdown(cause or PeerUnavailableError("a write was interrupted midway"))
+            if cause is not None:
+                raise PeerUnavailableError(f"connection lost: {exc}") from exc
+            raise
+        finally:
+            self._outbox.release()
+        self.last_activity = trio.current_time()
+
     def _cancel_remote(self, request_id: int, pending: PendingCall | PendingStream) -> None:
         finished = pending.done.is_set() if isinstance(pending, PendingCall) else pending.finished
         if not finished and not self.closed:
-            self._outbox.put_nowait(self._encode(RpcFrame(FrameKind.CANCEL, request_id)))
+            self._outbox.put_nowait(self._encode(RpcFrame(FrameKind.CANCEL, request_id))[0])
 
     def _check_open(self) -> None:
         if self.closed:
@@ -272,15 +317,21 @@ class RpcConnection:
             if request_id not in self._pending:
                 return request_id
 
-    def _encode(self, frame: RpcFrame) -> list[bytes | memoryview]:
+    def _encode(self, frame: RpcFrame) -> tuple[list[bytes | memoryview], int]:
+        """The frame's pieces and their total size in bytes.
+
+        Raises:
+            LimitExceededError: if the frame exceeds ``max_frame_size``.
+            LocalProtocolError: if the frame is invalid (see ``encode_rpc_frame``).
+        """
         pieces = encode_rpc_frame(frame, _NO_LIMIT)
-        size = sum(memoryview(piece).nbytes for piece in pieces) - HEADER.size
-        if size > self.max_frame_size:
+        total = len(pieces[0]) + memoryview(pieces[1]).nbytes
+        if total - HEADER.size > self.max_frame_size:
             raise LimitExceededError(
-                f"a {frame.kind.value!r} frame of {size} bytes exceeds the maximum "
-                f"{self.max_frame_size}; send large data in several calls or stream items"
+                f"a {frame.kind.value!r} frame of {total - HEADER.size} bytes exceeds the "
+                f"maximum {self.max_frame_size}; send large data in several calls or stream items"
             )
-        return pieces
+        return pieces, total
 
     # -- reading ---------------------------------------------------------------------------
 
@@ -403,9 +454,9 @@ class RpcConnection:
         await self._put(frame)
 
     async def _put(self, frame: RpcFrame) -> None:
-        pieces = self._encode(frame)
+        pieces, size = self._encode(frame)
         try:
-            await self._outbox.put(pieces)
+            await self._send(pieces, size)
         except trio.ClosedResourceError:
             raise PeerUnavailableError("connection closed") from None
 
@@ -413,7 +464,10 @@ class RpcConnection:
 
     async def _write_loop(self) -> None:
         while True:
-            await write_pieces(self._byte_stream, await self._outbox.get_batch())
+            pieces = await self._outbox.get_batch()
+            await write_pieces(self._byte_stream, pieces)
+            del pieces
+            self._outbox.release()
             self.last_activity = trio.current_time()
 
     async def _idle_watchdog(self) -> None:

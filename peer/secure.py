@@ -5,8 +5,10 @@
     data = await secure.receive_some()
 
 The data path avoids copies: outgoing data is sealed (``encrypt_into``) into one reusable
-buffer a slice at a time and written from it; incoming bytes are read up to 1 MiB at a time
-and :meth:`SecureStream.receive_into` decrypts straight into the caller's buffer.
+buffer a slice at a time and written from it; :meth:`SecureStream.receive_into` decrypts
+straight into the caller's buffer. Memory follows the traffic: nothing is allocated per
+stream up front, reads start at 64 KiB and grow to 1 MiB while they come back full (bulk),
+and the send buffer grows to the largest slice sealed.
 
 Blame: a tampered, replayed or truncated message from the peer closes the stream and raises
 ``trio.BrokenResourceError`` whose ``__cause__`` is the ``ProtocolError``.
@@ -31,7 +33,9 @@ __all__ = ["SecureStream", "secure_handshake"]
 logger = logging.getLogger(__name__)
 
 RECEIVE_SIZE = 1 << 20
-"""Bytes asked of the raw stream per read (trio reads fastest at <= 1 MiB)."""
+"""Most bytes asked of the raw stream per read (trio reads fastest at <= 1 MiB)."""
+_MIN_RECEIVE_SIZE = 1 << 16
+"""First read size; doubled after each read that comes back full, halved after short ones."""
 SEAL_SLICE = 1 << 20
 """Plaintext sealed per write: bounds the reusable send buffer to ~1 MiB."""
 _HANDSHAKE_READ = 4096
@@ -51,7 +55,7 @@ class SecureStream(trio.abc.Stream):
         self.remote_host = remote_host_of(stream)
         self._transport = transport
         self._out = bytearray()
-        self._scratch = bytearray(MAX_PLAINTEXT_PER_MESSAGE)
+        self._receive_size = _MIN_RECEIVE_SIZE
         self._pending: memoryview | None = None  # decrypted bytes not yet handed out
         self._eof = False
         self._closed = False
@@ -177,22 +181,31 @@ class SecureStream(trio.abc.Stream):
     def _open_into(self, target: memoryview) -> int | None:
         """Decrypt every whole message that fits into ``target`` (a larger first one goes
         aside); None if no whole message is buffered yet."""
-        open_into = self._transport.next_plaintext_into
+        transport = self._transport
         filled = 0
         try:
             while filled < len(target):
-                try:
-                    n = open_into(target[filled:] if filled else target)
-                except LocalProtocolError:  # the next message does not fit in what is left
+                size = transport.next_message_size()
+                if size is None:
+                    break
+                if size > len(target) - filled:  # does not fit in what is left
                     if filled:
                         break
-                    n = open_into(self._scratch)
-                    if n is NEED_DATA:
+                    plaintext = transport.next_plaintext()  # aside, in its own bytes
+                    if plaintext is NEED_DATA:
                         return None
-                    self._pending = memoryview(self._scratch)[:n]
+                    assert isinstance(plaintext, bytes)
+                    self._pending = memoryview(plaintext)
                     return self._take_pending(target)
+                try:
+                    n = transport.next_plaintext_into(target[filled:] if filled else target)
+                except LocalProtocolError:  # empty messages, then one that does not fit
+                    if filled:
+                        break
+                    continue  # nothing consumed: the size check above sets it aside
                 if n is NEED_DATA:
                     break
+                assert isinstance(n, int)
                 filled += n
         except ProtocolError as exc:
             self._fail(exc)
@@ -201,7 +214,12 @@ class SecureStream(trio.abc.Stream):
 
     async def _fill(self) -> bool:
         """Read more ciphertext; False at a clean end of stream."""
-        data = await self.transport_stream.receive_some(RECEIVE_SIZE)
+        size = self._receive_size
+        data = await self.transport_stream.receive_some(size)
+        if len(data) >= size:
+            self._receive_size = min(2 * size, RECEIVE_SIZE)
+        elif len(data) < size // 4:
+            self._receive_size = max(size // 2, _MIN_RECEIVE_SIZE)
         if not data:
             self._eof = True
             if self._transport.buffered:

@@ -15,6 +15,7 @@ methods in their own tables; :data:`METHODS` lists the four DHT methods.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from typing import Any, ClassVar, Self, TypeVar
 
@@ -116,14 +117,22 @@ def _check_hostport(value: object, what: str) -> None:
         return
     if type(value) is not str or len(value) > MAX_ADDRESS_LENGTH:
         raise LocalProtocolError(f"{what} must be a HOST:PORT string or None")
+    problem = _hostport_problem(value)
+    if problem is not None:
+        raise LocalProtocolError(f"{what}{problem}")
+
+
+@functools.lru_cache(maxsize=8192)
+def _hostport_problem(value: str) -> str | None:
+    """What is wrong with ``value`` as a canonical ``HOST:PORT`` (None: nothing). Cached:
+    every DHT reply names up to k nodes, mostly ones seen before, and parsing is costly."""
     try:
         address = Address.parse(value)
     except ProtocolError as exc:
-        raise LocalProtocolError(f"{what}: {exc}") from exc
+        return f": {exc}"
     if address.peer_id is not None or address.port == 0 or address.hostport != value:
-        raise LocalProtocolError(
-            f"{what} {_show(value)} is not a canonical HOST:PORT with port > 0"
-        )
+        return f" {_show(value)} is not a canonical HOST:PORT with port > 0"
+    return None
 
 
 def _check_dhtid(value: object, what: str) -> None:
@@ -193,13 +202,27 @@ class NodeInfo:
         """
         if not isinstance(body, dict) or body.keys() != {"p", "a"}:
             raise RemoteProtocolError("a node is a map with exactly the keys p and a")
-        raw = body["p"]
+        raw, address = body["p"], body["a"]
         if type(raw) is not bytes:
             raise RemoteProtocolError("a node's p must be bytes")
+        key = (raw, address) if address is None or type(address) is str else None
+        node = _known_nodes.get(key) if key is not None else None
+        if node is not None:
+            return node
         try:
-            return cls(PeerID(raw), body["a"])
+            node = cls(PeerID(raw), address)
         except ProtocolError as exc:
             raise RemoteProtocolError(f"malformed node: {exc}") from exc
+        if len(_known_nodes) >= _KNOWN_NODES_LIMIT:
+            _known_nodes.clear()
+        _known_nodes[(raw, address)] = node
+        return node
+
+
+_KNOWN_NODES_LIMIT = 16384
+_known_nodes: dict[tuple[bytes, str | None], NodeInfo] = {}
+"""Nodes already parsed, by their wire form: replies name mostly known nodes, and a
+NodeInfo is immutable, so one checked instance serves every reply that names it."""
 
 
 def _nodes(value: object) -> tuple[NodeInfo, ...]:

@@ -12,10 +12,12 @@ class DHTConfig:
     k: int = 20  # bucket size, and how many nodes hold each key
     alpha: int = 3  # requests in flight per lookup
     request_timeout: float = 3.0  # seconds for one DHT RPC, connection included
-    # DHT RPCs this node has in flight at once (its lookups queue for a slot beyond).
-    max_concurrent_requests: int = 32
-    # A bucket with no lookup into its range for this long is refreshed by a lookup of a
-    # random id in it (the paper's hour is too slow for swarms that live for hours).
+    # DHT RPCs this node has in flight at once (its lookups queue for a slot beyond, and
+    # a slot's wait does not count toward request_timeout). Enough for one lookup's final
+    # fan-out; more only buys timeouts when the CPU, not the network, is the bottleneck.
+    max_concurrent_requests: int = 16
+    # A bucket with no lookup into its range and no contact seen in it for this long is
+    # refreshed by a lookup of a random id in it (BEP 5 uses 15 minutes, the paper an hour).
     refresh_interval: float = 600.0
     # How often an owner re-stores the records it put into the DHT while they are valid,
     # so they move to the nodes that are closest *now* (joins, deaths, healed partitions).
@@ -28,7 +30,7 @@ class DHTConfig:
     max_stored_keys: int = 100_000  # keys this node stores for others; new keys refused beyond
     max_stored_bytes: int = 256 << 20  # and bytes of values; new entries refused beyond
     # Failed RPCs in a row after which a contact leaves its bucket even when no replacement
-    # waits; with a replacement it leaves at the first failure.
+    # waits; with a replacement it leaves at the first failure that is not a timeout.
     max_failures: int = 3
     # A full bucket pings its least-recently-seen contact before choosing between it and a
     # newcomer only when that contact was last heard from this long ago (BEP 5's "good"

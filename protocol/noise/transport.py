@@ -199,6 +199,18 @@ class NoiseTransport:
             self._chunks.append(view)
             self._buffered += view.nbytes
 
+    def next_message_size(self) -> int | None:
+        """Plaintext bytes of the next message, or None while its length prefix is not
+        buffered yet (the message itself may still be incomplete).
+
+        Raises:
+            RemoteProtocolError: if the declared length is impossible (the transport dies).
+            LocalProtocolError: if the transport is already dead.
+        """
+        self._check_alive()
+        length = self._peek_length()
+        return None if length is None else length - TAG_LENGTH
+
     def next_plaintext(self) -> bytes | _Sentinel:
         """The plaintext of the next whole message, or ``NEED_DATA``. Never ``b""``: empty
         messages are authenticated and skipped.

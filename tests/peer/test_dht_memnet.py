@@ -39,8 +39,8 @@ LATENCY = 0.01  # one way, seconds (virtual)
 N_PEERS = int(os.environ.get("DHT_MEMNET_PEERS", "120"))
 N_KEYS = int(os.environ.get("DHT_MEMNET_KEYS", "150"))
 KILL_FRACTION = 0.3
-N_PARTITION_PEERS = int(os.environ.get("DHT_MEMNET_PARTITION_PEERS", "64"))
-N_PARTITION_KEYS = 64
+N_PARTITION_PEERS = int(os.environ.get("DHT_MEMNET_PARTITION_PEERS", "48"))
+N_PARTITION_KEYS = 48
 PARALLEL_OPS = 8  # workload operations in flight at once
 
 
