@@ -1,0 +1,265 @@
+"""Butterfly all-reduce between processes on loopback, against torch.distributed gloo.
+
+    python benchmarks/allreduce.py                      # 2 and 4 peers, 16M floats, ~5 min
+    python benchmarks/allreduce.py --peers 2 --rates loopback --steps 2   # a quick look
+    ALLREDUCE_PROFILE=/tmp/prof python benchmarks/allreduce.py ...       # py-spy each worker
+
+Prints one JSON document. For each peer count: gloo's ``all_reduce`` of the same tensor in
+as many processes (no encryption), then for each link (plain loopback; shaped to 1 Gbit/s
+and 100 Mbit/s per peer and direction) and codec: the median over ``--steps`` rounds (after
+a warmup round) of the slowest peer's butterfly time (``allreduce_s``, matchmaking excluded)
+and of its whole step (``step_s``, matchmaking included). Shaped runs add the wire-time lower
+bound ``2 (n-1)/n * encoded bytes / rate`` and the ratio to it. Every peer is its own process
+(one trio loop, one core's worth of Python); the Noise channel encrypts every byte.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+RATES = {"loopback": 0.0, "1gbit": 1e9, "100mbit": 1e8}
+
+
+def encoded_bytes(codec: str, size: int, chunk: int) -> int:
+    from protocol.codecs import get_codec
+
+    c = get_codec(codec)
+    full, rest = divmod(size, chunk)
+    return full * c.encoded_size(chunk) + (c.encoded_size(rest) if rest else 0)
+
+
+# -- our peers -----------------------------------------------------------------------------
+
+
+async def swarm_worker(args: argparse.Namespace) -> None:
+    import numpy as np
+    import torch
+    import trio
+    from _shaping import ShapedNetwork
+
+    from peer import open_peer
+    from training import Averager, AveragerConfig
+
+    torch.set_num_threads(1)
+    network = ShapedNetwork(args.rate) if args.rate else None
+    initial = [args.initial_peer] if args.initial_peer else []
+    async with open_peer(listen="127.0.0.1:0", initial_peers=initial, network=network) as node:
+        _emit({"address": node.address})
+        await trio.to_thread.run_sync(sys.stdin.readline)  # everybody is up: go
+        tensor = torch.from_numpy(
+            np.random.default_rng(args.index).standard_normal(args.size, dtype=np.float32)
+        )
+        config = AveragerConfig(gather_window=args.window, stall_timeout=10.0)
+        for codec in args.codecs:
+            averager = Averager(node, f"bench/{codec}", [tensor], codec=codec, config=config)
+            for step in range(args.warmup + args.steps):
+                start = time.perf_counter()
+                info = await averager.step(weight=1.0, timeout=args.timeout)
+                _emit(
+                    {
+                        "codec": codec,
+                        "step": step,
+                        "step_s": time.perf_counter() - start,
+                        "allreduce_s": info.allreduce_s,
+                        "outcome": str(info.outcome),
+                        "fraction": info.averaged_fraction,
+                        "group": len(info.group),
+                        "info": str(info),
+                    }
+                )
+            averager.close()
+        _emit({"done": True})
+        await trio.to_thread.run_sync(sys.stdin.readline)  # stop (others may still fetch)
+
+
+def run_swarm(n: int, rate: float, args: argparse.Namespace) -> dict[str, Any]:
+    base = [sys.executable, __file__, "--worker", "--size", str(args.size), "--rate", str(rate)]
+    base += ["--steps", str(args.steps), "--warmup", "1", "--window", str(args.window)]
+    base += ["--timeout", str(args.timeout), "--codecs", *args.codecs]
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        address = ""
+        profile = os.environ.get("ALLREDUCE_PROFILE")  # a folder: py-spy each worker
+        for i in range(n):
+            cmd = [*base, "--index", str(i), "--initial-peer", address]
+            if profile:
+                out = f"{profile}/worker{n}_{int(rate)}_{i}.txt"
+                cmd = ["py-spy", "record", "-r", "250", "-f", "raw", "-o", out, "--", *cmd]
+            procs.append(
+                subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
+            )
+            first = _read_json(procs[-1])["address"]
+            address = address or first
+        for p in procs:
+            p.stdin.write("go\n")  # type: ignore[union-attr]
+            p.stdin.flush()  # type: ignore[union-attr]
+        rows: list[list[dict[str, Any]]] = []
+        for p in procs:
+            mine = []
+            while "done" not in (row := _read_json(p)):
+                mine.append(row)
+            rows.append(mine)
+        for p in procs:
+            p.stdin.write("stop\n")  # type: ignore[union-attr]
+            p.stdin.flush()  # type: ignore[union-attr]
+            p.wait(timeout=60)
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+    return summarize(rows, n, rate, args)
+
+
+def summarize(
+    rows: list[list[dict[str, Any]]], n: int, rate: float, args: argparse.Namespace
+) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for codec in args.codecs:
+        steps = [[r for r in mine if r["codec"] == codec and r["step"] >= 1] for mine in rows]
+        per_step = list(zip(*steps, strict=True))
+        allreduce = [max(r["allreduce_s"] for r in step) for step in per_step]
+        total = [max(r["step_s"] for r in step) for step in per_step]
+        result: dict[str, Any] = {
+            "allreduce_s": round(statistics.median(allreduce), 4),
+            "step_s": round(statistics.median(total), 4),
+            "all_averaged": all(
+                r["fraction"] == 1.0 and r["group"] == n for step in per_step for r in step
+            ),
+        }
+        short = [
+            r["info"] for step in per_step for r in step if r["fraction"] < 1 or r["group"] != n
+        ]
+        if short:  # what the rounds that did not average everything reported
+            result["not_averaged"] = short[:4]
+        if rate:
+            wire = encoded_bytes(codec, args.size, 1 << 18)
+            bound = 2 * (n - 1) / n * wire / (rate / 8)
+            result["lower_bound_s"] = round(bound, 4)
+            result["ratio_to_bound"] = round(result["allreduce_s"] / bound, 3)
+        out[codec] = result
+    return out
+
+
+# -- gloo ----------------------------------------------------------------------------------
+
+
+def gloo_worker(args: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    dist.init_process_group(
+        "gloo",
+        init_method=f"tcp://127.0.0.1:{args.port}",
+        rank=args.index,
+        world_size=args.world,
+    )
+    tensor = torch.randn(args.size)
+    times = []
+    for _ in range(1 + args.steps):
+        dist.barrier()
+        start = time.perf_counter()
+        dist.all_reduce(tensor)
+        times.append(time.perf_counter() - start)
+    dist.destroy_process_group()
+    _emit({"times": times[1:]})
+
+
+def run_gloo(n: int, args: argparse.Namespace) -> float:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    cmd = [sys.executable, __file__, "--gloo-worker", "--world", str(n), "--port", str(port)]
+    cmd += ["--size", str(args.size), "--steps", str(args.steps)]
+    procs = [
+        subprocess.Popen([*cmd, "--index", str(i)], stdout=subprocess.PIPE, text=True)
+        for i in range(n)
+    ]
+    times = [
+        json.loads(p.communicate(timeout=600)[0].strip().splitlines()[-1])["times"] for p in procs
+    ]
+    return round(statistics.median(max(step) for step in zip(*times, strict=True)), 4)
+
+
+# -- main ----------------------------------------------------------------------------------
+
+
+def _read_json(proc: subprocess.Popen[str]) -> dict[str, Any]:
+    """The next JSON line a worker printed (other lines, e.g. a profiler's, are skipped).
+
+    Raises:
+        RuntimeError: if the worker exited.
+    """
+    assert proc.stdout is not None
+    while line := proc.stdout.readline():
+        if line.startswith("{"):
+            row: dict[str, Any] = json.loads(line)
+            return row
+    raise RuntimeError(f"worker exited with {proc.wait()}")
+
+
+def _emit(obj: dict[str, Any]) -> None:
+    print(json.dumps(obj), flush=True)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--peers", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--size", type=int, default=16 * (1 << 20), help="float32 elements")
+    parser.add_argument("--codecs", nargs="+", default=["none", "float16", "int8"])
+    parser.add_argument("--rates", nargs="+", default=list(RATES), choices=list(RATES))
+    parser.add_argument("--steps", type=int, default=3, help="measured rounds after 1 warmup")
+    parser.add_argument("--window", type=float, default=1.0, help="gather window, seconds")
+    parser.add_argument("--timeout", type=float, default=120.0)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--gloo-worker", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--initial-peer", default="", help=argparse.SUPPRESS)
+    parser.add_argument("--rate", type=float, default=0.0, help=argparse.SUPPRESS)
+    parser.add_argument("--warmup", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--world", type=int, default=2, help=argparse.SUPPRESS)
+    parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.worker:
+        import trio
+
+        trio.run(swarm_worker, args)
+        return
+    if args.gloo_worker:
+        gloo_worker(args)
+        return
+    report: dict[str, Any] = {
+        "size_elements": args.size,
+        "size_mib": args.size * 4 / (1 << 20),
+        "cpus": os.cpu_count(),
+        "steps": args.steps,
+        "runs": {},
+    }
+    for n in args.peers:
+        entry: dict[str, Any] = {"gloo_allreduce_s": run_gloo(n, args)}
+        for name in args.rates:
+            entry[name] = run_swarm(n, RATES[name], args)
+            if name == "loopback":
+                for result in entry[name].values():
+                    result["ratio_to_gloo"] = round(
+                        result["allreduce_s"] / entry["gloo_allreduce_s"], 3
+                    )
+        report["runs"][str(n)] = entry
+        print(json.dumps({"progress": n, **entry}), file=sys.stderr, flush=True)
+    print(json.dumps(report, indent=2))
+
+
+if __name__ == "__main__":
+    main()

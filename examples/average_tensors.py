@@ -1,0 +1,43 @@
+"""Average a tensor between processes started by hand on one machine.
+
+    python examples/average_tensors.py                          # prints its address
+    python examples/average_tensors.py --initial-peers ADDRESS  # in other terminals
+
+Each process fills a tensor with its own value and averages it with whoever steps at the
+same time; within a few rounds every process holds the mean of all the values.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+
+import torch
+
+from peer import run_in_background
+from training import Averager
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--initial-peers", nargs="*", default=[], help="PEERID@HOST:PORT")
+    parser.add_argument("--value", type=float, default=random.uniform(0, 100))
+    parser.add_argument("--rounds", type=int, default=20)
+    parser.add_argument("--codec", default="none", choices=["none", "float16", "int8"])
+    args = parser.parse_args()
+
+    tensor = torch.full((100_000,), args.value)
+    with run_in_background(listen="127.0.0.1:0", initial_peers=args.initial_peers) as node:
+        print(f"address: {node.address}   (my value: {args.value:.3f})", flush=True)
+        averager = Averager(node, "example/average", [tensor], codec=args.codec)
+        for i in range(args.rounds):
+            info = averager.step_blocking(timeout=30.0)
+            print(
+                f"round {i}: {info.outcome}, group of {len(info.group)}, "
+                f"{info.averaged_fraction:.0%} averaged, value now {tensor[0].item():.3f}",
+                flush=True,
+            )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,267 @@
+"""Faults during a round, on the memory network (virtual time): a member killed, frozen,
+sending garbage, holding NaN, or too stale. Every survivor returns within its deadline,
+its tensors are exactly what its report says, and the next round works without the culprit."""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import trio
+from test_averaging_support import (
+    Member,
+    fast_config,
+    host_of,
+    make_members,
+    memnet_swarm,
+    step_all,
+    verify_round,
+)
+
+from protocol.codecs import Codec
+from training import AveragingInfo, DropReason, Outcome, PartStatus
+from training.averaging.grouping import rank_key
+from training.averaging.reducing import ReducerService
+
+SIZE = 16_384  # 4 equal parts of 4 chunks (1024 elements each) in a group of 4
+PART = SIZE // 4
+TIMEOUT = 30.0
+
+
+class HookedCodec:
+    """Wraps a member's codec: ``on_encode(part, chunk_start, blob)`` may act or replace blobs."""
+
+    def __init__(self, member: Member, on_encode: Callable[[int, int, bytes], bytes]) -> None:
+        self.inner: Codec = member.averager.codec
+        self.member = member
+        self.on_encode = on_encode
+        self.encoded: dict[int, int] = {}  # part index -> chunks encoded
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def encode(self, values: np.ndarray) -> bytes:
+        flat = self.member.averager.flat.array
+        offset = (values.__array_interface__["data"][0] - flat.__array_interface__["data"][0]) // 4
+        part = offset // PART
+        self.encoded[part] = self.encoded.get(part, 0) + 1
+        return self.on_encode(part, offset, self.inner.encode(values))
+
+
+def hook(member: Member, on_encode: Callable[[int, int, bytes], bytes]) -> HookedCodec:
+    codec = HookedCodec(member, on_encode)
+    member.averager.codec = codec  # type: ignore[assignment]
+    return codec
+
+
+def check_survivors(
+    results: list[tuple[AveragingInfo | None, float]], members: list[Member], victim: int
+) -> list[AveragingInfo]:
+    infos = []
+    for i, (info, elapsed) in enumerate(results):
+        assert info is not None
+        assert elapsed <= TIMEOUT + 1e-6, f"member {i} took {elapsed}"
+        if i != victim:
+            # not just within the deadline: a lost member costs a stall timeout and a ping
+            stall = members[i].averager.config.stall_timeout
+            assert info.allreduce_s <= 3 * stall, f"member {i}: {info.allreduce_s} s"
+            infos.append(info)
+    survivors = [m for i, m in enumerate(members) if i != victim]
+    verify_round([*survivors, members[victim]], [*infos, results[victim][0]])  # type: ignore[list-item]
+    return infos
+
+
+async def next_round_without(members: list[Member], victim: int) -> None:
+    survivors = [m for i, m in enumerate(members) if i != victim]
+    for m in survivors:
+        m.data = m.array.copy()
+    results = await step_all(survivors, timeout=TIMEOUT)
+    infos = [info for info, _ in results]
+    verify_round(survivors, infos)  # type: ignore[arg-type]
+    for info, elapsed in results:
+        assert info is not None and elapsed <= TIMEOUT
+        assert info.outcome is Outcome.AVERAGED and len(info.group) == len(survivors)
+
+
+def non_leader(members: list[Member], prefix: str = "t/x") -> int:
+    """Index of a member that will not lead the first round (same rule as grouping)."""
+    seed = hashlib.sha256(f"{prefix}|round|0".encode()).digest()
+    leader = min(range(len(members)), key=lambda i: rank_key(seed, members[i].peer_id))
+    return (leader + 1) % len(members)
+
+
+def after_acks(
+    member: Member, acks: int, action: Callable[[], None], parts: int = 1
+) -> dict[int, int]:
+    """Run ``action`` once ``parts`` of the member's parts had ``acks`` chunks acknowledged."""
+    rpc = member.averager.node.rpc
+    call = rpc.call
+    counts: dict[int, int] = {}
+
+    async def counting_call(address: Any, method: str, body: Any = None, payload: Any = b"") -> Any:
+        reply = await call(address, method, body, payload)
+        if method.endswith(".chunk"):
+            counts[body["part"]] = counts.get(body["part"], 0) + 1
+            if counts[body["part"]] == acks and sum(c >= acks for c in counts.values()) == parts:
+                action()
+        return reply
+
+    rpc.call = counting_call  # type: ignore[method-assign]
+    return counts
+
+
+@pytest.mark.parametrize("fault", ["kill", "freeze"])
+@pytest.mark.parametrize("acks", [2, 4], ids=["mid-part", "after-upload"])
+async def test_member_lost_mid_round(
+    autojump_clock: trio.testing.MockClock,
+    monkeypatch: pytest.MonkeyPatch,
+    fault: str,
+    acks: int,
+) -> None:
+    with trio.fail_after(300):
+        async with memnet_swarm(4) as (net, nodes):
+            # one chunk in flight per part: a member lost after 2 acks delivered 2 or 3 of 4
+            members = make_members(nodes, SIZE, fast_config(max_inflight=3))
+            victim = non_leader(members)
+            lose = net.kill_host if fault == "kill" else net.freeze_host
+            victim_id = members[victim].peer_id
+            if acks == 4:  # lost after all its uploads, before anyone got its own part
+                acked = after_acks(members[victim], 4, lambda: lose(host_of(victim)), parts=3)
+                serve = ReducerService.results
+
+                async def hold_back(self: ReducerService, member: Any) -> AsyncIterator[Any]:
+                    if self.plan.me == victim_id:
+                        await trio.sleep_forever()
+                    async for item in serve(self, member):
+                        yield item
+
+                monkeypatch.setattr(ReducerService, "results", hold_back)
+            else:  # lost in the middle of its uploads
+                acked = after_acks(members[victim], acks, lambda: lose(host_of(victim)))
+            results = await step_all(members, timeout=TIMEOUT)
+            infos = check_survivors(results, members, victim)
+            reason = DropReason.DEAD if fault == "kill" else DropReason.FROZEN
+            for info in infos:
+                assert info.outcome is Outcome.PARTIAL and 0.0 <= info.averaged_fraction < 1.0
+                assert len(info.group) == 4
+                for part in info.parts:
+                    if part.reducer == victim_id:  # its part: everybody kept local values
+                        assert part.status is PartStatus.NONE and not part.received
+                        assert part.dropped[victim_id] is reason
+                    elif victim_id in part.contributors:  # all its chunks had arrived
+                        assert part.status is PartStatus.ALL
+                    else:
+                        assert part.status is PartStatus.SOME
+                        assert part.dropped[victim_id] in (reason, DropReason.TIMEOUT)
+                        assert acked.get(part.index, 0) < 4  # an acked part always counts
+                statuses = {p.status for p in info.parts if p.reducer != victim_id}
+                assert statuses == ({PartStatus.SOME} if acks == 2 else {PartStatus.ALL})
+            await next_round_without(members, victim)
+
+
+async def test_frozen_sender_holding_the_only_admission_slot_is_dropped(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """With room to keep one sender's chunks at a time, reducers admit senders one by one;
+    a sender frozen while admitted is dropped after the stall timeout and the rest go on."""
+    with trio.fail_after(300):
+        async with memnet_swarm(4) as (net, nodes):
+            members = make_members(nodes, SIZE, fast_config(max_inflight=3, retain_budget=1))
+            victim = non_leader(members)
+            after_acks(members[victim], 2, lambda: net.freeze_host(host_of(victim)))
+            results = await step_all(members, timeout=TIMEOUT)
+            infos = check_survivors(results, members, victim)
+            victim_id = members[victim].peer_id
+            for info in infos:
+                assert info.outcome is Outcome.PARTIAL and len(info.group) == 4
+                for part in info.parts:
+                    expected = PartStatus.NONE if part.reducer == victim_id else PartStatus.SOME
+                    assert part.status is expected
+                    assert part.dropped[victim_id] in (DropReason.FROZEN, DropReason.TIMEOUT)
+                    if part.reducer != victim_id:
+                        assert len(part.contributors) == 3
+
+
+async def test_member_sending_garbage_is_dropped_from_that_part_only(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    with trio.fail_after(120):
+        async with memnet_swarm(4) as (_, nodes):
+            members = make_members(nodes, SIZE, fast_config())
+            victim = 1
+            target: list[int] = []
+
+            def on_encode(part: int, offset: int, blob: bytes) -> bytes:
+                if not target:
+                    target.append(part)
+                if part == target[0] and codec.encoded[part] == 2:
+                    return blob[:-8]  # truncated: the reducer cannot decode it
+                return blob
+
+            codec = hook(members[victim], on_encode)
+            results = await step_all(members, timeout=TIMEOUT)
+            infos = check_survivors(results, members, victim)
+            victim_id = members[victim].peer_id
+            for info in infos:
+                bad = info.parts[target[0]]
+                assert bad.status is PartStatus.SOME
+                assert bad.dropped == {victim_id: DropReason.GARBAGE}
+                others = [p for p in info.parts if p.index != target[0]]
+                assert all(p.status is PartStatus.ALL for p in others)
+                assert info.averaged_fraction == pytest.approx(1 - bad.size / SIZE)
+            members[victim].averager.codec = codec.inner
+            await next_round_without(members, victim)
+
+
+@pytest.mark.parametrize("nan_at", [[5], [0, PART, 2 * PART + 7, SIZE - 1]])
+async def test_member_with_nan_is_dropped_where_it_has_nan(
+    autojump_clock: trio.testing.MockClock, nan_at: list[int]
+) -> None:
+    with trio.fail_after(120):
+        async with memnet_swarm(4) as (_, nodes):
+            members = make_members(nodes, SIZE, fast_config())
+            victim = members[3]
+            victim.data[nan_at] = np.nan  # in one part, or in every part (its own included)
+            victim.array[:] = victim.data
+            results = await step_all(members, timeout=TIMEOUT)
+            infos = [info for info, _ in results]
+            verify_round(members, infos)  # type: ignore[arg-type]
+            for info in infos:
+                assert info is not None
+                for part in info.parts:
+                    if any(part.span[0] <= i < part.span[1] for i in nan_at):
+                        assert part.status is PartStatus.SOME
+                        assert part.dropped == {victim.peer_id: DropReason.NONFINITE}
+                    else:
+                        assert part.status is PartStatus.ALL
+                expected = 1 - len({i // PART for i in nan_at}) / 4
+                assert info.averaged_fraction == pytest.approx(expected)
+            assert np.isfinite(victim.array).all()  # it took the others' mean everywhere
+
+
+async def test_member_too_stale_is_dropped_and_staleness_decays_weights(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    with trio.fail_after(120):
+        async with memnet_swarm(4) as (_, nodes):
+            members = make_members(nodes, SIZE, fast_config(max_staleness=2))
+            for m, epoch in zip(members, [5, 5, 4, 2], strict=True):
+                m.epoch = epoch
+            results = await step_all(members, timeout=TIMEOUT)
+            infos = [info for info, _ in results]
+            verify_round(members, infos)  # type: ignore[arg-type]
+            stale_id = members[3].peer_id
+            for info in infos:
+                assert info is not None
+                assert info.outcome is Outcome.PARTIAL and info.averaged_fraction == 0.0
+                assert info.received_fraction == 1.0 and info.epoch == 5
+                assert info.stale == (stale_id,)
+                for part in info.parts:
+                    assert part.dropped == {stale_id: DropReason.STALE}
+            members[3].epoch = 5
+            for m in members:
+                m.data = m.array.copy()
+            await next_round_without(members, victim=len(members))

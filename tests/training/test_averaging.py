@@ -1,0 +1,161 @@
+"""Averaging on the memory network (virtual time): exact weighted means, codecs, mixing."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+import trio
+from test_averaging_support import (
+    fast_config,
+    make_members,
+    memnet_swarm,
+    step_all,
+    verify_round,
+)
+
+from training import Averager, Outcome, PartStatus
+
+
+@pytest.mark.parametrize(
+    ("n", "codec"),
+    [(2, "none"), (4, "none"), (4, "float16"), (4, "int8"), (16, "none"), (16, "int8")],
+)
+async def test_group_averages_to_the_weighted_mean(
+    autojump_clock: trio.testing.MockClock, n: int, codec: str
+) -> None:
+    with trio.fail_after(120):
+        async with memnet_swarm(n) as (_, nodes):
+            members = make_members(nodes, 20_000, fast_config(codec=codec))
+            results = await step_all(members, timeout=30.0)
+    infos = [info for info, _ in results]
+    assert all(info is not None for info in infos)
+    verify_round(members, infos, codec=codec)  # type: ignore[arg-type]
+    for info, elapsed in results:
+        assert info is not None and elapsed <= 30.0
+        assert info.outcome is Outcome.AVERAGED and info.averaged_fraction == 1.0
+        assert len(info.group) == n and len(info.parts) == n
+    expected = sum(m.weight * m.data.astype(np.float64) for m in members) / sum(
+        m.weight for m in members
+    )
+    scale = max(float(np.abs(m.data).max()) for m in members)
+    bound = {"none": 1e-6, "float16": 2 * 2**-11, "int8": 2 / 254}[codec] * scale
+    for m in members:
+        assert float(np.abs(m.array - expected).max()) <= bound
+    if codec != "none":  # every member decoded the same blobs: identical results
+        for m in members[1:]:
+            np.testing.assert_array_equal(m.array, members[0].array)
+
+
+async def test_torch_tensors_of_several_shapes_and_dtypes(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    with trio.fail_after(60):
+        async with memnet_swarm(3) as (_, nodes):
+            gen = torch.Generator().manual_seed(0)
+            tensors = [
+                [
+                    torch.randn(7, 9, generator=gen),
+                    torch.randn(3000, generator=gen, dtype=torch.float64),
+                    torch.randn(2, 2, 2, generator=gen),
+                ]
+                for _ in nodes
+            ]
+            originals = [[t.clone() for t in ts] for ts in tensors]
+            averagers = [
+                Averager(node, "t/torch", ts, config=fast_config())
+                for node, ts in zip(nodes, tensors, strict=True)
+            ]
+            async with trio.open_nursery() as nursery:
+                for averager in averagers:
+                    nursery.start_soon(averager.step)
+    for k in range(3):
+        expected = sum(o[k].double() for o in originals) / 3
+        for ts in tensors:
+            assert ts[k].dtype == originals[0][k].dtype
+            assert torch.allclose(ts[k].double(), expected, atol=1e-6)
+
+
+async def test_repeated_rounds_mix_sixteen_peers_in_groups_of_four(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    with trio.fail_after(300):
+        async with memnet_swarm(16) as (_, nodes):
+            members = make_members(nodes, 2_000, fast_config(group_size=4))
+            for m in members:
+                m.weight = 1.0
+            target = np.mean([m.data.astype(np.float64) for m in members], axis=0)
+            spreads = []
+            for _round in range(3):
+                for m in members:
+                    m.data = m.array.copy()
+                results = await step_all(members, timeout=30.0)
+                infos = [info for info, _ in results]
+                verify_round(members, infos)  # type: ignore[arg-type]
+                for info in infos:
+                    assert info is not None and len(info.group) == 4
+                    assert info.outcome is Outcome.AVERAGED
+                spread = max(float(np.abs(m.array - target).max()) for m in members)
+                spreads.append(spread)
+                print(f"round {_round}: max distance to the global mean {spread:.3g}")
+    assert spreads[0] > 0.1
+    assert spreads[1] < 1e-5  # a 4x4 grid: two rounds average everyone exactly
+
+
+async def test_a_lone_peer_gets_a_clear_answer_and_keeps_its_tensors(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    with trio.fail_after(60):
+        async with memnet_swarm(2) as (_, nodes):
+            (member,) = make_members(nodes[:1], 100, fast_config())
+            start = trio.current_time()
+            info = await member.averager.step(timeout=10.0)
+            assert trio.current_time() - start <= 1.5 * 1.0 + 0.1
+    assert info.outcome is Outcome.ALONE
+    assert info.group == (member.peer_id,)
+    assert info.averaged_fraction == 0.0 and info.parts == ()
+    np.testing.assert_array_equal(member.array, member.data)
+
+
+async def test_bandwidth_sizes_parts_and_client_mode_gets_none(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    with trio.fail_after(60):
+        async with memnet_swarm(4) as (_, nodes):
+            configs = [
+                fast_config(bandwidth=1.0),
+                fast_config(bandwidth=3.0),
+                fast_config(bandwidth=1.0),
+                fast_config(client_mode=True),
+            ]
+            rng = np.random.default_rng(5)
+            members = make_members(nodes, 1 << 16, configs[0])
+            for m, config in zip(members, configs, strict=True):
+                m.averager.close()
+                m.averager = Averager(m.averager.node, "t/bw", [m.array], config=config)
+                m.data = rng.standard_normal(1 << 16).astype(np.float32)
+                m.array[:] = m.data
+            results = await step_all(members, timeout=30.0)
+    infos = [info for info, _ in results]
+    verify_round(members, infos)  # type: ignore[arg-type]
+    info = infos[0]
+    assert info is not None and info.outcome is Outcome.AVERAGED
+    assert len(info.parts) == 3  # the client-mode peer reduces nothing
+    reducers = {p.reducer: p.size for p in info.parts}
+    assert members[3].peer_id not in reducers
+    ideal = {0: (1 << 16) / 5, 1: 3 * (1 << 16) / 5, 2: (1 << 16) / 5}
+    for i, share in ideal.items():  # boundaries fall on multiples of 4096 elements
+        assert abs(reducers[members[i].peer_id] - share) <= 4096
+    assert all(p.status is PartStatus.ALL for p in info.parts)
+
+
+async def test_tiny_vector_with_empty_parts(autojump_clock: trio.testing.MockClock) -> None:
+    with trio.fail_after(60):
+        async with memnet_swarm(5) as (_, nodes):
+            members = make_members(nodes, 3, fast_config())
+            results = await step_all(members, timeout=20.0)
+    infos = [info for info, _ in results]
+    verify_round(members, infos)  # type: ignore[arg-type]
+    for info in infos:
+        assert info is not None and info.outcome is Outcome.AVERAGED
+        assert sorted(p.size for p in info.parts) == [0, 0, 1, 1, 1]

@@ -1,0 +1,303 @@
+"""Pure pieces of the averager: layout, spans, grouping, the reducer's accounting, messages."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+
+from protocol.codecs import get_codec
+from protocol.errors import RemoteProtocolError
+from protocol.identity import Identity, PeerID
+from training.averaging.grouping import (
+    Declaration,
+    grid_shape,
+    leader_of,
+    make_groups,
+    parse_declarations,
+)
+from training.averaging.layout import FlatVector, as_tensors, check_spans, split_spans
+from training.averaging.messages import ChunkHeader, GroupConfirmation, ResultHeader
+from training.averaging.reducer import (
+    ChunkRejected,
+    DropReason,
+    Member,
+    PartReducer,
+    effective_weights,
+)
+
+
+def peer(i: int) -> PeerID:
+    return Identity.from_seed(bytes([i + 1]) * 32).peer_id
+
+
+def decl(i: int, *, client: bool = False, layout: str = "L", count: int = 0) -> Declaration:
+    address = None if client else f"{peer(i)}@10.0.0.{i}:1000"
+    return Declaration(peer(i), address, 1.0, 0, 1.0, layout, count, 100)
+
+
+# -- layout -----------------------------------------------------------------------------
+
+
+def test_flat_vector_round_trip_mixed_dtypes() -> None:
+    a = torch.arange(6, dtype=torch.float32).reshape(2, 3)
+    b = np.arange(4, dtype=np.float32) + 10
+    c = torch.ones(3, dtype=torch.float64)
+    flat = FlatVector(as_tensors([a, b, c]))
+    flat.load()
+    assert flat.array.tolist() == [0, 1, 2, 3, 4, 5, 10, 11, 12, 13, 1, 1, 1]
+    flat.array[:] = -1
+    flat.store((4, 11))  # crosses all three tensors
+    assert a.view(-1).tolist() == [0, 1, 2, 3, -1, -1]
+    assert b.tolist() == [-1, -1, -1, -1]
+    assert c.tolist() == [-1, 1, 1]
+    assert flat.layout.total == 13
+
+
+def test_as_tensors_refuses_bad_input() -> None:
+    with pytest.raises(TypeError):
+        as_tensors([torch.arange(3)])
+    with pytest.raises(ValueError):
+        as_tensors([torch.zeros(4, 4).t()])
+    with pytest.raises(ValueError):
+        as_tensors([])
+
+
+@given(
+    total=st.integers(0, 1 << 22),
+    bandwidths=st.lists(st.floats(0.0, 1e9), min_size=1, max_size=20).filter(lambda b: sum(b) > 0),
+)
+def test_split_spans_tile_and_follow_bandwidth(total: int, bandwidths: list[float]) -> None:
+    spans = split_spans(total, bandwidths)
+    check_spans(spans, total)
+    weight = math.fsum(bandwidths)
+    unit = 4096 if total >= 4096 * len(bandwidths) * 4 else 1
+    for (start, stop), bandwidth in zip(spans[:-1], bandwidths, strict=False):
+        assert abs((stop - start) - total * bandwidth / weight) <= 2 * unit + total * 1e-9 * 0 + (
+            unit * len(bandwidths)
+        )
+
+
+def test_split_spans_equal_bandwidth_is_even() -> None:
+    assert split_spans(10, [1, 1, 1, 1, 1]) == [(0, 2), (2, 4), (4, 6), (6, 8), (8, 10)]
+    spans = split_spans(1 << 24, [1.0] * 4)
+    assert [b - a for a, b in spans] == [1 << 22] * 4
+
+
+# -- grouping ---------------------------------------------------------------------------
+
+
+def test_grid_shape() -> None:
+    assert grid_shape(4, 4) == (1, 4)
+    assert grid_shape(16, 4) == (2, 4)
+    assert grid_shape(10, 4) == (2, 4)
+    assert grid_shape(17, 4) == (3, 3)
+    assert grid_shape(1, 4) == (1, 1)
+
+
+def test_groups_are_deterministic_and_bounded() -> None:
+    decls = [decl(i) for i in range(16)]
+    groups = make_groups(decls, 4, "p")
+    assert make_groups(list(reversed(decls)), 4, "p") == groups
+    assert sorted(len(g) for g in groups) == [4, 4, 4, 4]
+    assert sorted(d.peer_id.raw for g in groups for d in g) == sorted(p.peer_id.raw for p in decls)
+    for group in groups:
+        assert leader_of(group) == group[0]
+
+
+@pytest.mark.parametrize("n", [2, 3, 5, 10, 16, 17, 40])
+def test_moshpit_grid_mixes_everyone(n: int) -> None:
+    """Averaging within the groups of d consecutive phases yields the global mean."""
+    values = {peer(i): float(i) for i in range(n)}
+    d, _ = grid_shape(n, 4)
+    for phase in range(d):
+        decls = [decl(i, count=phase) for i in range(n)]
+        groups = make_groups(decls, 4, "p")
+        assert all(len(g) <= 4 for g in groups)
+        for group in groups:
+            mean = sum(values[x.peer_id] for x in group) / len(group)
+            for x in group:
+                values[x.peer_id] = mean
+    spread = max(values.values()) - min(values.values())
+    grid_full = grid_shape(n, 4)[1] ** d == n
+    if grid_full:
+        assert spread < 1e-9
+    assert spread < n - 1  # always mixes
+
+
+def test_clients_fill_groups_with_room_and_never_lead() -> None:
+    decls = [decl(i) for i in range(3)] + [decl(i, client=True) for i in range(3, 6)]
+    groups = make_groups(decls, 4, "p")
+    assert sorted(len(g) for g in groups) == [1, 1, 4]  # two clients left alone (no room)
+    for group in groups:
+        leader = leader_of(group)
+        if len(group) > 1:
+            assert leader is not None and not leader.client_mode
+
+
+def test_layouts_never_mix() -> None:
+    decls = [decl(i, layout="A") for i in range(3)] + [decl(i, layout="B") for i in range(3, 5)]
+    groups = make_groups(decls, 8, "p")
+    assert sorted(len(g) for g in groups) == [2, 3]
+    for group in groups:
+        assert len({d.layout for d in group}) == 1
+
+
+def test_declaration_wire_round_trip_and_validation() -> None:
+    d = decl(3)
+    assert Declaration.from_wire(d.peer_id, d.to_wire()) == d
+    c = decl(4, client=True)
+    assert Declaration.from_wire(c.peer_id, c.to_wire()) == c
+    bad = dict(d.to_wire(), weight=-1.0)
+    with pytest.raises(RemoteProtocolError):
+        Declaration.from_wire(d.peer_id, bad)
+    entries = {str(d.peer_id): d.to_wire(), "junk": {"x": 1}, str(peer(9)): bad}
+    assert parse_declarations(entries) == [d]
+
+
+# -- reducer ----------------------------------------------------------------------------
+
+
+def make_reducer(
+    codec: str,
+    members: list[Member],
+    length: int,
+    chunk: int = 8,
+    local: np.ndarray | None = None,
+    **kw: float,
+) -> PartReducer:
+    acc = np.empty(length + 5, dtype=np.float32)  # the reducer's own span, with slack
+    if local is not None:
+        acc[:length] = local
+    return PartReducer(
+        length=length,
+        chunk_elements=chunk,
+        codec=get_codec(codec),
+        members=members,
+        senders=[m.peer_id for m in members],
+        max_staleness=int(kw.get("max_staleness", 2)),
+        decay=float(kw.get("decay", 0.5)),
+        acc=acc,
+        scratch=np.empty(chunk, dtype=np.float32),
+        local=None if local is None else members[0].peer_id,
+    )
+
+
+def send_all(reducer: PartReducer, member: Member, values: np.ndarray, codec: str) -> None:
+    enc = get_codec(codec)
+    for index in range(reducer.n_chunks):
+        part = values[index * reducer.chunk_elements : (index + 1) * reducer.chunk_elements]
+        reducer.add_chunk(member.peer_id, index, member.epoch, member.weight, enc.encode(part))
+
+
+def test_reducer_weighted_mean_and_staleness() -> None:
+    rng = np.random.default_rng(0)
+    members = [Member(peer(0), 2.0, 5), Member(peer(1), 1.0, 4), Member(peer(2), 3.0, 2)]
+    data = [rng.standard_normal(20).astype(np.float32) for _ in members]
+    reducer = make_reducer("none", members, 20, local=data[0])
+    send_all(reducer, members[1], data[1], "none")
+    assert reducer.pending() == []  # peer 2 is 3 epochs behind: stale from the start
+    outcome = reducer.finalize({})
+    assert outcome.contributors == (peer(0), peer(1))
+    assert outcome.dropped == ((peer(2), DropReason.STALE),)
+    expected = (2.0 * data[0] + 0.5 * data[1]) / 2.5
+    np.testing.assert_allclose(reducer.mean()[:20], expected, rtol=1e-6)
+    weights = effective_weights(members, 2, 0.5)
+    assert weights == {peer(0): 2.0, peer(1): 0.5, peer(2): None}
+
+
+@pytest.mark.parametrize("fault", ["partial", "garbage", "nonfinite", "duplicate", "lying"])
+def test_reducer_excludes_a_failed_sender_exactly(fault: str) -> None:
+    rng = np.random.default_rng(1)
+    members = [Member(peer(i), 1.0 + i, 0) for i in range(3)]
+    data = [rng.standard_normal(30).astype(np.float32) for _ in members]
+    reducer = make_reducer("none", members, 30, local=data[0])
+    send_all(reducer, members[1], data[1], "none")
+    enc = get_codec("none")
+    bad = members[2]
+    reducer.add_chunk(bad.peer_id, 0, 0, bad.weight, enc.encode(data[2][:8]))
+    reducer.add_chunk(bad.peer_id, 1, 0, bad.weight, enc.encode(data[2][8:16]))
+    if fault == "partial":
+        reducer.drop(bad.peer_id, DropReason.DEAD)
+    else:
+        blob = enc.encode(data[2][16:24])
+        index, epoch = 2, 0
+        if fault == "garbage":
+            blob = blob[:-4]
+        elif fault == "nonfinite":
+            chunk = data[2][16:24].copy()
+            chunk[3] = np.nan
+            blob = enc.encode(chunk)
+        elif fault == "duplicate":
+            index = 1
+        else:
+            epoch = 7
+        with pytest.raises(ChunkRejected):
+            reducer.add_chunk(bad.peer_id, index, epoch, bad.weight, blob)
+        with pytest.raises(KeyError):  # dropped: later chunks are refused
+            reducer.add_chunk(bad.peer_id, 3, 0, bad.weight, enc.encode(data[2][24:30]))
+    outcome = reducer.finalize({})
+    assert outcome.contributors == (peer(0), peer(1))
+    assert len(outcome.dropped) == 1 and outcome.dropped[0][0] == bad.peer_id
+    expected = (1.0 * data[0] + 2.0 * data[1]) / 3.0
+    np.testing.assert_allclose(reducer.mean()[:30], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_reducer_finalize_drops_pending_with_reasons_and_int8() -> None:
+    rng = np.random.default_rng(2)
+    members = [Member(peer(i), 1.0, 3) for i in range(3)]
+    data = [rng.standard_normal(5000).astype(np.float32) for _ in members]
+    reducer = make_reducer("int8", members, 5000, chunk=4096, local=data[0])
+    send_all(reducer, members[1], data[1], "int8")
+    outcome = reducer.finalize({peer(2): DropReason.FROZEN})
+    assert outcome.dropped == ((peer(2), DropReason.FROZEN),)
+    expected = (data[0] + data[1]) / 2
+    bound = max(np.abs(d).max() for d in data) / 254 + 1e-6
+    assert np.abs(reducer.mean()[:5000] - expected).max() <= bound
+
+
+def test_reducer_local_nonfinite_is_dropped() -> None:
+    members = [Member(peer(0), 1.0, 0), Member(peer(1), 1.0, 0)]
+    reducer = make_reducer("none", members, 4, local=np.array([1, np.inf, 0, 0], np.float32))
+    assert reducer.reason(peer(0)) is DropReason.NONFINITE
+    outcome = reducer.finalize({})
+    assert outcome.contributors == () and outcome.weight == 0.0
+
+
+# -- messages ---------------------------------------------------------------------------
+
+
+def test_messages_round_trip() -> None:
+    members = (decl(1), decl(2, client=True), decl(3))
+    conf = GroupConfirmation(9, members, ((0, 40), (40, 100)), 12.5)
+    assert GroupConfirmation.from_body(conf.to_body(), 100) == conf
+    with pytest.raises(RemoteProtocolError):
+        GroupConfirmation.from_body(conf.to_body(), 99)
+    head = ChunkHeader(9, 1, 3, 7, 2.0, DropReason.NONFINITE)
+    assert ChunkHeader.from_body(head.to_body()) == head
+    res = ResultHeader((peer(1),), ((peer(2), DropReason.DEAD),), 3.0, 4)
+    assert ResultHeader.from_body(res.to_body()) == res
+    with pytest.raises(RemoteProtocolError):
+        ResultHeader.from_body({"contributors": [], "dropped": [["x", "dead"]], "weight": 1})
+
+
+def test_public_surface() -> None:
+    import training
+    import training.averaging
+
+    names = {
+        "Averager",
+        "AveragerConfig",
+        "AveragingInfo",
+        "DropReason",
+        "LayoutMismatchError",
+        "Outcome",
+        "PartReport",
+        "PartStatus",
+    }
+    assert set(training.averaging.__all__) == names
+    assert names <= set(training.__all__)

@@ -1,0 +1,157 @@
+"""Helpers shared by the averaging tests: swarms on the memory network, and the verifier that
+checks a round's tensors against its reports (what every test calls after a round)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass
+
+import numpy as np
+import trio
+
+from peer import MemoryNetwork, Peer, open_peer
+from protocol.identity import PeerID
+from training import Averager, AveragerConfig, AveragingInfo, PartStatus
+
+T0 = 1_700_000_000.0
+
+
+def virtual_clock() -> float:
+    """Unix-like time that follows trio's (virtual) clock."""
+    return T0 + trio.current_time()
+
+
+def fast_config(**changes: object) -> AveragerConfig:
+    base: dict[str, object] = {
+        "clock": virtual_clock,
+        "chunk_bytes": 4096,
+        "gather_window": 1.0,
+        "join_timeout": 0.5,
+        "stall_timeout": 2.0,
+    }
+    base.update(changes)
+    return AveragerConfig(**base)  # type: ignore[arg-type]
+
+
+def host_of(i: int) -> str:
+    return f"10.0.{i // 200}.{i % 200 + 1}"
+
+
+@asynccontextmanager
+async def memnet_swarm(
+    n: int, latency: float = 0.005
+) -> AsyncIterator[tuple[MemoryNetwork, list[Peer]]]:
+    net = MemoryNetwork(latency=latency)
+    async with AsyncExitStack() as stack:
+        nodes: list[Peer] = []
+        for i in range(n):
+            node = await stack.enter_async_context(
+                open_peer(
+                    listen=f"{host_of(i)}:1000",
+                    initial_peers=[nodes[0].address] if nodes else [],
+                    network=net.interface(host_of(i)),
+                    clock=virtual_clock,
+                )
+            )
+            nodes.append(node)
+        yield net, nodes
+
+
+@dataclass
+class Member:
+    """One test peer's averager, its original values and its live (averaged) array."""
+
+    averager: Averager
+    data: np.ndarray  # original flat values
+    array: np.ndarray  # the averaged array (one tensor)
+    weight: float = 1.0
+    epoch: int = 0
+
+    @property
+    def peer_id(self) -> PeerID:
+        return self.averager.node.peer_id
+
+
+def make_members(
+    nodes: Sequence[Peer], size: int, config: AveragerConfig, seed: int = 0, prefix: str = "t/x"
+) -> list[Member]:
+    rng = np.random.default_rng(seed)
+    members = []
+    for i, node in enumerate(nodes):
+        data = rng.standard_normal(size).astype(np.float32)
+        array = data.copy()
+        averager = Averager(node, prefix, [array], config=config)
+        members.append(Member(averager, data, array, weight=float(i % 3 + 1)))
+    return members
+
+
+async def step_all(
+    members: Sequence[Member],
+    timeout: float,  # noqa: ASYNC109 - passed on to step()
+) -> list[tuple[AveragingInfo | None, float]]:
+    """Step every member at once; each result is (info, seconds it took)."""
+    results: list[tuple[AveragingInfo | None, float]] = [(None, 0.0)] * len(members)
+
+    async def one(i: int) -> None:
+        start = trio.current_time()
+        info = await members[i].averager.step(
+            weight=members[i].weight, epoch=members[i].epoch, timeout=timeout
+        )
+        results[i] = (info, trio.current_time() - start)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(members)):
+            nursery.start_soon(one, i)
+    return results
+
+
+def tolerance(codec: str, scale: float) -> float:
+    """Largest error allowed per element after upload and download through ``codec``."""
+    return {
+        "none": 1e-6 * scale,
+        "float16": 2.0 * scale * 2**-11,
+        "int8": 2.0 * scale / 254 + 1e-6 * scale,
+    }[codec]
+
+
+def verify_round(
+    members: Sequence[Member],
+    infos: Sequence[AveragingInfo],
+    codec: str = "none",
+    max_staleness: int = 2,
+    decay: float = 0.5,
+) -> None:
+    """Check that every member's tensors are exactly what its report claims."""
+    by_id = {m.peer_id: m for m in members}
+    scale = max(float(np.abs(m.data).max()) for m in members)
+    tol = tolerance(codec, scale)
+    seen_contributors: dict[tuple[int, PeerID, int], tuple[PeerID, ...]] = {}
+    for member, info in zip(members, infos, strict=True):
+        group = set(info.group)
+        newest = max((by_id[p].epoch for p in group), default=0)
+        total = sum(p.size for p in info.parts if p.status is PartStatus.ALL)
+        assert abs(info.averaged_fraction - (total / info.total if info.parts else 0.0)) < 1e-12
+        for part in info.parts:
+            start, stop = part.span
+            got = member.array[start:stop]
+            if not part.received:
+                assert part.status is PartStatus.NONE
+                np.testing.assert_array_equal(got, member.data[start:stop])
+                continue
+            assert part.contributors, "a received part has contributors"
+            assert (part.status is PartStatus.ALL) == (set(part.contributors) == group)
+            key = (info.round, part.reducer, part.span[0])
+            assert seen_contributors.setdefault(key, part.contributors) == part.contributors
+            weights = {}
+            for p in part.contributors:
+                staleness = newest - by_id[p].epoch
+                assert staleness <= max_staleness
+                weights[p] = by_id[p].weight * decay**staleness
+            expected = sum(
+                w * by_id[p].data[start:stop].astype(np.float64) for p, w in weights.items()
+            ) / sum(weights.values())
+            err = float(np.abs(got - expected).max()) if stop > start else 0.0
+            assert err <= tol, f"part {part.index}: error {err} > {tol}"
+            assert not set(part.contributors) & set(part.dropped)
+            assert set(part.contributors) | set(part.dropped) <= group

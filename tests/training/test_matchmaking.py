@@ -1,0 +1,157 @@
+"""Matchmaking on the memory network (virtual time): stragglers, layouts, lost leaders."""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import pytest
+import trio
+from test_averaging_support import (
+    fast_config,
+    host_of,
+    make_members,
+    memnet_swarm,
+    step_all,
+    verify_round,
+)
+
+from training import Averager, LayoutMismatchError, Outcome
+from training.averaging.grouping import rank_key
+
+
+async def test_peers_arriving_within_half_a_window_meet(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    with trio.fail_after(60):
+        async with memnet_swarm(4) as (_, nodes):
+            members = make_members(nodes, 4096, fast_config(gather_window=2.0))
+            infos = [None] * 4
+            # land just before a slot boundary, so that late arrivals must join an open round
+            await trio.sleep(2.0 - (trio.current_time() % 2.0) + 1.2)
+
+            async def one(i: int, delay: float) -> None:
+                await trio.sleep(delay)
+                infos[i] = await members[i].averager.step(members[i].weight, timeout=20.0)  # type: ignore[call-overload]
+
+            async with trio.open_nursery() as nursery:
+                for i, delay in enumerate([0.0, 0.3, 0.5, 0.6]):
+                    nursery.start_soon(one, i, delay)
+    verify_round(members, infos)  # type: ignore[arg-type]
+    assert all(info.outcome is Outcome.AVERAGED and len(info.group) == 4 for info in infos)  # type: ignore[attr-defined]
+
+
+async def test_layout_mismatch_is_a_clear_error_and_others_still_average(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    with trio.fail_after(60):
+        async with memnet_swarm(4) as (_, nodes):
+            members = make_members(nodes[:3], 1000, fast_config())
+            odd = Averager(nodes[3], "t/x", [np.zeros(999, dtype=np.float32)], config=fast_config())
+            errors: list[BaseException] = []
+
+            async def odd_step() -> None:
+                try:
+                    await odd.step(timeout=20.0)
+                except LayoutMismatchError as exc:
+                    errors.append(exc)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(odd_step)
+                results = await step_all(members, timeout=20.0)
+    assert len(errors) == 1 and "layout" in str(errors[0])
+    infos = [info for info, _ in results]
+    verify_round(members, infos)  # type: ignore[arg-type]
+    assert all(info.outcome is Outcome.AVERAGED and len(info.group) == 3 for info in infos)  # type: ignore[union-attr]
+
+
+async def test_a_leader_frozen_after_confirming_costs_members_little_time(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    with trio.fail_after(120):
+        async with memnet_swarm(3) as (net, nodes):
+            config = fast_config(join_timeout=0.5, stall_timeout=2.0)
+            members = make_members(nodes, 1000, config)
+            seed = hashlib.sha256(b"t/x|round|0").digest()
+            leader = min(range(3), key=lambda i: rank_key(seed, members[i].peer_id))
+            lead = members[leader].averager
+            original = lead._matchmaker._lead  # type: ignore[attr-defined]
+
+            async def lead_then_freeze(*args: object) -> object:
+                net.freeze_host(host_of(leader))  # before any member hears back
+                return await original(*args)
+
+            lead._matchmaker._lead = lead_then_freeze  # type: ignore[attr-defined]
+            results = await step_all(members, timeout=30.0)
+    for i, (info, elapsed) in enumerate(results):
+        assert info is not None
+        if i == leader:
+            continue
+        assert info.outcome is Outcome.UNCONFIRMED and info.parts == ()
+        assert elapsed < 1.5 + 0.5 + 2.0 + 1.0  # gather + join_timeout + stall, not 30 s
+        np.testing.assert_array_equal(members[i].array, members[i].data)
+
+
+async def test_step_arguments_are_checked(autojump_clock: trio.testing.MockClock) -> None:
+    async with memnet_swarm(1) as (_, nodes):
+        (member,) = make_members(nodes, 10, fast_config())
+        with pytest.raises(ValueError):
+            await member.averager.step(weight=0.0)
+        with pytest.raises(ValueError):
+            await member.averager.step(epoch=-1)
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(member.averager.step)
+            await trio.testing.wait_all_tasks_blocked()
+            with pytest.raises(RuntimeError):
+                await member.averager.step()
+        with trio.fail_after(5):  # the caller's deadline is the default timeout
+            info = await member.averager.step()
+        assert info.outcome is Outcome.ALONE
+
+
+async def test_consecutive_steps_in_one_slot_and_a_peer_that_left(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Fast steps reuse a slot's key; what a departed peer left there must not matter."""
+    with trio.fail_after(120):
+        async with memnet_swarm(3) as (_, nodes):
+            members = make_members(nodes, 500, fast_config(gather_window=4.0))
+            for _ in range(2):
+                results = await step_all(members, timeout=20.0)
+                assert {info.round for info, _ in results}.__len__() == 1  # type: ignore[union-attr]
+                assert all(info.outcome is Outcome.AVERAGED for info, _ in results)  # type: ignore[union-attr]
+            members[2].averager.close()  # leaves: its last declaration stays in the DHT
+            for _ in range(2):
+                for m in members[:2]:
+                    m.data = m.array.copy()
+                results = await step_all(members[:2], timeout=20.0)
+                infos = [info for info, _ in results]
+                verify_round(members[:2], infos)  # type: ignore[arg-type]
+                for info, elapsed in results:
+                    assert info is not None and info.outcome is Outcome.AVERAGED
+                    assert len(info.group) == 2 and elapsed <= 1.5 * 4.0 + 1.0
+
+
+async def test_a_newcomer_gets_into_a_swarm_whose_groups_are_full(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Established peers only count peers as far along as they are (rounds done); a
+    newcomer catches up on that count, so it is grouped by its next step at the latest."""
+    with trio.fail_after(120):
+        async with memnet_swarm(4) as (_, nodes):
+            members = make_members(nodes, 600, fast_config(group_size=3))
+            for _ in range(2):
+                results = await step_all(members[:3], timeout=20.0)
+                assert all(info.outcome is Outcome.AVERAGED for info, _ in results)  # type: ignore[union-attr]
+            for m in members:
+                m.data = m.array.copy()
+            outcomes = []
+            for _ in range(2):
+                results = await step_all(members, timeout=20.0)
+                infos = [info for info, _ in results]
+                verify_round(members, infos)  # type: ignore[arg-type]
+                outcomes.append(infos[3].outcome)  # type: ignore[union-attr]
+                for m in members:
+                    m.data = m.array.copy()
+            assert Outcome.AVERAGED in outcomes
+            assert outcomes[-1] is Outcome.AVERAGED

@@ -1,0 +1,291 @@
+"""The Averager: average a list of tensors in place with whoever is ready at the same time.
+
+    averager = Averager(node, prefix="run1/grads", tensors=[p.grad for p in params],
+                        codec="int8", group_size=16, max_staleness=2)
+    info = await averager.step(weight=32.0, epoch=7, timeout=30.0)
+    info.averaged_fraction        # 1.0 when every part was averaged over the whole group
+
+One step: copy the tensors into the flat buffer, find a group (matchmaking), run the
+butterfly all-reduce (butterfly, reducing), copy back exactly the spans that were averaged,
+and report what happened (report). Nothing waits beyond ``timeout``.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import time
+from collections.abc import AsyncIterator, Sequence
+from contextlib import aclosing
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import numpy as np
+import torch
+import trio
+
+from peer import BackgroundPeer, Peer, RemoteError, Reply, Request
+from protocol.codecs import get_codec
+from protocol.errors import RemoteProtocolError
+
+from .butterfly import Butterfly
+from .config import AveragerConfig
+from .grouping import Declaration
+from .layout import FlatVector, Float32Array, as_tensors
+from .matchmaking import Matchmaker
+from .messages import ChunkHeader, method_prefix
+from .plan import Liveness, Plan
+from .reducing import ReducerService
+from .report import AveragingInfo, Outcome, merge_dropped, outcome_of
+
+logger = logging.getLogger(__name__)
+
+_CLOCK_OFFSETS: dict[int, tuple[object, float]] = {}
+
+
+def wall_clock() -> float:
+    """Unix time read through trio's clock (virtual under ``MockClock``, real otherwise)."""
+    clock = trio.lowlevel.current_clock()
+    entry = _CLOCK_OFFSETS.get(id(clock))
+    if entry is None or entry[0] is not clock:
+        entry = _CLOCK_OFFSETS[id(clock)] = (clock, time.time() - trio.current_time())
+    return trio.current_time() + entry[1]
+
+
+@dataclass
+class _Active:
+    """The round this averager is in, as the RPC handlers see it."""
+
+    round: int
+    ready: trio.Event = field(default_factory=trio.Event)
+    service: ReducerService | None = None
+
+
+class Averager:
+    """Averages ``tensors`` (in place) with peers that step under the same ``prefix``.
+
+    Args:
+        node: a running peer: ``peer.open_peer`` (then ``await step()``), or
+            ``peer.run_in_background`` for plain scripts (then ``step_blocking()``).
+        prefix: names the averaged quantity; peers with the same prefix average together
+            (their tensor shapes, dtypes and codec must match).
+        tensors: CPU, contiguous, floating torch tensors or numpy arrays; averaged in place.
+        codec, group_size, max_staleness: shortcuts for the same ``AveragerConfig`` fields.
+        config: everything else.
+
+    Raises:
+        TypeError, ValueError: for unusable tensors or config.
+    """
+
+    def __init__(
+        self,
+        node: Peer | BackgroundPeer,
+        prefix: str,
+        tensors: Sequence[torch.Tensor | np.ndarray[Any, Any]],
+        *,
+        codec: str | None = None,
+        group_size: int | None = None,
+        max_staleness: int | None = None,
+        config: AveragerConfig | None = None,
+    ) -> None:
+        config = config or AveragerConfig()
+        overrides: dict[str, Any] = {
+            "codec": codec,
+            "group_size": group_size,
+            "max_staleness": max_staleness,
+        }
+        config = replace(config, **{k: v for k, v in overrides.items() if v is not None})
+        self._background = node if isinstance(node, BackgroundPeer) else None
+        if isinstance(node, BackgroundPeer):
+            node = node.peer
+        self.node = node
+        self.prefix = prefix
+        self.config = config
+        self.flat = FlatVector(as_tensors(tensors))
+        self.codec = get_codec(config.codec, **config.codec_params)
+        self.layout = self.flat.layout
+        self.layout_id = self.layout.fingerprint(f"{self.codec!r}")
+        client = node.client_mode if config.client_mode is None else config.client_mode
+        self.client_mode = client or node.rpc.listen_address is None
+        self._methods = method_prefix(prefix)
+        self._matchmaker = Matchmaker(
+            node, prefix, config, self.flat.total, config.clock or wall_clock
+        )
+        self._count = 0
+        self._active: _Active | None = None
+        self._busy = False
+        self._closed = False
+        chunk = config.chunk_elements
+        self._scratch: Float32Array = np.empty(chunk, dtype=np.float32)
+        self._zeros: Float32Array = np.zeros(chunk, dtype=np.float32)
+        if self._background is not None:  # the registry belongs to the peer's thread
+            self._background.run_sync(self._register)
+        else:
+            self._register()
+
+    def _register(self) -> None:
+        rpc = self.node.rpc
+        rpc.register(f"{self._methods}.ping", self._on_ping)
+        rpc.register(f"{self._methods}.join", self._on_join)
+        rpc.register(f"{self._methods}.chunk", self._on_chunk)
+        rpc.register_stream(f"{self._methods}.result", self._on_result)
+
+    def __repr__(self) -> str:
+        return f"<Averager {self.prefix!r}: {self.layout.describe()}, codec {self.codec.name}>"
+
+    def close(self) -> None:
+        """Stop serving this averager's RPCs (they answer ``not_found`` from now on)."""
+        self._closed = True
+
+    # -- the step ------------------------------------------------------------------------
+
+    async def step(
+        self,
+        weight: float = 1.0,
+        epoch: int = 0,
+        timeout: float | None = None,  # noqa: ASYNC109 - the step splits it between phases
+    ) -> AveragingInfo:
+        """Average the tensors with a group of peers; returns within ``timeout`` seconds.
+
+        Args:
+            weight: this peer's share of the weighted mean (e.g. its sample count).
+            epoch: this peer's training epoch (staleness is measured against the group's).
+            timeout: seconds for the whole step. Default: the caller's cancel-scope deadline
+                when it has one, else ``config.default_timeout``.
+
+        Raises:
+            ValueError: for a non-positive weight, a negative epoch or timeout.
+            RuntimeError: if another step of this averager is running, or it was closed.
+            LayoutMismatchError: the peers of the round average another tensor layout or
+                codec under this prefix.
+        """
+        if not (math.isfinite(weight) and weight > 0):
+            raise ValueError(f"weight must be a positive number, got {weight}")
+        if type(epoch) is not int or epoch < 0:
+            raise ValueError(f"epoch must be a non-negative int, got {epoch!r}")
+        if timeout is None:
+            left = trio.current_effective_deadline() - trio.current_time()
+            timeout = left if math.isfinite(left) else self.config.default_timeout
+        elif not timeout > 0:
+            raise ValueError("timeout must be positive")
+        if self._busy or self._closed:
+            raise RuntimeError("the averager is closed or already in a step")
+        self._busy = True
+        try:
+            return await self._step(float(weight), epoch, trio.current_time() + timeout)
+        finally:
+            if self._active is not None:
+                self._active.ready.set()
+                self._active = None
+            self._busy = False
+
+    def step_blocking(
+        self, weight: float = 1.0, epoch: int = 0, timeout: float | None = None
+    ) -> AveragingInfo:
+        """:meth:`step` for plain scripts: runs it on the background peer's loop and blocks.
+
+        Raises:
+            RuntimeError: if the averager was not made with a ``peer.run_in_background`` peer
+                (or as :meth:`step`).
+            ValueError, LayoutMismatchError: as :meth:`step`.
+        """
+        if self._background is None:
+            raise RuntimeError("step_blocking needs a peer from peer.run_in_background")
+        return self._background.run(self.step, weight, epoch, timeout)
+
+    async def _step(self, weight: float, epoch: int, deadline: float) -> AveragingInfo:
+        t0 = trio.current_time()
+        me = Declaration(
+            self.node.peer_id,
+            None if self.client_mode else self.node.address,
+            weight,
+            epoch,
+            self.config.bandwidth,
+            self.layout_id,
+            self._count,
+            self.flat.total,
+        )
+        match = await self._matchmaker.find_group(me, deadline, on_round=self._enter_round)
+        t1 = trio.current_time()
+        # Rounds the swarm has done (the grid phase): catch up if we are behind.
+        self._count = max(self._count, self._matchmaker.seen_count)
+        withdraw_by = min(deadline, t1 + self.config.join_timeout)
+        if match.confirmation is None:
+            await self._matchmaker.withdraw(match.round, withdraw_by)
+            outcome = Outcome.ALONE if match.alone else Outcome.UNCONFIRMED
+            return AveragingInfo(
+                outcome, match.round, (me.peer_id,), match.leader, (), self.flat.total,
+                epoch=epoch, matchmaking_s=t1 - t0, note=match.note,
+            )  # fmt: skip
+        conf = match.confirmation
+        plan = Plan.of(conf, me.peer_id, self.config)
+        self._count = max(self._count, max(m.count for m in conf.members) + 1)
+        self.flat.load()
+        deadline = min(deadline, t1 + conf.budget)
+        cutoff = t1 + (deadline - t1) * (1 - self.config.result_share)
+        liveness = Liveness(self.node, plan, f"{self._methods}.ping", self.config.stall_timeout / 2)
+        service = None
+        if plan.my_part is not None:
+            service = ReducerService(
+                plan, plan.my_part, self.flat, self.codec, self.config, liveness,
+                self._scratch,
+            )  # fmt: skip
+        assert self._active is not None
+        self._active.service = service
+        self._active.ready.set()
+        butterfly = Butterfly(
+            self.node, plan, self.flat, self.codec, self.config, self._methods, service,
+            liveness, self._zeros,
+        )  # fmt: skip
+        async with trio.open_nursery() as nursery:  # the DHT store runs beside the butterfly
+            nursery.start_soon(self._matchmaker.withdraw, match.round, max(withdraw_by, cutoff))
+            parts = await butterfly.run(cutoff, deadline)
+        for part in parts:
+            if part.received:
+                self.flat.store(part.span)
+        return AveragingInfo(
+            outcome_of(parts, self.flat.total), conf.round, plan.group, match.leader, parts,
+            self.flat.total, epoch=plan.max_epoch, matchmaking_s=t1 - t0,
+            allreduce_s=trio.current_time() - t1, dropped=merge_dropped(parts),
+        )  # fmt: skip
+
+    def _enter_round(self, number: int) -> None:
+        if self._active is not None:
+            self._active.ready.set()
+        self._active = _Active(number)
+
+    # -- RPC handlers --------------------------------------------------------------------
+
+    async def _on_ping(self, request: Request) -> Reply:
+        return Reply({})
+
+    async def _on_join(self, request: Request) -> Reply:
+        if self._closed:
+            raise RemoteError("not_found", "averager closed")
+        return await self._matchmaker.on_join(request)
+
+    async def _service(self, round_no: int) -> ReducerService:
+        active = self._active
+        if self._closed or active is None or active.round != round_no:
+            raise RemoteError("not_found", f"not in round {round_no}")
+        await active.ready.wait()
+        if active.service is None:
+            raise RemoteError("bad_request", "no part is reduced here")
+        return active.service
+
+    async def _on_chunk(self, request: Request) -> Reply:
+        header = ChunkHeader.from_body(request.body)
+        service = await self._service(header.round)
+        return await service.on_chunk(request.peer_id, header, request.payload)
+
+    async def _on_result(self, request: Request) -> AsyncIterator[Reply]:
+        body = request.body
+        round_no, part = body.get("round"), body.get("part")
+        if type(round_no) is not int or type(part) is not int:
+            raise RemoteProtocolError("a result request names a round and a part")
+        service = await self._service(round_no)
+        if part != service.part or service.plan.member(request.peer_id) is None:
+            raise RemoteError("bad_request", f"part {part} is not reduced here for you")
+        async with aclosing(service.results(request.peer_id)) as items:
+            async for item in items:
+                yield item

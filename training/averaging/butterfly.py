@@ -1,0 +1,237 @@
+"""One butterfly all-reduce round, the member side: send every part, fetch every mean.
+
+    for each part j (reduced by member j), concurrently:
+        upload:   chunks of flat[span j], encoded, several calls in flight -> member j
+        download: member j's result stream -> decoded straight into flat[span j]
+    our own part: a ReducerService (see reducing) runs beside them
+
+A part whose upload failed is still downloaded (the reducer averaged the others). A part
+whose download did not complete keeps our local values: ``FlatVector.store`` copies back
+into the tensors only the spans that were fully received, so the tensors are exactly what
+the report says. Everything ends by the round's deadline.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+
+import trio
+
+from peer import Peer, PeerUnavailableError, RemoteError
+from protocol.address import Address
+from protocol.codecs import Codec, NonFiniteError
+from protocol.errors import ProtocolError, RemoteProtocolError
+
+from .config import AveragerConfig
+from .layout import FlatVector, Float32Array, chunk_count, chunk_span
+from .messages import ChunkHeader, ResultHeader
+from .plan import Liveness, Plan
+from .reducer import DropReason, all_finite
+from .reducing import ReducerService
+from .report import PartReport, part_status
+
+logger = logging.getLogger(__name__)
+
+
+class Butterfly:
+    """Runs one round for this member (its reducer, if any, is ``self.service``)."""
+
+    def __init__(
+        self,
+        node: Peer,
+        plan: Plan,
+        flat: FlatVector,
+        codec: Codec,
+        config: AveragerConfig,
+        methods: str,
+        service: ReducerService | None,
+        liveness: Liveness,
+        zeros: Float32Array,
+    ) -> None:
+        self.node = node
+        self.plan = plan
+        self.flat = flat
+        self.codec = codec
+        self.config = config
+        self.methods = methods
+        self.service = service
+        self.liveness = liveness
+        self._zeros = zeros
+        self.reports: dict[int, PartReport] = {}
+        remote = max(1, len(plan.reducers) - (service is not None))
+        self.per_part_inflight = max(1, math.ceil(config.max_inflight / remote))
+        self._downloads = trio.Semaphore(config.max_downloads)
+
+    async def run(self, cutoff: float, deadline: float) -> tuple[PartReport, ...]:
+        with trio.move_on_at(deadline):
+            async with trio.open_nursery() as nursery:
+                if self.service is not None:
+                    nursery.start_soon(self._reduce, cutoff)
+                for index, reducer in enumerate(self.plan.reducers):
+                    if reducer.peer_id != self.plan.me:
+                        nursery.start_soon(self._exchange, index)
+        for index in range(len(self.plan.reducers)):
+            if index not in self.reports:
+                self.reports[index] = self._report(index, None, False, "the deadline passed")
+        return tuple(self.reports[i] for i in range(len(self.plan.reducers)))
+
+    def _report(
+        self, index: int, header: ResultHeader | None, received: bool, note: str = ""
+    ) -> PartReport:
+        reducer = self.plan.reducers[index].peer_id
+        contributors = header.contributors if header is not None else ()
+        dropped = dict(header.dropped) if header is not None else {}
+        if not received and reducer in self.liveness.bad:
+            dropped.setdefault(reducer, self.liveness.bad[reducer])
+        return PartReport(
+            index=index,
+            reducer=reducer,
+            span=self.plan.spans[index],
+            status=part_status(self.plan.group, contributors, received),
+            contributors=contributors,
+            dropped=dropped,
+            received=received,
+            weight=header.weight if header is not None else 0.0,
+            note="" if received else note,
+        )
+
+    async def _reduce(self, cutoff: float) -> None:
+        assert self.service is not None
+        part = self.service.part
+        outcome = await self.service.reduce(cutoff)
+        received = outcome.weight > 0
+        self.reports[part] = self._report(part, self.service.header, received, "no contributions")
+        await self.service.serve()
+
+    # -- one remote part -----------------------------------------------------------------
+
+    async def _exchange(self, index: int) -> None:
+        reducer = self.plan.reducers[index]
+        assert reducer.address is not None
+        address = Address.parse(reducer.address)
+        encoded = trio.Event()  # our values of the part are all encoded: results may land
+        async with trio.open_nursery() as nursery:
+            if self.plan.weights[self.plan.me] is not None:
+                nursery.start_soon(self._upload, index, address, encoded)
+            else:
+                encoded.set()
+            header, received, note = await self._download(index, address, encoded)
+        self.reports[index] = self._report(index, header, received, note)
+
+    async def _upload(self, index: int, address: Address, encoded: trio.Event) -> None:
+        """Send our values of part ``index``; stops early when the reducer is gone or has
+        dropped us (what it did with them, its result header will say). Sets ``encoded``
+        once the flat vector's span is no longer read (every blob is a copy)."""
+        try:
+            await self._send_part(index, address, encoded)
+        finally:
+            encoded.set()
+
+    async def _send_part(self, index: int, address: Address, encoded: trio.Event) -> None:
+        reducer = self.plan.reducers[index].peer_id
+        start, stop = self.plan.spans[index]
+        length = stop - start
+        me = self.plan.member(self.plan.me)
+        assert me is not None
+        progress = [trio.current_time()]
+        slots = trio.Semaphore(self.per_part_inflight)
+        check_finite = self.codec.name in ("none", "float16")
+
+        async def send(body: dict[str, object], blob: bytes, scope: trio.CancelScope) -> None:
+            try:
+                await self.node.rpc.call(address, f"{self.methods}.chunk", body, blob)
+                progress[0] = trio.current_time()
+            except RemoteError as exc:
+                logger.debug("round %d: part %d refused: %s", self.plan.round, index, exc)
+                scope.cancel()
+            except PeerUnavailableError:
+                self.liveness.mark(reducer, DropReason.DEAD)
+                scope.cancel()
+            finally:
+                slots.release()
+
+        async with trio.open_nursery() as outer:
+            stall = self.config.stall_timeout
+            outer.start_soon(self.liveness.watch, reducer, progress, stall, outer.cancel_scope)
+            async with trio.open_nursery() as senders:
+                for chunk in range(chunk_count(length, self.config.chunk_elements)):
+                    a, b = chunk_span(length, self.config.chunk_elements, chunk)
+                    values = self.flat.array[start + a : start + b]
+                    header = ChunkHeader(self.plan.round, index, chunk, me.epoch, me.weight)
+                    await slots.acquire()  # released by send() when its call is over
+                    try:
+                        if check_finite and not all_finite(values, self._zeros[: b - a]):
+                            raise NonFiniteError("NaN or infinity")
+                        blob = self.codec.encode(values)
+                    except NonFiniteError:  # withdraw from the part instead
+                        abort = ChunkHeader(
+                            self.plan.round, index, chunk, me.epoch, me.weight, DropReason.NONFINITE
+                        )
+                        senders.start_soon(send, abort.to_body(), b"", senders.cancel_scope)
+                        break
+                    senders.start_soon(send, header.to_body(), blob, senders.cancel_scope)
+                encoded.set()
+            outer.cancel_scope.cancel()
+
+    async def _download(
+        self, index: int, address: Address, encoded: trio.Event
+    ) -> tuple[ResultHeader | None, bool, str]:
+        """Fetch the mean of part ``index`` into the flat vector (once ``encoded``)."""
+        reducer = self.plan.reducers[index].peer_id
+        start, stop = self.plan.spans[index]
+        length = stop - start
+        expected_chunks = chunk_count(length, self.config.chunk_elements)
+        progress = [trio.current_time()]
+        header: ResultHeader | None = None
+        received = False
+        note = "the reducer did not answer in time"
+        async with self._downloads, trio.open_nursery() as nursery:
+            nursery.start_soon(
+                self.liveness.watch,
+                reducer,
+                progress,
+                self.config.stall_timeout,
+                nursery.cancel_scope,
+            )
+            try:
+                body = {"round": self.plan.round, "part": index}
+                async with self.node.rpc.stream(address, f"{self.methods}.result", body) as items:
+                    chunk = -1
+                    async for item in items:
+                        progress[0] = trio.current_time()
+                        if header is None:
+                            header = ResultHeader.from_body(item.body)
+                            self._check_header(header, expected_chunks)
+                            continue
+                        await encoded.wait()
+                        chunk += 1
+                        if item.body.get("chunk") != chunk or chunk >= header.chunks:
+                            raise RemoteProtocolError("result chunks out of order")
+                        a, b = chunk_span(length, self.config.chunk_elements, chunk)
+                        target = self.flat.array[start + a : start + b]
+                        self.codec.decode_into(item.payload, target)
+                        if not all_finite(target, self._zeros[: b - a]):
+                            raise RemoteProtocolError("the reducer sent non-finite values")
+                    if header is None:
+                        raise RemoteProtocolError("empty result stream")
+                    received = header.weight > 0 and chunk + 1 == header.chunks
+                    note = "" if received else "the reducer had no contributions"
+            except RemoteError as exc:
+                note = f"the reducer refused: {exc}"
+            except PeerUnavailableError as exc:
+                self.liveness.mark(reducer, DropReason.DEAD)
+                note = f"the reducer is unreachable: {exc}"
+            except ProtocolError as exc:
+                note = f"the reducer sent garbage: {exc}"
+                self.liveness.mark(reducer, DropReason.GARBAGE)
+            nursery.cancel_scope.cancel()
+        if not received and reducer in self.liveness.bad:
+            note = f"the reducer is {self.liveness.bad[reducer]}"
+        return header, received, note
+
+    def _check_header(self, header: ResultHeader, expected_chunks: int) -> None:
+        group = set(self.plan.group)
+        named = set(header.contributors) | {p for p, _ in header.dropped}
+        if not named <= group or header.chunks not in (0, expected_chunks):
+            raise RemoteProtocolError("the result header does not match the group")

@@ -1,0 +1,79 @@
+"""The averager's one config dataclass."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from protocol.codecs import CODEC_NAMES
+
+MiB = 1 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class AveragerConfig:
+    """Tuning of one :class:`~training.averaging.Averager`. Every time is in seconds.
+
+    The step's own ``timeout`` bounds everything; the knobs below split it.
+    """
+
+    group_size: int = 16  # most peers in one all-reduce group (Moshpit grid across rounds)
+    codec: str = "none"  # "none", "float16", "int8" or "topk": part of the round metadata
+    codec_params: dict[str, Any] = field(default_factory=dict)  # e.g. {"fraction": 0.01}
+    max_staleness: int = 2  # S: contributions older than max_epoch_in_group - S are dropped
+    staleness_decay: float = 0.5  # weight x decay**staleness for accepted stale contributions
+    # Rendezvous slot: a lone peer waits between window/2 and 1.5*window for partners; peers
+    # arriving while a round is open join it. Closes early when everybody seen last round is back.
+    gather_window: float = 2.0
+    join_timeout: float = 1.0  # a leader waits this long after closing for expected members
+    # A sender that delivers nothing for this long is dropped from the part ("frozen" when a
+    # ping goes unanswered too, "dead" when its host refuses). Also bounds idle downloads.
+    stall_timeout: float = 5.0
+    # Share of the all-reduce budget that reducers leave for streaming results back: they stop
+    # accepting contributions once (1 - result_share) of the budget has passed.
+    result_share: float = 0.35
+    default_timeout: float = 60.0  # step() timeout when none is given
+    bandwidth: float = 1.0  # declared throughput (any unit, same for all): part sizes follow it
+    client_mode: bool | None = None  # sender only (no part); None: same as the node
+    chunk_bytes: int = 1 * MiB  # float32 bytes per chunk on the wire (before compression)
+    max_inflight: int = 16  # chunk uploads in flight per peer, all parts together
+    max_downloads: int = 8  # result streams read at once per peer
+    # Received chunks are kept until their sender's whole part arrived, so that a sender that
+    # fails mid-part can be taken out exactly. Reducers admit senders while the retained bytes
+    # fit this budget (one sender always fits). None: max(64 MiB, a quarter of the vector).
+    retain_budget: int | None = None
+    # Unix-time clock that every peer of a run agrees on (rendezvous slots). None: wall time,
+    # read through trio's clock so that virtual-time tests (MockClock) work too.
+    clock: Callable[[], float] | None = None
+
+    def __post_init__(self) -> None:
+        if self.group_size < 2:
+            raise ValueError("AveragerConfig.group_size must be at least 2")
+        if self.codec not in CODEC_NAMES:
+            raise ValueError(f"AveragerConfig.codec must be one of {CODEC_NAMES}")
+        if self.max_staleness < 0:
+            raise ValueError("AveragerConfig.max_staleness must be >= 0")
+        if not 0.0 < self.staleness_decay <= 1.0:
+            raise ValueError("AveragerConfig.staleness_decay must be in (0, 1]")
+        for name in ("gather_window", "join_timeout", "stall_timeout", "default_timeout"):
+            value = getattr(self, name)
+            if not (math.isfinite(value) and value > 0):
+                raise ValueError(f"AveragerConfig.{name} must be a positive number")
+        if not 0.0 < self.result_share < 1.0:
+            raise ValueError("AveragerConfig.result_share must be in (0, 1)")
+        if not (math.isfinite(self.bandwidth) and self.bandwidth > 0):
+            raise ValueError("AveragerConfig.bandwidth must be a positive number")
+        if self.chunk_bytes < 4096 or self.chunk_bytes % 4:
+            raise ValueError("AveragerConfig.chunk_bytes must be a multiple of 4, >= 4096")
+        if self.chunk_bytes > 2 * MiB:
+            raise ValueError("AveragerConfig.chunk_bytes must fit a frame (<= 2 MiB)")
+        if self.max_inflight < 1 or self.max_downloads < 1:
+            raise ValueError("AveragerConfig.max_inflight and max_downloads must be >= 1")
+        if self.retain_budget is not None and self.retain_budget < 0:
+            raise ValueError("AveragerConfig.retain_budget must be >= 0")
+
+    @property
+    def chunk_elements(self) -> int:
+        return self.chunk_bytes // 4

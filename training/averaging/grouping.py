@@ -1,0 +1,219 @@
+"""Matchmaking rules, pure: declarations, rendezvous rounds, the Moshpit grid, leaders.
+
+Rounds. Round ``r`` of an averager is the DHT key ``{prefix}/round/{r}``; it *closes* at
+unix time ``r * window``. A peer that becomes ready at time ``t`` joins the round that closes
+next if that is at least ``window / 2`` away, or if somebody has already declared in it and
+it is still ``margin`` away; otherwise the round after. So peers that step within about half
+a window of each other meet, a lone peer waits between ``window / 2`` and ``1.5 * window``,
+and nobody needs a counter that all peers must agree on.
+
+Groups. Everybody who declared in a round computes the same grouping from the same set:
+full (non-client) peers are ranked by ``sha256(seed | peer id)`` where the seed changes
+every ``d`` rounds, placed on a ``d``-dimensional grid of side ``m <= group_size``, and
+grouped by all coordinates but one; the free coordinate cycles with the shared ``phase``
+(the largest round count declared). After ``d`` rounds over a stable population every peer
+has (indirectly) averaged with every other. Client-mode peers join the smallest groups
+that have room. Each group's leader is its first non-client member in hash order.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections import Counter
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from protocol.address import Address
+from protocol.errors import ProtocolError, RemoteProtocolError
+from protocol.identity import PeerID
+
+MAX_EPOCH = 1 << 62
+
+
+@dataclass(frozen=True, slots=True)
+class Declaration:
+    """What a peer ready to average publishes for a round (value of its owner subkey)."""
+
+    peer_id: PeerID
+    address: str | None  # "PEERID@HOST:PORT", None for client mode
+    weight: float
+    epoch: int
+    bandwidth: float
+    layout: str  # TensorLayout fingerprint (shapes, dtypes, codec)
+    count: int  # rounds this averager has been through: the grid phase
+    total: int = 0  # elements in the flat vector (for error messages)
+
+    @property
+    def client_mode(self) -> bool:
+        return self.address is None
+
+    def to_wire(self) -> dict[str, Any]:
+        return {
+            "address": self.address,
+            "weight": self.weight,
+            "epoch": self.epoch,
+            "bandwidth": self.bandwidth,
+            "client_mode": self.client_mode,
+            "layout": self.layout,
+            "count": self.count,
+            "total": self.total,
+        }
+
+    @classmethod
+    def from_wire(cls, peer_id: PeerID, value: Any) -> Declaration:
+        """Validate a declaration read from the DHT or an RPC body.
+
+        Raises:
+            RemoteProtocolError: on any missing, mistyped or out-of-range field.
+        """
+        if not isinstance(value, Mapping):
+            raise RemoteProtocolError("a declaration is a map")
+        try:
+            address = value["address"]
+            weight = float(value["weight"])
+            epoch = value["epoch"]
+            bandwidth = float(value["bandwidth"])
+            layout = value["layout"]
+            count = value["count"]
+            total = value.get("total", 0)
+            client_mode = value.get("client_mode", address is None)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise RemoteProtocolError(f"malformed declaration: {exc!r}") from None
+        if client_mode:
+            address = None
+        elif not isinstance(address, str):
+            raise RemoteProtocolError("a declaration without client mode needs an address")
+        else:
+            try:
+                Address.parse(address)
+            except ProtocolError as exc:
+                raise RemoteProtocolError(f"bad address in declaration: {exc}") from None
+        if not (math.isfinite(weight) and weight > 0):
+            raise RemoteProtocolError(f"declared weight {weight} is not positive")
+        if not (math.isfinite(bandwidth) and bandwidth > 0):
+            raise RemoteProtocolError(f"declared bandwidth {bandwidth} is not positive")
+        for name, number in (("epoch", epoch), ("count", count), ("total", total)):
+            if type(number) is not int or not 0 <= number < MAX_EPOCH:
+                raise RemoteProtocolError(f"declared {name} {number!r} is out of range")
+        if not isinstance(layout, str) or len(layout) > 64:
+            raise RemoteProtocolError("declared layout is not a short string")
+        return cls(peer_id, address, weight, epoch, bandwidth, layout, count, total)
+
+
+def parse_declarations(entries: Mapping[Any, Any]) -> list[Declaration]:
+    """The valid declarations among DHT ``{subkey: value}`` entries (others are skipped)."""
+    out: list[Declaration] = []
+    for subkey, value in entries.items():
+        if not isinstance(subkey, str):
+            continue
+        try:
+            out.append(Declaration.from_wire(PeerID.from_base58(subkey), value))
+        except ProtocolError:
+            continue
+    return out
+
+
+def round_closing_after(now: float, window: float) -> int:
+    """The first round that closes strictly after ``now``."""
+    return math.floor(now / window) + 1
+
+
+def round_key(prefix: str, round_no: int) -> str:
+    return f"{prefix}/round/{round_no}"
+
+
+def rank_key(seed: bytes, peer_id: PeerID) -> bytes:
+    return hashlib.sha256(seed + peer_id.raw).digest()
+
+
+def grid_shape(n: int, group_size: int) -> tuple[int, int]:
+    """``(d, m)``: the fewest dimensions ``d`` with ``group_size**d >= n``, and the smallest
+    side ``m`` with ``m**d >= n``."""
+    d = 1
+    while group_size**d < n:
+        d += 1
+    m = max(1, math.ceil(n ** (1.0 / d)))
+    while m**d < n:
+        m += 1
+    while m > 1 and (m - 1) ** d >= n:
+        m -= 1
+    return d, m
+
+
+def make_groups(
+    declarations: Sequence[Declaration], group_size: int, prefix: str
+) -> list[list[Declaration]]:
+    """Deterministic grouping of one round's declarations (same input, same output).
+
+    Peers are first split by layout fingerprint (only equal layouts average together); each
+    group is sorted in hash order (leader first).
+    """
+    by_layout: dict[str, list[Declaration]] = {}
+    for decl in sorted(declarations, key=lambda d: d.peer_id.raw):
+        by_layout.setdefault(decl.layout, []).append(decl)
+    groups: list[list[Declaration]] = []
+    for layout in sorted(by_layout):
+        groups.extend(_group_one_layout(by_layout[layout], group_size, prefix))
+    return groups
+
+
+def _group_one_layout(
+    decls: list[Declaration], group_size: int, prefix: str
+) -> list[list[Declaration]]:
+    full = [d for d in decls if not d.client_mode]
+    clients = [d for d in decls if d.client_mode]
+    phase = max((d.count for d in decls), default=0)
+    d, m = grid_shape(max(len(full), 1), group_size)
+    block_seed = hashlib.sha256(f"{prefix}|grid|{phase // d}".encode()).digest()
+    round_seed = hashlib.sha256(f"{prefix}|round|{phase}".encode()).digest()
+    ranked = sorted(full, key=lambda x: rank_key(block_seed, x.peer_id))
+    free_axis = phase % d
+    cells: dict[tuple[int, ...], list[Declaration]] = {}
+    for rank, decl in enumerate(ranked):
+        digits = [(rank // m**axis) % m for axis in range(d)]
+        digits[free_axis] = -1
+        cells.setdefault(tuple(digits), []).append(decl)
+    groups = [cells[key] for key in sorted(cells)]
+    _merge_singletons(groups, group_size)
+    clients.sort(key=lambda x: rank_key(round_seed, x.peer_id))
+    leftovers: list[list[Declaration]] = []
+    for client in clients:
+        roomy = [g for g in groups if len(g) < group_size]
+        if roomy:
+            min(roomy, key=len).append(client)
+        else:
+            leftovers.append([client])  # no room: alone (and without a leader) this round
+    groups.extend(leftovers)
+    return [sorted(g, key=lambda x: rank_key(round_seed, x.peer_id)) for g in groups]
+
+
+def _merge_singletons(groups: list[list[Declaration]], group_size: int) -> None:
+    i = 0
+    while i < len(groups):
+        if len(groups[i]) == 1:
+            others = [g for j, g in enumerate(groups) if j != i and len(g) < group_size]
+            if others:
+                min(others, key=len).extend(groups.pop(i))
+                continue
+        i += 1
+
+
+def leader_of(group: Sequence[Declaration]) -> Declaration | None:
+    """The first non-client member (groups are already in hash order), or None."""
+    return next((d for d in group if not d.client_mode), None)
+
+
+def find_group(
+    groups: Sequence[Sequence[Declaration]], peer_id: PeerID
+) -> Sequence[Declaration] | None:
+    return next((g for g in groups if any(d.peer_id == peer_id for d in g)), None)
+
+
+def majority_layout(declarations: Sequence[Declaration]) -> str | None:
+    """The most common layout fingerprint (ties: the smallest), or None when empty."""
+    counts = Counter(d.layout for d in declarations)
+    if not counts:
+        return None
+    return min(counts, key=lambda layout: (-counts[layout], layout))

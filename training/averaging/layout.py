@@ -1,0 +1,182 @@
+"""The flat vector: tensors laid end to end, split into parts and chunks.
+
+Every tensor is viewed as 1-d and copied into one reused float32 buffer (``FlatVector``);
+the all-reduce works on spans ``[start, stop)`` of that buffer. Part ``i`` is reduced by
+the ``i``-th reducing member; parts are cut in proportion to declared bandwidth and travel
+in chunks of ``chunk_elements``::
+
+    flat  |-------- part 0 --------|---- part 1 ----|------ part 2 ------|
+    part  |chunk 0|chunk 1|chunk 2 |
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, TypeAlias
+
+import numpy as np
+import numpy.typing as npt
+import torch
+
+Span: TypeAlias = tuple[int, int]
+Float32Array: TypeAlias = npt.NDArray[np.float32]
+
+ALIGN = 4096
+"""Part boundaries fall on multiples of this many elements when the vector is large enough
+(int8 blocks then never straddle parts)."""
+
+
+@dataclass(frozen=True, slots=True)
+class TensorLayout:
+    """Shapes and dtypes of the averaged tensors: peers must agree on it exactly."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...]
+
+    @classmethod
+    def of(cls, tensors: Sequence[torch.Tensor]) -> TensorLayout:
+        return cls(
+            tuple(tuple(t.shape) for t in tensors),
+            tuple(str(t.dtype).removeprefix("torch.") for t in tensors),
+        )
+
+    @property
+    def sizes(self) -> tuple[int, ...]:
+        return tuple(math.prod(shape) for shape in self.shapes)
+
+    @property
+    def total(self) -> int:
+        return sum(self.sizes)
+
+    def fingerprint(self, codec: str) -> str:
+        """A short hash of the layout and the codec (what must match to average together)."""
+        text = repr((self.shapes, self.dtypes, codec))
+        return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+    def describe(self) -> str:
+        return f"{len(self.shapes)} tensors, {self.total} elements"
+
+
+def as_tensors(tensors: Sequence[Any]) -> list[torch.Tensor]:
+    """Torch views of the user's tensors (numpy arrays are wrapped without copying).
+
+    Raises:
+        TypeError: if an item is neither a torch tensor nor a numpy array, or is not floating.
+        ValueError: if a tensor is not on the CPU, not contiguous, or the list is empty.
+    """
+    out: list[torch.Tensor] = []
+    for i, item in enumerate(tensors):
+        if isinstance(item, np.ndarray):
+            tensor = torch.from_numpy(item)
+        elif isinstance(item, torch.Tensor):
+            tensor = item.detach()
+        else:
+            raise TypeError(f"tensor {i} is a {type(item).__name__}, not a torch tensor or array")
+        if not tensor.is_floating_point():
+            raise TypeError(f"tensor {i} has dtype {tensor.dtype}: only floating tensors average")
+        if tensor.device.type != "cpu":
+            raise ValueError(f"tensor {i} is on {tensor.device}: move it to the CPU")
+        if not tensor.is_contiguous():
+            raise ValueError(f"tensor {i} is not contiguous")
+        out.append(tensor)
+    if not out:
+        raise ValueError("nothing to average: the tensor list is empty")
+    return out
+
+
+class FlatVector:
+    """A reused float32 buffer holding every tensor end to end, with copy in and out."""
+
+    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+        self.tensors = list(tensors)
+        self.layout = TensorLayout.of(self.tensors)
+        sizes = self.layout.sizes
+        self.offsets = tuple(int(x) for x in np.cumsum((0, *sizes)))
+        self.total = self.offsets[-1]
+        self.tensor = torch.empty(self.total, dtype=torch.float32)  # (total,)
+        self.array: Float32Array = self.tensor.numpy()
+
+    def load(self) -> None:
+        """Copy every tensor into the buffer."""
+        for tensor, start, stop in zip(self.tensors, self.offsets, self.offsets[1:], strict=False):
+            self.tensor[start:stop].copy_(tensor.view(-1))
+
+    def store(self, span: Span) -> None:
+        """Copy ``flat[span]`` back into the tensors it overlaps."""
+        start, stop = span
+        if start >= stop:
+            return
+        first = int(np.searchsorted(self.offsets, start, side="right")) - 1
+        for i in range(max(first, 0), len(self.tensors)):
+            t_start, t_stop = self.offsets[i], self.offsets[i + 1]
+            if t_start >= stop:
+                break
+            lo, hi = max(start, t_start), min(stop, t_stop)
+            if lo < hi:
+                self.tensors[i].view(-1)[lo - t_start : hi - t_start].copy_(self.tensor[lo:hi])
+
+
+def split_spans(total: int, bandwidths: Sequence[float], align: int = ALIGN) -> list[Span]:
+    """Cut ``[0, total)`` into one span per bandwidth, sizes in proportion to it.
+
+    Boundaries are multiples of ``align`` when every part can hold a few aligned blocks,
+    else of 1. Parts may be empty (a zero share). The last span ends at ``total``.
+
+    Raises:
+        ValueError: if there are no bandwidths, or one is negative or not finite, or all zero.
+    """
+    if not bandwidths:
+        raise ValueError("need at least one bandwidth")
+    if any(not math.isfinite(b) or b < 0 for b in bandwidths):
+        raise ValueError("bandwidths must be finite and non-negative")
+    weight = math.fsum(bandwidths)
+    if weight <= 0:
+        raise ValueError("at least one bandwidth must be positive")
+    unit = align if total >= align * len(bandwidths) * 4 else 1
+    units = -(-total // unit)
+    spans: list[Span] = []
+    start = 0
+    acc = 0.0
+    for i, bandwidth in enumerate(bandwidths):
+        acc += bandwidth
+        if i == len(bandwidths) - 1:
+            stop = total
+        else:
+            stop = min(total, max(start, round(units * acc / weight) * unit))
+        spans.append((start, stop))
+        start = stop
+    return spans
+
+
+def check_spans(spans: Sequence[Span], total: int) -> None:
+    """Check that ``spans`` tile ``[0, total)`` in order.
+
+    Raises:
+        ValueError: when they do not.
+    """
+    position = 0
+    for start, stop in spans:
+        if start != position or stop < start:
+            raise ValueError(f"spans {list(spans)} do not tile [0, {total})")
+        position = stop
+    if position != total:
+        raise ValueError(f"spans {list(spans)} do not tile [0, {total})")
+
+
+def chunk_count(length: int, chunk_elements: int) -> int:
+    """Number of chunks of a part of ``length`` elements."""
+    return -(-length // chunk_elements)
+
+
+def chunk_span(length: int, chunk_elements: int, index: int) -> Span:
+    """Span of chunk ``index`` inside a part of ``length`` elements (part-relative)."""
+    start = index * chunk_elements
+    return start, min(length, start + chunk_elements)
+
+
+def overlap(a: Span, b: Span) -> int:
+    """Number of elements two spans share."""
+    return max(0, min(a[1], b[1]) - max(a[0], b[0]))

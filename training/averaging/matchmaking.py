@@ -1,0 +1,369 @@
+"""Matchmaking over the DHT: declare for a round, gather, group, and confirm with the leader.
+
+    decl -> choose round r (see grouping) -> store {prefix}/round/{r}[my id] = decl
+         -> poll until r closes (or early: everybody seen last round is back)
+         -> make_groups(declared) -> my group and its leader
+         -> leader: wait for the expected members' join calls (at most join_timeout), then
+            answer every joiner with the final member list (GroupConfirmation)
+         -> member: call the leader's join and wait for that list
+
+A join call also wakes a leader that has not closed yet (its members already see the round
+as complete). A leader accepts any caller with the same layout while it has room and has
+not answered yet, so slightly different DHT views still end up in one group; a caller whose
+leader leads nothing is redirected once. Everything is bounded by the step's deadline.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import trio
+
+from peer import Peer, PeerUnavailableError, RemoteError, Reply, Request
+from protocol.address import Address
+from protocol.errors import ProtocolError
+from protocol.identity import PeerID
+
+from .config import AveragerConfig
+from .grouping import (
+    Declaration,
+    find_group,
+    leader_of,
+    make_groups,
+    parse_declarations,
+    round_closing_after,
+    round_key,
+)
+from .layout import split_spans
+from .messages import GroupConfirmation, JoinRequest, method_prefix
+
+logger = logging.getLogger(__name__)
+
+_DHT_SLACK = 30.0
+
+
+class LayoutMismatchError(ProtocolError):
+    """Peers under the same prefix average tensors of another layout or codec."""
+
+
+@dataclass
+class _Round:
+    """This peer's view of one round while it is in it."""
+
+    number: int
+    me: Declaration
+    closed: trio.Event = field(default_factory=trio.Event)
+    wake: trio.Event = field(default_factory=trio.Event)  # a joiner asks us to close now
+    leader: PeerID | None = None
+    leader_address: str | None = None
+    is_leader: bool = False
+    order: dict[PeerID, int] = field(default_factory=dict)  # position in the computed group
+    expected: set[PeerID] = field(default_factory=set)
+    joined: dict[PeerID, Declaration] = field(default_factory=dict)
+    changed: trio.Event = field(default_factory=trio.Event)
+    confirmation: GroupConfirmation | None = None
+    answered: trio.Event = field(default_factory=trio.Event)
+    budget: float = 0.0
+
+    def notify(self) -> None:
+        self.changed.set()
+        self.changed = trio.Event()
+
+
+@dataclass(frozen=True, slots=True)
+class MatchResult:
+    """A confirmed group, or why there is none (``confirmation`` None)."""
+
+    round: int
+    confirmation: GroupConfirmation | None
+    leader: PeerID | None
+    declared: int  # declarations seen in the round
+    note: str = ""
+    alone: bool = False
+    retry: bool = False  # the leader was no longer in the round: worth another round
+
+
+class Matchmaker:
+    """Finds a group for each step of one averager."""
+
+    def __init__(
+        self,
+        node: Peer,
+        prefix: str,
+        config: AveragerConfig,
+        total: int,
+        clock: Callable[[], float],
+    ) -> None:
+        self.node = node
+        self.prefix = prefix
+        self.config = config
+        self.total = total
+        self.clock = clock
+        self._views: list[int] = []  # declarations seen in the last rounds
+        self.seen_count = 0  # the largest round count the others declared in rounds we read
+        self._subkey = str(node.peer_id)
+        self.current: _Round | None = None
+
+    # -- member side ---------------------------------------------------------------------
+
+    async def find_group(
+        self, me: Declaration, deadline: float, on_round: Callable[[int], None]
+    ) -> MatchResult:
+        """Declare, gather, and get a confirmed group before ``deadline`` (trio time).
+
+        ``on_round(number)`` is called once the round is chosen, before declaring.
+
+        Raises:
+            LayoutMismatchError: every other peer of the round has another layout or codec,
+                or the leader refused ours.
+        """
+        window = self.config.gather_window
+        earliest = 0
+        while True:
+            number = max(await self._choose_round(deadline), earliest)
+            earliest = number + 1
+            state = _Round(number, me)
+            self.current = state
+            on_round(number)
+            try:
+                result = await self._run_round(state, deadline)
+            finally:
+                state.closed.set()
+                state.answered.set()
+                self.current = None
+            # The leader had left that round (we saw its declaration from an earlier step),
+            # answered already, or is gone: try the next round, time allowing.
+            logger.debug(
+                "round %d: %s (%d declared, leader %s)%s",
+                number,
+                "confirmed" if result.confirmation else result.note,
+                result.declared,
+                result.leader and result.leader.short(),
+                ", retrying" if result.retry else "",
+            )
+            if not result.retry or deadline - trio.current_time() < 2 * window:
+                return result
+            await self.withdraw(number, min(deadline, trio.current_time() + window / 4))
+
+    async def withdraw(self, number: int, deadline: float) -> None:
+        """Replace our declaration in round ``number`` by a "done" marker (the caller runs
+        this once the round is decided): a later step reusing the slot's key, or a peer that
+        reads it late, must not take us for a peer still waiting there."""
+        key = round_key(self.prefix, number)
+        with trio.move_on_at(deadline):
+            await self.node.dht.store(key, {"done": True}, ttl=self._ttl(), subkey=self._subkey)
+
+    def _ttl(self) -> float:
+        # Long enough to outlive slow DHT operations (an unresponsive node costs a request
+        # timeout per lookup). Counted from the store, so that a later store under the same
+        # subkey (done marker, next step in the same slot) expires later and replaces it.
+        return 3 * self.config.gather_window + self.config.join_timeout + _DHT_SLACK
+
+    async def _choose_round(self, deadline: float) -> int:
+        window = self.config.gather_window
+        now = self.clock()
+        number = round_closing_after(now, window)
+        if number * window - now < window / 2:
+            margin = number * window - now >= window / 8
+            if not (margin and await self._declared(number, deadline)):
+                number += 1
+        return number
+
+    async def _declared(self, number: int, deadline: float) -> bool:
+        with trio.move_on_at(deadline):
+            entries = await self.node.dht.get_entries(round_key(self.prefix, number))
+            return bool(parse_declarations({s: v for s, (v, _) in entries.items()}))
+        return False
+
+    async def _run_round(self, state: _Round, deadline: float) -> MatchResult:
+        window, key = self.config.gather_window, round_key(self.prefix, state.number)
+        close_in = state.number * window - self.clock()
+        close_at = trio.current_time() + close_in
+        with trio.move_on_at(deadline):
+            await self.node.dht.store(key, state.me.to_wire(), ttl=self._ttl(), subkey=self._subkey)
+        # A slow store (an unresponsive DHT node) means the others' stores are slow too:
+        # give them a moment to land before reading.
+        settle = window / 4
+        close_at = max(close_at, trio.current_time() + settle)
+        declared = await self._gather(state, key, min(close_at, deadline), deadline)
+        if not any(d.peer_id == state.me.peer_id for d in declared):
+            declared.append(state.me)
+        self._views = [*self._views[-2:], len(declared)]
+        groups = make_groups(declared, self.config.group_size, self.prefix)
+        others = [d for d in declared if d.peer_id != state.me.peer_id]
+        if others and all(d.layout != state.me.layout for d in others):
+            raise LayoutMismatchError(
+                f"every other peer under {self.prefix!r} has another tensor layout or codec "
+                f"(ours: {state.me.total} elements, {state.me.layout}; theirs: "
+                f"{sorted({(d.total, d.layout) for d in others})})"
+            )
+        group = find_group(groups, state.me.peer_id) or [state.me]
+        leader = leader_of(group)
+        state.leader = None if leader is None else leader.peer_id
+        state.leader_address = None if leader is None else leader.address
+        state.order = {d.peer_id: i for i, d in enumerate(group)}
+        if leader is None or len(group) < 2:
+            state.closed.set()
+            return MatchResult(state.number, None, None, len(declared), "no partner", alone=True)
+        if leader.peer_id == state.me.peer_id:
+            state.is_leader = True
+            state.expected = {d.peer_id for d in group} - {state.me.peer_id}
+            state.joined[state.me.peer_id] = state.me
+            state.closed.set()
+            return await self._lead(state, deadline, len(declared))
+        state.closed.set()
+        return await self._join(state, leader, deadline, len(declared))
+
+    async def _gather(
+        self, state: _Round, key: str, close_at: float, deadline: float
+    ) -> list[Declaration]:
+        """Read the round when it closes, or when a joiner wakes us; poll meanwhile and
+        close early once as many peers as before are back (see below).
+
+        A key is reused by consecutive steps within its slot: peers replace their
+        declaration by a "done" marker once their round is decided (``withdraw``), so what
+        is left is the peers waiting now (and peers that crashed mid-round, until their
+        declaration expires; a round they would lead fails and is retried).
+        """
+        poll = min(max(self.config.gather_window / 8, 0.02), 0.5)
+        # Close early once as many peers are back as we saw in any of the last 3 rounds (a
+        # peer that left costs us the wait until the close, not a split swarm), and not
+        # before one poll interval: peers a moment behind us get a chance to show up.
+        population = max(self._views, default=0)
+        not_before = trio.current_time() + poll
+        while True:
+            now = trio.current_time()
+            early = population >= 2 and not state.wake.is_set() and now < close_at
+            if early and now < not_before:
+                with trio.move_on_at(min(close_at, not_before)):
+                    await state.wake.wait()
+                continue
+            if not early:
+                with trio.move_on_at(close_at):
+                    await state.wake.wait()
+            declared: list[Declaration] = []
+            with trio.move_on_at(close_at if early else deadline):
+                entries = await self.node.dht.get_entries(key)
+                declared = parse_declarations({s: v for s, (v, _) in entries.items()})
+                others = [d.count for d in declared if d.peer_id != state.me.peer_id]
+                self.seen_count = max([self.seen_count, *others])
+            # Exactly the peers we expect: close. More (a newcomer, who does not know it
+            # could close early): wait for the close, so that everybody reads the same set.
+            if not early or len(declared) == population:
+                return declared
+            with trio.move_on_at(min(close_at, trio.current_time() + poll)):
+                await state.wake.wait()
+
+    async def _lead(self, state: _Round, deadline: float, declared: int) -> MatchResult:
+        with trio.move_on_at(min(deadline, trio.current_time() + self.config.join_timeout)):
+            while not state.expected <= state.joined.keys():
+                await state.changed.wait()
+        last = len(state.order)
+        members = sorted(
+            state.joined.values(), key=lambda d: (state.order.get(d.peer_id, last), d.peer_id.raw)
+        )
+        state.budget = max(deadline - trio.current_time(), 1e-3)
+        if len(members) < 2:
+            state.answered.set()
+            note = "nobody joined"
+            return MatchResult(state.number, None, state.me.peer_id, declared, note, alone=True)
+        spans = split_spans(self.total, [m.bandwidth for m in members if not m.client_mode])
+        state.confirmation = GroupConfirmation(
+            state.number, tuple(members), tuple(spans), state.budget
+        )
+        state.answered.set()
+        return MatchResult(state.number, state.confirmation, state.me.peer_id, declared)
+
+    async def _join(
+        self, state: _Round, leader: Declaration, deadline: float, declared: int
+    ) -> MatchResult:
+        body = {"round": state.number, "decl": state.me.to_wire()}
+        target, address = leader.peer_id, leader.address
+        note = "the leader did not confirm in time"
+        retry = False
+        # The leader answers within join_timeout of closing; a leader that does not (frozen,
+        # or its DHT lookups hang) is given up on well before the step's deadline.
+        give_up = min(
+            deadline, trio.current_time() + self.config.join_timeout + self.config.stall_timeout
+        )
+        for _attempt in range(2):  # the leader, then at most one redirect
+            if address is None:
+                break
+            try:
+                with trio.move_on_at(give_up):
+                    reply = await self.node.rpc.call(
+                        Address.parse(address), self._method("join"), body
+                    )
+                    status = reply.body.get("status")
+                    if status == "ok":
+                        conf = GroupConfirmation.from_body(reply.body, self.total)
+                        if conf.round == state.number and any(
+                            m.peer_id == state.me.peer_id for m in conf.members
+                        ):
+                            return MatchResult(state.number, conf, target, declared)
+                        note = "left out by the leader"
+                        retry = True
+                    elif status == "not_leader":
+                        redirect, address = reply.body.get("leader"), reply.body.get("address")
+                        if isinstance(redirect, str) and isinstance(address, str):
+                            target = PeerID.from_base58(redirect)
+                            note = "redirected, then no confirmation in time"
+                            continue
+                        note = "the leader leads no group"
+                    else:
+                        note = f"the leader answered {status!r}"
+                        retry = status == "closed"
+            except RemoteError as exc:
+                if exc.code == "mismatch":
+                    raise LayoutMismatchError(exc.message) from None
+                note = f"the leader refused: {exc}"
+                retry = exc.code == "not_found"
+            except (PeerUnavailableError, ProtocolError) as exc:
+                note = f"the leader is unreachable: {exc}"
+                retry = isinstance(exc, PeerUnavailableError)
+            break
+        return MatchResult(state.number, None, target, declared, note, retry=retry)
+
+    # -- leader side ---------------------------------------------------------------------
+
+    async def on_join(self, request: Request) -> Reply:
+        """The join RPC: wait until this round's group is final, then answer.
+
+        Raises:
+            RemoteError: ``mismatch`` for another layout; ``not_found`` when we are not in
+                that round.
+        """
+        join = JoinRequest.from_body(request.peer_id, request.body)
+        state = self.current
+        if state is None or state.number != join.round:
+            raise RemoteError("not_found", f"not in round {join.round}")
+        if join.declaration.layout != state.me.layout:
+            raise RemoteError(
+                "mismatch",
+                f"tensor layout or codec differs: ours {state.me.total} elements "
+                f"({state.me.layout}), yours {join.declaration.total} ({join.declaration.layout})",
+            )
+        state.wake.set()
+        await state.closed.wait()
+        if not state.is_leader:
+            leader, address = state.leader, state.leader_address
+            if leader is None or leader == request.peer_id:
+                return Reply({"status": "closed"})
+            return Reply({"status": "not_leader", "leader": str(leader), "address": address})
+        if state.answered.is_set():
+            return Reply({"status": "closed"})
+        if join.declaration.peer_id not in state.joined:
+            if len(state.joined) >= self.config.group_size:
+                return Reply({"status": "full"})
+            state.joined[join.declaration.peer_id] = join.declaration
+            state.notify()
+        await state.answered.wait()
+        conf = state.confirmation
+        if conf is None or not any(m.peer_id == request.peer_id for m in conf.members):
+            return Reply({"status": "closed"})
+        return Reply(conf.to_body())
+
+    def _method(self, name: str) -> str:
+        return f"{method_prefix(self.prefix)}.{name}"

@@ -1,0 +1,221 @@
+"""RPC bodies of the averaging protocol, with strict validation.
+
+Methods (``{m}`` = ``avg.<hash of the prefix>``, so several averagers share a node):
+
+    {m}.join     member -> leader    {round, decl}  ->  GroupConfirmation | refusal
+    {m}.chunk    sender -> reducer   ChunkHeader + payload (one codec blob)  ->  {}
+    {m}.result   member -> reducer   {round, part}  =>  ResultHeader, then {chunk} + payload
+    {m}.ping     anyone -> anyone    {}  ->  {}
+
+Anything malformed raises :class:`~protocol.errors.RemoteProtocolError`.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from protocol.errors import ProtocolError, RemoteProtocolError
+from protocol.identity import PeerID
+
+from .grouping import Declaration
+from .layout import Span, check_spans
+from .reducer import DropReason
+
+MAX_MEMBERS = 256
+
+
+def method_prefix(prefix: str) -> str:
+    """RPC method namespace of one averager prefix (method names are ``[a-z0-9_.]``)."""
+    return "avg." + hashlib.sha256(prefix.encode()).hexdigest()[:16]
+
+
+def _int(body: Mapping[str, Any], key: str, low: int = 0, high: int = 1 << 62) -> int:
+    value = body.get(key)
+    if type(value) is not int or not low <= value < high:
+        raise RemoteProtocolError(f"field {key!r} must be an int in [{low}, {high})")
+    return value
+
+
+def _peer(text: Any) -> PeerID:
+    if not isinstance(text, str):
+        raise RemoteProtocolError("a peer id is a base58 string")
+    try:
+        return PeerID.from_base58(text)
+    except ProtocolError as exc:
+        raise RemoteProtocolError(str(exc)) from None
+
+
+def _map(body: Any) -> Mapping[str, Any]:
+    if not isinstance(body, Mapping):
+        raise RemoteProtocolError("a body is a map")
+    return body
+
+
+@dataclass(frozen=True, slots=True)
+class JoinRequest:
+    round: int
+    declaration: Declaration
+
+    def to_body(self) -> dict[str, Any]:
+        return {"round": self.round, "decl": self.declaration.to_wire()}
+
+    @classmethod
+    def from_body(cls, peer_id: PeerID, body: Any) -> JoinRequest:
+        """Raises: RemoteProtocolError on malformed input."""
+        body = _map(body)
+        return cls(_int(body, "round"), Declaration.from_wire(peer_id, body.get("decl")))
+
+
+@dataclass(frozen=True, slots=True)
+class GroupConfirmation:
+    """The leader's final word: the members in order, and part ``i`` for ``reducers[i]``."""
+
+    round: int
+    members: tuple[Declaration, ...]
+    spans: tuple[Span, ...]  # one per non-client member, in member order
+    budget: float  # seconds the all-reduce may take, counted from receipt
+
+    @property
+    def reducers(self) -> tuple[Declaration, ...]:
+        return tuple(m for m in self.members if not m.client_mode)
+
+    def to_body(self) -> dict[str, Any]:
+        return {
+            "status": "ok",
+            "round": self.round,
+            "members": [[str(m.peer_id), m.to_wire()] for m in self.members],
+            "spans": [list(span) for span in self.spans],
+            "budget": self.budget,
+        }
+
+    @classmethod
+    def from_body(cls, body: Any, total: int) -> GroupConfirmation:
+        """Raises: RemoteProtocolError on malformed input or spans that do not tile."""
+        body = _map(body)
+        members_raw = body.get("members")
+        spans_raw = body.get("spans")
+        budget = body.get("budget")
+        if not isinstance(members_raw, Sequence) or not 1 <= len(members_raw) <= MAX_MEMBERS:
+            raise RemoteProtocolError("members must be a non-empty list")
+        members: list[Declaration] = []
+        for item in members_raw:
+            if not isinstance(item, Sequence) or len(item) != 2:
+                raise RemoteProtocolError("a member is [peer_id, declaration]")
+            members.append(Declaration.from_wire(_peer(item[0]), item[1]))
+        if len({m.peer_id for m in members}) != len(members):
+            raise RemoteProtocolError("a member is listed twice")
+        if not isinstance(spans_raw, Sequence):
+            raise RemoteProtocolError("spans must be a list")
+        spans = []
+        for item in spans_raw:
+            if not isinstance(item, Sequence) or len(item) != 2:
+                raise RemoteProtocolError("a span is [start, stop]")
+            if not all(type(x) is int for x in item):
+                raise RemoteProtocolError("span bounds are ints")
+            spans.append((int(item[0]), int(item[1])))
+        if len(spans) != sum(not m.client_mode for m in members):
+            raise RemoteProtocolError("one span per non-client member")
+        try:
+            check_spans(spans, total)
+        except ValueError as exc:
+            raise RemoteProtocolError(str(exc)) from None
+        if not isinstance(budget, int | float) or not (math.isfinite(budget) and budget > 0):
+            raise RemoteProtocolError("budget must be a positive number")
+        return cls(_int(body, "round"), tuple(members), tuple(spans), float(budget))
+
+
+@dataclass(frozen=True, slots=True)
+class ChunkHeader:
+    """One chunk of a sender's part, or (``abort`` set) the sender withdrawing from it."""
+
+    round: int
+    part: int
+    chunk: int
+    epoch: int
+    weight: float
+    abort: DropReason | None = None
+
+    def to_body(self) -> dict[str, Any]:
+        body: dict[str, Any] = {
+            "round": self.round,
+            "part": self.part,
+            "chunk": self.chunk,
+            "epoch": self.epoch,
+            "weight": self.weight,
+        }
+        if self.abort is not None:
+            body["abort"] = self.abort.value
+        return body
+
+    @classmethod
+    def from_body(cls, body: Any) -> ChunkHeader:
+        """Raises: RemoteProtocolError on malformed input."""
+        body = _map(body)
+        weight = body.get("weight")
+        if not isinstance(weight, float | int):
+            raise RemoteProtocolError("weight must be a number")
+        abort = body.get("abort")
+        reason = None
+        if abort is not None:
+            try:
+                reason = DropReason(abort)
+            except ValueError:
+                raise RemoteProtocolError(f"unknown abort reason {abort!r}") from None
+        return cls(
+            _int(body, "round"),
+            _int(body, "part", 0, MAX_MEMBERS),
+            _int(body, "chunk", 0, 1 << 32),
+            _int(body, "epoch"),
+            float(weight),
+            reason,
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class ResultHeader:
+    """First item of a result stream: how the part was averaged, then ``chunks`` items."""
+
+    contributors: tuple[PeerID, ...]
+    dropped: tuple[tuple[PeerID, DropReason], ...]
+    weight: float
+    chunks: int
+
+    def to_body(self) -> dict[str, Any]:
+        return {
+            "contributors": [str(p) for p in self.contributors],
+            "dropped": [[str(p), r.value] for p, r in self.dropped],
+            "weight": self.weight,
+            "chunks": self.chunks,
+        }
+
+    @classmethod
+    def from_body(cls, body: Any) -> ResultHeader:
+        """Raises: RemoteProtocolError on malformed input."""
+        body = _map(body)
+        contributors_raw = body.get("contributors")
+        dropped_raw = body.get("dropped")
+        weight = body.get("weight")
+        if not isinstance(contributors_raw, Sequence) or len(contributors_raw) > MAX_MEMBERS:
+            raise RemoteProtocolError("contributors must be a list")
+        if not isinstance(dropped_raw, Sequence) or len(dropped_raw) > MAX_MEMBERS:
+            raise RemoteProtocolError("dropped must be a list")
+        dropped = []
+        for item in dropped_raw:
+            if not isinstance(item, Sequence) or len(item) != 2:
+                raise RemoteProtocolError("a dropped entry is [peer_id, reason]")
+            try:
+                dropped.append((_peer(item[0]), DropReason(item[1])))
+            except ValueError:
+                raise RemoteProtocolError(f"unknown drop reason {item[1]!r}") from None
+        if not isinstance(weight, float | int) or not math.isfinite(weight) or weight < 0:
+            raise RemoteProtocolError("weight must be a non-negative number")
+        return cls(
+            tuple(_peer(p) for p in contributors_raw),
+            tuple(dropped),
+            float(weight),
+            _int(body, "chunks", 0, 1 << 32),
+        )

@@ -1,0 +1,122 @@
+"""A round's plan (who reduces what, with which weights), shared helpers for its tasks."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import trio
+
+from peer import Peer, PeerUnavailableError, RemoteError
+from protocol.address import Address
+from protocol.identity import PeerID
+
+from .config import AveragerConfig
+from .grouping import Declaration
+from .layout import Span
+from .messages import GroupConfirmation
+from .reducer import DropReason, Member, effective_weights
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Plan:
+    """Everything every member derives identically from the leader's confirmation."""
+
+    round: int
+    me: PeerID
+    members: tuple[Declaration, ...]
+    reducers: tuple[Declaration, ...]  # part i is reduced by reducers[i]
+    spans: tuple[Span, ...]
+    weights: dict[PeerID, float | None]  # staleness-decayed; None: too stale to count
+    max_epoch: int
+
+    @classmethod
+    def of(cls, conf: GroupConfirmation, me: PeerID, config: AveragerConfig) -> Plan:
+        members = tuple(Member(m.peer_id, m.weight, m.epoch) for m in conf.members)
+        weights = effective_weights(members, config.max_staleness, config.staleness_decay)
+        return cls(
+            conf.round,
+            me,
+            conf.members,
+            conf.reducers,
+            conf.spans,
+            weights,
+            max(m.epoch for m in conf.members),
+        )
+
+    @property
+    def group(self) -> tuple[PeerID, ...]:
+        return tuple(m.peer_id for m in self.members)
+
+    @property
+    def my_part(self) -> int | None:
+        return next((i for i, r in enumerate(self.reducers) if r.peer_id == self.me), None)
+
+    def member(self, peer_id: PeerID) -> Declaration | None:
+        return next((m for m in self.members if m.peer_id == peer_id), None)
+
+    def address(self, peer_id: PeerID) -> Address | None:
+        member = self.member(peer_id)
+        if member is None or member.address is None:
+            return None
+        return Address.parse(member.address)
+
+
+class Liveness:
+    """Dead or frozen peers seen during a round (sticky), and the probe that finds them."""
+
+    def __init__(self, node: Peer, plan: Plan, ping_method: str, timeout: float) -> None:
+        self.node = node
+        self.plan = plan
+        self.ping_method = ping_method
+        self.timeout = timeout
+        self.bad: dict[PeerID, DropReason] = {}
+        self.changed = trio.Event()
+
+    def mark(self, peer_id: PeerID, reason: DropReason) -> None:
+        if peer_id not in self.bad:
+            logger.debug("round %d: %s is %s", self.plan.round, peer_id.short(), reason)
+            self.bad[peer_id] = reason
+            self.changed.set()
+            self.changed = trio.Event()
+
+    async def probe(self, peer_id: PeerID) -> DropReason | None:
+        """Ping a peer that went quiet: None when it answers, else dead or frozen."""
+        if peer_id in self.bad:
+            return self.bad[peer_id]
+        address = self.plan.address(peer_id)
+        if address is None:  # client mode: cannot be pinged
+            self.mark(peer_id, DropReason.FROZEN)
+            return DropReason.FROZEN
+        with trio.move_on_after(self.timeout):
+            try:
+                await self.node.rpc.call(address, self.ping_method, {})
+            except PeerUnavailableError:
+                self.mark(peer_id, DropReason.DEAD)
+                return DropReason.DEAD
+            except RemoteError:
+                pass  # it answered: alive
+            return None
+        self.mark(peer_id, DropReason.FROZEN)
+        return DropReason.FROZEN
+
+    async def watch(
+        self, peer_id: PeerID, last_progress: list[float], stall: float, scope: trio.CancelScope
+    ) -> None:
+        """Cancel ``scope`` once ``peer_id`` is known bad, or stalls ``stall`` seconds
+        (``last_progress[0]``, trio time) and then fails a probe."""
+        while True:
+            if peer_id in self.bad:
+                scope.cancel()
+                return
+            wait_until = last_progress[0] + stall
+            if trio.current_time() >= wait_until:
+                if await self.probe(peer_id) is not None:
+                    scope.cancel()
+                    return
+                last_progress[0] = trio.current_time()
+                continue
+            with trio.move_on_at(wait_until):
+                await self.changed.wait()

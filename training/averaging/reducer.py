@@ -1,0 +1,281 @@
+"""The reduction of one part, pure: weighted sums as chunks arrive, exact exclusion, the mean.
+
+Rules (what a reducer promises):
+
+- A sender's contribution counts only if *all* its chunks for the part arrived, decoded
+  cleanly, were finite, and carried the epoch and weight it declared. Chunks are added to
+  the running sum as they arrive (so reduction overlaps the network) and kept until the
+  sender's part is complete; a sender that fails midway is subtracted again chunk by chunk.
+- Staleness: with ``E`` the largest epoch declared in the group, a sender at epoch ``e``
+  is dropped as ``stale`` when ``E - e > max_staleness``, else weighted by
+  ``weight * decay ** (E - e)``. Everybody derives this from the same member list.
+- :meth:`PartReducer.finalize` divides by the contributors' total weight once; the mean is
+  what every member receives (encoded once), so they all get the same values.
+
+No I/O and no clock here: the trio glue decides when a sender is frozen or dead.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Iterable, Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+
+import numpy as np
+import torch
+
+from protocol.codecs import Codec, NoneCodec
+from protocol.errors import ProtocolError
+from protocol.identity import PeerID
+
+from .layout import Float32Array, chunk_count, chunk_span
+
+
+class DropReason(StrEnum):
+    """Why a member's contribution is missing from a part."""
+
+    DEAD = "dead"  # its host refused connections or the connection broke
+    FROZEN = "frozen"  # it stopped delivering and did not answer a ping
+    TIMEOUT = "timeout"  # still delivering when the reducer had to finish
+    GARBAGE = "garbage"  # malformed chunk, wrong size, repeated chunk, lying header
+    NONFINITE = "nonfinite"  # NaN or infinity in its values
+    STALE = "stale"  # epoch more than max_staleness behind the group
+    MISMATCH = "mismatch"  # tensor layout or codec differs from the group's
+
+
+@dataclass(frozen=True, slots=True)
+class Member:
+    """A group member as the reducer sees it (from the leader's confirmed list)."""
+
+    peer_id: PeerID
+    weight: float
+    epoch: int
+
+
+class _Sender:
+    __slots__ = ("done", "epoch", "reason", "received", "retained", "retained_bytes", "weight")
+
+    def __init__(self, weight: float, epoch: int, n_chunks: int) -> None:
+        self.weight = weight  # effective (staleness-decayed)
+        self.epoch = epoch
+        self.received = bytearray(n_chunks)
+        self.retained: list[tuple[int, bytes | memoryview]] = []
+        self.retained_bytes = 0
+        self.done = False
+        self.reason: DropReason | None = None
+
+
+class ChunkRejected(Exception):
+    """A chunk was refused; ``reason`` says why (the sender is dropped for the part)."""
+
+    def __init__(self, reason: DropReason, message: str) -> None:
+        super().__init__(f"{reason}: {message}")
+        self.reason = reason
+
+
+@dataclass(frozen=True, slots=True)
+class PartOutcome:
+    """What a finalized part was averaged over."""
+
+    contributors: tuple[PeerID, ...]
+    dropped: tuple[tuple[PeerID, DropReason], ...]
+    weight: float  # total effective weight of the contributors (0: no result)
+
+
+def as_tensor(values: Float32Array) -> torch.Tensor:
+    """A torch view of ``values``, read-only ones included (torch only warns about those;
+    we never write through the view)."""
+    if values.flags.writeable:
+        return torch.from_numpy(values)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.from_numpy(values)
+
+
+def all_finite(values: Float32Array, zeros: Float32Array) -> bool:
+    """True when ``values`` holds no NaN or infinity (one BLAS pass: x . 0 is NaN iff it has
+    any; ``zeros`` is a zero array of the same length)."""
+    with np.errstate(invalid="ignore"):
+        return bool(np.isfinite(np.dot(values, zeros)))
+
+
+def effective_weights(
+    members: Iterable[Member], max_staleness: int, decay: float
+) -> dict[PeerID, float | None]:
+    """Each member's staleness-decayed weight, or None when it is too stale to count."""
+    members = list(members)
+    newest = max(m.epoch for m in members)
+    out: dict[PeerID, float | None] = {}
+    for m in members:
+        staleness = newest - m.epoch
+        out[m.peer_id] = None if staleness > max_staleness else m.weight * decay**staleness
+    return out
+
+
+class PartReducer:
+    """Accumulates one part into ``acc`` (caller-owned: the reducer's own span of its flat
+    vector, holding ``local``'s values on entry and the mean after :meth:`finalize`);
+    ``scratch`` is a reused chunk buffer."""
+
+    def __init__(
+        self,
+        *,
+        length: int,
+        chunk_elements: int,
+        codec: Codec,
+        members: Iterable[Member],
+        senders: Iterable[PeerID],
+        max_staleness: int,
+        decay: float,
+        acc: Float32Array,
+        scratch: Float32Array,
+        local: PeerID | None = None,
+    ) -> None:
+        self.length = length
+        self.chunk_elements = chunk_elements
+        self.n_chunks = chunk_count(length, chunk_elements)
+        self.codec = codec
+        self.members = {m.peer_id: m for m in members}
+        self._acc = torch.from_numpy(acc[:length])  # (length,) running weighted sum, in place
+        self._scratch = scratch
+        self._zeros = np.zeros(min(chunk_elements, len(scratch)), dtype=np.float32)
+        weights = effective_weights(self.members.values(), max_staleness, decay)
+        self.senders: dict[PeerID, _Sender] = {}
+        for peer_id in senders:
+            member = self.members[peer_id]
+            weight = weights[peer_id]
+            sender = _Sender(weight or 0.0, member.epoch, self.n_chunks)
+            if weight is None:
+                sender.reason = DropReason.STALE
+            elif self.n_chunks == 0:
+                sender.done = True
+            self.senders[peer_id] = sender
+        self.finalized = False
+        self._start(local)
+
+    # -- state ---------------------------------------------------------------------------
+
+    def pending(self) -> list[PeerID]:
+        """Senders still expected (neither complete nor dropped)."""
+        return [p for p, s in self.senders.items() if not s.done and s.reason is None]
+
+    def is_pending(self, peer_id: PeerID) -> bool:
+        sender = self.senders.get(peer_id)
+        return sender is not None and not sender.done and sender.reason is None
+
+    def reason(self, peer_id: PeerID) -> DropReason | None:
+        sender = self.senders.get(peer_id)
+        return None if sender is None else sender.reason
+
+    def retained_bytes(self) -> int:
+        return sum(s.retained_bytes for s in self.senders.values())
+
+    # -- contributions -------------------------------------------------------------------
+
+    def _start(self, local: PeerID | None) -> None:
+        """``acc`` holds ``local``'s values (the reducer's own): weigh them in place, or
+        start from zero when there are none, or they are stale or not finite."""
+        sender = None if local is None else self.senders.get(local)
+        if sender is not None and sender.reason is None:
+            values = self._acc.numpy()
+            step = max(len(self._zeros), 1)
+            if all(
+                all_finite(values[i : i + step], self._zeros[: len(values[i : i + step])])
+                for i in range(0, self.length, step)
+            ):
+                self._acc.mul_(sender.weight)
+                sender.received[:] = b"\x01" * self.n_chunks
+                sender.done = True
+                return
+            sender.reason = DropReason.NONFINITE
+        self._acc.zero_()
+
+    def add_chunk(
+        self, peer_id: PeerID, index: int, epoch: int, weight: float, blob: bytes | memoryview
+    ) -> bool:
+        """Decode and add one chunk; True when it completed the sender's part.
+
+        ``blob`` is kept (not copied) until the part is complete: pass an owned buffer.
+
+        Raises:
+            ChunkRejected: the chunk is refused and the sender was dropped for this part
+                (its earlier chunks already subtracted).
+            KeyError: ``peer_id`` is not an expected, pending sender (nothing changes).
+        """
+        sender = self._expect(peer_id)
+        member = self.members[peer_id]
+        try:
+            if epoch != member.epoch or weight != member.weight:
+                raise ChunkRejected(DropReason.GARBAGE, "epoch or weight differ from declared")
+            if not 0 <= index < self.n_chunks:
+                raise ChunkRejected(DropReason.GARBAGE, f"chunk {index} out of range")
+            if sender.received[index]:
+                raise ChunkRejected(DropReason.GARBAGE, f"chunk {index} sent twice")
+            start, stop = chunk_span(self.length, self.chunk_elements, index)
+            values = self._decode(blob, stop - start)
+            if not all_finite(values, self._zeros[: stop - start]):
+                raise ChunkRejected(DropReason.NONFINITE, f"chunk {index} is not finite")
+        except ChunkRejected as exc:
+            self.drop(peer_id, exc.reason)
+            raise
+        self._acc[start:stop].add_(as_tensor(values), alpha=sender.weight)
+        sender.received[index] = 1
+        sender.retained.append((index, blob))
+        sender.retained_bytes += len(blob)
+        if all(sender.received):
+            sender.done = True
+            sender.retained.clear()
+            sender.retained_bytes = 0
+            return True
+        return False
+
+    def drop(self, peer_id: PeerID, reason: DropReason) -> None:
+        """Exclude a pending sender from the part, subtracting what it already added."""
+        sender = self.senders.get(peer_id)
+        if sender is None or sender.done or sender.reason is not None or self.finalized:
+            return
+        sender.reason = reason
+        for index, blob in sender.retained:
+            start, stop = chunk_span(self.length, self.chunk_elements, index)
+            values = self._decode(blob, stop - start)
+            self._acc[start:stop].sub_(as_tensor(values), alpha=sender.weight)
+        sender.retained.clear()
+        sender.retained_bytes = 0
+
+    def finalize(self, reasons: Mapping[PeerID, DropReason]) -> PartOutcome:
+        """Drop every sender still pending (with ``reasons[p]``, default ``timeout``), then
+        turn the sum into the mean in place; see :meth:`mean`."""
+        for peer_id in self.pending():
+            self.drop(peer_id, reasons.get(peer_id, DropReason.TIMEOUT))
+        self.finalized = True
+        contributors = tuple(p for p, s in self.senders.items() if s.done and s.reason is None)
+        dropped = tuple((p, s.reason) for p, s in self.senders.items() if s.reason is not None)
+        weight = float(sum(self.senders[p].weight for p in contributors))
+        if weight > 0:
+            self._acc.div_(weight)
+        return PartOutcome(contributors, dropped, weight)
+
+    def mean(self) -> Float32Array:
+        """The part's values after :meth:`finalize` (a view of the caller's ``acc``)."""
+        values: Float32Array = self._acc.numpy()
+        return values
+
+    # -- helpers -------------------------------------------------------------------------
+
+    def _expect(self, peer_id: PeerID) -> _Sender:
+        sender = self.senders.get(peer_id)
+        if sender is None or sender.done or sender.reason is not None or self.finalized:
+            raise KeyError(peer_id)
+        return sender
+
+    def _decode(self, blob: bytes | memoryview, count: int) -> Float32Array:
+        try:
+            if isinstance(self.codec, NoneCodec):
+                values: Float32Array = self.codec.decode(blob).reshape(-1)
+                if values.size != count:
+                    raise ChunkRejected(DropReason.GARBAGE, f"{values.size} values, not {count}")
+                return values
+            return self.codec.decode_into(blob, self._scratch[:count])
+        except ProtocolError as exc:
+            raise ChunkRejected(DropReason.GARBAGE, str(exc)) from None

@@ -1,0 +1,280 @@
+"""The reducer side of a round: take chunks in, decide who counts, serve the mean back.
+
+    chunk RPCs --admission--> PartReducer (sum as they arrive)
+    all senders complete or dropped, or the cutoff  ->  finalize: mean, encoded once
+    result streams  <-  the same header and the same blobs for every member
+
+Senders are admitted while the bytes kept for exact exclusion fit ``retain_budget`` (one
+sender always fits), first come first served. An admitted sender that delivers nothing for
+``stall_timeout`` is pinged: no answer, dropped as frozen; connection refused, as dead.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import AsyncGenerator
+
+import trio
+
+from peer import RemoteError, Reply
+from protocol.codecs import Codec, NoneCodec, NonFiniteError
+from protocol.identity import PeerID
+
+from .config import AveragerConfig
+from .layout import FlatVector, Float32Array, chunk_span
+from .messages import ChunkHeader, ResultHeader
+from .plan import Liveness, Plan
+from .reducer import ChunkRejected, DropReason, Member, PartOutcome, PartReducer
+
+logger = logging.getLogger(__name__)
+
+
+class ReducerService:
+    """Reduces this peer's part of one round."""
+
+    def __init__(
+        self,
+        plan: Plan,
+        part: int,
+        flat: FlatVector,
+        codec: Codec,
+        config: AveragerConfig,
+        liveness: Liveness,
+        scratch: Float32Array,
+    ) -> None:
+        self.plan = plan
+        self.part = part
+        self.span = plan.spans[part]
+        self.flat = flat
+        self.codec = codec
+        self.config = config
+        self.liveness = liveness
+        start, stop = self.span
+        length = stop - start
+        members = [Member(m.peer_id, m.weight, m.epoch) for m in plan.members]
+        # The sum builds up in place, in our own span of the flat vector (it holds our values;
+        # the tensors keep them too, for when the round fails).
+        self.reducer = PartReducer(
+            length=length,
+            chunk_elements=config.chunk_elements,
+            codec=codec,
+            members=members,
+            senders=[m.peer_id for m in members],
+            max_staleness=config.max_staleness,
+            decay=config.staleness_decay,
+            acc=flat.array[start:stop],
+            scratch=scratch,
+            local=plan.me,
+        )
+        chunks = self.reducer.n_chunks
+        self.part_bytes = sum(
+            codec.encoded_size(
+                chunk_span(length, config.chunk_elements, i)[1]
+                - chunk_span(length, config.chunk_elements, i)[0]
+            )
+            for i in range(chunks)
+        )
+        budget = config.retain_budget
+        self.budget = max(64 << 20, flat.array.nbytes // 4) if budget is None else budget
+        self.start = trio.current_time()
+        self.progress: dict[PeerID, list[float]] = {}
+        self._admitted: set[PeerID] = set()
+        self._released: set[PeerID] = set()
+        self._queue: list[PeerID] = []
+        self._waiters: dict[PeerID, int] = {}
+        self._reserved = 0
+        self._changed = trio.Event()
+        self.outcome: PartOutcome | None = None
+        self.header: ResultHeader | None = None
+        self.blobs: list[bytes] = []
+        self.ready = trio.Event()
+        self.downloaded: set[PeerID] = set()
+        self.last_download = trio.current_time()
+
+    def _notify(self) -> None:
+        self._changed.set()
+        self._changed = trio.Event()
+
+    # -- chunks in -----------------------------------------------------------------------
+
+    async def on_chunk(
+        self, sender: PeerID, header: ChunkHeader, payload: bytes | memoryview
+    ) -> Reply:
+        """Take one chunk (or a withdrawal) from ``sender``.
+
+        Raises:
+            RemoteError: ``dropped`` (with the reason) once the sender no longer counts for
+                this part; ``bad_request`` for a chunk that is not for this part.
+        """
+        reducer = self.reducer
+        if header.part != self.part or sender not in reducer.senders:
+            raise RemoteError("bad_request", f"part {header.part} is not reduced here for you")
+        if header.abort is not None:
+            self._drop(sender, header.abort)
+            return Reply({})
+        self._check_pending(sender)
+        await self._admit(sender)
+        self._check_pending(sender)
+        try:
+            complete = reducer.add_chunk(sender, header.chunk, header.epoch, header.weight, payload)
+        except ChunkRejected as exc:
+            logger.debug("round %d: dropping %s: %s", self.plan.round, sender.short(), exc)
+            self._after_drop(sender)
+            raise RemoteError("dropped", exc.reason.value) from None
+        self.progress.setdefault(sender, [0.0])[0] = trio.current_time()
+        if complete:
+            self._release(sender)
+        return Reply({})
+
+    def _check_pending(self, sender: PeerID) -> None:
+        if not self.reducer.is_pending(sender):
+            reason = self.reducer.reason(sender)
+            raise RemoteError("dropped", "complete" if reason is None else reason.value)
+
+    async def _admit(self, sender: PeerID) -> None:
+        if sender in self._admitted:
+            return
+        if sender not in self._queue:
+            self._queue.append(sender)
+        self._waiters[sender] = self._waiters.get(sender, 0) + 1
+        try:
+            while sender not in self._admitted:
+                if self._queue[0] == sender and (
+                    self._reserved == 0 or self._reserved + self.part_bytes <= self.budget
+                ):
+                    self._queue.pop(0)
+                    self._admitted.add(sender)
+                    self._reserved += self.part_bytes
+                    self.progress[sender] = [trio.current_time()]
+                    self._notify()
+                    break
+                await self._changed.wait()
+        finally:
+            self._waiters[sender] -= 1
+            if not self._waiters[sender] and sender in self._queue:
+                self._queue.remove(sender)  # its calls gave up while queued
+                self._notify()
+
+    def _release(self, sender: PeerID) -> None:
+        if sender in self._admitted and sender not in self._released:
+            self._released.add(sender)
+            self._reserved -= self.part_bytes
+        if sender in self._queue:
+            self._queue.remove(sender)
+        self._notify()
+
+    def _drop(self, sender: PeerID, reason: DropReason) -> None:
+        self.reducer.drop(sender, reason)
+        self._after_drop(sender)
+
+    def _after_drop(self, sender: PeerID) -> None:
+        self._release(sender)
+
+    # -- the reduction -------------------------------------------------------------------
+
+    async def reduce(self, cutoff: float) -> PartOutcome:
+        """Reduce until every sender is in or out (or ``cutoff``), then publish the mean
+        (and write it into our own flat vector)."""
+        with trio.move_on_at(cutoff):
+            while self.reducer.pending():
+                self._drop_known_bad()
+                if self.reducer.pending():
+                    await self._watch_once()
+        reasons = {p: self.liveness.bad.get(p, DropReason.TIMEOUT) for p in self.reducer.pending()}
+        outcome = self.reducer.finalize(reasons)
+        for sender in list(self._admitted):
+            self._release(sender)
+        return self._publish(outcome)
+
+    async def serve(self) -> None:
+        """Serve the mean until every member fetched it, or downloads stall (the caller
+        bounds it by the round's deadline)."""
+        expected = {m.peer_id for m in self.plan.members} - {self.plan.me}
+        if not self.blobs:
+            return
+        stall = self.config.stall_timeout
+        while True:
+            gone = {p for p in expected if p in self.liveness.bad}
+            if expected <= self.downloaded | gone:
+                return
+            if trio.current_time() >= self.last_download + stall:
+                return
+            with trio.move_on_at(self.last_download + stall):
+                await self._changed.wait()
+
+    def _drop_known_bad(self) -> None:
+        for peer_id in self.reducer.pending():
+            reason = self.liveness.bad.get(peer_id)
+            if reason is not None:
+                self._drop(peer_id, reason)
+
+    async def _watch_once(self) -> None:
+        """Wait for a change; probe senders that stalled (admitted and quiet, or silent)."""
+        stall = self.config.stall_timeout
+        now = trio.current_time()
+        # senders waiting for admission are waiting on us, not stalled
+        watched = [p for p in self.reducer.pending() if p not in self._queue]
+        deadlines = {p: self.progress.get(p, [self.start])[0] + stall for p in watched}
+        stalled = [p for p, at in deadlines.items() if at <= now]
+        if stalled:
+            async with trio.open_nursery() as nursery:
+                for peer_id in stalled:
+                    nursery.start_soon(self._probe, peer_id)
+            return
+        next_check = min(deadlines.values(), default=math.inf)
+        with trio.move_on_at(next_check):
+            changed, bad = self._changed, self.liveness.changed
+            async with trio.open_nursery() as nursery:
+                for event in (changed, bad):
+                    nursery.start_soon(_wait_then_cancel, event, nursery.cancel_scope)
+
+    async def _probe(self, peer_id: PeerID) -> None:
+        reason = await self.liveness.probe(peer_id)
+        if reason is None:
+            self.progress.setdefault(peer_id, [0.0])[0] = trio.current_time()
+        elif self.reducer.is_pending(peer_id):
+            self._drop(peer_id, reason)
+
+    def _publish(self, outcome: PartOutcome) -> PartOutcome:
+        mean = self.reducer.mean()  # our span of the flat vector
+        blobs: list[bytes] = []
+        if outcome.weight > 0:
+            try:
+                for index in range(self.reducer.n_chunks):
+                    a, b = chunk_span(len(mean), self.config.chunk_elements, index)
+                    blob = self.codec.encode(mean[a:b])
+                    blobs.append(blob)
+                    if not isinstance(self.codec, NoneCodec):  # hold what the others decode
+                        self.codec.decode_into(blob, mean[a:b])
+            except NonFiniteError:
+                logger.warning("round %d: the mean overflowed; no result", self.plan.round)
+                outcome = PartOutcome((), outcome.dropped, 0.0)
+                blobs = []
+        self.outcome = outcome
+        self.blobs = blobs
+        self.header = ResultHeader(
+            outcome.contributors, outcome.dropped, outcome.weight, len(blobs)
+        )
+        self.last_download = trio.current_time()
+        self.ready.set()
+        return outcome
+
+    # -- results out ---------------------------------------------------------------------
+
+    async def results(self, member: PeerID) -> AsyncGenerator[Reply, None]:
+        """The result stream for ``member``: the header, then every blob."""
+        await self.ready.wait()
+        assert self.header is not None
+        self.last_download = trio.current_time()
+        yield Reply(self.header.to_body())
+        for index, blob in enumerate(self.blobs):
+            yield Reply({"chunk": index}, blob)
+            self.last_download = trio.current_time()
+        self.downloaded.add(member)
+        self._notify()
+
+
+async def _wait_then_cancel(event: trio.Event, scope: trio.CancelScope) -> None:
+    await event.wait()
+    scope.cancel()
