@@ -33,8 +33,10 @@ test: $(STAMP)
 check: lint typecheck test
 
 bench: $(STAMP)
+	$(BIN)/python benchmarks/bootstrap.py
 	$(BIN)/python benchmarks/codecs.py
 	$(BIN)/python benchmarks/dht.py
+	$(BIN)/python benchmarks/allreduce.py
 
 clean:
 	rm -rf $(VENV) *.egg-info

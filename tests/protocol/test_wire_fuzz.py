@@ -49,8 +49,8 @@ from protocol import (
     validate_entry,
 )
 
-N_RPC = 50_000
-N_STREAMS = 5_000
+N_RPC = 100_000
+N_STREAMS = 20_000
 N_ADDRESSES = 15_000
 N_PEER_IDS = 15_000
 N_BODIES = 15_000
