@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -12,19 +11,13 @@ from pathlib import Path
 
 import pytest
 import trio
+from tests_support_paths import env_with_root
 
 from peer import open_peer
 
 pytestmark = pytest.mark.slow
 
 SWARM = [sys.executable, "-m", "peer.cli"]
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-    return env
 
 
 class Bootstrap:
@@ -36,7 +29,7 @@ class Bootstrap:
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
-            env=_env(),
+            env=env_with_root(),
         )
         assert self.proc.stdout is not None
         self.address = self.proc.stdout.readline().strip()
@@ -69,7 +62,7 @@ def _status(address: str) -> dict[str, object]:
         capture_output=True,
         text=True,
         timeout=40,
-        env=_env(),
+        env=env_with_root(),
         check=True,
     )
     return json.loads(out.stdout)
@@ -126,7 +119,7 @@ def test_bootstrap_refuses_a_corrupt_identity_file(tmp_path: Path) -> None:
         capture_output=True,
         text=True,
         timeout=30,
-        env=_env(),
+        env=env_with_root(),
     )
     assert out.returncode != 0
     assert "identity file" in out.stderr
@@ -139,4 +132,4 @@ def test_bootstrap_and_status_do_not_import_torch_or_numpy() -> None:
         "bad = [m for m in ('torch', 'numpy', 'training') if m in sys.modules]; "
         "assert not bad, bad"
     )
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=60, env=_env())
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=60, env=env_with_root())
