@@ -389,21 +389,25 @@ class StoreRequest(Message):
 @register_message
 @dataclass(frozen=True, slots=True)
 class StoreResponse(Message):
-    """Reply to ``dht.store``: one flag per entry, in order (False: rejected)."""
+    """Reply to ``dht.store``: one flag per entry, in order (False: rejected), and the
+    callee's closest contacts to the key, so that a store is also a lookup step."""
 
     TAG: ClassVar[str] = "dht.store.res"
-    FIELDS: ClassVar[tuple[str, ...]] = ("accepted",)
+    FIELDS: ClassVar[tuple[str, ...]] = ("accepted", "nodes")
     accepted: tuple[bool, ...]
+    nodes: tuple[NodeInfo, ...] = ()
 
     def __post_init__(self) -> None:
         _tuple_of(self, "accepted", bool, MAX_ENTRIES_PER_STORE)
+        _tuple_of(self, "nodes", NodeInfo, MAX_NODES)
 
     def _encode(self) -> dict[str, Any]:
-        return {"accepted": list(self.accepted)}
+        return {"accepted": list(self.accepted), "nodes": [node.to_body() for node in self.nodes]}
 
     @classmethod
     def _decode(cls, body: dict[str, Any]) -> Self:
-        return cls(tuple(_seq(body["accepted"], "accepted", MAX_ENTRIES_PER_STORE)))
+        accepted = tuple(_seq(body["accepted"], "accepted", MAX_ENTRIES_PER_STORE))
+        return cls(accepted, _nodes(body["nodes"]))
 
 
 METHODS: dict[str, tuple[type[Message], type[Message]]] = {

@@ -11,6 +11,9 @@ class DHTConfig:
 
     k: int = 20  # bucket size, and how many nodes hold each key
     alpha: int = 3  # requests in flight per lookup
+    # A get ends once this many nodes holding the key have answered (their entries
+    # merged, newest version of each subkey); the paper's FIND_VALUE stops at the first.
+    value_quorum: int = 3
     request_timeout: float = 3.0  # seconds for one DHT RPC, connection included
     # DHT RPCs this node has in flight at once (its lookups queue for a slot beyond, and
     # a slot's wait does not count toward request_timeout). Enough for one lookup's final
@@ -40,8 +43,8 @@ class DHTConfig:
     max_parallel_pings: int = 8
 
     def __post_init__(self) -> None:
-        if self.k < 1 or self.alpha < 1:
-            raise ValueError("DHTConfig: k and alpha must be positive")
+        if self.k < 1 or self.alpha < 1 or self.value_quorum < 1:
+            raise ValueError("DHTConfig: k, alpha and value_quorum must be positive")
         if self.request_timeout <= 0 or self.refresh_interval <= 0:
             raise ValueError("DHTConfig: timeouts and intervals must be positive")
         if self.republish_interval <= 0 or self.republish_margin < 0:

@@ -8,9 +8,11 @@
         await dht.get("run/progress")           # {"<peer id>": {"epoch": 3}}
 
 Values are msgpack-serialized user values. A STORE goes to the k closest nodes that
-answered a lookup of the key (and to ourselves when we are among them); a GET merges
-what the k closest answering nodes hold, so every subkey and the newest version of
-each are seen. Owners re-store what they stored while it lives (see ``republish``).
+answered a lookup of the key (and to ourselves when we are among them); each STORE
+reply names the callee's closest contacts, so the stores are the lookup's own RPCs. A
+GET asks the closest nodes first and merges what the first ``value_quorum`` holders of
+the key answer (the paper's FIND_VALUE ends at the first holder), so it sees every subkey
+and the newest version of each unless all of those holders missed a store. Owners re-store what they stored while it lives (see ``republish``).
 """
 
 from __future__ import annotations
@@ -237,7 +239,9 @@ class DHT:
     async def _lookup(
         self, target: DHTID, query: Query, stop: Callable[[], bool] | None = None
     ) -> LookupResult:
-        seeds = self.table.nearest(target, self.config.k)
+        # Twice k seeds: when some of the closest known are dead, the next ones take
+        # their place instead of the lookup running dry.
+        seeds = self.table.nearest(target, 2 * self.config.k)
         result = await iterative_lookup(
             target,
             seeds,
@@ -293,24 +297,27 @@ class DHT:
         return await self._store_entries(key_id, (entry,))
 
     async def _store_entries(self, key_id: DHTID, entries: tuple[Entry, ...]) -> bool:
-        result = await self.find_nodes(key_id)
+        """Store while looking up: each STORE reply names the callee's closest contacts,
+        so the lookup of the k closest nodes and the stores to them are the same RPCs
+        (a node asked early that turns out not to be among the k closest keeps a copy
+        too, until it expires)."""
         stored = False
+
+        async def query(node: NodeInfo) -> Sequence[NodeInfo] | None:
+            nonlocal stored
+            response = await self.protocol.store(node, key_id, entries)
+            if response is None:
+                return None
+            stored = stored or any(response.accepted)
+            return response.nodes
+
+        result = await self._lookup(key_id, query)
         if self.storage is not None and self._among_closest(key_id, result.closest):
             for entry in entries:
                 try:
                     stored = self.storage.store(key_id, entry) or stored
                 except RecordError as exc:
                     logger.debug("local store refused: %s", exc)
-
-        async def one(node: NodeInfo) -> None:
-            nonlocal stored
-            response = await self.protocol.store(node, key_id, entries)
-            if response is not None and any(response.accepted):
-                stored = True
-
-        async with trio.open_nursery() as nursery:
-            for node in result.closest:
-                nursery.start_soon(one, node)
         return stored
 
     async def get_entries(
@@ -318,9 +325,13 @@ class DHT:
     ) -> dict[Subkey, tuple[Any, float]]:
         """Every live ``subkey -> (value, expiration)`` under ``key`` (empty when none).
 
-        ``latest=True`` merges what the k closest answering nodes hold (every subkey, the
-        newest version of each); ``latest=False`` returns after the first node that holds
-        anything (faster, may miss subkeys or newer versions).
+        ``latest=True`` merges what the first ``value_quorum`` nodes that hold the key
+        answer (this node counts when it holds the key; the lookup asks the closest first,
+        and every STORE reached the k closest, so each of them holds every subkey that was
+        stored successfully): the newest version of each subkey among them. When fewer
+        nodes hold the key, the lookup runs until the k closest have answered.
+        ``latest=False`` returns after the first node that holds anything (faster; may
+        miss subkeys or newer versions).
 
         Raises:
             RecordTooLargeError: (a ValueError) the key is over MAX_KEY_BYTES.
@@ -328,21 +339,26 @@ class DHT:
         key_id = check_key(key)
         record: Record = {}
         values: dict[Subkey, Any] = {}
+        holders = 0
         if self.storage is not None:
-            for entry in self.storage.get(key_id).values():
+            local = self.storage.get(key_id)
+            holders += bool(local)
+            for entry in local.values():
                 self._merge(key_id, record, values, entry, verified=True)
 
         async def query(node: NodeInfo) -> Sequence[NodeInfo] | None:
+            nonlocal holders
             response = await self.protocol.find_value(node, key_id)
             if response is None:
                 return None
+            holders += bool(response.entries)
             for entry in response.entries or ():
                 self._merge(key_id, record, values, entry, verified=False)
             return response.nodes
 
-        if record and not latest:
-            return _live(record, values, self._clock())
-        await self._lookup(key_id, query, stop=None if latest else lambda: bool(record))
+        quorum = self.config.value_quorum if latest else 1
+        if holders < quorum:
+            await self._lookup(key_id, query, stop=lambda: holders >= quorum)
         return _live(record, values, self._clock())
 
     def _merge(

@@ -159,7 +159,8 @@ class DHTProtocol:
             except RecordError as exc:
                 logger.debug("refused a record from %s: %s", request.peer_id.short(), exc)
                 accepted.append(False)
-        return Reply(StoreResponse(tuple(accepted)).to_body())
+        nodes = self.table.nearest(message.key, self.config.k, exclude=request.peer_id)
+        return Reply(StoreResponse(tuple(accepted), tuple(nodes)).to_body())
 
     # ---- calls -----------------------------------------------------------------------
 
@@ -178,7 +179,8 @@ class DHTProtocol:
     async def store(
         self, node: NodeInfo, key: DHTID, entries: tuple[Entry, ...]
     ) -> StoreResponse | None:
-        """Ask ``node`` to store ``entries``; None when it failed."""
+        """Ask ``node`` to store ``entries`` (the reply also names its closest contacts to
+        ``key``); None when it failed."""
         return await self._call(node, StoreRequest(self.sender, key, entries), StoreResponse)
 
     async def _call(self, node: NodeInfo, request: Message, response_type: type[_M]) -> _M | None:
