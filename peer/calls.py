@@ -24,6 +24,7 @@ __all__ = [
     "HandlerRegistry",
     "PendingCall",
     "PendingStream",
+    "QuickHandler",
     "Reply",
     "ReplyStream",
     "Request",
@@ -55,6 +56,9 @@ class Reply:
 
 
 Handler = Callable[[Request], Awaitable[Reply]]
+QuickHandler = Callable[[Request], Reply]
+"""A plain function that answers at once from memory (no I/O, no waiting): it runs on the
+connection's reader, without a task of its own (the DHT's handlers are of this kind)."""
 StreamHandler = Callable[[Request], AsyncIterator[Reply]]
 
 
@@ -67,6 +71,7 @@ class HandlerRegistry:
 
     def __init__(self) -> None:
         self.unary: dict[str, Handler] = {}
+        self.quick: dict[str, QuickHandler] = {}
         self.streaming: dict[str, StreamHandler] = {}
 
     def register(self, method: str, handler: Handler) -> None:
@@ -78,6 +83,15 @@ class HandlerRegistry:
         self._check_free(method)
         self.unary[method] = handler
 
+    def register_quick(self, method: str, handler: QuickHandler) -> None:
+        """Serve ``method`` with a plain function that answers at once (see QuickHandler).
+
+        Raises:
+            ValueError: if ``method`` is already registered.
+        """
+        self._check_free(method)
+        self.quick[method] = handler
+
     def register_stream(self, method: str, handler: StreamHandler) -> None:
         """Serve ``method`` with an async generator of reply items.
 
@@ -88,7 +102,7 @@ class HandlerRegistry:
         self.streaming[method] = handler
 
     def _check_free(self, method: str) -> None:
-        if method in self.unary or method in self.streaming:
+        if method in self.unary or method in self.quick or method in self.streaming:
             raise ValueError(f"method {method!r} is already registered")
 
 

@@ -39,6 +39,7 @@ from .rpc import (
     ConnectionClosedError,
     Handler,
     HandlerRegistry,
+    QuickHandler,
     Reply,
     ReplyStream,
     RpcConnection,
@@ -129,6 +130,15 @@ class RpcHost:
             ValueError: if ``method`` is already registered.
         """
         self._handlers.register(method, handler)
+
+    def register_quick(self, method: str, handler: QuickHandler) -> None:
+        """Serve ``method`` with a plain function that answers at once from memory; it
+        runs on the connection's reader with no task of its own (cheaper per request).
+
+        Raises:
+            ValueError: if ``method`` is already registered.
+        """
+        self._handlers.register_quick(method, handler)
 
     def register_stream(self, method: str, handler: StreamHandler) -> None:
         """Serve ``method`` with an async generator of reply items.

@@ -57,6 +57,7 @@ from .calls import ConnectionClosedError as ConnectionClosedError
 from .calls import Handler as Handler
 from .calls import HandlerRegistry as HandlerRegistry
 from .calls import PendingCall, PendingStream
+from .calls import QuickHandler as QuickHandler
 from .calls import Reply as Reply
 from .calls import ReplyStream as ReplyStream
 from .calls import Request as Request
@@ -68,6 +69,7 @@ __all__ = [
     "ConnectionClosedError",
     "Handler",
     "HandlerRegistry",
+    "QuickHandler",
     "Reply",
     "ReplyStream",
     "Request",
@@ -342,7 +344,11 @@ class RpcConnection:
             frame = decode_rpc_frame(data)
             del data  # hold no frame buffer while waiting: the reader reuses free ones
             if frame.kind is FrameKind.REQUEST:
-                self._start_request(frame, nursery)
+                quick = self._handlers.quick.get(frame.method)
+                if quick is not None and self._outbox.has_room():
+                    self._answer_quick(frame, quick)
+                else:
+                    self._start_request(frame, nursery)
             elif frame.kind is FrameKind.CANCEL:
                 incoming = self._incoming.pop(frame.request_id, None)
                 if incoming is not None:
@@ -402,19 +408,9 @@ class RpcConnection:
             with incoming.scope:
                 try:
                     await self._answer(request, request_id)
-                except RemoteError as exc:
-                    await self._send_error(request_id, exc.code, exc.message)
-                except LocalProtocolError as exc:  # e.g. our reply's body cannot be packed
-                    logger.debug("%r: cannot answer %s: %s", self, frame.method, exc)
-                    await self._send_error(request_id, "internal", str(exc))
-                except ProtocolError as exc:
-                    await self._send_error(request_id, "bad_request", str(exc))
-                except LimitExceededError as exc:
-                    logger.debug("%r: reply to %s too large: %s", self, frame.method, exc)
-                    await self._send_error(request_id, "internal", "reply too large")
                 except Exception as exc:
-                    logger.debug("%r: handler %s failed", self, frame.method, exc_info=True)
-                    await self._send_error(request_id, "internal", f"{type(exc).__name__}: {exc}")
+                    code, message = self._error_reply(frame.method, exc)
+                    await self._send_error(request_id, code, message)
             if incoming.scope.cancelled_caught and not incoming.by_caller and not self.closed:
                 await self._send_error(request_id, "timeout", "the deadline passed")
         except PeerUnavailableError:
@@ -423,10 +419,45 @@ class RpcConnection:
             if self._incoming.get(request_id) is incoming:
                 del self._incoming[request_id]
 
+    def _answer_quick(self, frame: RpcFrame, handler: QuickHandler) -> None:
+        """Answer on the reader, no task: the reply is queued for the writer."""
+        request = Request(self.peer_id, frame.method, frame.body, frame.payload, self.remote_host)
+        try:
+            reply = handler(request)
+            pieces, _ = self._encode(
+                RpcFrame(
+                    FrameKind.RESPONSE, frame.request_id, body=reply.body, payload=reply.payload
+                )
+            )
+        except Exception as exc:
+            code, message = self._error_reply(frame.method, exc)
+            pieces, _ = self._encode(_error_frame(frame.request_id, code, message))
+        self._outbox.put_nowait(pieces)
+
+    def _error_reply(self, method: str, exc: Exception) -> tuple[str, str]:
+        """The error code and message that answer a handler's exception."""
+        if isinstance(exc, RemoteError):
+            return exc.code, exc.message
+        if isinstance(exc, LocalProtocolError):  # e.g. our reply's body cannot be packed
+            logger.debug("%r: cannot answer %s: %s", self, method, exc)
+            return "internal", str(exc)
+        if isinstance(exc, ProtocolError):
+            return "bad_request", str(exc)
+        if isinstance(exc, LimitExceededError):
+            logger.debug("%r: reply to %s too large: %s", self, method, exc)
+            return "internal", "reply too large"
+        logger.debug("%r: handler %s failed", self, method, exc_info=True)
+        return "internal", f"{type(exc).__name__}: {exc}"
+
     async def _answer(self, request: Request, request_id: int) -> None:
         method = request.method
         if (handler := self._handlers.unary.get(method)) is not None:
             reply = await handler(request)
+            await self._put(
+                RpcFrame(FrameKind.RESPONSE, request_id, body=reply.body, payload=reply.payload)
+            )
+        elif (quick := self._handlers.quick.get(method)) is not None:  # the outbox was full
+            reply = quick(request)
             await self._put(
                 RpcFrame(FrameKind.RESPONSE, request_id, body=reply.body, payload=reply.payload)
             )
@@ -445,13 +476,7 @@ class RpcConnection:
             raise RemoteError("unknown_method", f"no method {method!r}")
 
     async def _send_error(self, request_id: int, code: str, message: str) -> None:
-        frame = RpcFrame(
-            FrameKind.ERROR,
-            request_id,
-            error_code=code[:MAX_ERROR_CODE_LENGTH],
-            error_message=message[:MAX_ERROR_MESSAGE_LENGTH],
-        )
-        await self._put(frame)
+        await self._put(_error_frame(request_id, code, message))
 
     async def _put(self, frame: RpcFrame) -> None:
         pieces, size = self._encode(frame)
@@ -488,3 +513,12 @@ def _time_left() -> float | None:
     if math.isinf(deadline):
         return None
     return min(max(deadline - trio.current_time(), _MIN_TIMEOUT), MAX_TIMEOUT)
+
+
+def _error_frame(request_id: int, code: str, message: str) -> RpcFrame:
+    return RpcFrame(
+        FrameKind.ERROR,
+        request_id,
+        error_code=code[:MAX_ERROR_CODE_LENGTH],
+        error_message=message[:MAX_ERROR_MESSAGE_LENGTH],
+    )

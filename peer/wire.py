@@ -70,6 +70,10 @@ class Outbox:
             if not self._busy:
                 self._ready.unpark()
 
+    def has_room(self) -> bool:
+        """True when fewer than ``capacity`` frames are queued."""
+        return len(self._items) < self._capacity
+
     def try_claim(self) -> bool:
         """Take the stream for a direct write: True when open, idle and nothing is queued
         (then call :meth:`release` after writing)."""

@@ -12,7 +12,8 @@ answered a lookup of the key (and to ourselves when we are among them); each STO
 reply names the callee's closest contacts, so the stores are the lookup's own RPCs. A
 GET asks the closest nodes first and merges what the first ``value_quorum`` holders of
 the key answer (the paper's FIND_VALUE ends at the first holder), so it sees every subkey
-and the newest version of each unless all of those holders missed a store. Owners re-store what they stored while it lives (see ``republish``).
+and the newest version of each unless all of those holders missed a store. Owners
+re-store what they stored while it lives (see ``republish``).
 """
 
 from __future__ import annotations

@@ -84,10 +84,10 @@ class DHTProtocol:
 
     def register(self) -> None:
         """Install the four handlers on the host."""
-        self.host.register(PingRequest.METHOD, self._on_ping)
-        self.host.register(FindNodeRequest.METHOD, self._on_find_node)
-        self.host.register(FindValueRequest.METHOD, self._on_find_value)
-        self.host.register(StoreRequest.METHOD, self._on_store)
+        self.host.register_quick(PingRequest.METHOD, self._on_ping)
+        self.host.register_quick(FindNodeRequest.METHOD, self._on_find_node)
+        self.host.register_quick(FindValueRequest.METHOD, self._on_find_value)
+        self.host.register_quick(StoreRequest.METHOD, self._on_store)
 
     # ---- learning --------------------------------------------------------------------
 
@@ -124,18 +124,18 @@ class DHTProtocol:
 
     # ---- handlers --------------------------------------------------------------------
 
-    async def _on_ping(self, request: Request) -> Reply:
+    def _on_ping(self, request: Request) -> Reply:
         message = PingRequest.from_body(request.body)
         self._learn_sender(request.peer_id, message.sender)
         return Reply(PingResponse().to_body())
 
-    async def _on_find_node(self, request: Request) -> Reply:
+    def _on_find_node(self, request: Request) -> Reply:
         message = FindNodeRequest.from_body(request.body)
         self._learn_sender(request.peer_id, message.sender)
         nodes = self.table.nearest(message.target, self.config.k, exclude=request.peer_id)
         return Reply(FindNodeResponse(tuple(nodes)).to_body())
 
-    async def _on_find_value(self, request: Request) -> Reply:
+    def _on_find_value(self, request: Request) -> Reply:
         message = FindValueRequest.from_body(request.body)
         self._learn_sender(request.peer_id, message.sender)
         nodes = self.table.nearest(message.key, self.config.k, exclude=request.peer_id)
@@ -146,7 +146,7 @@ class DHTProtocol:
                 entries = _within_budget(record.values())
         return Reply(FindValueResponse(entries, tuple(nodes)).to_body())
 
-    async def _on_store(self, request: Request) -> Reply:
+    def _on_store(self, request: Request) -> Reply:
         message = StoreRequest.from_body(request.body)
         self._learn_sender(request.peer_id, message.sender)
         accepted = []

@@ -102,6 +102,57 @@ async def test_remote_errors_are_typed(autojump_clock: trio.testing.MockClock) -
         assert a.num_connections == 1
 
 
+async def test_quick_handlers_answer_on_the_reader(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Plain-function handlers: same replies and typed errors as async ones, no task
+    each, and still correct when the outbox is full (they fall back to a task)."""
+    calls: list[str] = []
+
+    def quick_echo(request: Request) -> Reply:
+        calls.append(request.method)
+        return Reply({"body": request.body}, request.payload)
+
+    def quick_not_found(request: Request) -> Reply:
+        raise RemoteError("not_found", "no such key")
+
+    def quick_crash(request: Request) -> Reply:
+        raise ValueError("boom")
+
+    def quick_bad(request: Request) -> Reply:
+        raise RemoteProtocolError("malformed body")
+
+    async with two_hosts(MemoryNetwork(latency=0.01)) as (a, b, address):
+        b.register_quick("echo", quick_echo)
+        b.register_quick("not_found", quick_not_found)
+        b.register_quick("crash", quick_crash)
+        b.register_quick("bad", quick_bad)
+        with pytest.raises(ValueError, match="already registered"):
+            b.register("echo", echo)
+        with trio.fail_after(5):
+            reply = await a.call(address, "echo", {"x": 1}, b"data")
+            assert reply.body == {"body": {"x": 1}} and bytes(reply.payload) == b"data"
+            for method, code, message in [
+                ("not_found", "not_found", "no such key"),
+                ("crash", "internal", "ValueError: boom"),
+                ("bad", "bad_request", "malformed body"),
+            ]:
+                with pytest.raises(RemoteError) as info:
+                    await a.call(address, method)
+                assert (info.value.code, info.value.message) == (code, message)
+            # 300 calls at once: more than the outbox holds, so some take the task path
+            results: list[int] = []
+
+            async def one(i: int) -> None:
+                results.append((await a.call(address, "echo", {"i": i})).body["body"]["i"])
+
+            async with trio.open_nursery() as nursery:
+                for i in range(300):
+                    nursery.start_soon(one, i)
+            assert sorted(results) == list(range(300))
+        assert len(calls) == 301 and a.num_connections == 1
+
+
 async def test_streaming_reply(autojump_clock: trio.testing.MockClock) -> None:
     finished: list[str] = []
 
