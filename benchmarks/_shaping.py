@@ -18,13 +18,17 @@ import trio
 
 from peer import TcpNetwork
 
-SLICE = 64 * 1024
+SLICE = 256 * 1024
+"""Bytes written per reservation (and the burst): coarse slices keep the shaper cheap; the
+average rate still never exceeds ``rate`` (over any interval T: at most rate * T + burst)."""
+READ = 1 << 20
+"""Most bytes read at once (each read is charged to the downlink after it returns)."""
 
 
 class Link:
     """One direction of a peer's link: ``rate`` bytes per second, ``burst`` bytes of slack."""
 
-    def __init__(self, rate_bytes: float, burst: int = 256 * 1024) -> None:
+    def __init__(self, rate_bytes: float, burst: int = SLICE) -> None:
         self.rate = rate_bytes
         self.burst = burst / rate_bytes
         self._free_at = 0.0
@@ -58,7 +62,7 @@ class ShapedStream(trio.abc.Stream):
         await self.inner.wait_send_all_might_not_block()
 
     async def receive_some(self, max_bytes: int | None = None) -> bytes:
-        data = await self.inner.receive_some(min(max_bytes or SLICE, SLICE))
+        data = await self.inner.receive_some(min(max_bytes or READ, READ))
         if data:
             await self.down.take(len(data))
         return bytes(data)

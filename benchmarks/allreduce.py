@@ -3,13 +3,16 @@
     python benchmarks/allreduce.py                      # 2 and 4 peers, 16M floats, ~5 min
     python benchmarks/allreduce.py --peers 2 --rates loopback --steps 2   # a quick look
     ALLREDUCE_PROFILE=/tmp/prof python benchmarks/allreduce.py ...       # py-spy each worker
+    ALLREDUCE_TRACE=/tmp/rows python benchmarks/allreduce.py ...         # every worker's rows
 
 Prints one JSON document. For each peer count: gloo's ``all_reduce`` of the same tensor in
 as many processes (no encryption), then for each link (plain loopback; shaped to 1 Gbit/s
 and 100 Mbit/s per peer and direction) and codec: the median over ``--steps`` rounds (after
 a warmup round) of the slowest peer's butterfly time (``allreduce_s``, matchmaking excluded)
-and of its whole step (``step_s``, matchmaking included). Shaped runs add the wire-time lower
-bound ``2 (n-1)/n * encoded bytes / rate`` and the ratio to it. Every peer is its own process
+and of its whole step (``step_s``, matchmaking included), and the mean CPU time of a peer's
+step (``cpu_s``; well under ``step_s`` x cores / peers: the peers waited for each other).
+Shaped runs add the wire-time lower bound ``2 (n-1)/n * encoded bytes / rate`` and the
+ratio to it. Every peer is its own process
 (one trio loop, one core's worth of Python); the Noise channel encrypts every byte.
 """
 
@@ -64,18 +67,21 @@ async def swarm_worker(args: argparse.Namespace) -> None:
         for codec in args.codecs:
             averager = Averager(node, f"bench/{codec}", [tensor], codec=codec, config=config)
             for step in range(args.warmup + args.steps):
-                start = time.perf_counter()
+                start, cpu = time.perf_counter(), time.process_time()
                 info = await averager.step(weight=1.0, timeout=args.timeout)
+                cpu = time.process_time() - cpu
                 _emit(
                     {
                         "codec": codec,
                         "step": step,
                         "step_s": time.perf_counter() - start,
                         "allreduce_s": info.allreduce_s,
+                        "cpu_s": cpu,
                         "outcome": str(info.outcome),
                         "fraction": info.averaged_fraction,
                         "group": len(info.group),
                         "info": str(info),
+                        "end": time.time(),
                     }
                 )
             averager.close()
@@ -118,6 +124,8 @@ def run_swarm(n: int, rate: float, args: argparse.Namespace) -> dict[str, Any]:
         for p in procs:
             if p.poll() is None:
                 p.kill()
+    if trace := os.environ.get("ALLREDUCE_TRACE"):  # a folder: every worker's raw rows
+        Path(trace, f"rows{n}_{int(rate)}.json").write_text(json.dumps(rows))
     return summarize(rows, n, rate, args)
 
 
@@ -130,9 +138,11 @@ def summarize(
         per_step = list(zip(*steps, strict=True))
         allreduce = [max(r["allreduce_s"] for r in step) for step in per_step]
         total = [max(r["step_s"] for r in step) for step in per_step]
+        cpu = [statistics.mean(r["cpu_s"] for r in step) for step in per_step]
         result: dict[str, Any] = {
             "allreduce_s": round(statistics.median(allreduce), 4),
             "step_s": round(statistics.median(total), 4),
+            "cpu_s": round(statistics.median(cpu), 4),  # per peer, matchmaking included
             "all_averaged": all(
                 r["fraction"] == 1.0 and r["group"] == n for step in per_step for r in step
             ),

@@ -44,11 +44,16 @@ class HookedCodec:
         return getattr(self.inner, name)
 
     def encode(self, values: np.ndarray) -> bytes:
-        flat = self.member.averager.flat.array
-        offset = (values.__array_interface__["data"][0] - flat.__array_interface__["data"][0]) // 4
+        base = self.member.array  # uploads read the (one, float32) tensor in place
+        offset = (values.__array_interface__["data"][0] - base.__array_interface__["data"][0]) // 4
         part = offset // PART
         self.encoded[part] = self.encoded.get(part, 0) + 1
         return self.on_encode(part, offset, self.inner.encode(values))
+
+    def encode_into(self, values: np.ndarray, out: bytearray | memoryview) -> int:
+        blob = self.encode(values)  # (never longer than the real blob)
+        memoryview(out)[: len(blob)] = blob
+        return len(blob)
 
 
 def hook(member: Member, on_encode: Callable[[int, int, bytes], bytes]) -> HookedCodec:

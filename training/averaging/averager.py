@@ -12,6 +12,7 @@ and report what happened (report). Nothing waits beyond ``timeout``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import time
@@ -25,11 +26,13 @@ import torch
 import trio
 
 from peer import BackgroundPeer, Peer, RemoteError, Reply, Request
-from protocol.codecs import get_codec
+from protocol.codecs import NonFiniteError, get_codec
 from protocol.errors import RemoteProtocolError
 
+from .buffers import BufferPool, SharedBuffer
 from .butterfly import Butterfly
 from .config import AveragerConfig
+from .feedback import ErrorFeedback
 from .grouping import Declaration
 from .layout import FlatVector, Float32Array, as_tensors
 from .matchmaking import Matchmaker
@@ -104,7 +107,9 @@ class Averager:
         self.flat = FlatVector(as_tensors(tensors))
         self.codec = get_codec(config.codec, **config.codec_params)
         self.layout = self.flat.layout
-        self.layout_id = self.layout.fingerprint(f"{self.codec!r}")
+        # peers must agree on the codec, the chunking and the wire format (v2: raw result
+        # blobs reused; topk results lossless with error feedback)
+        self.layout_id = self.layout.fingerprint(f"{self.codec!r}|{config.chunk_bytes}|v2")
         client = node.client_mode if config.client_mode is None else config.client_mode
         self.client_mode = client or node.rpc.listen_address is None
         self._methods = method_prefix(prefix)
@@ -118,6 +123,12 @@ class Averager:
         chunk = config.chunk_elements
         self._scratch: Float32Array = np.empty(chunk, dtype=np.float32)
         self._zeros: Float32Array = np.zeros(chunk, dtype=np.float32)
+        self._pool = BufferPool(config.max_inflight)  # upload blobs, reused across rounds
+        self._results = SharedBuffer()  # our part's encoded mean, reused across rounds
+        # topk: what compression kept out of our contributions, sent with the next ones
+        self.feedback = (
+            ErrorFeedback(self.flat.total, self.codec, chunk) if self.codec.name == "topk" else None
+        )
         if self._background is not None:  # the registry belongs to the peer's thread
             self._background.run_sync(self._register)
         else:
@@ -220,7 +231,16 @@ class Averager:
         conf = match.confirmation
         plan = Plan.of(conf, me.peer_id, self.config)
         self._count = max(self._count, max(m.count for m in conf.members) + 1)
-        self.flat.load()
+        feedback = self.feedback
+        if feedback is not None:  # topk: flat = tensors + residual, sparsified as sent
+            feedback.begin(self.flat)
+            if plan.my_part is not None and plan.weights[me.peer_id] is not None:
+                start, stop = plan.spans[plan.my_part]
+                # non-finite values: the reducer drops our own values as such
+                with contextlib.suppress(NonFiniteError):
+                    feedback.sparsify_own(plan.my_part, self.flat.array[start:stop], start)
+        elif plan.my_part is not None:  # the reducer sums in place; uploads read the tensors
+            self.flat.load_span(plan.spans[plan.my_part])
         deadline = min(deadline, t1 + conf.budget)
         cutoff = t1 + (deadline - t1) * (1 - self.config.result_share)
         liveness = Liveness(self.node, plan, f"{self._methods}.ping", self.config.stall_timeout / 2)
@@ -228,14 +248,14 @@ class Averager:
         if plan.my_part is not None:
             service = ReducerService(
                 plan, plan.my_part, self.flat, self.codec, self.config, liveness,
-                self._scratch,
+                self._scratch, self._results,
             )  # fmt: skip
         assert self._active is not None
         self._active.service = service
         self._active.ready.set()
         butterfly = Butterfly(
             self.node, plan, self.flat, self.codec, self.config, self._methods, service,
-            liveness, self._zeros,
+            liveness, self._zeros, self._pool, feedback,
         )  # fmt: skip
         async with trio.open_nursery() as nursery:  # the DHT store runs beside the butterfly
             nursery.start_soon(self._matchmaker.withdraw, match.round, max(withdraw_by, cutoff))
@@ -243,6 +263,8 @@ class Averager:
         for part in parts:
             if part.received:
                 self.flat.store(part.span)
+        if feedback is not None:
+            feedback.finish(parts, me.peer_id)
         return AveragingInfo(
             outcome_of(parts, self.flat.total), conf.round, plan.group, match.leader, parts,
             self.flat.total, epoch=plan.max_epoch, matchmaking_s=t1 - t0,

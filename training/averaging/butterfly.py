@@ -23,7 +23,9 @@ from protocol.address import Address
 from protocol.codecs import Codec, NonFiniteError
 from protocol.errors import ProtocolError, RemoteProtocolError
 
+from .buffers import BufferPool
 from .config import AveragerConfig
+from .feedback import ErrorFeedback
 from .layout import FlatVector, Float32Array, chunk_count, chunk_span
 from .messages import ChunkHeader, ResultHeader
 from .plan import Liveness, Plan
@@ -48,6 +50,8 @@ class Butterfly:
         service: ReducerService | None,
         liveness: Liveness,
         zeros: Float32Array,
+        pool: BufferPool,
+        feedback: ErrorFeedback | None = None,
     ) -> None:
         self.node = node
         self.plan = plan
@@ -58,6 +62,8 @@ class Butterfly:
         self.service = service
         self.liveness = liveness
         self._zeros = zeros
+        self.pool = pool
+        self.feedback = feedback  # topk: we send flat (values + residual) and note the blobs
         self.reports: dict[int, PartReport] = {}
         remote = max(1, len(plan.reducers) - (service is not None))
         self.per_part_inflight = max(1, math.ceil(config.max_inflight / remote))
@@ -137,18 +143,27 @@ class Butterfly:
         progress = [trio.current_time()]
         slots = trio.Semaphore(self.per_part_inflight)
         check_finite = self.codec.name in ("none", "float16")
+        pool = self.pool
 
-        async def send(body: dict[str, object], blob: bytes, scope: trio.CancelScope) -> None:
+        async def send(
+            body: dict[str, object], buffer: bytearray, size: int, scope: trio.CancelScope
+        ) -> None:
+            answered = False
             try:
-                await self.node.rpc.call(address, f"{self.methods}.chunk", body, blob)
+                payload = memoryview(buffer)[:size]
+                await self.node.rpc.call(address, f"{self.methods}.chunk", body, payload)
+                answered = True
                 progress[0] = trio.current_time()
             except RemoteError as exc:
+                answered = True
                 logger.debug("round %d: part %d refused: %s", self.plan.round, index, exc)
                 scope.cancel()
             except PeerUnavailableError:
                 self.liveness.mark(reducer, DropReason.DEAD)
                 scope.cancel()
             finally:
+                if answered:  # the peer read it all: the buffer is free again
+                    pool.give(buffer)
                 slots.release()
 
         async with trio.open_nursery() as outer:
@@ -157,20 +172,28 @@ class Butterfly:
             async with trio.open_nursery() as senders:
                 for chunk in range(chunk_count(length, self.config.chunk_elements)):
                     a, b = chunk_span(length, self.config.chunk_elements, chunk)
-                    values = self.flat.array[start + a : start + b]
+                    if self.feedback is None:
+                        values = self.flat.source(start + a, start + b)
+                    else:
+                        values = self.flat.array[start + a : start + b]
                     header = ChunkHeader(self.plan.round, index, chunk, me.epoch, me.weight)
                     await slots.acquire()  # released by send() when its call is over
+                    buffer = pool.take(self.codec.encoded_size(b - a))
                     try:
                         if check_finite and not all_finite(values, self._zeros[: b - a]):
                             raise NonFiniteError("NaN or infinity")
-                        blob = self.codec.encode(values)
+                        size = self.codec.encode_into(values, buffer)
                     except NonFiniteError:  # withdraw from the part instead
+                        pool.give(buffer)
                         abort = ChunkHeader(
                             self.plan.round, index, chunk, me.epoch, me.weight, DropReason.NONFINITE
                         )
-                        senders.start_soon(send, abort.to_body(), b"", senders.cancel_scope)
+                        body = abort.to_body()
+                        senders.start_soon(send, body, bytearray(), 0, senders.cancel_scope)
                         break
-                    senders.start_soon(send, header.to_body(), blob, senders.cancel_scope)
+                    if self.feedback is not None:
+                        self.feedback.record(index, start + a, bytes(buffer[:size]))
+                    senders.start_soon(send, header.to_body(), buffer, size, senders.cancel_scope)
                 encoded.set()
             outer.cancel_scope.cancel()
 

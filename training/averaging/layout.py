@@ -98,17 +98,39 @@ class FlatVector:
         self.total = self.offsets[-1]
         self.tensor = torch.empty(self.total, dtype=torch.float32)  # (total,)
         self.array: Float32Array = self.tensor.numpy()
+        # float32 tensors are read in place (see source); others are converted on load
+        self._views: list[Float32Array | None] = [
+            t.detach().view(-1).numpy() if t.dtype == torch.float32 else None for t in self.tensors
+        ]
 
     def load(self) -> None:
         """Copy every tensor into the buffer."""
-        for tensor, start, stop in zip(self.tensors, self.offsets, self.offsets[1:], strict=False):
-            self.tensor[start:stop].copy_(tensor.view(-1))
+        self.load_span((0, self.total))
 
-    def store(self, span: Span) -> None:
-        """Copy ``flat[span]`` back into the tensors it overlaps."""
+    def load_span(self, span: Span) -> None:
+        """Copy the tensors' values of ``flat[span]`` into the buffer."""
+        for i, lo, hi in self._pieces(span):
+            t_start = self.offsets[i]
+            self.tensor[lo:hi].copy_(self.tensors[i].view(-1)[lo - t_start : hi - t_start])
+
+    def source(self, start: int, stop: int) -> Float32Array:
+        """The tensors' values of ``flat[start:stop]``, to read: a view of the tensor when one
+        float32 tensor holds them all (no copy), else loaded into the buffer."""
+        for i, lo, hi in self._pieces((start, stop)):
+            view = self._views[i]
+            if view is not None and (lo, hi) == (start, stop):
+                t_start = self.offsets[i]
+                return view[lo - t_start : hi - t_start]
+            break
+        self.load_span((start, stop))
+        return self.array[start:stop]
+
+    def _pieces(self, span: Span) -> list[tuple[int, int, int]]:
+        """``(tensor index, start, stop)`` of each tensor's share of ``span`` (flat indices)."""
         start, stop = span
+        out: list[tuple[int, int, int]] = []
         if start >= stop:
-            return
+            return out
         first = int(np.searchsorted(self.offsets, start, side="right")) - 1
         for i in range(max(first, 0), len(self.tensors)):
             t_start, t_stop = self.offsets[i], self.offsets[i + 1]
@@ -116,7 +138,14 @@ class FlatVector:
                 break
             lo, hi = max(start, t_start), min(stop, t_stop)
             if lo < hi:
-                self.tensors[i].view(-1)[lo - t_start : hi - t_start].copy_(self.tensor[lo:hi])
+                out.append((i, lo, hi))
+        return out
+
+    def store(self, span: Span) -> None:
+        """Copy ``flat[span]`` back into the tensors it overlaps."""
+        for i, lo, hi in self._pieces(span):
+            t_start = self.offsets[i]
+            self.tensors[i].view(-1)[lo - t_start : hi - t_start].copy_(self.tensor[lo:hi])
 
 
 def split_spans(total: int, bandwidths: Sequence[float], align: int = ALIGN) -> list[Span]:

@@ -184,7 +184,8 @@ class PartReducer:
                 all_finite(values[i : i + step], self._zeros[: len(values[i : i + step])])
                 for i in range(0, self.length, step)
             ):
-                self._acc.mul_(sender.weight)
+                if sender.weight != 1.0:
+                    self._acc.mul_(sender.weight)
                 sender.received[:] = b"\x01" * self.n_chunks
                 sender.done = True
                 return

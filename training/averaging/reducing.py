@@ -15,12 +15,14 @@ import logging
 import math
 from collections.abc import AsyncGenerator
 
+import numpy as np
 import trio
 
 from peer import RemoteError, Reply
-from protocol.codecs import Codec, NoneCodec, NonFiniteError
+from protocol.codecs import Codec, NoneCodec, NonFiniteError, TopKCodec
 from protocol.identity import PeerID
 
+from .buffers import SharedBuffer
 from .config import AveragerConfig
 from .layout import FlatVector, Float32Array, chunk_span
 from .messages import ChunkHeader, ResultHeader
@@ -42,6 +44,7 @@ class ReducerService:
         config: AveragerConfig,
         liveness: Liveness,
         scratch: Float32Array,
+        results: SharedBuffer | None = None,
     ) -> None:
         self.plan = plan
         self.part = part
@@ -50,6 +53,7 @@ class ReducerService:
         self.codec = codec
         self.config = config
         self.liveness = liveness
+        self._results = results or SharedBuffer()
         start, stop = self.span
         length = stop - start
         members = [Member(m.peer_id, m.weight, m.epoch) for m in plan.members]
@@ -87,7 +91,7 @@ class ReducerService:
         self._changed = trio.Event()
         self.outcome: PartOutcome | None = None
         self.header: ResultHeader | None = None
-        self.blobs: list[bytes] = []
+        self.blobs: list[bytes | memoryview] = []
         self.ready = trio.Event()
         self.downloaded: set[PeerID] = set()
         self.last_download = trio.current_time()
@@ -238,15 +242,13 @@ class ReducerService:
 
     def _publish(self, outcome: PartOutcome) -> PartOutcome:
         mean = self.reducer.mean()  # our span of the flat vector
-        blobs: list[bytes] = []
+        blobs: list[bytes | memoryview] = []
         if outcome.weight > 0:
             try:
-                for index in range(self.reducer.n_chunks):
-                    a, b = chunk_span(len(mean), self.config.chunk_elements, index)
-                    blob = self.codec.encode(mean[a:b])
-                    blobs.append(blob)
-                    if not isinstance(self.codec, NoneCodec):  # hold what the others decode
-                        self.codec.decode_into(blob, mean[a:b])
+                if isinstance(self.codec, TopKCodec):
+                    blobs.extend(self._sparse_results(mean))
+                else:
+                    blobs.extend(self._dense_results(mean))
             except NonFiniteError:
                 logger.warning("round %d: the mean overflowed; no result", self.plan.round)
                 outcome = PartOutcome((), outcome.dropped, 0.0)
@@ -259,6 +261,46 @@ class ReducerService:
         self.last_download = trio.current_time()
         self.ready.set()
         return outcome
+
+    def _dense_results(self, mean: Float32Array) -> list[memoryview]:
+        """Every chunk of the mean encoded; what the others decode is written back into
+        ``mean``. The blobs are slices of one buffer, reused next round once unreferenced.
+
+        Raises:
+            NonFiniteError: the mean overflowed (a codec that refuses infinity).
+        """
+        view = memoryview(self._results.get(self.part_bytes))
+        blobs = []
+        offset = 0
+        for index in range(self.reducer.n_chunks):
+            a, b = chunk_span(len(mean), self.config.chunk_elements, index)
+            size = self.codec.encode_into(mean[a:b], view[offset:])
+            blob = view[offset : offset + size]
+            offset += size
+            blobs.append(blob)
+            if not isinstance(self.codec, NoneCodec):  # hold what the others decode
+                self.codec.decode_into(blob, mean[a:b])
+        return blobs
+
+    def _sparse_results(self, mean: Float32Array) -> list[bytes]:
+        """topk: the mean of sparse contributions, sent without loss (every non-zero, up to
+        half a chunk: beyond that it keeps the largest half, and ``mean`` holds what the
+        others decode).
+
+        Raises:
+            NonFiniteError: the mean overflowed.
+        """
+        blobs = []
+        for index in range(self.reducer.n_chunks):
+            a, b = chunk_span(len(mean), self.config.chunk_elements, index)
+            nonzero = int(np.count_nonzero(mean[a:b]))
+            k = max(1, min(nonzero, (b - a) // 2))
+            codec = TopKCodec(k, max_elements=self.codec.max_elements)
+            blob = codec.encode(mean[a:b])
+            if k < nonzero:
+                codec.decode_into(blob, mean[a:b])
+            blobs.append(blob)
+        return blobs
 
     # -- results out ---------------------------------------------------------------------
 
