@@ -41,6 +41,35 @@ async def test_peers_arriving_within_half_a_window_meet(
     assert all(info.outcome is Outcome.AVERAGED and len(info.group) == 4 for info in infos)  # type: ignore[attr-defined]
 
 
+async def test_peers_split_by_a_slot_boundary_meet_in_the_next_round(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A peer that arrives early in a slot declares there; one arriving in the slot's last
+    eighth declares in the next. The first, alone when its round closes although it had
+    partners before, follows into the next round instead of giving up for this step."""
+    window = 2.0
+    with trio.fail_after(60):
+        async with memnet_swarm(2) as (_, nodes):
+            members = make_members(nodes, 4096, fast_config(gather_window=window))
+            first = await step_all(members, timeout=20.0)
+            assert all(info.outcome is Outcome.AVERAGED for info, _ in first)  # type: ignore[union-attr]
+            for m in members:
+                m.data = m.array.copy()  # what each holds now is its next contribution
+            await trio.sleep(window - (trio.current_time() % window))  # at a boundary
+            infos = [None, None]
+
+            async def one(i: int, delay: float) -> None:
+                await trio.sleep(delay)
+                infos[i] = await members[i].averager.step(members[i].weight, timeout=20.0)  # type: ignore[call-overload]
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(one, 0, 0.2)  # 1.8 s before the close: this round
+                nursery.start_soon(one, 1, window - 0.1)  # 0.1 s before: the next one
+    verify_round(members, infos)  # type: ignore[arg-type]
+    assert all(info.outcome is Outcome.AVERAGED and len(info.group) == 2 for info in infos)  # type: ignore[attr-defined]
+    assert infos[0].round == infos[1].round  # type: ignore[attr-defined]
+
+
 async def test_layout_mismatch_is_a_clear_error_and_others_still_average(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

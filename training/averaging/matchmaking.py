@@ -121,6 +121,7 @@ class Matchmaker:
         """
         window = self.config.gather_window
         earliest = 0
+        lone_retry = True
         while True:
             number = max(await self._choose_round(deadline), earliest)
             earliest = number + 1
@@ -143,9 +144,17 @@ class Matchmaker:
                 result.leader and result.leader.short(),
                 ", retrying" if result.retry else "",
             )
-            if not result.retry or deadline - trio.current_time() < 2 * window:
+            # Alone although others were in our last rounds: most likely they arrived just
+            # after us at a slot boundary and declared in the next round. Follow them, once.
+            retry = result.retry or (result.alone and lone_retry and self._others_recently())
+            lone_retry = lone_retry and not result.alone
+            if not retry or deadline - trio.current_time() < 2 * window:
                 return result
             await self.withdraw(number, min(deadline, trio.current_time() + window / 4))
+
+    def _others_recently(self) -> bool:
+        """Whether other peers declared in one of the rounds before the last one."""
+        return max(self._views[:-1], default=0) >= 2
 
     async def withdraw(self, number: int, deadline: float) -> None:
         """Replace our declaration in round ``number`` by a "done" marker (the caller runs
