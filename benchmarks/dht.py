@@ -45,7 +45,7 @@ async def _run_peer(
         await trio.sleep_forever()
 
 
-def summarize(latencies: list[float], successes: int, wall: float) -> dict[str, Any]:
+def summarize(latencies: list[float], successes: int, wall: float, cpu: float) -> dict[str, Any]:
     ordered = sorted(latencies)
     return {
         "ops": len(latencies),
@@ -53,6 +53,8 @@ def summarize(latencies: list[float], successes: int, wall: float) -> dict[str, 
         "p50_ms": round(1000 * statistics.median(ordered), 2),
         "p95_ms": round(1000 * ordered[int(0.95 * (len(ordered) - 1))], 2),
         "ops_per_s": round(len(latencies) / wall, 1),
+        # CPU of this one process (every peer, both ends of every RPC) per operation
+        "cpu_ms_per_op": round(1000 * cpu / len(latencies), 2),
     }
 
 
@@ -67,7 +69,7 @@ async def run_phase(ops: list[Callable[[], Awaitable[bool]]], concurrent: bool) 
         latencies.append(time.perf_counter() - start)
         successes += bool(ok)
 
-    start = time.perf_counter()
+    start, cpu = time.perf_counter(), time.process_time()
     if concurrent:
         async with trio.open_nursery() as nursery:
             for op in ops:
@@ -75,7 +77,8 @@ async def run_phase(ops: list[Callable[[], Awaitable[bool]]], concurrent: bool) 
     else:
         for op in ops:
             await one(op)
-    return summarize(latencies, successes, time.perf_counter() - start)
+    wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+    return summarize(latencies, successes, wall, cpu)
 
 
 async def main(n_peers: int, n_ops: int, seed: int, config: PeerConfig) -> dict[str, Any]:
@@ -121,6 +124,9 @@ async def main(n_peers: int, n_ops: int, seed: int, config: PeerConfig) -> dict[
                     [make(k, i) for i, k in enumerate(keys)], mode == "concurrent"
                 )
                 phase["rpcs_per_op"] = round((rpcs()[0] - sent) / n_ops, 1)
+                phase["cpu_us_per_rpc"] = round(
+                    1000 * phase["cpu_ms_per_op"] / max(phase["rpcs_per_op"], 1e-9)
+                )
                 phase["rpcs_failed"] = rpcs()[1] - failed
                 report[f"{name}_{mode}"] = phase
         report["max_lookup_rounds"] = max(p.dht.stats.max_rounds for p in peers)
