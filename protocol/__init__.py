@@ -65,6 +65,8 @@ from .records import RecordError as RecordError
 from .records import RecordTooLargeError as RecordTooLargeError
 from .records import Subkey as Subkey
 from .records import check_key as check_key
+from .records import key_owner as key_owner
+from .records import owned_key as owned_key
 from .records import owner_of as owner_of
 from .records import sign_entry as sign_entry
 from .records import signing_bytes as signing_bytes
@@ -144,6 +146,8 @@ __all__ = [
     "Subkey",
     "RecordError",
     "RecordTooLargeError",
+    "key_owner",
+    "owned_key",
     "owner_of",
     "signing_bytes",
     "sign_entry",

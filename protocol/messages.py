@@ -23,7 +23,7 @@ from .address import MAX_ADDRESS_LENGTH, Address
 from .dhtid import DHTID, ID_BYTES
 from .errors import LocalProtocolError, ProtocolError, RemoteProtocolError
 from .identity import PeerID
-from .records import MAX_ENTRIES_PER_STORE, MAX_SUBKEYS_PER_KEY, Entry
+from .records import MAX_ENTRIES_PER_STORE, MAX_KEY_BYTES, MAX_SUBKEYS_PER_KEY, Entry
 from .records import Subkey as Subkey  # re-exported: entries are part of the messages
 
 MAX_NODES = 64
@@ -357,18 +357,22 @@ class FindValueResponse(Message):
 @register_message
 @dataclass(frozen=True, slots=True)
 class StoreRequest(Message):
-    """``dht.store``: store 1..``MAX_ENTRIES_PER_STORE`` entries under ``key``."""
+    """``dht.store``: store 1..``MAX_ENTRIES_PER_STORE`` entries under ``key``, whose text
+    is ``name`` (``key`` is its SHA-256; the text tells storing nodes whether the key is
+    owned, see ``protocol.records.key_owner``)."""
 
     TAG: ClassVar[str] = "dht.store.req"
     METHOD: ClassVar[str] = "dht.store"
-    FIELDS: ClassVar[tuple[str, ...]] = ("sender", "key", "entries")
+    FIELDS: ClassVar[tuple[str, ...]] = ("sender", "key", "name", "entries")
     sender: str | None
     key: DHTID
+    name: str
     entries: tuple[Entry, ...]
 
     def __post_init__(self) -> None:
         _check_hostport(self.sender, "sender")
         _check_dhtid(self.key, "key")
+        _check_name(self.name, self.key)
         _tuple_of(self, "entries", Entry, MAX_ENTRIES_PER_STORE)
         if not self.entries:
             raise LocalProtocolError("a store request carries at least one entry")
@@ -377,13 +381,28 @@ class StoreRequest(Message):
         return {
             "sender": self.sender,
             "key": self.key.to_raw(),
+            "name": self.name,
             "entries": [entry.to_body() for entry in self.entries],
         }
 
     @classmethod
     def _decode(cls, body: dict[str, Any]) -> Self:
         key = _raw_id(body["key"], "key")
-        return cls(body["sender"], key, _entries(body["entries"], MAX_ENTRIES_PER_STORE))
+        entries = _entries(body["entries"], MAX_ENTRIES_PER_STORE)
+        return cls(body["sender"], key, body["name"], entries)
+
+
+def _check_name(name: object, key: DHTID) -> None:
+    if type(name) is not str:
+        raise LocalProtocolError("name must be a str")
+    try:
+        raw = name.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise LocalProtocolError("name must be valid Unicode") from exc
+    if len(raw) > MAX_KEY_BYTES:
+        raise LocalProtocolError(f"name of {len(raw)} bytes exceeds {MAX_KEY_BYTES}")
+    if DHTID.from_key(name) != key:
+        raise LocalProtocolError("name does not hash to key")
 
 
 @register_message

@@ -10,6 +10,9 @@ node applies (no clock is read here: ``now`` is an argument):
 - owner-bound subkeys: a ``str`` subkey that is the canonical base58 form of a PeerID may
   be written only by that peer: ``owner_key`` must hash to that PeerID and ``signature``
   must verify over :func:`signing_bytes`.
+- owned keys: a key that ends with ``[owner:PEERID]`` (see :func:`owned_key`) may be
+  written only by that peer, under any subkey: every entry must be signed by it. Storing
+  nodes see the key text in STORE requests (``StoreRequest.name``), readers know it anyway.
 - any signature that is present must verify, owner-bound subkey or not.
 
 A record that breaks a rule raises :class:`RecordError`. For a record received from a
@@ -181,6 +184,24 @@ def owner_of(subkey: Subkey) -> PeerID | None:
     return peer_id if peer_id.to_base58() == subkey else None
 
 
+_OWNER_MARK = "[owner:"
+
+
+def owned_key(name: str, owner: PeerID) -> str:
+    """The key ``name`` marked as owned by ``owner``: only ``owner`` may write under it."""
+    return f"{name}{_OWNER_MARK}{owner}]"
+
+
+def key_owner(key: str) -> PeerID | None:
+    """The peer that owns ``key``: its text ends with ``[owner:PEERID]`` (canonical base58)."""
+    if not key.endswith("]"):
+        return None
+    start = key.rfind(_OWNER_MARK)
+    if start < 0:
+        return None
+    return owner_of(key[start + len(_OWNER_MARK) : -1])
+
+
 def signing_bytes(key: DHTID, subkey: Subkey, value: bytes, expiration: float) -> bytes:
     """What a record signature covers.
 
@@ -203,29 +224,43 @@ def signing_bytes(key: DHTID, subkey: Subkey, value: bytes, expiration: float) -
 
 
 def sign_entry(
-    identity: Identity, key: DHTID, subkey: Subkey, value: bytes, expiration: float
+    identity: Identity,
+    key: DHTID,
+    subkey: Subkey,
+    value: bytes,
+    expiration: float,
+    *,
+    key_owner: PeerID | None = None,
 ) -> Entry:
-    """An entry signed by ``identity``, as needed for an owner-bound subkey.
+    """An entry signed by ``identity``, as needed for an owner-bound subkey or an owned key
+    (``key_owner``: the owner named by the key's text).
 
     Raises:
         RecordTooLargeError: if the subkey or value is too large.
-        RecordError: if a part has the wrong type, or the subkey is bound to another peer.
+        RecordError: if a part has the wrong type, or the subkey or key is bound to
+            another peer.
     """
     unsigned = Entry(subkey, value, expiration)
     owner = owner_of(subkey)
     if owner is not None and owner != identity.peer_id:
         raise RecordError(f"subkey is owned by {owner}, not by {identity.peer_id}")
+    if key_owner is not None and key_owner != identity.peer_id:
+        raise RecordError(f"key is owned by {key_owner}, not by {identity.peer_id}")
     signature = identity.sign(signing_bytes(key, subkey, value, unsigned.expiration))
     return replace(unsigned, owner_key=identity.public_key, signature=signature)
 
 
-def validate_entry(key: DHTID, entry: Entry, *, now: float) -> None:
-    """Check every rule a storing node applies to ``entry`` under ``key`` at time ``now``.
+def validate_entry(
+    key: DHTID, entry: Entry, *, now: float, key_owner: PeerID | None = None
+) -> None:
+    """Check every rule a storing node applies to ``entry`` under ``key`` at time ``now``;
+    ``key_owner`` is the owner the key's text names (:func:`key_owner`), if any.
 
     Raises:
         RecordTooLargeError: if the subkey or value is too large.
         RecordError: if the entry is expired or expires too far ahead, if an owner-bound
-            subkey is unsigned or signed by another key, or if a signature is invalid.
+            subkey or an owned key's entry is unsigned or signed by another key, or if a
+            signature is invalid.
     """
     if not isinstance(entry, Entry):
         raise RecordError("not an Entry")
@@ -242,6 +277,11 @@ def validate_entry(key: DHTID, entry: Entry, *, now: float) -> None:
             raise RecordError(f"subkey {entry.subkey!r} is owner-bound but the entry is unsigned")
         if PeerID.from_public_key(entry.owner_key) != owner:
             raise RecordError(f"subkey {entry.subkey!r} is owner-bound to another peer's key")
+    if key_owner is not None:
+        if entry.owner_key is None:
+            raise RecordError(f"the key is owned by {key_owner} but the entry is unsigned")
+        if PeerID.from_public_key(entry.owner_key) != key_owner:
+            raise RecordError(f"the key is owned by {key_owner}, not by the entry's signer")
     if entry.owner_key is not None and entry.signature is not None:
         data = signing_bytes(key, entry.subkey, entry.value, entry.expiration)
         if not verify_signature(entry.owner_key, entry.signature, data):

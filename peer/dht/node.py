@@ -40,6 +40,7 @@ from protocol.records import (
     RecordError,
     Subkey,
     check_key,
+    key_owner,
     owner_of,
     sign_entry,
     validate_entry,
@@ -111,7 +112,8 @@ class DHT:
         self._clock = clock
         self._rng = random.Random(self.peer_id.raw)
         self._initial_peers: list[Address] = []
-        self._published: OrderedDict[tuple[DHTID, Subkey], Entry] = OrderedDict()
+        # (key id, subkey) -> (key text, entry) of what this node stored, to republish
+        self._published: OrderedDict[tuple[DHTID, Subkey], tuple[str, Entry]] = OrderedDict()
 
     def now(self) -> float:
         """The unix time this node stamps expirations with (its injected clock)."""
@@ -202,24 +204,24 @@ class DHT:
             Nothing for unreachable peers: a record no node accepts waits for the next round.
         """
         now = self._clock()
-        by_key: dict[DHTID, list[Entry]] = {}
-        for (key_id, subkey), entry in list(self._published.items()):
+        by_key: dict[str, list[Entry]] = {}
+        for (key_id, subkey), (key, entry) in list(self._published.items()):
             if entry.expiration <= now + self.config.republish_margin:
                 if entry.expiration <= now:
                     del self._published[key_id, subkey]
                 continue
-            by_key.setdefault(key_id, []).append(entry)
+            by_key.setdefault(key, []).append(entry)
         limiter = trio.CapacityLimiter(_REPUBLISH_PARALLEL)
 
-        async def one(key_id: DHTID, entries: list[Entry]) -> None:
+        async def one(key: str, entries: list[Entry]) -> None:
             async with limiter:
                 for start in range(0, len(entries), MAX_ENTRIES_PER_STORE):
                     chunk = tuple(entries[start : start + MAX_ENTRIES_PER_STORE])
-                    await self._store_entries(key_id, chunk)
+                    await self._store_entries(key, chunk)
 
         async with trio.open_nursery() as nursery:
-            for key_id, entries in by_key.items():
-                nursery.start_soon(one, key_id, entries)
+            for key, entries in by_key.items():
+                nursery.start_soon(one, key, entries)
         return len(by_key)
 
     # ---- lookups ---------------------------------------------------------------------
@@ -267,7 +269,10 @@ class DHT:
     async def store(self, key: str, value: Any, ttl: float = 60.0, subkey: Subkey = None) -> bool:
         """Store ``value`` under ``key`` (and ``subkey``) for ``ttl`` seconds.
 
-        A ``subkey`` equal to ``str(peer_id)`` makes an owner-bound record, signed here.
+        A ``subkey`` equal to ``str(peer_id)`` makes an owner-bound record, and a key
+        marked ``[owner:PEERID]`` (``protocol.records.owned_key(name, peer_id)``) an owned
+        key, under which only that peer may write (any subkey); both are signed here and
+        every storing node and reader checks the signature.
         The expiration is the version: a store replaces what is there only if it expires
         later (so an update with a shorter ttl than the previous value is refused).
 
@@ -277,7 +282,8 @@ class DHT:
         Raises:
             RecordTooLargeError: (a ValueError) the key, subkey or serialized value is
                 over its limit (MAX_KEY_BYTES, MAX_SUBKEY_BYTES, MAX_VALUE_BYTES).
-            RecordError: the subkey is bound to another peer, or is of a wrong type.
+            RecordError: the subkey or the key is bound to another peer, or the subkey
+                is of a wrong type.
             ValueError: ``ttl`` is not in (0, MAX_TTL].
             TypeError: ``value`` cannot be serialized with msgpack.
         """
@@ -286,27 +292,29 @@ class DHT:
             raise ValueError(f"ttl must be in (0, {MAX_TTL}] seconds, got {ttl}")
         data = msgpack.packb(value, use_bin_type=True)
         expiration = self._clock() + ttl
-        if owner_of(subkey) is not None:
-            entry = sign_entry(self.identity, key_id, subkey, data, expiration)
+        owner = key_owner(key)
+        if owner is not None or owner_of(subkey) is not None:
+            entry = sign_entry(self.identity, key_id, subkey, data, expiration, key_owner=owner)
         else:
             entry = Entry(subkey, data, expiration)
-        validate_entry(key_id, entry, now=self._clock())
-        self._published[key_id, subkey] = entry
+        validate_entry(key_id, entry, now=self._clock(), key_owner=owner)
+        self._published[key_id, subkey] = (key, entry)
         self._published.move_to_end((key_id, subkey))
         while len(self._published) > self.config.max_republished_records:
             self._published.popitem(last=False)
-        return await self._store_entries(key_id, (entry,))
+        return await self._store_entries(key, (entry,))
 
-    async def _store_entries(self, key_id: DHTID, entries: tuple[Entry, ...]) -> bool:
+    async def _store_entries(self, key: str, entries: tuple[Entry, ...]) -> bool:
         """Store while looking up: each STORE reply names the callee's closest contacts,
         so the lookup of the k closest nodes and the stores to them are the same RPCs
         (a node asked early that turns out not to be among the k closest keeps a copy
         too, until it expires)."""
+        key_id, owner = DHTID.from_key(key), key_owner(key)
         stored = False
 
         async def query(node: NodeInfo) -> Sequence[NodeInfo] | None:
             nonlocal stored
-            response = await self.protocol.store(node, key_id, entries)
+            response = await self.protocol.store(node, key_id, key, entries)
             if response is None:
                 return None
             stored = stored or any(response.accepted)
@@ -316,7 +324,7 @@ class DHT:
         if self.storage is not None and self._among_closest(key_id, result.closest):
             for entry in entries:
                 try:
-                    stored = self.storage.store(key_id, entry) or stored
+                    stored = self.storage.store(key_id, entry, owner) or stored
                 except RecordError as exc:
                     logger.debug("local store refused: %s", exc)
         return stored
@@ -337,7 +345,7 @@ class DHT:
         Raises:
             RecordTooLargeError: (a ValueError) the key is over MAX_KEY_BYTES.
         """
-        key_id = check_key(key)
+        key_id, owner = check_key(key), key_owner(key)
         record: Record = {}
         values: dict[Subkey, Any] = {}
         holders = 0
@@ -345,7 +353,7 @@ class DHT:
             local = self.storage.get(key_id)
             holders += bool(local)
             for entry in local.values():
-                self._merge(key_id, record, values, entry, verified=True)
+                self._merge(key_id, owner, record, values, entry, verified=True)
 
         async def query(node: NodeInfo) -> Sequence[NodeInfo] | None:
             nonlocal holders
@@ -354,7 +362,7 @@ class DHT:
                 return None
             holders += bool(response.entries)
             for entry in response.entries or ():
-                self._merge(key_id, record, values, entry, verified=False)
+                self._merge(key_id, owner, record, values, entry, verified=False)
             return response.nodes
 
         quorum = self.config.value_quorum if latest else 1
@@ -365,6 +373,7 @@ class DHT:
     def _merge(
         self,
         key_id: DHTID,
+        owner: PeerID | None,
         record: Record,
         values: dict[Subkey, Any],
         entry: Entry,
@@ -376,7 +385,7 @@ class DHT:
             return  # loses anyway (or is the same one): no need to verify it
         try:
             if not verified:
-                validate_entry(key_id, entry, now=self._clock())
+                validate_entry(key_id, entry, now=self._clock(), key_owner=owner)
             value = msgpack.unpackb(entry.value, raw=False, strict_map_key=False)
         except (RecordError, ValueError, TypeError) as exc:
             logger.debug("dropped an invalid entry from a lookup: %r", exc)

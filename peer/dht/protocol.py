@@ -39,7 +39,7 @@ from protocol.messages import (
     StoreRequest,
     StoreResponse,
 )
-from protocol.records import RecordError
+from protocol.records import RecordError, key_owner
 
 from ..errors import RemoteError
 from ..host import RpcHost
@@ -149,13 +149,14 @@ class DHTProtocol:
     def _on_store(self, request: Request) -> Reply:
         message = StoreRequest.from_body(request.body)
         self._learn_sender(request.peer_id, message.sender)
+        owner = key_owner(message.name)
         accepted = []
         for entry in message.entries:
             if self.storage is None:
                 accepted.append(False)
                 continue
             try:
-                accepted.append(self.storage.store(message.key, entry))
+                accepted.append(self.storage.store(message.key, entry, owner))
             except RecordError as exc:
                 logger.debug("refused a record from %s: %s", request.peer_id.short(), exc)
                 accepted.append(False)
@@ -177,11 +178,12 @@ class DHTProtocol:
         return await self._call(node, FindValueRequest(self.sender, key), FindValueResponse)
 
     async def store(
-        self, node: NodeInfo, key: DHTID, entries: tuple[Entry, ...]
+        self, node: NodeInfo, key: DHTID, name: str, entries: tuple[Entry, ...]
     ) -> StoreResponse | None:
         """Ask ``node`` to store ``entries`` (the reply also names its closest contacts to
         ``key``); None when it failed."""
-        return await self._call(node, StoreRequest(self.sender, key, entries), StoreResponse)
+        request = StoreRequest(self.sender, key, name, entries)
+        return await self._call(node, request, StoreResponse)
 
     async def _call(self, node: NodeInfo, request: Message, response_type: type[_M]) -> _M | None:
         assert node.address is not None

@@ -24,6 +24,7 @@ import time
 from collections.abc import Callable, Iterator
 
 from protocol.dhtid import DHTID
+from protocol.identity import PeerID
 from protocol.messages import Entry
 from protocol.records import MAX_SUBKEYS_PER_KEY, validate_entry
 
@@ -94,8 +95,8 @@ class DHTStorage:
     def now(self) -> float:
         return self._clock()
 
-    def store(self, key: DHTID, entry: Entry) -> bool:
-        """Validate and merge one entry.
+    def store(self, key: DHTID, entry: Entry, key_owner: PeerID | None = None) -> bool:
+        """Validate and merge one entry (``key_owner``: the owner the key's text names).
 
         Returns:
             True when the entry is held, False when a newer one wins or storage is full
@@ -105,7 +106,7 @@ class DHTStorage:
             RecordError: the entry is invalid (oversized, expired, bad or missing signature).
         """
         now = self._clock()
-        validate_entry(key, entry, now=now)
+        validate_entry(key, entry, now=now, key_owner=key_owner)
         self.expire()
         if self.num_bytes + len(entry.value) > self.max_bytes:
             logger.debug("storage full (%d bytes): refused an entry", self.max_bytes)

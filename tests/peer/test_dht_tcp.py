@@ -17,6 +17,7 @@ from protocol.records import (
     RecordError,
     RecordTooLargeError,
     check_key,
+    owned_key,
     sign_entry,
 )
 
@@ -68,10 +69,25 @@ async def test_50_tcp_peers_store_get_and_reject_forgeries() -> None:
             assert len(holders) == 20
             for forged in (forged_by_mallory, replayed, unsigned):
                 for holder in holders:
-                    response = await mallory.dht.protocol.store(holder, key, (forged,))
+                    response = await mallory.dht.protocol.store(holder, key, "tcp/owned", (forged,))
                     assert response is not None and response.accepted == (False,)
             for node in rng.sample(peers, 5):
                 assert await node.dht.get("tcp/owned") == {subkey: "alice's"}
+
+            # a key marked owned by Alice: any subkey, only her signature
+            owned = owned_key("tcp/state", alice.peer_id)
+            assert await alice.dht.store(owned, {"step": 1}, ttl=60.0)
+            with pytest.raises(RecordError, match="key is owned by"):
+                await mallory.dht.store(owned, {"step": 666}, ttl=60.0)
+            owned_id = check_key(owned)
+            expiration = mallory.dht.now() + 120.0
+            by_mallory = sign_entry(mallory.identity, owned_id, None, b"\x01", expiration)
+            for forged in (by_mallory, Entry(None, b"\x01", expiration)):
+                for holder in (await mallory.dht.find_nodes(owned_id)).closest:
+                    response = await mallory.dht.protocol.store(holder, owned_id, owned, (forged,))
+                    assert response is not None and response.accepted == (False,)
+            for node in rng.sample(peers, 5):
+                assert await node.dht.get(owned) == {"step": 1}
 
             # oversized values are refused at the caller, with a clear ValueError
             with pytest.raises(RecordTooLargeError, match="MAX_VALUE_BYTES") as info:

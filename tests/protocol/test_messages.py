@@ -57,7 +57,7 @@ EXAMPLES: list[Message] = [
     FindValueResponse(None, (NODE,)),
     FindValueResponse((), ()),
     FindValueResponse((ENTRY, SIGNED, Entry(None, b"", 1.0), Entry(-5, b"", 2.0)), (NODE,)),
-    StoreRequest("host.example:1", KEY, (ENTRY, SIGNED)),
+    StoreRequest("host.example:1", KEY, "k", (ENTRY, SIGNED)),
     StoreResponse((True, False)),
 ]
 
@@ -195,8 +195,10 @@ def test_bad_senders(sender: Any) -> None:
         lambda: FindNodeResponse(NODE),  # type: ignore[arg-type]
         lambda: FindValueResponse((NODE,), ()),  # type: ignore[arg-type]
         lambda: FindValueResponse(None, (NODE,) * (MAX_NODES + 1)),
-        lambda: StoreRequest(None, KEY, ()),
-        lambda: StoreRequest(None, KEY, (ENTRY,) * (MAX_ENTRIES_PER_STORE + 1)),
+        lambda: StoreRequest(None, KEY, "k", ()),
+        lambda: StoreRequest(None, KEY, "k", (ENTRY,) * (MAX_ENTRIES_PER_STORE + 1)),
+        lambda: StoreRequest(None, KEY, "not k", (ENTRY,)),  # name must hash to key
+        lambda: StoreRequest(None, KEY, b"k", (ENTRY,)),  # type: ignore[arg-type]
         lambda: StoreResponse((1, 0)),  # type: ignore[arg-type]
         lambda: StoreResponse((True,) * (MAX_ENTRIES_PER_STORE + 1)),
     ],
@@ -208,7 +210,7 @@ def test_invalid_local_messages(make: Any) -> None:
 
 def test_limits_are_inclusive() -> None:
     FindNodeResponse((NODE,) * MAX_NODES)
-    StoreRequest(None, KEY, (ENTRY,) * MAX_ENTRIES_PER_STORE)
+    StoreRequest(None, KEY, "k", (ENTRY,) * MAX_ENTRIES_PER_STORE)
     StoreResponse((True,) * MAX_ENTRIES_PER_STORE)
 
 
@@ -242,13 +244,31 @@ NODE_BODY = NODE.to_body()
         (FindValueResponse, {"t": "dht.find_value.res", "entries": {}, "nodes": ()}),
         (FindValueResponse, {"t": "dht.find_value.res", "entries": ({"s": None},), "nodes": ()}),
         (StoreRequest, {"t": "dht.store.req", "sender": None, "key": RAW_KEY, "entries": ()}),
-        (StoreRequest, {"t": "dht.store.req", "sender": None, "key": RAW_KEY, "entries": None}),
+        (
+            StoreRequest,
+            {"t": "dht.store.req", "sender": None, "key": RAW_KEY, "name": "k", "entries": ()},
+        ),
+        (
+            StoreRequest,
+            {"t": "dht.store.req", "sender": None, "key": RAW_KEY, "name": "k", "entries": None},
+        ),
         (
             StoreRequest,
             {
                 "t": "dht.store.req",
                 "sender": None,
                 "key": RAW_KEY,
+                "name": "not k",  # does not hash to key
+                "entries": (ENTRY.to_body(),),
+            },
+        ),
+        (
+            StoreRequest,
+            {
+                "t": "dht.store.req",
+                "sender": None,
+                "key": RAW_KEY,
+                "name": "k",
                 "entries": (ENTRY.to_body(),) * (MAX_ENTRIES_PER_STORE + 1),
             },
         ),
@@ -258,6 +278,7 @@ NODE_BODY = NODE.to_body()
                 "t": "dht.store.req",
                 "sender": None,
                 "key": RAW_KEY,
+                "name": "k",
                 "entries": ({"s": None, "v": b"x" * 20000, "x": 1.0},),
             },
         ),
@@ -302,10 +323,20 @@ messages = st.one_of(
         st.none() | st.lists(entries, max_size=5).map(tuple),
         st.lists(nodes, max_size=3).map(tuple),
     ),
-    st.builds(
-        StoreRequest, hostports, dht_ids, st.lists(entries, min_size=1, max_size=5).map(tuple)
+    st.text(max_size=40).flatmap(
+        lambda name: st.builds(
+            StoreRequest,
+            hostports,
+            st.just(DHTID.from_key(name)),
+            st.just(name),
+            st.lists(entries, min_size=1, max_size=5).map(tuple),
+        )
     ),
-    st.builds(StoreResponse, st.lists(st.booleans(), max_size=64).map(tuple)),
+    st.builds(
+        StoreResponse,
+        st.lists(st.booleans(), max_size=64).map(tuple),
+        st.lists(nodes, max_size=3).map(tuple),
+    ),
 )
 
 

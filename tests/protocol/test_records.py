@@ -26,6 +26,8 @@ from protocol import (
     RecordTooLargeError,
     RemoteProtocolError,
     check_key,
+    key_owner,
+    owned_key,
     owner_of,
     sign_entry,
     signing_bytes,
@@ -64,6 +66,32 @@ def test_owner_of() -> None:
     assert owner_of(str(peer_id)[:-1]) is None  # decodes to fewer than 32 bytes
     assert owner_of("1" + str(peer_id)) is None  # 33 bytes
     assert owner_of(str(peer_id) + "\n") is None
+
+
+def test_owned_keys() -> None:
+    key = owned_key("run1/state", ALICE.peer_id)
+    assert key == f"run1/state[owner:{ALICE.peer_id}]"
+    assert key_owner(key) == ALICE.peer_id
+    assert key_owner("run1/state") is None
+    assert key_owner(f"run1/state[owner:{ALICE.peer_id}] ") is None  # must end the key
+    assert key_owner(f"run1/state[owner:{str(ALICE.peer_id)[:-1]}]") is None
+    assert key_owner("[owner:]") is None
+    assert key_owner(f"[owner:x][owner:{BOB.peer_id}]") == BOB.peer_id  # the last mark
+
+
+def test_owned_key_entries_must_be_signed_by_the_owner() -> None:
+    key_id = DHTID.from_key(owned_key("run1/state", ALICE.peer_id))
+    owner = ALICE.peer_id
+    for subkey in (None, "any", 7):
+        entry = sign_entry(ALICE, key_id, subkey, VALUE, NOW + 60, key_owner=owner)
+        validate_entry(key_id, entry, now=NOW, key_owner=owner)
+        with pytest.raises(RecordError, match="unsigned"):
+            validate_entry(key_id, Entry(subkey, VALUE, NOW + 60), now=NOW, key_owner=owner)
+        by_bob = sign_entry(BOB, key_id, subkey, VALUE, NOW + 60)
+        with pytest.raises(RecordError, match="not by the entry's signer"):
+            validate_entry(key_id, by_bob, now=NOW, key_owner=owner)
+    with pytest.raises(RecordError, match="key is owned by"):
+        sign_entry(BOB, key_id, None, VALUE, NOW + 60, key_owner=owner)
 
 
 # --- signing bytes ---

@@ -73,7 +73,7 @@ MESSAGES: list[Message] = [
     FindValueRequest(None, KEY),
     FindValueResponse((PLAIN, SIGNED), (NODE,)),
     FindValueResponse(None, ()),
-    StoreRequest("h.example:1", KEY, (SIGNED, PLAIN, Entry(b"\x00", b"", NOW + 1))),
+    StoreRequest("h.example:1", KEY, "run/peers", (SIGNED, PLAIN, Entry(b"\x00", b"", NOW + 1))),
     StoreResponse((True, False, True)),
 ]
 FRAMES = [
