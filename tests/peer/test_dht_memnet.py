@@ -302,3 +302,33 @@ async def test_owner_republishes_to_the_nodes_closest_now(
 def _holds(sim: SimPeer, key: DHTID) -> bool:
     storage = sim.peer.dht.storage
     return storage is not None and bool(storage.get(key))
+
+
+async def test_rpcs_per_store_and_get(autojump_clock: trio.testing.MockClock) -> None:
+    """The request budget of the two operations, once tables are warm: a store is one
+    lookup whose requests are the stores (about k), a get ends at value_quorum holders."""
+    net = MemoryNetwork(latency=LATENCY)
+    config = PeerConfig()
+    rng = random.Random(5)
+    with trio.fail_after(600):
+        async with trio.open_nursery() as nursery:
+            swarm = await start_swarm(nursery, net, 40, config)
+            for sim in swarm:  # warm the tables the way the running swarm would
+                await sim.peer.dht.find_peers()
+
+            def sent() -> int:
+                return sum(sim.peer.dht.protocol.calls_sent for sim in swarm)
+
+            stores, gets = [], []
+            for i in range(20):
+                before = sent()
+                assert await rng.choice(swarm).peer.dht.store(f"budget/{i}", i, ttl=600.0)
+                stores.append(sent() - before)
+                before = sent()
+                assert await rng.choice(swarm).peer.dht.get(f"budget/{i}") == i
+                gets.append(sent() - before)
+            nursery.cancel_scope.cancel()
+    k, quorum = config.dht.k, config.dht.value_quorum
+    print(f"\nRPCs per store {sorted(stores)}, per get {sorted(gets)}")
+    assert max(stores) <= k + 2 * config.dht.alpha  # k stores, plus a few on the way
+    assert sum(gets) / len(gets) <= quorum + 1 and max(gets) <= 2 * quorum
