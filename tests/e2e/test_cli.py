@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import select
 import signal
 import subprocess
 import sys
@@ -32,6 +33,11 @@ class Bootstrap:
             env=env_with_root(),
         )
         assert self.proc.stdout is not None
+        # bounded: a bootstrap that never prints fails the test instead of hanging it
+        ready, _, _ = select.select([self.proc.stdout], [], [], 30.0)
+        if not ready:
+            self.proc.kill()
+            pytest.fail("swarm bootstrap printed no address within 30 s")
         self.address = self.proc.stdout.readline().strip()
         assert "@127.0.0.1:" in self.address, self.proc.stderr.read() if not self.address else ""
 
