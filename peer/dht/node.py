@@ -56,6 +56,7 @@ from .storage import DHTStorage, Record, merge_entry
 logger = logging.getLogger(__name__)
 
 _REPUBLISH_PARALLEL = 4
+_HANDOVER_QUEUE = 64
 
 
 @dataclass(slots=True)
@@ -107,6 +108,11 @@ class DHT:
             host, self.table, self.storage, config, sender=None if config.client_mode else sender
         )
         self.protocol.register()
+        # New contacts whose keys we may hold, for the handover task (bounded: a burst of
+        # joins drops some, and republish covers those).
+        self._newcomers_send, self._newcomers = trio.open_memory_channel[NodeInfo](_HANDOVER_QUEUE)
+        if self.storage is not None:
+            self.protocol.on_new_contact = self._on_new_contact
         self.host = host
         self.stats = LookupStats()
         self._clock = clock
@@ -129,6 +135,7 @@ class DHT:
             nursery.start_soon(self.protocol.run_pings)
             nursery.start_soon(self._every, self.config.refresh_interval, self.refresh)
             nursery.start_soon(self._every, self.config.republish_interval, self.republish)
+            nursery.start_soon(self._hand_over_to_newcomers)
             task_status.started()
 
     async def _every(self, interval: float, job: Callable[[], Any]) -> None:
@@ -193,6 +200,56 @@ class DHT:
         now = trio.current_time()
         for index in self.table.stale_buckets(now, self.config.refresh_interval):
             await self.find_nodes(self.table.random_id_in_bucket(index, self._rng))
+
+    def _on_new_contact(self, node: NodeInfo) -> None:
+        try:
+            self._newcomers_send.send_nowait(node)
+        except trio.WouldBlock:
+            logger.debug("handover queue full: %s waits for republish", node.peer_id.short())
+
+    async def _hand_over_to_newcomers(self) -> None:
+        async for node in self._newcomers:
+            try:
+                await self.hand_over(node)
+            except SwarmError:
+                logger.debug("handover to %s failed", node.peer_id.short(), exc_info=True)
+
+    async def hand_over(self, node: NodeInfo) -> int:
+        """Store at ``node``, a new contact, the keys we hold for which it is now the
+        closest node we know while we were the closest before (the paper's join rule,
+        with one sender per key: the previous closest holder, not all k).
+
+        Returns:
+            How many keys were handed over.
+
+        Raises:
+            Nothing for an unreachable node: what it does not get, republish brings.
+        """
+        if self.storage is None:
+            return 0
+        new_id = DHTID.from_peer_id(node.peer_id)
+        sent = 0
+        for index, key_id in enumerate(self.storage.keys()):
+            if index % 256 == 255:
+                await trio.lowlevel.checkpoint()
+            ours = self.node_id ^ key_id
+            name = self.storage.name_of(key_id)
+            if new_id ^ key_id >= ours or name is None:
+                continue
+            others = [n for n in self.table.nearest(key_id, 2) if n.peer_id != node.peer_id]
+            if others and DHTID.from_peer_id(others[0].peer_id) ^ key_id < ours:
+                continue  # a closer holder hands it over
+            entries = tuple(self.storage.get(key_id).values())
+            if not entries:
+                continue
+            for start in range(0, len(entries), MAX_ENTRIES_PER_STORE):
+                chunk = entries[start : start + MAX_ENTRIES_PER_STORE]
+                if await self.protocol.store(node, key_id, name, chunk) is None:
+                    return sent  # gone or unreachable: republish covers the rest
+            sent += 1
+        if sent:
+            logger.debug("handed %d keys over to %s", sent, node.peer_id.short())
+        return sent
 
     async def republish(self) -> int:
         """Re-store the live records this node stored, to the nodes closest now.
@@ -324,7 +381,7 @@ class DHT:
         if self.storage is not None and self._among_closest(key_id, result.closest):
             for entry in entries:
                 try:
-                    stored = self.storage.store(key_id, entry, owner) or stored
+                    stored = self.storage.store(key_id, entry, owner, key) or stored
                 except RecordError as exc:
                     logger.debug("local store refused: %s", exc)
         return stored

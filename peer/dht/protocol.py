@@ -79,6 +79,8 @@ class DHTProtocol:
         self._ping_send, self._ping_receive = trio.open_memory_channel[NodeInfo](_PING_QUEUE)
         self._addresses: dict[tuple[str, PeerID], Address] = {}
         self._limiter = trio.CapacityLimiter(config.max_concurrent_requests)
+        # Called with each contact that enters the routing table (the DHT hands keys over).
+        self.on_new_contact: Callable[[NodeInfo], None] | None = None
         self.calls_sent = 0
         self.calls_failed = 0
 
@@ -95,7 +97,10 @@ class DHTProtocol:
         """``node`` proved its id to us and is reachable at its address."""
         if node.address is None:
             return
+        known = node.peer_id in self.table
         to_ping = self.table.update(node, self._now())
+        if not known and node.peer_id in self.table and self.on_new_contact is not None:
+            self.on_new_contact(node)
         if to_ping is not None:
             try:
                 self._ping_send.send_nowait(to_ping)
@@ -156,7 +161,7 @@ class DHTProtocol:
                 accepted.append(False)
                 continue
             try:
-                accepted.append(self.storage.store(message.key, entry, owner))
+                accepted.append(self.storage.store(message.key, entry, owner, message.name))
             except RecordError as exc:
                 logger.debug("refused a record from %s: %s", request.peer_id.short(), exc)
                 accepted.append(False)

@@ -87,6 +87,7 @@ class DHTStorage:
         self.max_bytes = max_bytes
         self.max_subkeys_per_key = max_subkeys_per_key
         self._records: dict[DHTID, Record] = {}
+        self._names: dict[DHTID, str] = {}  # key text, when a STORE told it (handover)
         self.num_bytes = 0  # serialized values held, the part a peer controls
         # (expiration, tiebreak, key, subkey); stale items are skipped when popped
         self._expiry: list[tuple[float, int, DHTID, Subkey]] = []
@@ -95,8 +96,11 @@ class DHTStorage:
     def now(self) -> float:
         return self._clock()
 
-    def store(self, key: DHTID, entry: Entry, key_owner: PeerID | None = None) -> bool:
-        """Validate and merge one entry (``key_owner``: the owner the key's text names).
+    def store(
+        self, key: DHTID, entry: Entry, key_owner: PeerID | None = None, name: str | None = None
+    ) -> bool:
+        """Validate and merge one entry (``key_owner``: the owner the key's text names;
+        ``name``: the key's text, kept while the key lives so it can be handed over).
 
         Returns:
             True when the entry is held, False when a newer one wins or storage is full
@@ -120,6 +124,8 @@ class DHTStorage:
         before = _size(record)
         accepted = merge_entry(record, entry, self.max_subkeys_per_key)
         if accepted:
+            if name is not None:
+                self._names[key] = name
             self.num_bytes += _size(record) - before
             item = (entry.expiration, next(self._counter), key, entry.subkey)
             heapq.heappush(self._expiry, item)
@@ -151,7 +157,12 @@ class DHTStorage:
                 dropped += 1
                 if not record:
                     del self._records[key]
+                    self._names.pop(key, None)
         return dropped
+
+    def name_of(self, key: DHTID) -> str | None:
+        """The text of ``key``, if a store told it and the key still lives here."""
+        return self._names.get(key) if key in self._records else None
 
     def keys(self) -> Iterator[DHTID]:
         return iter(list(self._records))

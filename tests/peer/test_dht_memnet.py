@@ -332,3 +332,35 @@ async def test_rpcs_per_store_and_get(autojump_clock: trio.testing.MockClock) ->
     print(f"\nRPCs per store {sorted(stores)}, per get {sorted(gets)}")
     assert max(stores) <= k + 2 * config.dht.alpha  # k stores, plus a few on the way
     assert sum(gets) / len(gets) <= quorum + 1 and max(gets) <= 2 * quorum
+
+
+async def test_a_newcomer_closest_to_a_key_is_handed_it_at_once(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The paper's join rule: the previous closest holder stores the key at a newcomer that
+    is now closest, without waiting for a republish."""
+    net = MemoryNetwork(latency=LATENCY)
+    dht = DHTConfig(k=4)
+    key = check_key("handover/x")
+    with trio.fail_after(600):
+        async with trio.open_nursery() as nursery:
+            swarm = await start_swarm(nursery, net, 20, PeerConfig(dht=dht))
+            assert await swarm[7].peer.dht.store("handover/x", "v", ttl=3600.0)
+            holders = [sim for sim in swarm if _holds(sim, key)]
+            best = min(sim.peer.dht.node_id.distance(key) for sim in swarm)
+            index = next(  # a newcomer closer to the key than everybody
+                i
+                for i in range(100, 10_000)
+                if DHTID.from_peer_id(Identity.from_seed(i.to_bytes(32, "big")).peer_id) ^ key
+                < best
+            )
+            newcomer: SimPeer = await nursery.start(
+                _run_peer, net, index, [swarm[0].peer.address], PeerConfig(dht=dht)
+            )
+            await trio.sleep(5.0)  # far less than republish_interval
+            assert _holds(newcomer, key)
+            # its copy is one the old holders can die without: it is the closest now
+            for sim in holders:
+                kill(net, sim)
+            assert await newcomer.peer.dht.get("handover/x") == "v"
+            nursery.cancel_scope.cancel()
