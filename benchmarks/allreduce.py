@@ -9,8 +9,11 @@ Prints one JSON document. For each peer count: gloo's ``all_reduce`` of the same
 as many processes (no encryption), then for each link (plain loopback; shaped to 1 Gbit/s
 and 100 Mbit/s per peer and direction) and codec: the median over ``--steps`` rounds (after
 a warmup round) of the slowest peer's butterfly time (``allreduce_s``, matchmaking excluded)
-and of its whole step (``step_s``, matchmaking included), and the mean CPU time of a peer's
-step (``cpu_s``; well under ``step_s`` x cores / peers: the peers waited for each other).
+and of its whole step (``step_s``, matchmaking included), the mean CPU time of a peer's
+step (``cpu_s``; well under ``step_s`` x cores / peers: the peers waited for each other;
+the figure to watch on a loaded machine), and how many large buffers a peer allocated per
+step (``fresh_buffers``: received frames, upload blobs, results; each one page-faults).
+``--chunk-bytes`` and ``--max-inflight`` override the ``AveragerConfig`` defaults.
 Shaped runs add the wire-time lower bound ``2 (n-1)/n * encoded bytes / rate`` and the
 ratio to it. Every peer is its own process
 (one trio loop, one core's worth of Python); the Noise channel encrypts every byte.
@@ -31,6 +34,7 @@ from typing import Any
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+CHUNK_BYTES = 2 << 20  # AveragerConfig.chunk_bytes' default
 RATES = {"loopback": 0.0, "1gbit": 1e9, "100mbit": 1e8}
 
 
@@ -63,13 +67,20 @@ async def swarm_worker(args: argparse.Namespace) -> None:
         tensor = torch.from_numpy(
             np.random.default_rng(args.index).standard_normal(args.size, dtype=np.float32)
         )
-        config = AveragerConfig(gather_window=args.window, stall_timeout=10.0)
+        tuning = {"chunk_bytes": args.chunk_bytes, "max_inflight": args.max_inflight}
+        config = AveragerConfig(
+            gather_window=args.window,
+            stall_timeout=10.0,
+            **{k: v for k, v in tuning.items() if v is not None},  # else the defaults
+        )
         for codec in args.codecs:
             averager = Averager(node, f"bench/{codec}", [tensor], codec=codec, config=config)
             for step in range(args.warmup + args.steps):
+                fresh = _fresh_buffers(averager)
                 start, cpu = time.perf_counter(), time.process_time()
                 info = await averager.step(weight=1.0, timeout=args.timeout)
                 cpu = time.process_time() - cpu
+                fresh = {k: v - fresh[k] for k, v in _fresh_buffers(averager).items()}
                 _emit(
                     {
                         "codec": codec,
@@ -81,6 +92,7 @@ async def swarm_worker(args: argparse.Namespace) -> None:
                         "fraction": info.averaged_fraction,
                         "group": len(info.group),
                         "info": str(info),
+                        "fresh_buffers": fresh,
                         "end": time.time(),
                     }
                 )
@@ -89,10 +101,24 @@ async def swarm_worker(args: argparse.Namespace) -> None:
         await trio.to_thread.run_sync(sys.stdin.readline)  # stop (others may still fetch)
 
 
+def _fresh_buffers(averager: Any) -> dict[str, int]:
+    """Large buffers allocated so far (each one page-faults): frames, uploads, results."""
+    from peer.wire import FRAME_POOL
+
+    return {
+        "frames": FRAME_POOL.allocated,
+        "uploads": averager._pool.allocated,
+        "results": averager._results.allocated,
+    }
+
+
 def run_swarm(n: int, rate: float, args: argparse.Namespace) -> dict[str, Any]:
     base = [sys.executable, __file__, "--worker", "--size", str(args.size), "--rate", str(rate)]
     base += ["--steps", str(args.steps), "--warmup", "1", "--window", str(args.window)]
     base += ["--timeout", str(args.timeout), "--codecs", *args.codecs]
+    for name in ("chunk_bytes", "max_inflight"):
+        if getattr(args, name) is not None:
+            base += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     procs: list[subprocess.Popen[str]] = []
     try:
         address = ""
@@ -143,6 +169,11 @@ def summarize(
             "allreduce_s": round(statistics.median(allreduce), 4),
             "step_s": round(statistics.median(total), 4),
             "cpu_s": round(statistics.median(cpu), 4),  # per peer, matchmaking included
+            # large buffers a peer allocated per step (each one page-faults), by use
+            "fresh_buffers": {
+                key: round(statistics.mean(r["fresh_buffers"][key] for st in per_step for r in st))
+                for key in per_step[0][0]["fresh_buffers"]
+            },
             "all_averaged": all(
                 r["fraction"] == 1.0 and r["group"] == n for step in per_step for r in step
             ),
@@ -153,7 +184,7 @@ def summarize(
         if short:  # what the rounds that did not average everything reported
             result["not_averaged"] = short[:4]
         if rate:
-            wire = encoded_bytes(codec, args.size, 1 << 18)
+            wire = encoded_bytes(codec, args.size, (args.chunk_bytes or CHUNK_BYTES) // 4)
             bound = 2 * (n - 1) / n * wire / (rate / 8)
             result["lower_bound_s"] = round(bound, 4)
             result["ratio_to_bound"] = round(result["allreduce_s"] / bound, 3)
@@ -233,6 +264,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3, help="measured rounds after 1 warmup")
     parser.add_argument("--window", type=float, default=1.0, help="gather window, seconds")
     parser.add_argument("--timeout", type=float, default=120.0)
+    parser.add_argument("--chunk-bytes", type=int, help="AveragerConfig.chunk_bytes")
+    parser.add_argument("--max-inflight", type=int, help="AveragerConfig.max_inflight")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--gloo-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)

@@ -185,10 +185,9 @@ class SecureStream(trio.abc.Stream):
         filled = 0
         try:
             while filled < len(target):
-                size = transport.next_message_size()
-                if size is None:
-                    break
-                if size > len(target) - filled:  # does not fit in what is left
+                try:
+                    n = transport.next_plaintext_into(target[filled:] if filled else target)
+                except LocalProtocolError:  # the next message does not fit in what is left
                     if filled:
                         break
                     plaintext = transport.next_plaintext()  # aside, in its own bytes
@@ -197,12 +196,6 @@ class SecureStream(trio.abc.Stream):
                     assert isinstance(plaintext, bytes)
                     self._pending = memoryview(plaintext)
                     return self._take_pending(target)
-                try:
-                    n = transport.next_plaintext_into(target[filled:] if filled else target)
-                except LocalProtocolError:  # empty messages, then one that does not fit
-                    if filled:
-                        break
-                    continue  # nothing consumed: the size check above sets it aside
                 if n is NEED_DATA:
                     break
                 assert isinstance(n, int)

@@ -1,7 +1,8 @@
 """The RPC data path on a stream: a bounded outbox for the writer, and a frame reader.
 
 Frames are ``protocol.framing`` frames (4-byte big-endian length, then the content). The reader
-allocates each frame's buffer once and, on a :class:`~peer.secure.SecureStream`, decrypts
+takes each frame's buffer from a process-wide :class:`FramePool` (reused once nothing refers
+to it: no page faults in steady state) and, on a :class:`~peer.secure.SecureStream`, decrypts
 straight into it, so a large payload is copied exactly once after the kernel.
 """
 
@@ -18,7 +19,7 @@ from protocol.framing import HEADER
 
 from .secure import RECEIVE_SIZE, SecureStream
 
-__all__ = ["FrameReader", "Outbox", "Piece", "write_pieces"]
+__all__ = ["FramePool", "FrameReader", "Outbox", "Piece", "write_pieces"]
 
 Piece = bytes | bytearray | memoryview
 BATCH_BYTES = 1 << 20
@@ -26,8 +27,9 @@ BATCH_BYTES = 1 << 20
 _COALESCE_BELOW = 1 << 16
 """Adjacent pieces smaller than this are joined before sealing (one message, not many)."""
 _POOL_MIN = 1 << 16
-_POOL_SIZE = 4
-"""Large frame buffers kept per connection for reuse (<= 4 x max_frame_size bytes)."""
+"""Frames at least this large get a pooled buffer (sizes rounded up to a multiple of it)."""
+POOL_BYTES = 96 << 20
+"""Most bytes of large frame buffers the process keeps for reuse (in use or free)."""
 
 
 class Outbox:
@@ -163,10 +165,65 @@ class _PlainReceiver:
         return n
 
 
-class FrameReader:
-    """Whole frames from a stream, each in its own buffer."""
+class FramePool:
+    """Large frame buffers shared by every reader of the process, reused once unreferenced.
 
-    def __init__(self, stream: trio.abc.Stream, max_frame_size: int) -> None:
+    A frame's payload may outlive the read loop (a reducer keeps received chunks until the
+    sender's part is complete), so a buffer is free again only when no view of it is alive
+    (its reference count says so). Buffers come in size classes (multiples of 64 KiB); the
+    pool tracks at most ``limit`` bytes of them, in use or free, and beyond that hands out
+    untracked buffers (a fresh large buffer costs page faults, ~2 GB/s here).
+    """
+
+    def __init__(self, limit: int = POOL_BYTES) -> None:
+        self.limit = limit
+        self.tracked = 0  # bytes of the buffers in ``_classes``
+        self.allocated = 0  # buffers made so far (pooled or not): what reuse saves
+        self._classes: dict[int, list[bytearray]] = {}
+
+    def get(self, length: int) -> memoryview:
+        """A writable view of exactly ``length`` bytes (a fresh buffer for small ones)."""
+        if length < _POOL_MIN:
+            return memoryview(bytearray(length))
+        size = -(-length // _POOL_MIN) * _POOL_MIN
+        buffers = self._classes.setdefault(size, [])
+        for buffer in buffers:
+            # referenced by the list, the loop and getrefcount only: no view is alive
+            if sys.getrefcount(buffer) <= 3:
+                return memoryview(buffer)[:length]
+        self.allocated += 1
+        buffer = bytearray(size)
+        if self.tracked + size > self.limit:
+            self._evict(self.tracked + size - self.limit)
+        if self.tracked + size <= self.limit:
+            buffers.append(buffer)
+            self.tracked += size
+        return memoryview(buffer)[:length]
+
+    def _evict(self, need: int) -> None:
+        """Forget free buffers of any class until ``need`` bytes are released (or none is)."""
+        for size, buffers in self._classes.items():
+            for i in range(len(buffers) - 1, -1, -1):
+                if need <= 0:
+                    return
+                if sys.getrefcount(buffers[i]) <= 2:  # the list and getrefcount
+                    del buffers[i]
+                    self.tracked -= size
+                    need -= size
+
+
+FRAME_POOL = FramePool()
+"""The pool every :class:`FrameReader` draws from by default. Loops in other threads may share
+it: a buffer another thread is looking at has a reference more, so it is never handed out
+twice (the byte counts are only approximate then)."""
+
+
+class FrameReader:
+    """Whole frames from a stream, each in its own buffer (large ones from ``pool``)."""
+
+    def __init__(
+        self, stream: trio.abc.Stream, max_frame_size: int, pool: FramePool = FRAME_POOL
+    ) -> None:
         self.max_frame_size = max_frame_size
         self._receive_into = (
             stream.receive_into
@@ -174,7 +231,7 @@ class FrameReader:
             else _PlainReceiver(stream).receive_into
         )
         self._head = bytearray(HEADER.size)
-        self._pool: list[bytearray] = []
+        self._pool = pool
 
     async def next_frame(self) -> memoryview | None:
         """The next frame's content, or None at a clean end of stream.
@@ -190,23 +247,9 @@ class FrameReader:
             raise RemoteProtocolError(
                 f"peer sent a frame of {length} bytes; the maximum is {self.max_frame_size}"
             )
-        frame = self._buffer(length)
+        frame = self._pool.get(length)
         await self._fill(frame, at_boundary=False)
         return frame
-
-    def _buffer(self, length: int) -> memoryview:
-        """A buffer for a frame: large ones reuse a pooled buffer nobody references any more
-        (a fresh large buffer costs page faults); the payload handed out keeps it alive."""
-        if length < _POOL_MIN:
-            return memoryview(bytearray(length))
-        for buffer in self._pool:
-            # referenced by the pool, the loop and getrefcount only: no view is alive
-            if len(buffer) >= length and sys.getrefcount(buffer) <= 3:
-                return memoryview(buffer)[:length]
-        buffer = bytearray(length)
-        if len(self._pool) < _POOL_SIZE:
-            self._pool.append(buffer)
-        return memoryview(buffer)
 
     async def _fill(self, target: memoryview, *, at_boundary: bool) -> bool:
         filled = 0

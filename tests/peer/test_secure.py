@@ -9,6 +9,8 @@ import trio.testing
 from peer.errors import PeerUnavailableError
 from peer.memnet import MemoryNetwork
 from peer.secure import SecureStream, secure_handshake
+from peer.wire import FramePool, FrameReader
+from protocol.framing import encode_frame
 from protocol.identity import Identity
 
 
@@ -140,3 +142,42 @@ async def test_handshake_cancelled_closes_stream(autojump_clock: trio.testing.Mo
         await secure_handshake(raw_b, _identity(2), initiator=False)
     with pytest.raises(trio.ClosedResourceError):
         await raw_b.send_all(b"x")
+
+
+# -- frame buffers (peer.wire) over a secure channel ------------------------------------
+
+
+def test_frame_pool_reuses_unreferenced_buffers_within_its_limit() -> None:
+    pool = FramePool(limit=4 << 16)
+    first = pool.get(100_000)  # class 128 KiB
+    assert len(first) == 100_000 and pool.allocated == 1
+    kept = pool.get(100_000)  # ``first`` is alive: another buffer
+    assert pool.allocated == 2 and pool.tracked == 2 * (2 << 16)
+    del first
+    again = pool.get(70_000)  # same class, now free: reused
+    assert pool.allocated == 2 and len(again) == 70_000
+    del again
+    pool.get(200_000)  # over the limit: the free 128 KiB buffer is forgotten
+    assert pool.allocated == 3 and pool.tracked <= pool.limit
+    assert len(pool.get(10)) == 10 and pool.allocated == 3  # small frames: never pooled
+    del kept
+
+
+async def test_frame_reader_frames_outlive_the_read_loop() -> None:
+    raw_a, raw_b = trio.testing.memory_stream_pair()
+    with trio.fail_after(10):
+        a, b = await _pair(raw_a, raw_b, _identity(1), _identity(2))
+        pool = FramePool(limit=8 << 20)
+        reader = FrameReader(b, max_frame_size=1 << 21, pool=pool)
+        payloads = [bytes([i]) * (300_000 + i) for i in range(6)]
+        kept = []
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(a.send_all, b"".join(encode_frame(p) for p in payloads))
+            for i, payload in enumerate(payloads):
+                frame = await reader.next_frame()
+                assert frame is not None and frame == payload
+                if i % 2 == 0:
+                    kept.append(frame)  # a reducer keeping a chunk: never overwritten
+                del frame
+        assert [bytes(f) for f in kept] == payloads[::2]
+        assert pool.allocated == 4  # three kept, one reused by the others

@@ -123,7 +123,9 @@ class Averager:
         chunk = config.chunk_elements
         self._scratch: Float32Array = np.empty(chunk, dtype=np.float32)
         self._zeros: Float32Array = np.zeros(chunk, dtype=np.float32)
-        self._pool = BufferPool(config.max_inflight)  # upload blobs, reused across rounds
+        # upload blobs, reused across rounds: as many as calls can be in flight (the
+        # per-part share of max_inflight is rounded up, see Butterfly)
+        self._pool = BufferPool(config.max_inflight + config.group_size)
         self._results = SharedBuffer()  # our part's encoded mean, reused across rounds
         # topk: what compression kept out of our contributions, sent with the next ones
         self.feedback = (

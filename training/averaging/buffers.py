@@ -21,6 +21,7 @@ class BufferPool:
 
     def __init__(self, limit: int) -> None:
         self.limit = limit
+        self.allocated = 0  # buffers made so far: what reuse saves
         self._free: list[bytearray] = []
 
     def take(self, size: int) -> bytearray:
@@ -29,6 +30,7 @@ class BufferPool:
             buffer = self._free.pop()
             if len(buffer) >= size:
                 return buffer
+        self.allocated += 1
         return bytearray(size)
 
     def give(self, buffer: bytearray) -> None:
@@ -42,6 +44,7 @@ class SharedBuffer:
 
     def __init__(self) -> None:
         self._buffer: bytearray | None = None
+        self.allocated = 0  # buffers made so far
 
     def get(self, size: int) -> bytearray:
         """A buffer of at least ``size`` bytes that nothing else references."""
@@ -50,4 +53,5 @@ class SharedBuffer:
         # (a memoryview slice handed to a connection) adds one
         if buffer is None or len(buffer) < size or sys.getrefcount(buffer) > 3:
             buffer = self._buffer = bytearray(size)
+            self.allocated += 1
         return buffer
