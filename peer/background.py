@@ -167,7 +167,18 @@ def run_in_background(
 
     Raises:
         ProtocolError, IdentityFileError, OSError: as :func:`peer.open_peer`, at startup.
+        RuntimeError: if called from inside a trio run (it would block that loop: use
+            ``async with peer.open_peer(...)`` there).
     """
+    try:
+        trio.lowlevel.current_trio_token()
+    except RuntimeError:
+        pass  # not inside trio: the intended use
+    else:
+        raise RuntimeError(
+            "run_in_background() blocks the calling thread and cannot run inside trio; "
+            "use `async with peer.open_peer(...)` in async code"
+        )
     initial = list(initial_peers)
     ready = threading.Event()
     started: list[BackgroundPeer] = []

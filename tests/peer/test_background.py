@@ -57,3 +57,8 @@ def test_client_mode_peer_has_no_address_but_queries() -> None:
         assert client.dht.store("bg/client", "hi", ttl=30.0)
         assert server.dht.get("bg/client") == "hi"
         assert server.dht.routing_table_peers() == []  # clients never enter tables
+
+
+async def test_refused_inside_a_trio_run() -> None:
+    with pytest.raises(RuntimeError, match="open_peer"), peer.run_in_background():
+        pass  # pragma: no cover - never entered
