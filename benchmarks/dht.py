@@ -119,6 +119,8 @@ async def main(n_peers: int, n_ops: int, seed: int, config: PeerConfig) -> dict[
         for mode in ("sequential", "concurrent"):
             keys = [f"bench/{mode}/{i}/{rng.getrandbits(64):x}" for i in range(n_ops)]
             for name, make in (("store", store), ("get", get)):
+                gc.collect()  # connections built by earlier phases are long-lived too
+                gc.freeze()
                 sent, failed = rpcs()
                 phase = await run_phase(
                     [make(k, i) for i, k in enumerate(keys)], mode == "concurrent"

@@ -143,12 +143,14 @@ class DHTProtocol:
     def _on_find_value(self, request: Request) -> Reply:
         message = FindValueRequest.from_body(request.body)
         self._learn_sender(request.peer_id, message.sender)
-        nodes = self.table.nearest(message.key, self.config.k, exclude=request.peer_id)
         entries: tuple[Entry, ...] | None = None
         if self.storage is not None:
             record = self.storage.get(message.key)
             if record:
                 entries = _within_budget(record.values())
+        # As in the paper, a holder answers with the value instead of contacts (the caller's
+        # lookup goes on with what the others named, if it needs more holders).
+        nodes = () if entries else self.table.nearest(message.key, self.config.k, request.peer_id)
         return Reply(FindValueResponse(entries, tuple(nodes)).to_body())
 
     def _on_store(self, request: Request) -> Reply:
