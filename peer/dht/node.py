@@ -57,6 +57,7 @@ logger = logging.getLogger(__name__)
 
 _REPUBLISH_PARALLEL = 4
 _HANDOVER_QUEUE = 64
+_HANDOVER_MAX_KEYS = 10_000  # a handover scans every key we hold, once per new contact
 
 
 @dataclass(slots=True)
@@ -227,6 +228,8 @@ class DHT:
         """
         if self.storage is None:
             return 0
+        if len(self.storage) > _HANDOVER_MAX_KEYS:
+            return 0  # one pass per newcomer would cost too much: republish covers it
         new_id = DHTID.from_peer_id(node.peer_id)
         sent = 0
         for index, key_id in enumerate(self.storage.keys()):
