@@ -451,13 +451,12 @@ class RpcConnection:
 
     async def _answer(self, request: Request, request_id: int) -> None:
         method = request.method
+        reply: Reply | None = None
         if (handler := self._handlers.unary.get(method)) is not None:
             reply = await handler(request)
-            await self._put(
-                RpcFrame(FrameKind.RESPONSE, request_id, body=reply.body, payload=reply.payload)
-            )
         elif (quick := self._handlers.quick.get(method)) is not None:  # the outbox was full
             reply = quick(request)
+        if reply is not None:
             await self._put(
                 RpcFrame(FrameKind.RESPONSE, request_id, body=reply.body, payload=reply.payload)
             )
