@@ -58,9 +58,27 @@ def summarize(latencies: list[float], successes: int, wall: float, cpu: float) -
     }
 
 
+class GcTimer:
+    """Wall time spent in Python's cyclic garbage collector (through ``gc.callbacks``)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self._start = 0.0
+
+    def __call__(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._start = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._start
+
+
+GC_TIMER = GcTimer()
+
+
 async def run_phase(ops: list[Callable[[], Awaitable[bool]]], concurrent: bool) -> dict[str, Any]:
     latencies: list[float] = []
     successes = 0
+    gc_before = GC_TIMER.seconds
 
     async def one(op: Callable[[], Awaitable[bool]]) -> None:
         nonlocal successes
@@ -78,7 +96,9 @@ async def run_phase(ops: list[Callable[[], Awaitable[bool]]], concurrent: bool) 
         for op in ops:
             await one(op)
     wall, cpu = time.perf_counter() - start, time.process_time() - cpu
-    return summarize(latencies, successes, wall, cpu)
+    report = summarize(latencies, successes, wall, cpu)
+    report["gc_share"] = round((GC_TIMER.seconds - gc_before) / cpu, 3)  # of the phase's CPU
+    return report
 
 
 async def main(n_peers: int, n_ops: int, seed: int, config: PeerConfig) -> dict[str, Any]:
@@ -151,4 +171,5 @@ if __name__ == "__main__":
     )
     args = parser.parse_args()
     config = PeerConfig(dht=DHTConfig(max_concurrent_requests=args.max_concurrent_requests))
+    gc.callbacks.append(GC_TIMER)
     print(json.dumps(trio.run(main, args.peers, args.ops, args.seed, config), indent=2))

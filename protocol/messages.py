@@ -359,15 +359,17 @@ class FindValueResponse(Message):
 class StoreRequest(Message):
     """``dht.store``: store 1..``MAX_ENTRIES_PER_STORE`` entries under ``key``, whose text
     is ``name`` (``key`` is its SHA-256; the text tells storing nodes whether the key is
-    owned, see ``protocol.records.key_owner``)."""
+    owned, see ``protocol.records.key_owner``). ``want_nodes`` False: the caller's lookup
+    has converged, so the reply need not name the callee's closest contacts."""
 
     TAG: ClassVar[str] = "dht.store.req"
     METHOD: ClassVar[str] = "dht.store"
-    FIELDS: ClassVar[tuple[str, ...]] = ("sender", "key", "name", "entries")
+    FIELDS: ClassVar[tuple[str, ...]] = ("sender", "key", "name", "entries", "want_nodes")
     sender: str | None
     key: DHTID
     name: str
     entries: tuple[Entry, ...]
+    want_nodes: bool = True
 
     def __post_init__(self) -> None:
         _check_hostport(self.sender, "sender")
@@ -376,6 +378,8 @@ class StoreRequest(Message):
         _tuple_of(self, "entries", Entry, MAX_ENTRIES_PER_STORE)
         if not self.entries:
             raise LocalProtocolError("a store request carries at least one entry")
+        if type(self.want_nodes) is not bool:
+            raise LocalProtocolError("want_nodes must be a bool")
 
     def _encode(self) -> dict[str, Any]:
         return {
@@ -383,13 +387,14 @@ class StoreRequest(Message):
             "key": self.key.to_raw(),
             "name": self.name,
             "entries": [entry.to_body() for entry in self.entries],
+            "want_nodes": self.want_nodes,
         }
 
     @classmethod
     def _decode(cls, body: dict[str, Any]) -> Self:
         key = _raw_id(body["key"], "key")
         entries = _entries(body["entries"], MAX_ENTRIES_PER_STORE)
-        return cls(body["sender"], key, body["name"], entries)
+        return cls(body["sender"], key, body["name"], entries, body["want_nodes"])
 
 
 def _check_name(name: object, key: DHTID) -> None:

@@ -151,13 +151,19 @@ async def iterative_lookup(
     alpha: int,
     exclude: PeerID | None = None,
     stop: Callable[[], bool] | None = None,
+    wanted: Callable[[], int] | None = None,
+    final_query: Query | None = None,
 ) -> LookupResult:
     """Run one lookup of ``target`` from ``seeds``, with ``alpha`` queries in flight.
 
     ``query(node)`` returns the nodes ``node`` knows closest to the target, or None when
     it failed; it must bound its own time (a cancel scope) and not raise for a dead peer.
     ``stop()``, when given, is asked after each answer: True ends the lookup at once
-    (queries in flight are cancelled), e.g. when a value was found.
+    (queries in flight are cancelled), e.g. when a value was found. ``wanted()``, when
+    given, caps the queries in flight at how many more answers could end the lookup (a get
+    that needs two more holders keeps two in flight, not the converged lookup's k).
+    ``final_query``, when given, replaces ``query`` once the lookup has converged: the
+    final round's answers bring no closer node, so it may skip asking for contacts.
 
     Raises:
         Exception: whatever ``query`` raises (a bug there, not a dead peer).
@@ -167,16 +173,20 @@ async def iterative_lookup(
         state.add(node, hop=1)
     send, receive = trio.open_memory_channel[tuple[NodeInfo, Sequence[NodeInfo] | None]](math.inf)
 
-    async def ask(node: NodeInfo) -> None:
+    async def ask(node: NodeInfo, query: Query) -> None:
         send.send_nowait((node, await query(node)))
 
     async with trio.open_nursery() as nursery:
         while True:
-            while state.in_flight < state.parallelism(alpha):
+            limit = state.parallelism(alpha)
+            if wanted is not None:
+                limit = min(limit, max(wanted(), 1))
+            while state.in_flight < limit:
                 next_node = state.next_to_query()
                 if next_node is None:
                     break
-                nursery.start_soon(ask, next_node)
+                final = state.converged and final_query is not None
+                nursery.start_soon(ask, next_node, final_query if final else query)
             if state.in_flight == 0:
                 break
             node, answer = await receive.receive()

@@ -247,7 +247,8 @@ class DHT:
                 continue
             for start in range(0, len(entries), MAX_ENTRIES_PER_STORE):
                 chunk = entries[start : start + MAX_ENTRIES_PER_STORE]
-                if await self.protocol.store(node, key_id, name, chunk) is None:
+                stored = await self.protocol.store(node, key_id, name, chunk, want_nodes=False)
+                if stored is None:
                     return sent  # gone or unreachable: republish covers the rest
             sent += 1
         if sent:
@@ -300,7 +301,12 @@ class DHT:
         return await self._lookup(target, query)
 
     async def _lookup(
-        self, target: DHTID, query: Query, stop: Callable[[], bool] | None = None
+        self,
+        target: DHTID,
+        query: Query,
+        stop: Callable[[], bool] | None = None,
+        wanted: Callable[[], int] | None = None,
+        final_query: Query | None = None,
     ) -> LookupResult:
         # Twice k seeds: when some of the closest known are dead, the next ones take
         # their place instead of the lookup running dry.
@@ -313,6 +319,8 @@ class DHT:
             alpha=self.config.alpha,
             exclude=self.peer_id,
             stop=stop,
+            wanted=wanted,
+            final_query=final_query,
         )
         self.table.mark_lookup(target, trio.current_time())
         self.stats.record(result)
@@ -368,19 +376,25 @@ class DHT:
         """Store while looking up: each STORE reply names the callee's closest contacts,
         so the lookup of the k closest nodes and the stores to them are the same RPCs
         (a node asked early that turns out not to be among the k closest keeps a copy
-        too, until it expires)."""
+        too, until it expires). Once the lookup has converged, the final round's stores
+        ask for no contacts (as in the paper, where the stores follow the lookup)."""
         key_id, owner = DHTID.from_key(key), key_owner(key)
         stored = False
 
-        async def query(node: NodeInfo) -> Sequence[NodeInfo] | None:
+        async def query(node: NodeInfo, want_nodes: bool = True) -> Sequence[NodeInfo] | None:
             nonlocal stored
-            response = await self.protocol.store(node, key_id, key, entries)
+            response = await self.protocol.store(
+                node, key_id, key, entries, want_nodes=want_nodes
+            )
             if response is None:
                 return None
             stored = stored or any(response.accepted)
             return response.nodes
 
-        result = await self._lookup(key_id, query)
+        async def final_query(node: NodeInfo) -> Sequence[NodeInfo] | None:
+            return await query(node, want_nodes=False)
+
+        result = await self._lookup(key_id, query, final_query=final_query)
         if self.storage is not None and self._among_closest(key_id, result.closest):
             for entry in entries:
                 try:
@@ -427,7 +441,11 @@ class DHT:
 
         quorum = self.config.value_quorum if latest else 1
         if holders < quorum:
-            await self._lookup(key_id, query, stop=lambda: holders >= quorum)
+            # At most as many requests in flight as holders are still missing: the closest
+            # nodes are asked first and normally hold the key, so a get costs ~quorum RPCs.
+            await self._lookup(
+                key_id, query, stop=lambda: holders >= quorum, wanted=lambda: quorum - holders
+            )
         return _live(record, values, self._clock())
 
     def _merge(

@@ -167,7 +167,11 @@ class DHTProtocol:
             except RecordError as exc:
                 logger.debug("refused a record from %s: %s", request.peer_id.short(), exc)
                 accepted.append(False)
-        nodes = self.table.nearest(message.key, self.config.k, exclude=request.peer_id)
+        nodes = (
+            self.table.nearest(message.key, self.config.k, exclude=request.peer_id)
+            if message.want_nodes
+            else ()
+        )
         return Reply(StoreResponse(tuple(accepted), tuple(nodes)).to_body())
 
     # ---- calls -----------------------------------------------------------------------
@@ -185,11 +189,17 @@ class DHTProtocol:
         return await self._call(node, FindValueRequest(self.sender, key), FindValueResponse)
 
     async def store(
-        self, node: NodeInfo, key: DHTID, name: str, entries: tuple[Entry, ...]
+        self,
+        node: NodeInfo,
+        key: DHTID,
+        name: str,
+        entries: tuple[Entry, ...],
+        *,
+        want_nodes: bool = True,
     ) -> StoreResponse | None:
         """Ask ``node`` to store ``entries`` (the reply also names its closest contacts to
-        ``key``); None when it failed."""
-        request = StoreRequest(self.sender, key, name, entries)
+        ``key`` when ``want_nodes``); None when it failed."""
+        request = StoreRequest(self.sender, key, name, entries, want_nodes)
         return await self._call(node, request, StoreResponse)
 
     async def _call(self, node: NodeInfo, request: Message, response_type: type[_M]) -> _M | None:

@@ -253,3 +253,47 @@ async def test_lookup_keeps_alpha_in_flight_then_fans_out(
     assert peak_descending == alpha
     assert peak_final > alpha  # converged: every remaining one of the k closest at once
     assert [DHTID.from_peer_id(n.peer_id) for n in result.closest] == list(range(970, 980))
+
+
+async def test_lookup_final_round_uses_final_query(autojump_clock: trio.abc.Clock) -> None:
+    """Once an answer brings nothing closer, the remaining requests go to ``final_query``
+    (a store then asks for no contacts); before that, to ``query``."""
+    asked_plain: list[int] = []
+    asked_final: list[int] = []
+
+    async def query(asker: NodeInfo) -> list[NodeInfo]:
+        asked_plain.append(DHTID.from_peer_id(asker.peer_id))
+        await trio.sleep(1)
+        return [node(i) for i in range(990, 1000)]  # the seeds' own neighbourhood
+
+    async def final_query(asker: NodeInfo) -> list[NodeInfo]:
+        asked_final.append(DHTID.from_peer_id(asker.peer_id))
+        await trio.sleep(1)
+        return []
+
+    seeds = [node(i) for i in range(990, 1000)]
+    result = await iterative_lookup(0, seeds, query, k=10, alpha=3, final_query=final_query)
+    assert sorted(asked_plain) == [990, 991, 992]  # alpha, until the first answer converged
+    assert sorted(asked_final) == list(range(993, 1000))  # the rest of the k closest
+    assert len(result.closest) == 10
+
+
+async def test_lookup_in_flight_capped_by_wanted(autojump_clock: trio.abc.Clock) -> None:
+    """A get that needs two more holders keeps two requests in flight, not alpha or k."""
+    holders = 0
+    in_flight = peak = 0
+
+    async def query(asker: NodeInfo) -> list[NodeInfo]:
+        nonlocal holders, in_flight, peak
+        in_flight += 1
+        peak = max(peak, in_flight)
+        await trio.sleep(1 + DHTID.from_peer_id(asker.peer_id) % 3)
+        in_flight -= 1
+        holders += 1
+        return []
+
+    seeds = [node(i) for i in range(100, 120)]
+    result = await iterative_lookup(
+        0, seeds, query, k=20, alpha=3, stop=lambda: holders >= 2, wanted=lambda: 2 - holders
+    )
+    assert peak == 2 and result.queried == 2

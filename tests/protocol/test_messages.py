@@ -246,11 +246,25 @@ NODE_BODY = NODE.to_body()
         (StoreRequest, {"t": "dht.store.req", "sender": None, "key": RAW_KEY, "entries": ()}),
         (
             StoreRequest,
-            {"t": "dht.store.req", "sender": None, "key": RAW_KEY, "name": "k", "entries": ()},
+            {
+                "t": "dht.store.req",
+                "sender": None,
+                "key": RAW_KEY,
+                "name": "k",
+                "entries": (),
+                "want_nodes": True,
+            },
         ),
         (
             StoreRequest,
-            {"t": "dht.store.req", "sender": None, "key": RAW_KEY, "name": "k", "entries": None},
+            {
+                "t": "dht.store.req",
+                "sender": None,
+                "key": RAW_KEY,
+                "name": "k",
+                "entries": None,
+                "want_nodes": True,
+            },
         ),
         (
             StoreRequest,
@@ -260,6 +274,7 @@ NODE_BODY = NODE.to_body()
                 "key": RAW_KEY,
                 "name": "not k",  # does not hash to key
                 "entries": (ENTRY.to_body(),),
+                "want_nodes": True,
             },
         ),
         (
@@ -270,6 +285,7 @@ NODE_BODY = NODE.to_body()
                 "key": RAW_KEY,
                 "name": "k",
                 "entries": (ENTRY.to_body(),) * (MAX_ENTRIES_PER_STORE + 1),
+                "want_nodes": True,
             },
         ),
         (
@@ -280,6 +296,18 @@ NODE_BODY = NODE.to_body()
                 "key": RAW_KEY,
                 "name": "k",
                 "entries": ({"s": None, "v": b"x" * 20000, "x": 1.0},),
+                "want_nodes": True,
+            },
+        ),
+        (
+            StoreRequest,
+            {
+                "t": "dht.store.req",
+                "sender": None,
+                "key": RAW_KEY,
+                "name": "k",
+                "entries": (ENTRY.to_body(),),
+                "want_nodes": 1,  # not a bool
             },
         ),
         (StoreResponse, {"t": "dht.store.res", "accepted": (1,)}),
@@ -330,6 +358,7 @@ messages = st.one_of(
             st.just(DHTID.from_key(name)),
             st.just(name),
             st.lists(entries, min_size=1, max_size=5).map(tuple),
+            st.booleans(),
         )
     ),
     st.builds(
