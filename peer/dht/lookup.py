@@ -185,8 +185,8 @@ async def iterative_lookup(
                 next_node = state.next_to_query()
                 if next_node is None:
                     break
-                final = state.converged and final_query is not None
-                nursery.start_soon(ask, next_node, final_query if final else query)
+                final = final_query if state.converged else None
+                nursery.start_soon(ask, next_node, final or query)
             if state.in_flight == 0:
                 break
             node, answer = await receive.receive()

@@ -383,9 +383,7 @@ class DHT:
 
         async def query(node: NodeInfo, want_nodes: bool = True) -> Sequence[NodeInfo] | None:
             nonlocal stored
-            response = await self.protocol.store(
-                node, key_id, key, entries, want_nodes=want_nodes
-            )
+            response = await self.protocol.store(node, key_id, key, entries, want_nodes=want_nodes)
             if response is None:
                 return None
             stored = stored or any(response.accepted)
