@@ -108,6 +108,8 @@ class RpcHost:
         self._dials: dict[tuple[str, PeerID | None], _Dial] = {}
         self._handshaking = 0
         self._per_host: Counter[str] = Counter()
+        self.connections_opened = 0
+        """Connections established so far, both directions (each one a handshake)."""
 
     def __repr__(self) -> str:
         return f"<RpcHost {self.peer_id.short()} at {self.listen_address}>"
@@ -290,6 +292,7 @@ class RpcHost:
             idle_timeout=config.idle_timeout,
         )
         peer_id = connection.peer_id
+        self.connections_opened += 1
         self._connections[connection] = initiator
         current = self._by_peer.get(peer_id)
         if current is None or current.closed or initiator.raw < self._connections[current].raw:
