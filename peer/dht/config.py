@@ -15,6 +15,10 @@ class DHTConfig:
     # merged, newest version of each subkey); the paper's FIND_VALUE stops at the first.
     value_quorum: int = 3
     request_timeout: float = 3.0  # seconds for one DHT RPC, connection included
+    # A get keeps only as many requests in flight as it still needs holders; each time this
+    # long passes without an answer it asks one more node (a dead node among the closest
+    # then delays it this long, not request_timeout).
+    hedge_after: float = 1.0
     # DHT RPCs this node has in flight at once (its lookups queue for a slot beyond, and
     # a slot's wait does not count toward request_timeout). Enough for one lookup's final
     # fan-out; more only buys timeouts when the CPU, not the network, is the bottleneck.
@@ -45,7 +49,7 @@ class DHTConfig:
     def __post_init__(self) -> None:
         if self.k < 1 or self.alpha < 1 or self.value_quorum < 1:
             raise ValueError("DHTConfig: k, alpha and value_quorum must be positive")
-        if self.request_timeout <= 0 or self.refresh_interval <= 0:
+        if min(self.request_timeout, self.hedge_after, self.refresh_interval) <= 0:
             raise ValueError("DHTConfig: timeouts and intervals must be positive")
         if self.republish_interval <= 0 or self.republish_margin < 0:
             raise ValueError("DHTConfig: republish_interval > 0 and republish_margin >= 0")

@@ -8,10 +8,11 @@ Rules:
 - Candidates are kept sorted by XOR distance to the target; nodes that fail are
   dropped from them (and never asked again).
 - The next node asked is the closest not-yet-asked candidate among the k closest
-  candidates still alive; at most ``alpha`` requests are in flight until an answer
-  brings no candidate closer than the closest already seen: from then on the lookup
-  has converged and asks every remaining one of the k closest at once (the paper's
-  final round, which saves round trips, not requests).
+  candidates still alive; at most ``alpha`` requests are in flight until ``alpha``
+  answers in a row bring no candidate closer than the closest already seen (the paper's
+  round that finds nothing closer): from then on the lookup has converged and asks every
+  remaining one of the k closest at once (the paper's final round, which saves round
+  trips, not requests).
 - The lookup ends when the k closest live candidates have all answered (or fewer,
   when the network knows fewer), and nothing is in flight.
 - Hops: the seeds are hop 1; a node first named by a hop-h node is hop h + 1.
@@ -64,9 +65,12 @@ class LookupResult:
 class LookupState:
     """The bookkeeping of one lookup; see the module rules."""
 
-    def __init__(self, target: int, k: int, exclude: PeerID | None = None) -> None:
+    def __init__(
+        self, target: int, k: int, exclude: PeerID | None = None, settle_after: int = 1
+    ) -> None:
         self.target = int(target)
         self.k = k
+        self.settle_after = settle_after  # quiet answers in a row that mean "converged"
         self.exclude = exclude
         self._candidates: dict[PeerID, _Candidate] = {}
         self._order: list[tuple[int, PeerID]] = []  # (distance, peer) of live candidates
@@ -74,6 +78,7 @@ class LookupState:
         self.queried = 0
         self.failed = 0
         self.converged = False
+        self.quiet = 0  # answers in a row that brought no node closer than the closest seen
         self._closest_seen: int | None = None
 
     def add(self, node: NodeInfo, hop: int) -> None:
@@ -113,7 +118,10 @@ class LookupState:
         for other in nodes:
             self.add(other, candidate.hop + 1)
         if self._closest_seen == closest_before:
-            self.converged = True
+            self.quiet += 1
+            self.converged = self.converged or self.quiet >= self.settle_after
+        else:
+            self.quiet = 0
 
     def on_failure(self, node: NodeInfo) -> None:
         candidate = self._candidates[node.peer_id]
@@ -153,6 +161,7 @@ async def iterative_lookup(
     stop: Callable[[], bool] | None = None,
     wanted: Callable[[], int] | None = None,
     final_query: Query | None = None,
+    hedge_after: float = math.inf,
 ) -> LookupResult:
     """Run one lookup of ``target`` from ``seeds``, with ``alpha`` queries in flight.
 
@@ -161,14 +170,16 @@ async def iterative_lookup(
     ``stop()``, when given, is asked after each answer: True ends the lookup at once
     (queries in flight are cancelled), e.g. when a value was found. ``wanted()``, when
     given, caps the queries in flight at how many more answers could end the lookup (a get
-    that needs two more holders keeps two in flight, not the converged lookup's k).
-    ``final_query``, when given, replaces ``query`` once the lookup has converged: the
-    final round's answers bring no closer node, so it may skip asking for contacts.
+    that needs two more holders keeps two in flight, not the converged lookup's k); each
+    ``hedge_after`` seconds without any answer lift that cap by one, so that a dead node
+    among the first asked costs ``hedge_after``, not its request's whole timeout.
+    ``final_query``, when given, replaces ``query`` in the final round: its answers are
+    not expected to bring closer nodes, so it may skip asking for contacts.
 
     Raises:
         Exception: whatever ``query`` raises (a bug there, not a dead peer).
     """
-    state = LookupState(target, k, exclude)
+    state = LookupState(target, k, exclude, settle_after=alpha)
     for node in seeds:
         state.add(node, hop=1)
     send, receive = trio.open_memory_channel[tuple[NodeInfo, Sequence[NodeInfo] | None]](math.inf)
@@ -176,11 +187,12 @@ async def iterative_lookup(
     async def ask(node: NodeInfo, query: Query) -> None:
         send.send_nowait((node, await query(node)))
 
+    hedged = 0  # requests allowed beyond wanted(): those in flight are slow to answer
     async with trio.open_nursery() as nursery:
         while True:
             limit = state.parallelism(alpha)
             if wanted is not None:
-                limit = min(limit, max(wanted(), 1))
+                limit = min(limit, max(wanted(), 1) + hedged)
             while state.in_flight < limit:
                 next_node = state.next_to_query()
                 if next_node is None:
@@ -189,7 +201,13 @@ async def iterative_lookup(
                 nursery.start_soon(ask, next_node, final or query)
             if state.in_flight == 0:
                 break
-            node, answer = await receive.receive()
+            received = None
+            with trio.move_on_after(hedge_after if wanted is not None else math.inf):
+                received = await receive.receive()
+            if received is None:  # nothing answered for hedge_after seconds
+                hedged += 1
+                continue
+            node, answer = received
             if answer is None:
                 state.on_failure(node)
             else:

@@ -321,6 +321,7 @@ class DHT:
             stop=stop,
             wanted=wanted,
             final_query=final_query,
+            hedge_after=self.config.hedge_after,
         )
         self.table.mark_lookup(target, trio.current_time())
         self.stats.record(result)

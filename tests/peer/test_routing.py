@@ -256,8 +256,8 @@ async def test_lookup_keeps_alpha_in_flight_then_fans_out(
 
 
 async def test_lookup_final_round_uses_final_query(autojump_clock: trio.abc.Clock) -> None:
-    """Once an answer brings nothing closer, the remaining requests go to ``final_query``
-    (a store then asks for no contacts); before that, to ``query``."""
+    """Once alpha answers in a row brought nothing closer, the remaining requests go to
+    ``final_query`` (a store then asks for no contacts); before that, to ``query``."""
     asked_plain: list[int] = []
     asked_final: list[int] = []
 
@@ -273,8 +273,9 @@ async def test_lookup_final_round_uses_final_query(autojump_clock: trio.abc.Cloc
 
     seeds = [node(i) for i in range(990, 1000)]
     result = await iterative_lookup(0, seeds, query, k=10, alpha=3, final_query=final_query)
-    assert sorted(asked_plain) == [990, 991, 992]  # alpha, until the first answer converged
-    assert sorted(asked_final) == list(range(993, 1000))  # the rest of the k closest
+    # alpha at first, then one more after each of the first alpha - 1 quiet answers
+    assert sorted(asked_plain) == list(range(990, 995))
+    assert sorted(asked_final) == list(range(995, 1000))  # the rest of the k closest
     assert len(result.closest) == 10
 
 
@@ -297,3 +298,36 @@ async def test_lookup_in_flight_capped_by_wanted(autojump_clock: trio.abc.Clock)
         0, seeds, query, k=20, alpha=3, stop=lambda: holders >= 2, wanted=lambda: 2 - holders
     )
     assert peak == 2 and result.queried == 2
+
+
+async def test_lookup_asks_one_more_node_when_the_wanted_ones_are_slow(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A dead node among those a get asked first costs hedge_after, not its timeout."""
+    holders = 0
+    dead = node(100)
+
+    async def query(asker: NodeInfo) -> list[NodeInfo] | None:
+        nonlocal holders
+        if asker == dead:
+            await trio.sleep(3)  # its request times out
+            return None
+        await trio.sleep(0.1)
+        holders += 1
+        return []
+
+    seeds = [node(i) for i in range(100, 120)]
+    start = trio.current_time()
+    result = await iterative_lookup(
+        0,
+        seeds,
+        query,
+        k=20,
+        alpha=3,
+        stop=lambda: holders >= 2,
+        wanted=lambda: 2 - holders,
+        hedge_after=1.0,
+    )
+    assert holders == 2 and result.queried == 3
+    # the live one answers at 0.1 s; a second of silence; one more request of 0.1 s
+    assert trio.current_time() - start == pytest.approx(1.2)
