@@ -160,7 +160,6 @@ async def iterative_lookup(
     exclude: PeerID | None = None,
     stop: Callable[[], bool] | None = None,
     wanted: Callable[[], int] | None = None,
-    final_query: Query | None = None,
     hedge_after: float = math.inf,
 ) -> LookupResult:
     """Run one lookup of ``target`` from ``seeds``, with ``alpha`` queries in flight.
@@ -173,8 +172,6 @@ async def iterative_lookup(
     that needs two more holders keeps two in flight, not the converged lookup's k); each
     ``hedge_after`` seconds without any answer lift that cap by one, so that a dead node
     among the first asked costs ``hedge_after``, not its request's whole timeout.
-    ``final_query``, when given, replaces ``query`` in the final round: its answers are
-    not expected to bring closer nodes, so it may skip asking for contacts.
 
     Raises:
         Exception: whatever ``query`` raises (a bug there, not a dead peer).
@@ -184,7 +181,7 @@ async def iterative_lookup(
         state.add(node, hop=1)
     send, receive = trio.open_memory_channel[tuple[NodeInfo, Sequence[NodeInfo] | None]](math.inf)
 
-    async def ask(node: NodeInfo, query: Query) -> None:
+    async def ask(node: NodeInfo) -> None:
         send.send_nowait((node, await query(node)))
 
     hedged = 0  # requests allowed beyond wanted(): those in flight are slow to answer
@@ -197,8 +194,7 @@ async def iterative_lookup(
                 next_node = state.next_to_query()
                 if next_node is None:
                     break
-                final = final_query if state.converged else None
-                nursery.start_soon(ask, next_node, final or query)
+                nursery.start_soon(ask, next_node)
             if state.in_flight == 0:
                 break
             received = None

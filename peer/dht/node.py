@@ -306,7 +306,6 @@ class DHT:
         query: Query,
         stop: Callable[[], bool] | None = None,
         wanted: Callable[[], int] | None = None,
-        final_query: Query | None = None,
     ) -> LookupResult:
         # Twice k seeds: when some of the closest known are dead, the next ones take
         # their place instead of the lookup running dry.
@@ -320,7 +319,6 @@ class DHT:
             exclude=self.peer_id,
             stop=stop,
             wanted=wanted,
-            final_query=final_query,
             hedge_after=self.config.hedge_after,
         )
         self.table.mark_lookup(target, trio.current_time())
@@ -377,23 +375,21 @@ class DHT:
         """Store while looking up: each STORE reply names the callee's closest contacts,
         so the lookup of the k closest nodes and the stores to them are the same RPCs
         (a node asked early that turns out not to be among the k closest keeps a copy
-        too, until it expires). Once the lookup has converged, the final round's stores
-        ask for no contacts (as in the paper, where the stores follow the lookup)."""
+        too, until it expires). The last round's replies name contacts too: in a large
+        network a round that found nothing closer does not prove the k closest are known
+        (skipping them there lost 8 of 1,000 keys among 500 peers)."""
         key_id, owner = DHTID.from_key(key), key_owner(key)
         stored = False
 
-        async def query(node: NodeInfo, want_nodes: bool = True) -> Sequence[NodeInfo] | None:
+        async def query(node: NodeInfo) -> Sequence[NodeInfo] | None:
             nonlocal stored
-            response = await self.protocol.store(node, key_id, key, entries, want_nodes=want_nodes)
+            response = await self.protocol.store(node, key_id, key, entries)
             if response is None:
                 return None
             stored = stored or any(response.accepted)
             return response.nodes
 
-        async def final_query(node: NodeInfo) -> Sequence[NodeInfo] | None:
-            return await query(node, want_nodes=False)
-
-        result = await self._lookup(key_id, query, final_query=final_query)
+        result = await self._lookup(key_id, query)
         if self.storage is not None and self._among_closest(key_id, result.closest):
             for entry in entries:
                 try:
@@ -440,11 +436,13 @@ class DHT:
 
         quorum = self.config.value_quorum if latest else 1
         if holders < quorum:
-            # At most as many requests in flight as holders are still missing: the closest
-            # nodes are asked first and normally hold the key, so a get costs ~quorum RPCs.
-            await self._lookup(
-                key_id, query, stop=lambda: holders >= quorum, wanted=lambda: quorum - holders
-            )
+            # Once some node holds the key, at most as many requests in flight as holders
+            # are still missing: the closest nodes are asked first and normally hold it, so
+            # a get costs ~quorum RPCs. Before that, a plain lookup (a miss fans out).
+            def wanted() -> int:
+                return quorum - holders if holders else self.config.k
+
+            await self._lookup(key_id, query, stop=lambda: holders >= quorum, wanted=wanted)
         return _live(record, values, self._clock())
 
     def _merge(

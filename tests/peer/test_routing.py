@@ -255,30 +255,6 @@ async def test_lookup_keeps_alpha_in_flight_then_fans_out(
     assert [DHTID.from_peer_id(n.peer_id) for n in result.closest] == list(range(970, 980))
 
 
-async def test_lookup_final_round_uses_final_query(autojump_clock: trio.abc.Clock) -> None:
-    """Once alpha answers in a row brought nothing closer, the remaining requests go to
-    ``final_query`` (a store then asks for no contacts); before that, to ``query``."""
-    asked_plain: list[int] = []
-    asked_final: list[int] = []
-
-    async def query(asker: NodeInfo) -> list[NodeInfo]:
-        asked_plain.append(DHTID.from_peer_id(asker.peer_id))
-        await trio.sleep(1)
-        return [node(i) for i in range(990, 1000)]  # the seeds' own neighbourhood
-
-    async def final_query(asker: NodeInfo) -> list[NodeInfo]:
-        asked_final.append(DHTID.from_peer_id(asker.peer_id))
-        await trio.sleep(1)
-        return []
-
-    seeds = [node(i) for i in range(990, 1000)]
-    result = await iterative_lookup(0, seeds, query, k=10, alpha=3, final_query=final_query)
-    # alpha at first, then one more after each of the first alpha - 1 quiet answers
-    assert sorted(asked_plain) == list(range(990, 995))
-    assert sorted(asked_final) == list(range(995, 1000))  # the rest of the k closest
-    assert len(result.closest) == 10
-
-
 async def test_lookup_in_flight_capped_by_wanted(autojump_clock: trio.abc.Clock) -> None:
     """A get that needs two more holders keeps two requests in flight, not alpha or k."""
     holders = 0
