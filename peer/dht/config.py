@@ -15,9 +15,10 @@ class DHTConfig:
     # merged, newest version of each subkey); the paper's FIND_VALUE stops at the first.
     value_quorum: int = 3
     request_timeout: float = 3.0  # seconds for one DHT RPC, connection included
-    # A get keeps only as many requests in flight as it still needs holders; each time this
-    # long passes without an answer it asks one more node (a dead node among the closest
-    # then delays it this long, not request_timeout).
+    # A get keeps only as many requests in flight as it still needs holders; after a silence
+    # of twice its first answer's delay, at most this long, it asks one more node (a dead or
+    # frozen node among the closest then delays it about two round trips, not
+    # request_timeout).
     hedge_after: float = 1.0
     # DHT RPCs this node has in flight at once (its lookups queue for a slot beyond, and
     # a slot's wait does not count toward request_timeout). Enough for one lookup's final

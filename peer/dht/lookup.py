@@ -75,6 +75,7 @@ class LookupState:
         self._candidates: dict[PeerID, _Candidate] = {}
         self._order: list[tuple[int, PeerID]] = []  # (distance, peer) of live candidates
         self.in_flight = 0
+        self.answers = 0
         self.queried = 0
         self.failed = 0
         self.converged = False
@@ -111,6 +112,7 @@ class LookupState:
         return self.k if self.converged else alpha
 
     def on_answer(self, node: NodeInfo, nodes: Iterable[NodeInfo]) -> None:
+        self.answers += 1
         candidate = self._candidates[node.peer_id]
         candidate.status = _Status.ANSWERED
         self.in_flight -= 1
@@ -169,9 +171,10 @@ async def iterative_lookup(
     ``stop()``, when given, is asked after each answer: True ends the lookup at once
     (queries in flight are cancelled), e.g. when a value was found. ``wanted()``, when
     given, caps the queries in flight at how many more answers could end the lookup (a get
-    that needs two more holders keeps two in flight, not the converged lookup's k); each
-    ``hedge_after`` seconds without any answer lift that cap by one, so that a dead node
-    among the first asked costs ``hedge_after``, not its request's whole timeout.
+    that needs two more holders keeps two in flight, not the converged lookup's k). Each
+    silence of twice the first answer's delay (at most ``hedge_after`` seconds, which is
+    also the wait before any answer) lifts that cap by one: a dead or frozen node among
+    those asked costs about two round trips, not its request's whole timeout.
 
     Raises:
         Exception: whatever ``query`` raises (a bug there, not a dead peer).
@@ -185,6 +188,8 @@ async def iterative_lookup(
         send.send_nowait((node, await query(node)))
 
     hedged = 0  # requests allowed beyond wanted(): those in flight are slow to answer
+    hedge_delay = hedge_after if wanted is not None else math.inf
+    start = trio.current_time()
     async with trio.open_nursery() as nursery:
         while True:
             limit = state.parallelism(alpha)
@@ -198,12 +203,14 @@ async def iterative_lookup(
             if state.in_flight == 0:
                 break
             received = None
-            with trio.move_on_after(hedge_after if wanted is not None else math.inf):
+            with trio.move_on_after(hedge_delay):
                 received = await receive.receive()
-            if received is None:  # nothing answered for hedge_after seconds
+            if received is None:  # nothing answered for hedge_delay seconds
                 hedged += 1
                 continue
             node, answer = received
+            if answer is not None and state.answers == 0 and wanted is not None:
+                hedge_delay = min(hedge_after, 2 * (trio.current_time() - start))
             if answer is None:
                 state.on_failure(node)
             else:
