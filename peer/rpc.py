@@ -12,7 +12,9 @@ Rules (see ``protocol/rpc.py`` for the frames):
 - The caller sends the time left before its effective deadline as ``t``; the callee runs the
   handler under ``move_on_after(t)`` and answers ``err timeout`` when it runs out.
 - A caller cancelled mid-call sends ``cancel``; the callee cancels that handler. Late frames
-  for finished calls are ignored.
+  for finished calls are ignored. A call never reads its payload after it returned: a
+  cancelled request still queued is withdrawn (nothing sent, no ``cancel``), and one whose
+  large payload is being written ends the connection (zero-copy tensor uploads rely on it).
 - A handler's ``RemoteError`` keeps its code, a ``ProtocolError`` is ``bad_request``, anything
   else ``internal``; an unregistered method is ``unknown_method``.
 - More than ``max_inflight_requests`` concurrent requests from the peer, an oversized or
@@ -197,11 +199,11 @@ class RpcConnection:
         await self._acquire_slot()
         try:
             pending = PendingCall()
-            request_id = await self._send_request(method, body, payload, pending)
+            request_id, request = await self._send_request(method, body, payload, pending)
             try:
                 await pending.done.wait()
             except BaseException:
-                self._cancel_remote(request_id, pending)
+                self._cancel_remote(request_id, pending, request)
                 raise
             finally:
                 self._pending.pop(request_id, None)
@@ -229,11 +231,11 @@ class RpcConnection:
         await self._acquire_slot()
         try:
             pending = PendingStream()
-            request_id = await self._send_request(method, body, payload, pending)
+            request_id, request = await self._send_request(method, body, payload, pending)
             try:
                 yield ReplyStream(pending)
             finally:
-                self._cancel_remote(request_id, pending)
+                self._cancel_remote(request_id, pending, request)
                 self._pending.pop(request_id, None)
                 pending.receive.close()
         finally:
@@ -252,7 +254,8 @@ class RpcConnection:
         body: dict[str, Any] | None,
         payload: bytes | memoryview,
         pending: PendingCall | PendingStream,
-    ) -> int:
+    ) -> tuple[int, list[bytes | memoryview]]:
+        """Send a request frame; its id, and its pieces (to withdraw it on cancellation)."""
         self._check_open()
         request_id = self._allocate_id()
         frame = RpcFrame(
@@ -274,7 +277,7 @@ class RpcConnection:
         except BaseException:
             self._pending.pop(request_id, None)
             raise
-        return request_id
+        return request_id, pieces
 
     async def _send(self, pieces: list[bytes | memoryview], size: int) -> None:
         """Write a frame now when the stream is idle and the frame small, else queue it.
@@ -302,10 +305,25 @@ class RpcConnection:
             self._outbox.release()
         self.last_activity = trio.current_time()
 
-    def _cancel_remote(self, request_id: int, pending: PendingCall | PendingStream) -> None:
+    def _cancel_remote(
+        self,
+        request_id: int,
+        pending: PendingCall | PendingStream,
+        request: list[bytes | memoryview],
+    ) -> None:
+        """Tell the peer a call was given up, and never read its payload again: the caller
+        may reuse the buffer once the call returned."""
         finished = pending.done.is_set() if isinstance(pending, PendingCall) else pending.finished
-        if not finished and not self.closed:
-            self._outbox.put_nowait(self._encode(RpcFrame(FrameKind.CANCEL, request_id))[0])
+        if finished or self.closed:
+            return
+        if self._outbox.withdraw(request):
+            return  # never sent: the peer knows nothing of it
+        if memoryview(request[1]).nbytes >= _DIRECT_MAX and self._outbox.writing(request):
+            # The writer is sealing this payload slice by slice, from the caller's buffer:
+            # only ending the connection stops it (smaller payloads were copied already).
+            self._shutdown(PeerUnavailableError("a cancelled call's payload was being written"))
+            return
+        self._outbox.put_nowait(self._encode(RpcFrame(FrameKind.CANCEL, request_id))[0])
 
     def _check_open(self) -> None:
         if self.closed:

@@ -48,6 +48,7 @@ class Outbox:
         self._ready = trio.lowlevel.ParkingLot()
         self._closed = False
         self._busy = False  # a task is writing to the stream
+        self._batch: list[Sequence[Piece]] = []  # the frames the writer is writing now
 
     async def put(self, pieces: Sequence[Piece]) -> None:
         """Queue one frame's pieces; either queued or (on cancel/close) not at all.
@@ -87,6 +88,7 @@ class Outbox:
     def release(self) -> None:
         """The stream is free again; the writer takes over what was queued meanwhile."""
         self._busy = False
+        self._batch = []
         if self._items:
             self._ready.unpark()
 
@@ -106,11 +108,26 @@ class Outbox:
         size = taken = 0
         while self._items and size < BATCH_BYTES:
             frame = self._items.popleft()
+            self._batch.append(frame)
             taken += 1
             pieces.extend(frame)
             size += sum(memoryview(p).nbytes for p in frame)
         self._space.unpark(count=taken)
         return pieces
+
+    def withdraw(self, frame: Sequence[Piece]) -> bool:
+        """Take ``frame`` (the very object put) out of the queue: True if it was still
+        queued, so none of it will be written."""
+        for index, queued in enumerate(self._items):
+            if queued is frame:
+                del self._items[index]
+                self._space.unpark()
+                return True
+        return False
+
+    def writing(self, frame: Sequence[Piece]) -> bool:
+        """True while the writer's current batch holds ``frame`` (it may still read it)."""
+        return any(taken is frame for taken in self._batch)
 
     def close(self) -> None:
         self._closed = True

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -500,3 +501,44 @@ async def test_duplicate_request_id_drops_the_connection() -> None:
             await wire.send(RpcFrame(FrameKind.REQUEST, 5, method="block"))
             assert await wire.stream.receive_some() == b""
             assert connection.closed
+
+
+async def test_a_cancelled_call_never_sends_its_payload_later(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A call cancelled while its request waits in the outbox is withdrawn (never sent); one
+    cancelled while its large payload is being written ends the connection. Either way the
+    caller may reuse its buffer as soon as the call returned."""
+    ours, theirs = trio.testing.lockstep_stream_pair()  # a write waits for the reader
+    connection = RpcConnection(ours, ID_B.peer_id, HandlerRegistry())
+    first, second = bytearray(b"1" * 200_000), bytearray(b"2" * 200_000)
+    scopes = [trio.CancelScope(), trio.CancelScope()]
+
+    async def call(index: int, payload: bytearray) -> None:
+        with scopes[index], contextlib.suppress(PeerUnavailableError):
+            await connection.call("m", {}, payload)
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(connection.run)
+            nursery.start_soon(call, 0, first)  # the writer takes it and waits for a reader
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(call, 1, second)  # queued behind it
+            await trio.testing.wait_all_tasks_blocked()
+            scopes[1].cancel()
+            await trio.testing.wait_all_tasks_blocked()
+            second[:] = b"X" * len(second)  # the caller reuses its buffer
+            received = bytearray()
+            with trio.move_on_after(5):
+                while chunk := await theirs.receive_some():
+                    received += chunk
+            assert b"1" * 200_000 in received and b"2" not in received and b"X" not in received
+            assert not connection.closed
+
+            scopes[1] = trio.CancelScope()
+            nursery.start_soon(call, 1, second)  # the writer takes it, waits for a reader
+            await trio.testing.wait_all_tasks_blocked()
+            scopes[1].cancel()
+            await trio.testing.wait_all_tasks_blocked()
+            assert connection.closed  # the first call, still waiting, failed with it
+            nursery.cancel_scope.cancel()
