@@ -76,6 +76,10 @@ async def swarm_worker(args: argparse.Namespace) -> None:
         for codec in args.codecs:
             averager = Averager(node, f"bench/{codec}", [tensor], codec=codec, config=config)
             for step in range(args.warmup + args.steps):
+                # Everybody starts each step together: a peer whose step went alone (slow
+                # start, a hiccup) would otherwise stay one round off for the whole run.
+                _emit({"barrier": True})
+                await trio.to_thread.run_sync(sys.stdin.readline)
                 fresh = _fresh_buffers(averager)
                 start, cpu = time.perf_counter(), time.process_time()
                 info = await averager.step(weight=1.0, timeout=args.timeout)
@@ -136,12 +140,18 @@ def run_swarm(n: int, rate: float, args: argparse.Namespace) -> dict[str, Any]:
         for p in procs:
             p.stdin.write("go\n")  # type: ignore[union-attr]
             p.stdin.flush()  # type: ignore[union-attr]
-        rows: list[list[dict[str, Any]]] = []
-        for p in procs:
-            mine = []
-            while "done" not in (row := _read_json(p)):
-                mine.append(row)
-            rows.append(mine)
+        rows: list[list[dict[str, Any]]] = [[] for _ in procs]
+        done = [False] * n
+        while not all(done):  # each worker's rows up to its next barrier, then release all
+            for i, p in enumerate(procs):
+                while not done[i] and "barrier" not in (row := _read_json(p)):
+                    done[i] = "done" in row
+                    if not done[i]:
+                        rows[i].append(row)
+            for i, p in enumerate(procs):
+                if not done[i]:
+                    p.stdin.write("go\n")  # type: ignore[union-attr]
+                    p.stdin.flush()  # type: ignore[union-attr]
         for p in procs:
             p.stdin.write("stop\n")  # type: ignore[union-attr]
             p.stdin.flush()  # type: ignore[union-attr]

@@ -34,6 +34,7 @@ import numpy as np
 import numpy.typing as npt
 
 from ..errors import LocalProtocolError, RemoteProtocolError, SwarmError
+from .casts import NUMPY_CASTS, Casts
 
 MAGIC = b"SC"
 VERSION = 1
@@ -218,10 +219,15 @@ class Codec(abc.ABC):
     """Whether the header carries the 8 parameter bytes (must match ``PARAM_CODEC_IDS``)."""
     zeroed_output: ClassVar[bool] = False
     """Whether decoding writes only some elements (so ``decode`` allocates zeros)."""
+    finite_output: ClassVar[bool] = False
+    """Whether decoded values are always finite (decoding refuses blobs that would not be),
+    so that callers need not check them again."""
 
     def __init__(self, *, max_elements: int = DEFAULT_MAX_ELEMENTS) -> None:
         self.max_elements = int_param("max_elements", max_elements, 0, ELEMENTS_LIMIT)
         self._scratch = bytearray()
+        self.casts: Casts = NUMPY_CASTS
+        """Bulk conversions (see ``casts``); a caller may install faster ones."""
 
     @property
     def params(self) -> dict[str, Any]:
@@ -338,6 +344,25 @@ class Codec(abc.ABC):
         flat = check_out_array(out, header.n_elements)
         self._decode_payload(header, payload, flat, False)
         return out
+
+    def validate(self, blob: Blob) -> BlobHeader:
+        """Check ``blob`` as :meth:`decode` would, without keeping the values; its header.
+
+        Cheap for codecs that can check a payload without decoding it (int8); the others
+        decode it aside.
+
+        Raises:
+            RemoteProtocolError: if :meth:`decode` would raise it.
+        """
+        header, payload = self._parse(blob)
+        self._validate_payload(header, payload)
+        return header
+
+    def _validate_payload(self, header: BlobHeader, payload: memoryview) -> None:
+        """Raise what decoding the payload (exactly sized) would raise."""
+        alloc = np.zeros if self.zeroed_output else np.empty
+        out: Float32Array = alloc(header.n_elements, dtype=np.float32)
+        self._decode_payload(header, payload, out, self.zeroed_output)
 
     def _parse(self, blob: Blob) -> tuple[BlobHeader, memoryview]:
         mv = as_bytes_view(blob)

@@ -24,12 +24,6 @@ from .base import (
     header_size,
 )
 
-CHUNK_ELEMENTS = 1 << 18
-_HALF_TO_FLOAT: Float32Array = (
-    np.arange(1 << 16, dtype=np.uint32).astype("<u2").view("<f2").astype(np.float32)
-)
-"""float32 value of every float16 bit pattern (256 KiB)."""
-
 
 class NoneCodec(Codec):
     """No compression: the payload is the float32 values, little-endian, in C order.
@@ -100,17 +94,15 @@ class Float16Codec(Codec):
         return 2 * n_elements
 
     def _encode_payload(self, a: npt.NDArray[Any], payload: memoryview) -> int:
-        dst = np.frombuffer(payload, dtype="<f2").reshape(a.shape)
-        with np.errstate(over="ignore"):
-            np.copyto(dst, a, casting="same_kind")
+        dst = np.frombuffer(payload, dtype="<f2")
+        if a.dtype == np.dtype("<f4") and a.flags.c_contiguous:
+            self.casts.to_half(a.reshape(-1), dst)
+        else:
+            with np.errstate(over="ignore"):
+                np.copyto(dst.reshape(a.shape), a, casting="same_kind")
         return 0
 
     def _decode_payload(
         self, header: BlobHeader, payload: memoryview, out: Float32Array, out_is_zero: bool
     ) -> None:
-        # A table lookup on the raw bits, in cache-sized chunks, is about twice as fast as
-        # numpy's float16 cast here, and bit-identical to it (NaN payloads included).
-        bits = np.frombuffer(payload, dtype="<u2", count=header.n_elements)
-        for start in range(0, bits.size, CHUNK_ELEMENTS):
-            stop = start + CHUNK_ELEMENTS
-            np.take(_HALF_TO_FLOAT, bits[start:stop], out=out[start:stop], mode="clip")
+        self.casts.to_float(np.frombuffer(payload, dtype="<f2", count=header.n_elements), out)

@@ -104,6 +104,7 @@ class TopKCodec(Codec):
     name: ClassVar[str] = "topk"
     codec_id: ClassVar[int] = CODEC_IDS["topk"]
     has_params: ClassVar[bool] = True
+    finite_output: ClassVar[bool] = True
     zeroed_output: ClassVar[bool] = True
 
     def __init__(

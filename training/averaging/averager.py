@@ -31,6 +31,7 @@ from protocol.errors import RemoteProtocolError
 
 from .buffers import BufferPool, SharedBuffer
 from .butterfly import Butterfly
+from .casts import TORCH_CASTS
 from .config import AveragerConfig
 from .feedback import ErrorFeedback
 from .grouping import Declaration
@@ -106,10 +107,12 @@ class Averager:
         self.config = config
         self.flat = FlatVector(as_tensors(tensors))
         self.codec = get_codec(config.codec, **config.codec_params)
+        self.codec.casts = TORCH_CASTS  # same values as numpy's, many times faster
         self.layout = self.flat.layout
         # peers must agree on the codec, the chunking and the wire format (v2: raw result
-        # blobs reused; topk results lossless with error feedback)
-        self.layout_id = self.layout.fingerprint(f"{self.codec!r}|{config.chunk_bytes}|v2")
+        # blobs reused; topk results lossless with error feedback; v3: raw float32 payloads
+        # with the none codec)
+        self.layout_id = self.layout.fingerprint(f"{self.codec!r}|{config.chunk_bytes}|v3")
         client = node.client_mode if config.client_mode is None else config.client_mode
         self.client_mode = client or node.rpc.listen_address is None
         self._methods = method_prefix(prefix)
@@ -241,7 +244,9 @@ class Averager:
                 # non-finite values: the reducer drops our own values as such
                 with contextlib.suppress(NonFiniteError):
                     feedback.sparsify_own(plan.my_part, self.flat.array[start:stop], start)
-        elif plan.my_part is not None:  # the reducer sums in place; uploads read the tensors
+        elif plan.my_part is not None and self.flat.view(*plan.spans[plan.my_part]) is None:
+            # the reducer sums in place (it loads a single tensor's span itself, checking
+            # as it copies); uploads read the tensors
             self.flat.load_span(plan.spans[plan.my_part])
         deadline = min(deadline, t1 + conf.budget)
         cutoff = t1 + (deadline - t1) * (1 - self.config.result_share)
@@ -262,8 +267,9 @@ class Averager:
         async with trio.open_nursery() as nursery:  # the DHT store runs beside the butterfly
             nursery.start_soon(self._matchmaker.withdraw, match.round, max(withdraw_by, cutoff))
             parts = await butterfly.run(cutoff, deadline)
-        for part in parts:
-            if part.received:
+        in_place = service.part if service is not None and service.in_place else None
+        for part in parts:  # the received parts into the tensors (unless already there)
+            if part.received and part.index != in_place and not butterfly.commit(part.index):
                 self.flat.store(part.span)
         if feedback is not None:
             feedback.finish(parts, me.peer_id)

@@ -16,20 +16,21 @@ from __future__ import annotations
 import logging
 import math
 
+import numpy as np
 import trio
 
 from peer import Peer, PeerUnavailableError, RemoteError
 from protocol.address import Address
-from protocol.codecs import Codec, NonFiniteError
+from protocol.codecs import Codec, Int8Codec, NoneCodec, NonFiniteError
 from protocol.errors import ProtocolError, RemoteProtocolError
 
 from .buffers import BufferPool
 from .config import AveragerConfig
 from .feedback import ErrorFeedback
 from .layout import FlatVector, Float32Array, chunk_count, chunk_span
-from .messages import ChunkHeader, ResultHeader
+from .messages import ChunkHeader, ResultHeader, raw_flag
 from .plan import Liveness, Plan
-from .reducer import DropReason, all_finite
+from .reducer import DropReason, all_finite, copy_finite, decode_raw
 from .reducing import ReducerService
 from .report import PartReport, part_status
 
@@ -65,6 +66,7 @@ class Butterfly:
         self.pool = pool
         self.feedback = feedback  # topk: we send flat (values + residual) and note the blobs
         self.reports: dict[int, PartReport] = {}
+        self.held: dict[int, list[bytes | memoryview]] = {}  # see _download and commit
         remote = max(1, len(plan.reducers) - (service is not None))
         self.per_part_inflight = max(1, math.ceil(config.max_inflight / remote))
         self._downloads = trio.Semaphore(config.max_downloads)
@@ -128,7 +130,7 @@ class Butterfly:
     async def _upload(self, index: int, address: Address, encoded: trio.Event) -> None:
         """Send our values of part ``index``; stops early when the reducer is gone or has
         dropped us (what it did with them, its result header will say). Sets ``encoded``
-        once the flat vector's span is no longer read (every blob is a copy)."""
+        once the flat vector's span is no longer read (blobs are copies, or views of tensors)."""
         try:
             await self._send_part(index, address, encoded)
         finally:
@@ -142,15 +144,15 @@ class Butterfly:
         assert me is not None
         progress = [trio.current_time()]
         slots = trio.Semaphore(self.per_part_inflight)
-        check_finite = self.codec.name in ("none", "float16")
+        zero_copy = isinstance(self.codec, NoneCodec)
         pool = self.pool
 
         async def send(
-            body: dict[str, object], buffer: bytearray, size: int, scope: trio.CancelScope
-        ) -> None:
+            body: dict[str, object], buffer: bytearray | None, payload: memoryview,
+            scope: trio.CancelScope,
+        ) -> None:  # fmt: skip
             answered = False
             try:
-                payload = memoryview(buffer)[:size]
                 await self.node.rpc.call(address, f"{self.methods}.chunk", body, payload)
                 answered = True
                 progress[0] = trio.current_time()
@@ -162,7 +164,7 @@ class Butterfly:
                 self.liveness.mark(reducer, DropReason.DEAD)
                 scope.cancel()
             finally:
-                if answered:  # the peer read it all: the buffer is free again
+                if answered and buffer is not None:  # the peer read it all: free again
                     pool.give(buffer)
                 slots.release()
 
@@ -176,24 +178,35 @@ class Butterfly:
                         values = self.flat.source(start + a, start + b)
                     else:
                         values = self.flat.array[start + a : start + b]
-                    header = ChunkHeader(self.plan.round, index, chunk, me.epoch, me.weight)
+                    # the none codec sends a tensor's values as they are (no copy), unless
+                    # they sit in the flat vector, which results overwrite. NaN/Inf: int8
+                    # and topk refuse to encode them (we withdraw); none and float16 carry
+                    # them, and the reducer, which checks every chunk anyway, drops us.
+                    raw = zero_copy and not np.may_share_memory(values, self.flat.array)
+                    header = ChunkHeader(
+                        self.plan.round, index, chunk, me.epoch, me.weight, raw=raw
+                    )
                     await slots.acquire()  # released by send() when its call is over
-                    buffer = pool.take(self.codec.encoded_size(b - a))
+                    buffer = None if raw else pool.take(self.codec.encoded_size(b - a))
                     try:
-                        if check_finite and not all_finite(values, self._zeros[: b - a]):
-                            raise NonFiniteError("NaN or infinity")
-                        size = self.codec.encode_into(values, buffer)
+                        if buffer is None:
+                            payload = memoryview(values).cast("B")  # type: ignore[arg-type]
+                        else:
+                            payload = memoryview(buffer)[: self.codec.encode_into(values, buffer)]
                     except NonFiniteError:  # withdraw from the part instead
-                        pool.give(buffer)
+                        if buffer is not None:
+                            pool.give(buffer)
                         abort = ChunkHeader(
                             self.plan.round, index, chunk, me.epoch, me.weight, DropReason.NONFINITE
                         )
                         body = abort.to_body()
-                        senders.start_soon(send, body, bytearray(), 0, senders.cancel_scope)
+                        senders.start_soon(send, body, None, memoryview(b""), senders.cancel_scope)
                         break
                     if self.feedback is not None:
-                        self.feedback.record(index, start + a, bytes(buffer[:size]))
-                    senders.start_soon(send, header.to_body(), buffer, size, senders.cancel_scope)
+                        self.feedback.record(index, start + a, bytes(payload))
+                    senders.start_soon(
+                        send, header.to_body(), buffer, payload, senders.cancel_scope
+                    )
                 encoded.set()
             outer.cancel_scope.cancel()
 
@@ -208,6 +221,11 @@ class Butterfly:
         progress = [trio.current_time()]
         header: ResultHeader | None = None
         received = False
+        # int8 results that one float32 tensor will hold are checked now, kept (a quarter
+        # of the floats' size) and decoded straight into the tensor by commit(): no pass
+        # through the flat vector
+        defer = isinstance(self.codec, Int8Codec) and self.flat.view(start, stop) is not None
+        held: list[bytes | memoryview] | None = [] if defer else None
         note = "the reducer did not answer in time"
         async with self._downloads, trio.open_nursery() as nursery:
             nursery.start_soon(
@@ -232,14 +250,18 @@ class Butterfly:
                         if item.body.get("chunk") != chunk or chunk >= header.chunks:
                             raise RemoteProtocolError("result chunks out of order")
                         a, b = chunk_span(length, self.config.chunk_elements, chunk)
-                        target = self.flat.array[start + a : start + b]
-                        self.codec.decode_into(item.payload, target)
-                        if not all_finite(target, self._zeros[: b - a]):
-                            raise RemoteProtocolError("the reducer sent non-finite values")
+                        if held is not None:
+                            if self.codec.validate(item.payload).n_elements != b - a:
+                                raise RemoteProtocolError("a result chunk of the wrong size")
+                            held.append(item.payload)
+                        else:
+                            self._take(item.body, item.payload, start + a, start + b)
                     if header is None:
                         raise RemoteProtocolError("empty result stream")
                     received = header.weight > 0 and chunk + 1 == header.chunks
                     note = "" if received else "the reducer had no contributions"
+                    if received and held is not None:
+                        self.held[index] = held
             except RemoteError as exc:
                 note = f"the reducer refused: {exc}"
             except PeerUnavailableError as exc:
@@ -252,6 +274,37 @@ class Butterfly:
         if not received and reducer in self.liveness.bad:
             note = f"the reducer is {self.liveness.bad[reducer]}"
         return header, received, note
+
+    def _take(
+        self, body: dict[str, object], payload: bytes | memoryview, start: int, stop: int
+    ) -> None:
+        """Decode one result chunk into ``flat[start:stop]``.
+
+        Raises:
+            RemoteProtocolError: undecodable, of the wrong size, or not finite.
+        """
+        target = self.flat.array[start:stop]
+        if raw_flag(body) and self.codec.name == "none":
+            finite = copy_finite(target, decode_raw(payload, stop - start), self._zeros)
+        else:
+            self.codec.decode_into(payload, target)
+            finite = self.codec.finite_output or all_finite(target, self._zeros[: stop - start])
+        if not finite:
+            raise RemoteProtocolError("the reducer sent non-finite values")
+
+    def commit(self, index: int) -> bool:
+        """Decode part ``index``'s kept results into the tensors; False if none were kept
+        (the part was decoded into the flat vector: store it from there)."""
+        held = self.held.pop(index, None)
+        if held is None:
+            return False
+        start, stop = self.plan.spans[index]
+        view = self.flat.view(start, stop)
+        assert view is not None
+        for chunk, blob in enumerate(held):
+            a, b = chunk_span(stop - start, self.config.chunk_elements, chunk)
+            self.codec.decode_into(blob, view[a:b])
+        return True
 
     def _check_header(self, header: ResultHeader, expected_chunks: int) -> None:
         group = set(self.plan.group)

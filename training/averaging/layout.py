@@ -116,14 +116,21 @@ class FlatVector:
     def source(self, start: int, stop: int) -> Float32Array:
         """The tensors' values of ``flat[start:stop]``, to read: a view of the tensor when one
         float32 tensor holds them all (no copy), else loaded into the buffer."""
+        view = self.view(start, stop)
+        if view is not None:
+            return view
+        self.load_span((start, stop))
+        return self.array[start:stop]
+
+    def view(self, start: int, stop: int) -> Float32Array | None:
+        """A view of the one float32 tensor that holds ``flat[start:stop]``, else None."""
         for i, lo, hi in self._pieces((start, stop)):
             view = self._views[i]
             if view is not None and (lo, hi) == (start, stop):
                 t_start = self.offsets[i]
                 return view[lo - t_start : hi - t_start]
             break
-        self.load_span((start, stop))
-        return self.array[start:stop]
+        return None
 
     def _pieces(self, span: Span) -> list[tuple[int, int, int]]:
         """``(tensor index, start, stop)`` of each tensor's share of ``span`` (flat indices)."""

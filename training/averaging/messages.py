@@ -5,6 +5,10 @@ Methods (``{m}`` = ``avg.<hash of the prefix>``, so several averagers share a no
     {m}.join     member -> leader    {round, decl}  ->  GroupConfirmation | refusal
     {m}.chunk    sender -> reducer   ChunkHeader + payload (one codec blob)  ->  {}
     {m}.result   member -> reducer   {round, part}  =>  ResultHeader, then {chunk} + payload
+
+With the ``none`` codec a payload may be *raw* (``"raw": true`` in the chunk's body or the
+result item's): the chunk's float32 values, little-endian, without the codec blob header,
+so that they are sent straight from the tensor without a copy.
     {m}.ping     anyone -> anyone    {}  ->  {}
 
 Anything malformed raises :class:`~protocol.errors.RemoteProtocolError`.
@@ -128,6 +132,18 @@ class GroupConfirmation:
         return cls(_int(body, "round"), tuple(members), tuple(spans), float(budget))
 
 
+def raw_flag(body: Mapping[str, Any]) -> bool:
+    """The optional ``raw`` field of a chunk or a result item (absent: False).
+
+    Raises:
+        RemoteProtocolError: if it is present and not a bool.
+    """
+    raw = body.get("raw", False)
+    if type(raw) is not bool:
+        raise RemoteProtocolError("field 'raw' must be a bool")
+    return raw
+
+
 @dataclass(frozen=True, slots=True)
 class ChunkHeader:
     """One chunk of a sender's part, or (``abort`` set) the sender withdrawing from it."""
@@ -138,6 +154,7 @@ class ChunkHeader:
     epoch: int
     weight: float
     abort: DropReason | None = None
+    raw: bool = False  # the payload is raw float32 values (codec none), not a codec blob
 
     def to_body(self) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -149,6 +166,8 @@ class ChunkHeader:
         }
         if self.abort is not None:
             body["abort"] = self.abort.value
+        if self.raw:
+            body["raw"] = True
         return body
 
     @classmethod
@@ -172,6 +191,7 @@ class ChunkHeader:
             _int(body, "epoch"),
             float(weight),
             reason,
+            raw_flag(body),
         )
 
 

@@ -26,7 +26,7 @@ import numpy as np
 import torch
 
 from protocol.codecs import Codec, NoneCodec
-from protocol.errors import ProtocolError
+from protocol.errors import ProtocolError, RemoteProtocolError
 from protocol.identity import PeerID
 
 from .layout import Float32Array, chunk_count, chunk_span
@@ -60,7 +60,7 @@ class _Sender:
         self.weight = weight  # effective (staleness-decayed)
         self.epoch = epoch
         self.received = bytearray(n_chunks)
-        self.retained: list[tuple[int, bytes | memoryview]] = []
+        self.retained: list[tuple[int, bytes | memoryview, bool]] = []  # (chunk, blob, raw)
         self.retained_bytes = 0
         self.done = False
         self.reason: DropReason | None = None
@@ -100,6 +100,23 @@ def all_finite(values: Float32Array, zeros: Float32Array) -> bool:
         return bool(np.isfinite(np.dot(values, zeros)))
 
 
+PIECE = 1 << 16
+"""Elements per piece of :func:`copy_finite` (256 KiB: still in cache for the second pass)."""
+
+
+def copy_finite(dst: Float32Array, src: Float32Array, zeros: Float32Array) -> bool:
+    """``dst[...] = src``, and whether ``src`` holds no NaN or infinity: each piece is
+    checked right after its copy, while in cache (one pass over memory instead of two).
+    ``zeros`` is a zero array (pieces are at most its length)."""
+    finite = True
+    step = max(1, min(PIECE, len(zeros)))
+    for i in range(0, len(src), step):
+        piece = dst[i : i + step]
+        np.copyto(piece, src[i : i + step])
+        finite = finite and all_finite(piece, zeros[: len(piece)])
+    return finite
+
+
 def effective_weights(
     members: Iterable[Member], max_staleness: int, decay: float
 ) -> dict[PeerID, float | None]:
@@ -131,6 +148,7 @@ class PartReducer:
         acc: Float32Array,
         scratch: Float32Array,
         local: PeerID | None = None,
+        local_values: Float32Array | None = None,
     ) -> None:
         self.length = length
         self.chunk_elements = chunk_elements
@@ -152,7 +170,8 @@ class PartReducer:
                 sender.done = True
             self.senders[peer_id] = sender
         self.finalized = False
-        self._start(local)
+        self._mean: Float32Array = acc[:length]
+        self._start(local, local_values)
 
     # -- state ---------------------------------------------------------------------------
 
@@ -173,17 +192,22 @@ class PartReducer:
 
     # -- contributions -------------------------------------------------------------------
 
-    def _start(self, local: PeerID | None) -> None:
-        """``acc`` holds ``local``'s values (the reducer's own): weigh them in place, or
-        start from zero when there are none, or they are stale or not finite."""
+    def _start(self, local: PeerID | None, local_values: Float32Array | None) -> None:
+        """``acc`` holds ``local``'s values (the reducer's own), or gets them from
+        ``local_values``: weigh them in place, or start from zero when there are none, or
+        they are stale or not finite."""
         sender = None if local is None else self.senders.get(local)
         if sender is not None and sender.reason is None:
             values = self._acc.numpy()
-            step = max(len(self._zeros), 1)
-            if all(
-                all_finite(values[i : i + step], self._zeros[: len(values[i : i + step])])
-                for i in range(0, self.length, step)
-            ):
+            if local_values is not None:
+                finite = copy_finite(values, local_values, self._zeros)
+            else:
+                step = max(len(self._zeros), 1)
+                finite = all(
+                    all_finite(values[i : i + step], self._zeros[: len(values[i : i + step])])
+                    for i in range(0, self.length, step)
+                )
+            if finite:
                 if sender.weight != 1.0:
                     self._acc.mul_(sender.weight)
                 sender.received[:] = b"\x01" * self.n_chunks
@@ -193,11 +217,19 @@ class PartReducer:
         self._acc.zero_()
 
     def add_chunk(
-        self, peer_id: PeerID, index: int, epoch: int, weight: float, blob: bytes | memoryview
+        self,
+        peer_id: PeerID,
+        index: int,
+        epoch: int,
+        weight: float,
+        blob: bytes | memoryview,
+        raw: bool = False,
     ) -> bool:
         """Decode and add one chunk; True when it completed the sender's part.
 
         ``blob`` is kept (not copied) until the part is complete: pass an owned buffer.
+        ``raw``: ``blob`` is the chunk's float32 values without a codec header (only with
+        the ``none`` codec).
 
         Raises:
             ChunkRejected: the chunk is refused and the sender was dropped for this part
@@ -214,15 +246,15 @@ class PartReducer:
             if sender.received[index]:
                 raise ChunkRejected(DropReason.GARBAGE, f"chunk {index} sent twice")
             start, stop = chunk_span(self.length, self.chunk_elements, index)
-            values = self._decode(blob, stop - start)
-            if not all_finite(values, self._zeros[: stop - start]):
+            values = self._decode(blob, stop - start, raw)
+            if not self.codec.finite_output and not all_finite(values, self._zeros[: stop - start]):
                 raise ChunkRejected(DropReason.NONFINITE, f"chunk {index} is not finite")
         except ChunkRejected as exc:
             self.drop(peer_id, exc.reason)
             raise
         self._acc[start:stop].add_(as_tensor(values), alpha=sender.weight)
         sender.received[index] = 1
-        sender.retained.append((index, blob))
+        sender.retained.append((index, blob, raw))
         sender.retained_bytes += len(blob)
         if all(sender.received):
             sender.done = True
@@ -237,30 +269,35 @@ class PartReducer:
         if sender is None or sender.done or sender.reason is not None or self.finalized:
             return
         sender.reason = reason
-        for index, blob in sender.retained:
+        for index, blob, raw in sender.retained:
             start, stop = chunk_span(self.length, self.chunk_elements, index)
-            values = self._decode(blob, stop - start)
+            values = self._decode(blob, stop - start, raw)
             self._acc[start:stop].sub_(as_tensor(values), alpha=sender.weight)
         sender.retained.clear()
         sender.retained_bytes = 0
 
-    def finalize(self, reasons: Mapping[PeerID, DropReason]) -> PartOutcome:
+    def finalize(
+        self, reasons: Mapping[PeerID, DropReason], out: Float32Array | None = None
+    ) -> PartOutcome:
         """Drop every sender still pending (with ``reasons[p]``, default ``timeout``), then
-        turn the sum into the mean in place; see :meth:`mean`."""
+        turn the sum into the mean, in place or (given ``out``, and only when there were
+        contributions) into ``out``; see :meth:`mean`."""
         for peer_id in self.pending():
             self.drop(peer_id, reasons.get(peer_id, DropReason.TIMEOUT))
         self.finalized = True
         contributors = tuple(p for p, s in self.senders.items() if s.done and s.reason is None)
         dropped = tuple((p, s.reason) for p, s in self.senders.items() if s.reason is not None)
         weight = float(sum(self.senders[p].weight for p in contributors))
-        if weight > 0:
+        if weight > 0 and out is not None:
+            torch.div(self._acc, weight, out=torch.from_numpy(out))
+            self._mean = out
+        elif weight > 0:
             self._acc.div_(weight)
         return PartOutcome(contributors, dropped, weight)
 
     def mean(self) -> Float32Array:
-        """The part's values after :meth:`finalize` (a view of the caller's ``acc``)."""
-        values: Float32Array = self._acc.numpy()
-        return values
+        """The part's values after :meth:`finalize` (a view of ``acc``, or ``out``)."""
+        return self._mean
 
     # -- helpers -------------------------------------------------------------------------
 
@@ -270,13 +307,29 @@ class PartReducer:
             raise KeyError(peer_id)
         return sender
 
-    def _decode(self, blob: bytes | memoryview, count: int) -> Float32Array:
+    def _decode(self, blob: bytes | memoryview, count: int, raw: bool = False) -> Float32Array:
         try:
-            if isinstance(self.codec, NoneCodec):
-                values: Float32Array = self.codec.decode(blob).reshape(-1)
+            if raw and self.codec.name != "none":
+                raise ChunkRejected(DropReason.GARBAGE, "raw values need the none codec")
+            if raw or isinstance(self.codec, NoneCodec):
+                values = decode_raw(blob, count) if raw else self.codec.decode(blob).reshape(-1)
                 if values.size != count:
                     raise ChunkRejected(DropReason.GARBAGE, f"{values.size} values, not {count}")
                 return values
             return self.codec.decode_into(blob, self._scratch[:count])
         except ProtocolError as exc:
             raise ChunkRejected(DropReason.GARBAGE, str(exc)) from None
+
+
+def decode_raw(payload: bytes | memoryview, count: int) -> Float32Array:
+    """A read-only float32 view of a raw payload (``count`` values, little-endian).
+
+    Raises:
+        RemoteProtocolError: if the payload is not exactly ``4 * count`` bytes.
+    """
+    if memoryview(payload).nbytes != 4 * count:
+        raise RemoteProtocolError(
+            f"raw payload of {memoryview(payload).nbytes} bytes, not {count} values"
+        )
+    values: Float32Array = np.frombuffer(payload, dtype="<f4", count=count)
+    return values

@@ -57,6 +57,10 @@ class ReducerService:
         start, stop = self.span
         length = stop - start
         members = [Member(m.peer_id, m.weight, m.epoch) for m in plan.members]
+        # When one float32 tensor holds our span, our values are loaded from it as the sum
+        # starts, and the mean goes straight back into it (no copy afterwards: ``in_place``).
+        self.target = None if isinstance(codec, TopKCodec) else flat.view(start, stop)
+        self.in_place = False
         # The sum builds up in place, in our own span of the flat vector (it holds our values;
         # the tensors keep them too, for when the round fails).
         self.reducer = PartReducer(
@@ -70,6 +74,7 @@ class ReducerService:
             acc=flat.array[start:stop],
             scratch=scratch,
             local=plan.me,
+            local_values=self.target,
         )
         chunks = self.reducer.n_chunks
         self.part_bytes = sum(
@@ -92,6 +97,7 @@ class ReducerService:
         self.outcome: PartOutcome | None = None
         self.header: ResultHeader | None = None
         self.blobs: list[bytes | memoryview] = []
+        self.raw = isinstance(codec, NoneCodec)  # results are raw views of the mean
         self.ready = trio.Event()
         self.downloaded: set[PeerID] = set()
         self.last_download = trio.current_time()
@@ -121,7 +127,9 @@ class ReducerService:
         await self._admit(sender)
         self._check_pending(sender)
         try:
-            complete = reducer.add_chunk(sender, header.chunk, header.epoch, header.weight, payload)
+            complete = reducer.add_chunk(
+                sender, header.chunk, header.epoch, header.weight, payload, header.raw
+            )
         except ChunkRejected as exc:
             logger.debug("round %d: dropping %s: %s", self.plan.round, sender.short(), exc)
             self._after_drop(sender)
@@ -186,7 +194,7 @@ class ReducerService:
                 if self.reducer.pending():
                     await self._watch_once()
         reasons = {p: self.liveness.bad.get(p, DropReason.TIMEOUT) for p in self.reducer.pending()}
-        outcome = self.reducer.finalize(reasons)
+        outcome = self.reducer.finalize(reasons, self.target if self.raw else None)
         for sender in list(self._admitted):
             self._release(sender)
         return self._publish(outcome)
@@ -255,6 +263,7 @@ class ReducerService:
                 blobs = []
         self.outcome = outcome
         self.blobs = blobs
+        self.in_place = self.target is not None and outcome.weight > 0
         self.header = ResultHeader(
             outcome.contributors, outcome.dropped, outcome.weight, len(blobs)
         )
@@ -263,23 +272,32 @@ class ReducerService:
         return outcome
 
     def _dense_results(self, mean: Float32Array) -> list[memoryview]:
-        """Every chunk of the mean encoded; what the others decode is written back into
-        ``mean``. The blobs are slices of one buffer, reused next round once unreferenced.
+        """Every chunk of the mean encoded; what the others decode is written back (into
+        our tensor when ``target`` is set, else into ``mean``). The blobs are slices of one
+        buffer, reused next round once unreferenced. With the none codec they are a raw
+        copy of ``mean`` (no codec header): a result item may still sit in a slow member's
+        outbox after our step returned and the caller changed its tensors, so the items
+        must not be views of them.
 
         Raises:
-            NonFiniteError: the mean overflowed (a codec that refuses infinity).
+            NonFiniteError: the mean overflowed (a codec that refuses infinity); nothing
+                was written back then.
         """
+        n = self.reducer.n_chunks
+        spans = [chunk_span(len(mean), self.config.chunk_elements, i) for i in range(n)]
         view = memoryview(self._results.get(self.part_bytes))
+        if self.raw:
+            np.copyto(np.frombuffer(view, dtype=np.float32, count=len(mean)), mean)
+            return [view[4 * a : 4 * b] for a, b in spans]
         blobs = []
         offset = 0
-        for index in range(self.reducer.n_chunks):
-            a, b = chunk_span(len(mean), self.config.chunk_elements, index)
+        for a, b in spans:  # all encoded (or refused) before anything is written back
             size = self.codec.encode_into(mean[a:b], view[offset:])
-            blob = view[offset : offset + size]
+            blobs.append(view[offset : offset + size])
             offset += size
-            blobs.append(blob)
-            if not isinstance(self.codec, NoneCodec):  # hold what the others decode
-                self.codec.decode_into(blob, mean[a:b])
+        out = mean if self.target is None else self.target
+        for (a, b), blob in zip(spans, blobs, strict=True):
+            self.codec.decode_into(blob, out[a:b])
         return blobs
 
     def _sparse_results(self, mean: Float32Array) -> list[bytes]:
@@ -311,7 +329,7 @@ class ReducerService:
         self.last_download = trio.current_time()
         yield Reply(self.header.to_body())
         for index, blob in enumerate(self.blobs):
-            yield Reply({"chunk": index}, blob)
+            yield Reply({"chunk": index, "raw": True} if self.raw else {"chunk": index}, blob)
             self.last_download = trio.current_time()
         self.downloaded.add(member)
         self._notify()

@@ -1,0 +1,125 @@
+"""The averager's fast paths: torch casts, raw (uncopied) float32 payloads, fused copies."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from protocol.codecs import get_codec
+from protocol.errors import RemoteProtocolError
+from protocol.identity import Identity, PeerID
+from training.averaging.casts import TORCH_CASTS
+from training.averaging.layout import FlatVector, as_tensors
+from training.averaging.messages import ChunkHeader
+from training.averaging.reducer import (
+    ChunkRejected,
+    DropReason,
+    Member,
+    PartReducer,
+    copy_finite,
+    decode_raw,
+)
+
+
+def peer(i: int) -> PeerID:
+    return Identity.from_seed(bytes([i + 1]) * 32).peer_id
+
+
+def test_torch_casts_match_numpy() -> None:
+    rng = np.random.default_rng(0)
+    bits = rng.integers(0, 1 << 32, 1 << 20, dtype=np.uint64).astype(np.uint32)
+    x = np.concatenate([bits.view(np.float32), np.float32([65504, 65520, -7e4, 1e-8, 6e-8])])
+    x = x[~np.isnan(x)]  # NaN stays NaN, its payload may differ
+    fast, slow = get_codec("float16"), get_codec("float16")
+    fast.casts = TORCH_CASTS
+    assert fast.encode(x) == slow.encode(x)
+    halves = np.arange(1 << 16, dtype=np.uint32).astype(np.uint16).view(np.float16)
+    blob = slow.encode(halves)
+    np.testing.assert_array_equal(fast.decode(blob), slow.decode(blob))  # NaN == NaN here
+    fast8, slow8 = get_codec("int8"), get_codec("int8")
+    fast8.casts = TORCH_CASTS
+    y = rng.standard_normal(10_000).astype(np.float32)
+    blob = slow8.encode(y)
+    assert fast8.encode(y) == blob
+    np.testing.assert_array_equal(fast8.decode(blob), slow8.decode(blob))
+
+
+def test_copy_finite_checks_every_piece() -> None:
+    src = np.arange(200_000, dtype=np.float32)
+    dst = np.empty_like(src)
+    zeros = np.zeros(1000, np.float32)
+    assert copy_finite(dst, src, zeros)
+    np.testing.assert_array_equal(dst, src)
+    src[150_000] = np.inf
+    assert not copy_finite(dst, src, zeros)
+    assert not copy_finite(dst[:1], np.float32([np.nan]), zeros)
+
+
+def test_raw_chunk_header_and_payload() -> None:
+    head = ChunkHeader(9, 1, 3, 7, 2.0, raw=True)
+    assert head.to_body()["raw"] is True
+    assert ChunkHeader.from_body(head.to_body()) == head
+    assert "raw" not in ChunkHeader(9, 1, 3, 7, 2.0).to_body()
+    with pytest.raises(RemoteProtocolError):
+        ChunkHeader.from_body({**head.to_body(), "raw": 1})
+    values = np.float32([1, 2, 3])
+    np.testing.assert_array_equal(decode_raw(values.tobytes(), 3), values)
+    with pytest.raises(RemoteProtocolError):
+        decode_raw(values.tobytes(), 2)
+
+
+def reducer_for(codec: str, local: np.ndarray, target: np.ndarray | None = None) -> PartReducer:
+    members = [Member(peer(i), 1.0 + i, 0) for i in range(3)]
+    acc = np.empty(len(local), np.float32)
+    if target is None:
+        acc[:] = local
+    return PartReducer(
+        length=len(local),
+        chunk_elements=8,
+        codec=get_codec(codec),
+        members=members,
+        senders=[m.peer_id for m in members],
+        max_staleness=2,
+        decay=0.5,
+        acc=acc,
+        scratch=np.empty(8, np.float32),
+        local=peer(0),
+        local_values=target,
+    )
+
+
+def test_reducer_takes_raw_chunks_with_the_none_codec_only() -> None:
+    rng = np.random.default_rng(1)
+    data = [rng.standard_normal(16).astype(np.float32) for _ in range(3)]
+    tensor = data[0].copy()
+    reducer = reducer_for("none", data[0], target=tensor)  # loads our values from tensor
+    for chunk in range(2):
+        raw = data[1][8 * chunk : 8 * chunk + 8].tobytes()
+        reducer.add_chunk(peer(1), chunk, 0, 2.0, raw, raw=True)
+    with pytest.raises(ChunkRejected):  # 7 values, not 8
+        reducer.add_chunk(peer(2), 0, 0, 3.0, data[2][:7].tobytes(), raw=True)
+    out = np.empty(16, np.float32)
+    outcome = reducer.finalize({}, out)
+    assert outcome.contributors == (peer(0), peer(1))
+    assert outcome.dropped == ((peer(2), DropReason.GARBAGE),)
+    np.testing.assert_allclose(out, (data[0] + 2 * data[1]) / 3, rtol=1e-6)
+    assert reducer.mean() is out
+    np.testing.assert_array_equal(tensor, data[0])  # read, never written
+    int8 = reducer_for("int8", data[0])
+    with pytest.raises(ChunkRejected, match="none codec"):
+        int8.add_chunk(peer(1), 0, 0, 2.0, data[1][:8].tobytes(), raw=True)
+
+
+def test_reducer_drops_nonfinite_local_values_loaded_from_a_tensor() -> None:
+    local = np.float32([1, 2, np.nan, 4])
+    reducer = reducer_for("none", local, target=local)
+    assert reducer.reason(peer(0)) is DropReason.NONFINITE
+
+
+def test_flat_vector_views_only_single_float32_tensors() -> None:
+    a, b = np.arange(6, dtype=np.float32), np.arange(4, dtype=np.float64)
+    flat = FlatVector(as_tensors([a, b]))
+    view = flat.view(1, 5)
+    assert view is not None and np.shares_memory(view, a)
+    assert flat.view(4, 8) is None  # spans two tensors
+    assert flat.view(6, 8) is None  # float64: converted through the flat vector

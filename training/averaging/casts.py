@@ -1,0 +1,28 @@
+"""torch-backed bulk conversions for the codecs (``protocol.codecs.casts``).
+
+torch converts float32 to float16 with a vectorized loop, ~20x faster here than numpy (which
+converts one scalar at a time); float16 and int8 to float32 ~3x and ~2x faster. The results
+equal numpy's for every finite and infinite value (NaN stays NaN; torch quiets signalling
+NaNs). The averager installs them on its codec instance.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy.typing as npt
+import torch
+
+from protocol.codecs.casts import Casts
+
+from .reducer import as_tensor
+
+__all__ = ["TORCH_CASTS"]
+
+
+def _torch_cast(src: npt.NDArray[Any], dst: npt.NDArray[Any]) -> None:
+    torch.from_numpy(dst).copy_(as_tensor(src))
+
+
+TORCH_CASTS = Casts(to_half=_torch_cast, to_float=_torch_cast)
+"""Conversions through torch's vectorized copy kernels."""
