@@ -5,11 +5,11 @@ Methods (``{m}`` = ``avg.<hash of the prefix>``, so several averagers share a no
     {m}.join     member -> leader    {round, decl}  ->  GroupConfirmation | refusal
     {m}.chunk    sender -> reducer   ChunkHeader + payload (one codec blob)  ->  {}
     {m}.result   member -> reducer   {round, part}  =>  ResultHeader, then {chunk} + payload
+    {m}.ping     anyone -> anyone    {}  ->  {}
 
 With the ``none`` codec a payload may be *raw* (``"raw": true`` in the chunk's body or the
 result item's): the chunk's float32 values, little-endian, without the codec blob header,
 so that they are sent straight from the tensor without a copy.
-    {m}.ping     anyone -> anyone    {}  ->  {}
 
 Anything malformed raises :class:`~protocol.errors.RemoteProtocolError`.
 """
