@@ -116,6 +116,57 @@ def test_reducer_drops_nonfinite_local_values_loaded_from_a_tensor() -> None:
     assert reducer.reason(peer(0)) is DropReason.NONFINITE
 
 
+def deferred_reducer(local: np.ndarray, acc: np.ndarray, weight: float = 1.0) -> PartReducer:
+    members = [Member(peer(0), weight, 0), Member(peer(1), 1.0, 0)]
+    return PartReducer(
+        length=len(local),
+        chunk_elements=4,
+        codec=get_codec("none"),
+        members=members,
+        senders=[m.peer_id for m in members],
+        max_staleness=2,
+        decay=0.5,
+        acc=acc,
+        scratch=np.empty(4, np.float32),
+        local=peer(0),
+        local_values=local,
+        defer_load=True,
+    )
+
+
+def test_reducer_loads_its_own_values_in_steps_when_deferred() -> None:
+    local = np.arange(10, dtype=np.float32)
+    other = np.ones(10, dtype=np.float32)
+    acc = np.full(10, np.nan, np.float32)
+    reducer = deferred_reducer(local, acc, weight=3.0)
+    with pytest.raises(RuntimeError):  # nothing is added before our values are in
+        reducer.add_chunk(peer(1), 0, 0, 1.0, other[:4].tobytes(), raw=True)
+    with pytest.raises(RuntimeError):
+        reducer.finalize({})
+    assert reducer.pending() == [peer(0), peer(1)]
+    steps = reducer.load_steps()
+    next(steps)  # one chunk (4 values) loaded and weighed, the rest untouched
+    np.testing.assert_array_equal(acc[:4], 3 * local[:4])
+    assert np.isnan(acc[4:]).all() and not reducer.loaded
+    assert sum(1 for _ in steps) == 1  # three pieces: a pause after each but the last
+    assert reducer.loaded and reducer.pending() == [peer(1)]
+    for chunk, (a, b) in enumerate([(0, 4), (4, 8), (8, 10)]):
+        reducer.add_chunk(peer(1), chunk, 0, 1.0, other[a:b].tobytes(), raw=True)
+    outcome = reducer.finalize({})
+    assert outcome.contributors == (peer(0), peer(1)) and outcome.weight == 4.0
+    np.testing.assert_allclose(reducer.mean(), (3 * local + other) / 4)
+
+
+def test_reducer_drops_own_values_not_finite_in_a_later_piece() -> None:
+    local = np.float32([1, 2, 3, 4, 5, np.inf, 7])
+    acc = np.empty(7, np.float32)
+    reducer = deferred_reducer(local, acc, weight=2.0)
+    assert sum(1 for _ in reducer.load_steps()) == 1  # stops at the bad piece
+    assert reducer.loaded and reducer.reason(peer(0)) is DropReason.NONFINITE
+    np.testing.assert_array_equal(acc, np.zeros(7, np.float32))  # the sum starts from zero
+    assert list(reducer.load_steps()) == []  # loads once
+
+
 def test_flat_vector_views_only_single_float32_tensors() -> None:
     a, b = np.arange(6, dtype=np.float32), np.arange(4, dtype=np.float64)
     flat = FlatVector(as_tensors([a, b]))

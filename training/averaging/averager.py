@@ -244,10 +244,7 @@ class Averager:
                 # non-finite values: the reducer drops our own values as such
                 with contextlib.suppress(NonFiniteError):
                     feedback.sparsify_own(plan.my_part, self.flat.array[start:stop], start)
-        elif plan.my_part is not None and self.flat.view(*plan.spans[plan.my_part]) is None:
-            # the reducer sums in place (it loads a single tensor's span itself, checking
-            # as it copies); uploads read the tensors
-            self.flat.load_span(plan.spans[plan.my_part])
+        # otherwise the reducer loads our part itself once the uploads are under way
         deadline = min(deadline, t1 + conf.budget)
         cutoff = t1 + (deadline - t1) * (1 - self.config.result_share)
         liveness = Liveness(self.node, plan, f"{self._methods}.ping", self.config.stall_timeout / 2)

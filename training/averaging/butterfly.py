@@ -74,11 +74,11 @@ class Butterfly:
     async def run(self, cutoff: float, deadline: float) -> tuple[PartReport, ...]:
         with trio.move_on_at(deadline):
             async with trio.open_nursery() as nursery:
-                if self.service is not None:
-                    nursery.start_soon(self._reduce, cutoff)
                 for index, reducer in enumerate(self.plan.reducers):
                     if reducer.peer_id != self.plan.me:
                         nursery.start_soon(self._exchange, index)
+                if self.service is not None:  # it loads our part while the uploads start
+                    nursery.start_soon(self._reduce, cutoff)
         for index in range(len(self.plan.reducers)):
             if index not in self.reports:
                 self.reports[index] = self._report(index, None, False, "the deadline passed")
@@ -107,6 +107,7 @@ class Butterfly:
     async def _reduce(self, cutoff: float) -> None:
         assert self.service is not None
         part = self.service.part
+        await self.service.load()
         outcome = await self.service.reduce(cutoff)
         received = outcome.weight > 0
         self.reports[part] = self._report(part, self.service.header, received, "no contributions")

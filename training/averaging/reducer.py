@@ -18,7 +18,7 @@ No I/O and no clock here: the trio glue decides when a sender is frozen or dead.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -117,6 +117,15 @@ def copy_finite(dst: Float32Array, src: Float32Array, zeros: Float32Array) -> bo
     return finite
 
 
+def _pieces_finite(values: Float32Array, zeros: Float32Array) -> bool:
+    """True when ``values`` holds no NaN or infinity, checked ``len(zeros)`` at a time."""
+    step = max(len(zeros), 1)
+    return all(
+        all_finite(values[i : i + step], zeros[: len(values[i : i + step])])
+        for i in range(0, len(values), step)
+    )
+
+
 def effective_weights(
     members: Iterable[Member], max_staleness: int, decay: float
 ) -> dict[PeerID, float | None]:
@@ -149,6 +158,7 @@ class PartReducer:
         scratch: Float32Array,
         local: PeerID | None = None,
         local_values: Float32Array | None = None,
+        defer_load: bool = False,
     ) -> None:
         self.length = length
         self.chunk_elements = chunk_elements
@@ -171,7 +181,12 @@ class PartReducer:
             self.senders[peer_id] = sender
         self.finalized = False
         self._mean: Float32Array = acc[:length]
-        self._start(local, local_values)
+        self._local = local
+        self._local_values = local_values
+        self.loaded = False
+        if not defer_load:
+            for _ in self.load_steps():
+                pass
 
     # -- state ---------------------------------------------------------------------------
 
@@ -192,29 +207,40 @@ class PartReducer:
 
     # -- contributions -------------------------------------------------------------------
 
-    def _start(self, local: PeerID | None, local_values: Float32Array | None) -> None:
-        """``acc`` holds ``local``'s values (the reducer's own), or gets them from
-        ``local_values``: weigh them in place, or start from zero when there are none, or
-        they are stale or not finite."""
-        sender = None if local is None else self.senders.get(local)
+    def load_steps(self, step: int | None = None) -> Iterator[None]:
+        """Take in our own values (with ``defer_load``: before any chunk is added), yielding
+        after every ``step`` elements (default: a chunk) so that the caller can let other work
+        run in between. ``acc`` holds ``local``'s values (the reducer's own), or gets them from
+        ``local_values``: weighed in place; the sum starts from zero instead when there are
+        none, or they are stale or not finite."""
+        if self.loaded:
+            return
+        sender = None if self._local is None else self.senders.get(self._local)
         if sender is not None and sender.reason is None:
             values = self._acc.numpy()
-            if local_values is not None:
-                finite = copy_finite(values, local_values, self._zeros)
-            else:
-                step = max(len(self._zeros), 1)
-                finite = all(
-                    all_finite(values[i : i + step], self._zeros[: len(values[i : i + step])])
-                    for i in range(0, self.length, step)
-                )
-            if finite:
+            source = self._local_values
+            step = max(1, step or self.chunk_elements)
+            finite = True
+            for i in range(0, self.length, step):
+                piece = values[i : i + step]
+                if source is not None:
+                    finite = copy_finite(piece, source[i : i + step], self._zeros) and finite
+                else:
+                    finite = _pieces_finite(piece, self._zeros) and finite
+                if not finite:
+                    break
                 if sender.weight != 1.0:
-                    self._acc.mul_(sender.weight)
+                    self._acc[i : i + step].mul_(sender.weight)
+                if i + step < self.length:
+                    yield
+            if finite:
                 sender.received[:] = b"\x01" * self.n_chunks
                 sender.done = True
+                self.loaded = True
                 return
             sender.reason = DropReason.NONFINITE
         self._acc.zero_()
+        self.loaded = True
 
     def add_chunk(
         self,
@@ -235,7 +261,10 @@ class PartReducer:
             ChunkRejected: the chunk is refused and the sender was dropped for this part
                 (its earlier chunks already subtracted).
             KeyError: ``peer_id`` is not an expected, pending sender (nothing changes).
+            RuntimeError: before our own values were loaded (see :meth:`load_steps`).
         """
+        if not self.loaded:
+            raise RuntimeError("add_chunk before our own values were loaded (load_steps)")
         sender = self._expect(peer_id)
         member = self.members[peer_id]
         try:
@@ -281,7 +310,13 @@ class PartReducer:
     ) -> PartOutcome:
         """Drop every sender still pending (with ``reasons[p]``, default ``timeout``), then
         turn the sum into the mean, in place or (given ``out``, and only when there were
-        contributions) into ``out``; see :meth:`mean`."""
+        contributions) into ``out``; see :meth:`mean`.
+
+        Raises:
+            RuntimeError: before our own values were loaded (see :meth:`load_steps`).
+        """
+        if not self.loaded:
+            raise RuntimeError("finalize before our own values were loaded (load_steps)")
         for peer_id in self.pending():
             self.drop(peer_id, reasons.get(peer_id, DropReason.TIMEOUT))
         self.finalized = True

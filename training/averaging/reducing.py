@@ -75,7 +75,12 @@ class ReducerService:
             scratch=scratch,
             local=plan.me,
             local_values=self.target,
+            defer_load=True,  # see load(): after our uploads are under way
         )
+        # spans of several tensors (or other dtypes) are copied into the flat vector first;
+        # topk: the averager already put our sparsified values there
+        self._copy_in = self.target is None and not isinstance(codec, TopKCodec)
+        self.loaded = trio.Event()
         chunks = self.reducer.n_chunks
         self.part_bytes = sum(
             codec.encoded_size(
@@ -106,6 +111,19 @@ class ReducerService:
         self._changed.set()
         self._changed = trio.Event()
 
+    async def load(self) -> None:
+        """Load and check our own values of the part, a chunk at a time with checkpoints in
+        between (so that the uploads, started first, keep the link busy meanwhile); chunks
+        from others wait for it."""
+        try:
+            if self._copy_in:
+                self.flat.load_span(self.span)
+            for _ in self.reducer.load_steps():
+                await trio.lowlevel.checkpoint()
+        finally:  # cancelled (the round is over): waiting chunks are refused
+            self.loaded.set()
+            self._notify()
+
     # -- chunks in -----------------------------------------------------------------------
 
     async def on_chunk(
@@ -125,6 +143,9 @@ class ReducerService:
             return Reply({})
         self._check_pending(sender)
         await self._admit(sender)
+        await self.loaded.wait()
+        if not reducer.loaded:
+            raise RemoteError("dropped", DropReason.TIMEOUT.value)
         self._check_pending(sender)
         try:
             complete = reducer.add_chunk(
@@ -187,7 +208,8 @@ class ReducerService:
 
     async def reduce(self, cutoff: float) -> PartOutcome:
         """Reduce until every sender is in or out (or ``cutoff``), then publish the mean
-        (and write it into our own flat vector)."""
+        (and write it into our own flat vector). Call :meth:`load` first."""
+        await self.loaded.wait()
         with trio.move_on_at(cutoff):
             while self.reducer.pending():
                 self._drop_known_bad()
