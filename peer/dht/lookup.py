@@ -34,6 +34,9 @@ from protocol.identity import PeerID
 from protocol.messages import NodeInfo
 
 Query = Callable[[NodeInfo], Awaitable[Sequence[NodeInfo] | None]]
+_MIN_HEDGE_DELAY = 0.05
+"""Seconds: a very fast first answer (a neighbour on the LAN) must not make a get ask
+another node every few milliseconds while farther ones are still on their way."""
 
 
 class _Status(enum.Enum):
@@ -172,9 +175,9 @@ async def iterative_lookup(
     (queries in flight are cancelled), e.g. when a value was found. ``wanted()``, when
     given, caps the queries in flight at how many more answers could end the lookup (a get
     that needs two more holders keeps two in flight, not the converged lookup's k). Each
-    silence of twice the first answer's delay (at most ``hedge_after`` seconds, which is
-    also the wait before any answer) lifts that cap by one: a dead or frozen node among
-    those asked costs about two round trips, not its request's whole timeout.
+    silence of twice the first answer's delay (at least 50 ms, at most ``hedge_after``
+    seconds, which is also the wait before any answer) lifts that cap by one: a dead or
+    frozen node among those asked costs about two round trips, not its whole timeout.
 
     Raises:
         Exception: whatever ``query`` raises (a bug there, not a dead peer).
@@ -210,7 +213,8 @@ async def iterative_lookup(
                 continue
             node, answer = received
             if answer is not None and state.answers == 0 and wanted is not None:
-                hedge_delay = min(hedge_after, 2 * (trio.current_time() - start))
+                first = trio.current_time() - start
+                hedge_delay = min(hedge_after, max(2 * first, _MIN_HEDGE_DELAY))
             if answer is None:
                 state.on_failure(node)
             else:
