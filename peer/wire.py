@@ -88,7 +88,7 @@ class Outbox:
     def release(self) -> None:
         """The stream is free again; the writer takes over what was queued meanwhile."""
         self._busy = False
-        self._batch = []
+        self._batch.clear()
         if self._items:
             self._ready.unpark()
 

@@ -220,6 +220,24 @@ RAW_KEY = KEY.to_raw()
 NODE_BODY = NODE.to_body()
 
 
+def store_body(**fields: Any) -> dict[str, Any]:
+    """A valid ``dht.store.req`` body with ``fields`` replaced."""
+    body = {
+        "t": "dht.store.req",
+        "sender": None,
+        "key": RAW_KEY,
+        "name": "k",
+        "entries": (ENTRY.to_body(),),
+        "want_nodes": True,
+    }
+    return body | fields
+
+
+def test_store_body_is_valid_as_is() -> None:
+    """So that each invalid store body below fails for the one field it changes."""
+    assert StoreRequest.from_body(store_body()).want_nodes is True
+
+
 @pytest.mark.parametrize(
     ("cls", "body"),
     [
@@ -244,72 +262,12 @@ NODE_BODY = NODE.to_body()
         (FindValueResponse, {"t": "dht.find_value.res", "entries": {}, "nodes": ()}),
         (FindValueResponse, {"t": "dht.find_value.res", "entries": ({"s": None},), "nodes": ()}),
         (StoreRequest, {"t": "dht.store.req", "sender": None, "key": RAW_KEY, "entries": ()}),
-        (
-            StoreRequest,
-            {
-                "t": "dht.store.req",
-                "sender": None,
-                "key": RAW_KEY,
-                "name": "k",
-                "entries": (),
-                "want_nodes": True,
-            },
-        ),
-        (
-            StoreRequest,
-            {
-                "t": "dht.store.req",
-                "sender": None,
-                "key": RAW_KEY,
-                "name": "k",
-                "entries": None,
-                "want_nodes": True,
-            },
-        ),
-        (
-            StoreRequest,
-            {
-                "t": "dht.store.req",
-                "sender": None,
-                "key": RAW_KEY,
-                "name": "not k",  # does not hash to key
-                "entries": (ENTRY.to_body(),),
-                "want_nodes": True,
-            },
-        ),
-        (
-            StoreRequest,
-            {
-                "t": "dht.store.req",
-                "sender": None,
-                "key": RAW_KEY,
-                "name": "k",
-                "entries": (ENTRY.to_body(),) * (MAX_ENTRIES_PER_STORE + 1),
-                "want_nodes": True,
-            },
-        ),
-        (
-            StoreRequest,
-            {
-                "t": "dht.store.req",
-                "sender": None,
-                "key": RAW_KEY,
-                "name": "k",
-                "entries": ({"s": None, "v": b"x" * 20000, "x": 1.0},),
-                "want_nodes": True,
-            },
-        ),
-        (
-            StoreRequest,
-            {
-                "t": "dht.store.req",
-                "sender": None,
-                "key": RAW_KEY,
-                "name": "k",
-                "entries": (ENTRY.to_body(),),
-                "want_nodes": 1,  # not a bool
-            },
-        ),
+        (StoreRequest, store_body(entries=())),
+        (StoreRequest, store_body(entries=None)),
+        (StoreRequest, store_body(name="not k")),  # does not hash to key
+        (StoreRequest, store_body(entries=(ENTRY.to_body(),) * (MAX_ENTRIES_PER_STORE + 1))),
+        (StoreRequest, store_body(entries=({"s": None, "v": b"x" * 20000, "x": 1.0},))),
+        (StoreRequest, store_body(want_nodes=1)),  # not a bool
         (StoreResponse, {"t": "dht.store.res", "accepted": (1,)}),
         (StoreResponse, {"t": "dht.store.res", "accepted": True}),
         (StoreResponse, {"t": "dht.store.res", "accepted": (True,) * 65}),

@@ -68,23 +68,36 @@ def test_raw_chunk_header_and_payload() -> None:
         decode_raw(values.tobytes(), 2)
 
 
-def reducer_for(codec: str, local: np.ndarray, target: np.ndarray | None = None) -> PartReducer:
-    members = [Member(peer(i), 1.0 + i, 0) for i in range(3)]
-    acc = np.empty(len(local), np.float32)
-    if target is None:
-        acc[:] = local
+def reducer_for(
+    codec: str,
+    local: np.ndarray,
+    target: np.ndarray | None = None,
+    *,
+    weights: tuple[float, ...] = (1.0, 2.0, 3.0),
+    chunk_elements: int = 8,
+    acc: np.ndarray | None = None,
+    defer_load: bool = False,
+) -> PartReducer:
+    """A reducer of ``len(local)`` values for members ``peer(i)`` of ``weights[i]``; we are
+    ``peer(0)``, our values read from ``target`` (when given) or already in ``acc``."""
+    members = [Member(peer(i), weight, 0) for i, weight in enumerate(weights)]
+    if acc is None:
+        acc = np.empty(len(local), np.float32)
+        if target is None:
+            acc[:] = local
     return PartReducer(
         length=len(local),
-        chunk_elements=8,
+        chunk_elements=chunk_elements,
         codec=get_codec(codec),
         members=members,
         senders=[m.peer_id for m in members],
         max_staleness=2,
         decay=0.5,
         acc=acc,
-        scratch=np.empty(8, np.float32),
+        scratch=np.empty(chunk_elements, np.float32),
         local=peer(0),
         local_values=target,
+        defer_load=defer_load,
     )
 
 
@@ -116,21 +129,10 @@ def test_reducer_drops_nonfinite_local_values_loaded_from_a_tensor() -> None:
     assert reducer.reason(peer(0)) is DropReason.NONFINITE
 
 
-def deferred_reducer(local: np.ndarray, acc: np.ndarray, weight: float = 1.0) -> PartReducer:
-    members = [Member(peer(0), weight, 0), Member(peer(1), 1.0, 0)]
-    return PartReducer(
-        length=len(local),
-        chunk_elements=4,
-        codec=get_codec("none"),
-        members=members,
-        senders=[m.peer_id for m in members],
-        max_staleness=2,
-        decay=0.5,
-        acc=acc,
-        scratch=np.empty(4, np.float32),
-        local=peer(0),
-        local_values=local,
-        defer_load=True,
+def deferred_reducer(local: np.ndarray, acc: np.ndarray, weight: float) -> PartReducer:
+    """Two members (us of ``weight``, peer(1) of 1), chunks of 4, our values loaded on demand."""
+    return reducer_for(
+        "none", local, local, weights=(weight, 1.0), chunk_elements=4, acc=acc, defer_load=True
     )
 
 
