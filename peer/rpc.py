@@ -269,7 +269,7 @@ class RpcConnection:
         pieces, size = self._encode(frame)
         self._pending[request_id] = pending
         try:
-            await self._send(pieces, size)
+            await self._send(pieces, size, urgent=True)
         except trio.ClosedResourceError:
             self._pending.pop(request_id, None)
             self._check_open()
@@ -279,8 +279,11 @@ class RpcConnection:
             raise
         return request_id, pieces
 
-    async def _send(self, pieces: list[bytes | memoryview], size: int) -> None:
-        """Write a frame now when the stream is idle and the frame small, else queue it.
+    async def _send(
+        self, pieces: list[bytes | memoryview], size: int, urgent: bool = False
+    ) -> None:
+        """Write a frame now when the stream is idle and the frame small, else queue it
+        (ahead of the bulk frames when ``urgent`` and small: see ``Outbox``).
 
         Raises:
             trio.ClosedResourceError: if the connection is closed (nothing was sent).
@@ -288,7 +291,7 @@ class RpcConnection:
         """
         await trio.lowlevel.checkpoint_if_cancelled()
         if size > _DIRECT_MAX or not self._outbox.try_claim():
-            await self._outbox.put(pieces)
+            await self._outbox.put(pieces, urgent=urgent and size <= _DIRECT_MAX)
             return
         # No checkpoint since the one above, so nothing interrupts the write before its
         # first byte; an interruption after it leaves half a frame: the connection ends.
@@ -422,15 +425,16 @@ class RpcConnection:
     async def _serve_request(self, frame: RpcFrame, incoming: _Incoming) -> None:
         request_id = frame.request_id
         request = Request(self.peer_id, frame.method, frame.body, frame.payload, self.remote_host)
+        unary = frame.method not in self._handlers.streaming  # its error may skip the queue
         try:
             with incoming.scope:
                 try:
                     await self._answer(request, request_id)
                 except Exception as exc:
                     code, message = self._error_reply(frame.method, exc)
-                    await self._send_error(request_id, code, message)
+                    await self._send_error(request_id, code, message, unary)
             if incoming.scope.cancelled_caught and not incoming.by_caller and not self.closed:
-                await self._send_error(request_id, "timeout", "the deadline passed")
+                await self._send_error(request_id, "timeout", "the deadline passed", unary)
         except PeerUnavailableError:
             pass  # the connection closed under us
         finally:
@@ -450,7 +454,7 @@ class RpcConnection:
         except Exception as exc:
             code, message = self._error_reply(frame.method, exc)
             pieces, _ = self._encode(_error_frame(frame.request_id, code, message))
-        self._outbox.put_nowait(pieces)
+        self._outbox.put_nowait(pieces, urgent=memoryview(pieces[1]).nbytes < _DIRECT_MAX)
 
     def _error_reply(self, method: str, exc: Exception) -> tuple[str, str]:
         """The error code and message that answer a handler's exception."""
@@ -474,9 +478,10 @@ class RpcConnection:
             reply = await handler(request)
         elif (quick := self._handlers.quick.get(method)) is not None:  # the outbox was full
             reply = quick(request)
-        if reply is not None:
+        if reply is not None:  # the only frame of a unary answer: no order to keep
             await self._put(
-                RpcFrame(FrameKind.RESPONSE, request_id, body=reply.body, payload=reply.payload)
+                RpcFrame(FrameKind.RESPONSE, request_id, body=reply.body, payload=reply.payload),
+                urgent=True,
             )
         elif (stream_handler := self._handlers.streaming.get(method)) is not None:
             items = stream_handler(request)
@@ -492,13 +497,15 @@ class RpcConnection:
         else:
             raise RemoteError("unknown_method", f"no method {method!r}")
 
-    async def _send_error(self, request_id: int, code: str, message: str) -> None:
-        await self._put(_error_frame(request_id, code, message))
+    async def _send_error(
+        self, request_id: int, code: str, message: str, urgent: bool = False
+    ) -> None:
+        await self._put(_error_frame(request_id, code, message), urgent)
 
-    async def _put(self, frame: RpcFrame) -> None:
+    async def _put(self, frame: RpcFrame, urgent: bool = False) -> None:
         pieces, size = self._encode(frame)
         try:
-            await self._send(pieces, size)
+            await self._send(pieces, size, urgent)
         except trio.ClosedResourceError:
             raise PeerUnavailableError("connection closed") from None
 

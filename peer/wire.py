@@ -39,10 +39,17 @@ class Outbox:
     frames) never waits. A task may instead write a frame itself when nobody is writing and
     nothing is queued (:meth:`try_claim`, then :meth:`release`): one scheduler hop less
     than handing it to the writer. Closing wakes everyone.
+
+    ``urgent`` frames (small requests and unary replies, whose order relative to other
+    requests' frames does not matter) skip the queue: the writer takes them before any bulk
+    frame still waiting. Otherwise a reply that paces a sender's uploads would wait behind
+    megabytes of our own uploads on the same connection, and the sender's window would stall.
+    They never wait for room: each answers or opens a call, which the in-flight limits bound.
     """
 
     def __init__(self, capacity: int) -> None:
         self._items: deque[Sequence[Piece]] = deque()
+        self._urgent: deque[Sequence[Piece]] = deque()
         self._capacity = capacity
         self._space = trio.lowlevel.ParkingLot()
         self._ready = trio.lowlevel.ParkingLot()
@@ -50,13 +57,19 @@ class Outbox:
         self._busy = False  # a task is writing to the stream
         self._batch: list[Sequence[Piece]] = []  # the frames the writer is writing now
 
-    async def put(self, pieces: Sequence[Piece]) -> None:
+    async def put(self, pieces: Sequence[Piece], urgent: bool = False) -> None:
         """Queue one frame's pieces; either queued or (on cancel/close) not at all.
 
         Raises:
             trio.ClosedResourceError: if the outbox is closed.
         """
         await trio.lowlevel.checkpoint_if_cancelled()
+        if urgent:
+            if self._closed:
+                raise trio.ClosedResourceError("the connection is closed")
+            self.put_nowait(pieces, urgent=True)
+            await trio.lowlevel.cancel_shielded_checkpoint()
+            return
         while not self._closed and len(self._items) >= self._capacity:
             await self._space.park()
         if self._closed:
@@ -66,10 +79,10 @@ class Outbox:
             self._ready.unpark()
         await trio.lowlevel.cancel_shielded_checkpoint()
 
-    def put_nowait(self, pieces: Sequence[Piece]) -> None:
+    def put_nowait(self, pieces: Sequence[Piece], urgent: bool = False) -> None:
         """Queue a frame regardless of capacity; dropped when the outbox is closed."""
         if not self._closed:
-            self._items.append(pieces)
+            (self._urgent if urgent else self._items).append(pieces)
             if not self._busy:
                 self._ready.unpark()
 
@@ -80,7 +93,7 @@ class Outbox:
     def try_claim(self) -> bool:
         """Take the stream for a direct write: True when open, idle and nothing is queued
         (then call :meth:`release` after writing)."""
-        if self._busy or self._items or self._closed:
+        if self._busy or self._items or self._urgent or self._closed:
             return False
         self._busy = True
         return True
@@ -89,7 +102,7 @@ class Outbox:
         """The stream is free again; the writer takes over what was queued meanwhile."""
         self._busy = False
         self._batch.clear()
-        if self._items:
+        if self._items or self._urgent:
             self._ready.unpark()
 
     async def get_batch(self) -> list[Piece]:
@@ -99,12 +112,16 @@ class Outbox:
         Raises:
             trio.ClosedResourceError: if the outbox is closed.
         """
-        while not self._closed and (self._busy or not self._items):
+        while not self._closed and (self._busy or not (self._items or self._urgent)):
             await self._ready.park()
         if self._closed:
             raise trio.ClosedResourceError("the connection is closed")
         self._busy = True
         pieces: list[Piece] = []
+        while self._urgent:
+            frame = self._urgent.popleft()
+            self._batch.append(frame)
+            pieces.extend(frame)
         size = taken = 0
         while self._items and size < BATCH_BYTES:
             frame = self._items.popleft()
@@ -118,6 +135,10 @@ class Outbox:
     def withdraw(self, frame: Sequence[Piece]) -> bool:
         """Take ``frame`` (the very object put) out of the queue: True if it was still
         queued, so none of it will be written."""
+        for index, queued in enumerate(self._urgent):
+            if queued is frame:
+                del self._urgent[index]
+                return True
         for index, queued in enumerate(self._items):
             if queued is frame:
                 del self._items[index]
@@ -132,6 +153,7 @@ class Outbox:
     def close(self) -> None:
         self._closed = True
         self._items.clear()
+        self._urgent.clear()
         self._space.unpark_all()
         self._ready.unpark_all()
 

@@ -1,0 +1,45 @@
+"""The writer's outbox: urgent frames (small requests, unary replies) skip the bulk queue."""
+
+from __future__ import annotations
+
+import trio
+import trio.testing
+
+from peer.wire import Outbox
+
+
+async def test_urgent_frames_go_before_queued_bulk_frames() -> None:
+    outbox = Outbox(capacity=2)
+    bulk = [[b"bulk%d" % i] for i in range(2)]
+    for frame in bulk:
+        await outbox.put(frame)
+    reply = [b"reply"]
+    with trio.fail_after(1):
+        await outbox.put(reply, urgent=True)  # never waits for room, though the queue is full
+    assert not outbox.has_room()
+    assert await outbox.get_batch() == [b"reply", b"bulk0", b"bulk1"]
+    assert outbox.writing(reply)
+    outbox.release()
+
+
+async def test_an_urgent_frame_can_be_withdrawn_and_wakes_the_writer() -> None:
+    outbox = Outbox(capacity=4)
+    batches: list[list[object]] = []
+
+    async def writer() -> None:
+        batches.append(list(await outbox.get_batch()))
+        outbox.release()
+
+    request = [b"request"]
+    with trio.fail_after(1):
+        outbox.put_nowait(request, urgent=True)
+        assert not outbox.try_claim()  # something is queued: the writer goes first
+        assert outbox.withdraw(request)
+        assert outbox.try_claim()
+        outbox.release()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(writer)
+            await trio.testing.wait_all_tasks_blocked()
+            assert batches == []
+            outbox.put_nowait([b"ping"], urgent=True)
+    assert batches == [[b"ping"]]
