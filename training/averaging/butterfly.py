@@ -111,6 +111,7 @@ class Butterfly:
         outcome = await self.service.reduce(cutoff)
         received = outcome.weight > 0
         self.reports[part] = self._report(part, self.service.header, received, "no contributions")
+        await self.service.publish()
         await self.service.serve()
 
     # -- one remote part -----------------------------------------------------------------

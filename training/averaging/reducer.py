@@ -117,7 +117,7 @@ def copy_finite(dst: Float32Array, src: Float32Array, zeros: Float32Array) -> bo
     return finite
 
 
-def _pieces_finite(values: Float32Array, zeros: Float32Array) -> bool:
+def pieces_finite(values: Float32Array, zeros: Float32Array) -> bool:
     """True when ``values`` holds no NaN or infinity, checked ``len(zeros)`` at a time."""
     step = max(len(zeros), 1)
     return all(
@@ -226,7 +226,7 @@ class PartReducer:
                 if source is not None:
                     finite = copy_finite(piece, source[i : i + step], self._zeros) and finite
                 else:
-                    finite = _pieces_finite(piece, self._zeros) and finite
+                    finite = pieces_finite(piece, self._zeros) and finite
                 if not finite:
                     break
                 if sender.weight != 1.0:
@@ -333,6 +333,10 @@ class PartReducer:
     def mean(self) -> Float32Array:
         """The part's values after :meth:`finalize` (a view of ``acc``, or ``out``)."""
         return self._mean
+
+    def mean_is_finite(self) -> bool:
+        """True when the mean holds no NaN or infinity (a sum can overflow)."""
+        return pieces_finite(self._mean, self._zeros)
 
     # -- helpers -------------------------------------------------------------------------
 

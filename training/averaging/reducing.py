@@ -219,13 +219,13 @@ class ReducerService:
         outcome = self.reducer.finalize(reasons, self.target if self.raw else None)
         for sender in list(self._admitted):
             self._release(sender)
-        return self._publish(outcome)
+        return self._announce(outcome)
 
     async def serve(self) -> None:
         """Serve the mean until every member fetched it, or downloads stall (the caller
-        bounds it by the round's deadline)."""
+        bounds it by the round's deadline). Call :meth:`publish` first."""
         expected = {m.peer_id for m in self.plan.members} - {self.plan.me}
-        if not self.blobs:
+        if self.header is None or not self.header.chunks:
             return
         stall = self.config.stall_timeout
         while True:
@@ -270,59 +270,70 @@ class ReducerService:
         elif self.reducer.is_pending(peer_id):
             self._drop(peer_id, reason)
 
-    def _publish(self, outcome: PartOutcome) -> PartOutcome:
-        mean = self.reducer.mean()  # our span of the flat vector
-        blobs: list[bytes | memoryview] = []
+    def _announce(self, outcome: PartOutcome) -> PartOutcome:
+        """Fix the result header (who counted, how many chunks) and open the result streams;
+        :meth:`publish` then encodes the chunks while they are being served."""
+        chunks = 0
         if outcome.weight > 0:
-            try:
-                if isinstance(self.codec, TopKCodec):
-                    blobs.extend(self._sparse_results(mean))
-                else:
-                    blobs.extend(self._dense_results(mean))
-            except NonFiniteError:
-                logger.warning("round %d: the mean overflowed; no result", self.plan.round)
-                outcome = PartOutcome((), outcome.dropped, 0.0)
-                blobs = []
+            if isinstance(self.codec, TopKCodec):
+                try:
+                    self.blobs = self._sparse_results(self.reducer.mean())
+                    chunks = len(self.blobs)
+                except NonFiniteError:
+                    outcome = self._overflowed(outcome)
+            elif self.codec.finite_output and not self.reducer.mean_is_finite():
+                outcome = self._overflowed(outcome)  # refused before a chunk is served
+            else:
+                chunks = self.reducer.n_chunks
         self.outcome = outcome
-        self.blobs = blobs
-        self.in_place = self.target is not None and outcome.weight > 0
-        self.header = ResultHeader(
-            outcome.contributors, outcome.dropped, outcome.weight, len(blobs)
-        )
+        # none: finalize() wrote the mean straight into our tensor
+        self.in_place = self.raw and self.target is not None and outcome.weight > 0
+        self.header = ResultHeader(outcome.contributors, outcome.dropped, outcome.weight, chunks)
         self.last_download = trio.current_time()
         self.ready.set()
         return outcome
 
-    def _dense_results(self, mean: Float32Array) -> list[memoryview]:
-        """Every chunk of the mean encoded; what the others decode is written back (into
-        our tensor when ``target`` is set, else into ``mean``). The blobs are slices of one
-        buffer, reused next round once unreferenced. With the none codec they are a raw
-        copy of ``mean`` (no codec header): a result item may still sit in a slow member's
-        outbox after our step returned and the caller changed its tensors, so the items
-        must not be views of them.
+    def _overflowed(self, outcome: PartOutcome) -> PartOutcome:
+        logger.warning("round %d: the mean overflowed; no result", self.plan.round)
+        return PartOutcome((), outcome.dropped, 0.0)
 
-        Raises:
-            NonFiniteError: the mean overflowed (a codec that refuses infinity); nothing
-                was written back then.
+    async def publish(self) -> None:
+        """Encode the mean a chunk at a time, each served as soon as it is encoded, with a
+        checkpoint after each (our uploads and reads go on meanwhile); what the others
+        decode is written back (into our tensor when ``target`` is set, else into the mean).
+        Call after :meth:`reduce`.
+
+        The blobs are slices of one buffer, reused next round once unreferenced. With the
+        none codec they are a raw copy of the mean (no codec header): a result item may still
+        sit in a slow member's outbox after our step returned and the caller changed its
+        tensors, so the items must not be views of them.
         """
-        n = self.reducer.n_chunks
-        spans = [chunk_span(len(mean), self.config.chunk_elements, i) for i in range(n)]
+        assert self.header is not None
+        chunks = self.header.chunks
+        if not chunks or self.blobs:  # nothing to send, or topk (encoded whole)
+            self.in_place = self.target is not None and chunks > 0
+            return
+        mean = self.reducer.mean()
         view = memoryview(self._results.get(self.part_bytes))
-        if self.raw:
-            np.copyto(np.frombuffer(view, dtype=np.float32, count=len(mean)), mean)
-            return [view[4 * a : 4 * b] for a, b in spans]
-        blobs = []
-        offset = 0
-        for a, b in spans:  # all encoded (or refused) before anything is written back
-            size = self.codec.encode_into(mean[a:b], view[offset:])
-            blobs.append(view[offset : offset + size])
-            offset += size
         out = mean if self.target is None else self.target
-        for (a, b), blob in zip(spans, blobs, strict=True):
-            self.codec.decode_into(blob, out[a:b])
-        return blobs
+        offset = 0
+        for index in range(chunks):
+            a, b = chunk_span(len(mean), self.config.chunk_elements, index)
+            if self.raw:
+                size = 4 * (b - a)
+                np.copyto(np.frombuffer(view, np.float32, b - a, offset), mean[a:b])
+            else:
+                size = self.codec.encode_into(mean[a:b], view[offset:])
+                self.codec.decode_into(view[offset : offset + size], out[a:b])
+            self.blobs.append(view[offset : offset + size])
+            offset += size
+            self._notify()
+            await trio.lowlevel.checkpoint()
+        # Only now: cancelled midway, our tensor holds some chunks written back and the
+        # caller stores the whole mean from the flat vector over it.
+        self.in_place = self.in_place or self.target is not None
 
-    def _sparse_results(self, mean: Float32Array) -> list[bytes]:
+    def _sparse_results(self, mean: Float32Array) -> list[bytes | memoryview]:
         """topk: the mean of sparse contributions, sent without loss (every non-zero, up to
         half a chunk: beyond that it keeps the largest half, and ``mean`` holds what the
         others decode).
@@ -330,7 +341,7 @@ class ReducerService:
         Raises:
             NonFiniteError: the mean overflowed.
         """
-        blobs = []
+        blobs: list[bytes | memoryview] = []
         for index in range(self.reducer.n_chunks):
             a, b = chunk_span(len(mean), self.config.chunk_elements, index)
             nonzero = int(np.count_nonzero(mean[a:b]))
@@ -345,13 +356,16 @@ class ReducerService:
     # -- results out ---------------------------------------------------------------------
 
     async def results(self, member: PeerID) -> AsyncGenerator[Reply, None]:
-        """The result stream for ``member``: the header, then every blob."""
+        """The result stream for ``member``: the header, then every blob as it is ready."""
         await self.ready.wait()
         assert self.header is not None
         self.last_download = trio.current_time()
         yield Reply(self.header.to_body())
-        for index, blob in enumerate(self.blobs):
-            yield Reply({"chunk": index, "raw": True} if self.raw else {"chunk": index}, blob)
+        for index in range(self.header.chunks):
+            while len(self.blobs) <= index:  # publish() is encoding it
+                await self._changed.wait()
+            body = {"chunk": index, "raw": True} if self.raw else {"chunk": index}
+            yield Reply(body, self.blobs[index])
             self.last_download = trio.current_time()
         self.downloaded.add(member)
         self._notify()

@@ -1,0 +1,109 @@
+"""ReducerService on its own: results are served while the mean is still being encoded,
+and a mean that overflowed is refused before any chunk goes out."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+import torch
+import trio
+import trio.testing
+
+from protocol.codecs import get_codec
+from protocol.identity import Identity, PeerID
+from training.averaging.config import AveragerConfig
+from training.averaging.grouping import Declaration
+from training.averaging.layout import FlatVector
+from training.averaging.messages import ChunkHeader, ResultHeader
+from training.averaging.plan import Liveness, Plan
+from training.averaging.reducing import ReducerService
+
+CHUNK = 1024  # elements (AveragerConfig.chunk_bytes = 4096)
+CHUNKS = 3
+
+
+def peer(i: int) -> PeerID:
+    return Identity.from_seed(bytes([i + 11]) * 32).peer_id
+
+
+def service_for(codec: str, local: np.ndarray) -> tuple[ReducerService, torch.Tensor]:
+    """We (peer 0) reduce the whole vector; peer 1 sends it to us."""
+    me, other = peer(0), peer(1)
+    members = tuple(
+        Declaration(p, f"{p}@127.0.0.1:1", 1.0, 0, 1.0, "layout", 0, len(local))
+        for p in (me, other)
+    )
+    plan = Plan(
+        round=1,
+        me=me,
+        members=members,
+        reducers=members[:1],
+        spans=((0, len(local)),),
+        weights={me: 1.0, other: 1.0},
+        max_epoch=0,
+    )
+    tensor = torch.from_numpy(local.copy())
+    flat = FlatVector([tensor])
+    config = AveragerConfig(chunk_bytes=4 * CHUNK)
+    liveness = Liveness(None, plan, "ping", 1.0)  # type: ignore[arg-type]  # never probes
+    scratch = np.empty(CHUNK, np.float32)
+    return ReducerService(plan, 0, flat, get_codec(codec), config, liveness, scratch), tensor
+
+
+async def send_all(service: ReducerService, codec: str, values: np.ndarray) -> None:
+    encoder = get_codec(codec)
+    for chunk in range(CHUNKS):
+        blob = encoder.encode(values[chunk * CHUNK : (chunk + 1) * CHUNK])
+        await service.on_chunk(peer(1), ChunkHeader(1, 0, chunk, 0, 1.0), blob)
+
+
+async def test_result_chunks_are_served_while_the_mean_is_encoded() -> None:
+    rng = np.random.default_rng(0)
+    mine = rng.standard_normal(CHUNKS * CHUNK, dtype=np.float32)
+    theirs = rng.standard_normal(CHUNKS * CHUNK, dtype=np.float32)
+    service, tensor = service_for("int8", mine)
+    with trio.fail_after(5):
+        await service.load()
+        await send_all(service, "int8", theirs)
+        outcome = await service.reduce(math.inf)
+        assert outcome.weight == 2.0
+        assert service.header is not None and service.header.chunks == CHUNKS
+
+        items: list[Any] = []
+        encoded_when_served: list[int] = []
+
+        async def fetch() -> None:
+            async for item in service.results(peer(1)):
+                items.append(item)
+                encoded_when_served.append(len(service.blobs))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(fetch)
+            await trio.testing.wait_all_tasks_blocked()
+            assert len(items) == 1  # the header goes out before any chunk is encoded
+            assert ResultHeader.from_body(items[0].body) == service.header
+            await service.publish()
+    # the first chunk went out while later ones were still to be encoded
+    assert encoded_when_served[1] < CHUNKS
+    assert service.in_place  # our tensor holds exactly what the others decode
+    decoder = get_codec("int8")
+    served = np.concatenate([decoder.decode(item.payload) for item in items[1:]])
+    np.testing.assert_array_equal(served, tensor.numpy())
+    bound = 2 * np.abs((mine + theirs) / 2).max() / 127
+    np.testing.assert_allclose(served, (mine + theirs) / 2, atol=bound)
+
+
+async def test_an_overflowed_mean_is_refused_before_any_chunk() -> None:
+    big = np.full(CHUNKS * CHUNK, 3e38, np.float32)  # the sum overflows to infinity
+    service, tensor = service_for("int8", big)  # int8 cannot encode infinity
+    with trio.fail_after(5):
+        await service.load()
+        await send_all(service, "int8", big)
+        outcome = await service.reduce(math.inf)
+        await service.publish()
+    assert outcome.weight == 0 and outcome.contributors == ()
+    assert service.header is not None and service.header.chunks == 0
+    assert not service.in_place and not service.blobs
+    np.testing.assert_array_equal(tensor.numpy(), big)  # our values stay as they were
