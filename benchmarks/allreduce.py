@@ -31,6 +31,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _shaping import LINK_BUFFER
+
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
@@ -59,7 +61,7 @@ async def swarm_worker(args: argparse.Namespace) -> None:
     from training import Averager, AveragerConfig
 
     torch.set_num_threads(1)
-    network = ShapedNetwork(args.rate) if args.rate else None
+    network = ShapedNetwork(args.rate, args.link_buffer) if args.rate else None
     initial = [args.initial_peer] if args.initial_peer else []
     async with open_peer(listen="127.0.0.1:0", initial_peers=initial, network=network) as node:
         _emit({"address": node.address})
@@ -120,6 +122,7 @@ def run_swarm(n: int, rate: float, args: argparse.Namespace) -> dict[str, Any]:
     base = [sys.executable, __file__, "--worker", "--size", str(args.size), "--rate", str(rate)]
     base += ["--steps", str(args.steps), "--warmup", "1", "--window", str(args.window)]
     base += ["--timeout", str(args.timeout), "--codecs", *args.codecs]
+    base += ["--link-buffer", str(args.link_buffer)]
     for name in ("chunk_bytes", "max_inflight"):
         if getattr(args, name) is not None:
             base += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
@@ -276,6 +279,12 @@ def main() -> None:
     parser.add_argument("--timeout", type=float, default=120.0)
     parser.add_argument("--chunk-bytes", type=int, help="AveragerConfig.chunk_bytes")
     parser.add_argument("--max-inflight", type=int, help="AveragerConfig.max_inflight")
+    parser.add_argument(
+        "--link-buffer",
+        type=int,
+        default=LINK_BUFFER,
+        help="shaped links: bytes written ahead of the link (the socket buffer; see _shaping)",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--gloo-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
@@ -298,6 +307,7 @@ def main() -> None:
         "size_mib": args.size * 4 / (1 << 20),
         "cpus": os.cpu_count(),
         "steps": args.steps,
+        "link_buffer_bytes": args.link_buffer,
         "runs": {},
     }
     for n in args.peers:
