@@ -117,6 +117,10 @@ async def _status(args: argparse.Namespace) -> int:
         print(f"{len(peers)} peer(s) reachable")
         for entry in report["peers"]:
             print(f"  {entry['address']}")
+    if not peers:  # not even an initial peer: the swarm was not reached
+        tried = ", ".join(args.initial_peers)
+        print(f"swarm status: no peer answered (tried {tried})", file=sys.stderr)
+        return 1
     return 0
 
 

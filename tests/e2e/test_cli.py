@@ -132,6 +132,20 @@ def test_bootstrap_refuses_a_corrupt_identity_file(tmp_path: Path) -> None:
     assert key.read_bytes() == b"not a key"  # nothing lost
 
 
+def test_status_fails_when_no_peer_answers() -> None:
+    nobody = "6KKPsmJY8vaenxMPzr674T1cSeZmq4u8pzQcXN7eTAGK@127.0.0.1:1"  # nothing listens there
+    out = subprocess.run(
+        [*SWARM, "status", "--initial-peers", nobody, "--json", "--timeout", "20"],
+        capture_output=True,
+        text=True,
+        timeout=40,
+        env=env_with_root(),
+    )
+    assert out.returncode == 1
+    assert json.loads(out.stdout) == {"num_peers": 0, "peers": []}  # still valid JSON
+    assert "no peer answered" in out.stderr
+
+
 def test_bootstrap_and_status_do_not_import_torch_or_numpy() -> None:
     code = (
         "import sys, peer.cli, peer.node, peer.crawl; "
