@@ -1,5 +1,6 @@
 """ReducerService on its own: results are served while the mean is still being encoded,
-and a mean that overflowed is refused before any chunk goes out."""
+a publication cut short ends the result streams, and a mean that overflowed is refused
+before any chunk goes out."""
 
 from __future__ import annotations
 
@@ -11,6 +12,7 @@ import torch
 import trio
 import trio.testing
 
+from peer import RemoteError
 from protocol.codecs import get_codec
 from protocol.identity import Identity, PeerID
 from training.averaging.config import AveragerConfig
@@ -107,3 +109,37 @@ async def test_an_overflowed_mean_is_refused_before_any_chunk() -> None:
     assert service.header is not None and service.header.chunks == 0
     assert not service.in_place and not service.blobs
     np.testing.assert_array_equal(tensor.numpy(), big)  # our values stay as they were
+
+
+async def test_a_publication_cut_short_ends_the_result_streams() -> None:
+    rng = np.random.default_rng(1)
+    mine = rng.standard_normal(CHUNKS * CHUNK, dtype=np.float32)
+    service, tensor = service_for("int8", mine)
+    errors: list[RemoteError] = []
+    with trio.fail_after(5):
+        await service.load()
+        await send_all(service, "int8", rng.standard_normal(CHUNKS * CHUNK, dtype=np.float32))
+        await service.reduce(math.inf)
+        fetched: list[Any] = []
+
+        async def fetch() -> None:
+            try:
+                async for item in service.results(peer(1)):
+                    fetched.append(item)
+            except RemoteError as exc:
+                errors.append(exc)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(fetch)
+            with trio.CancelScope() as deadline:
+                deadline.cancel()  # the round's deadline passes at publish's first checkpoint
+                await service.publish()
+    assert len(service.blobs) == 1 and len(fetched) == 2  # the header and chunk 0
+    assert [e.code for e in errors] == ["unavailable"]  # the stream ended, it did not hang
+    # chunk 0 went back into our tensor, the rest still holds our values; not in place, so
+    # the averager stores the whole mean from the flat vector over it
+    assert not service.in_place
+    np.testing.assert_array_equal(
+        tensor.numpy()[:CHUNK], get_codec("int8").decode(fetched[1].payload)
+    )
+    np.testing.assert_array_equal(tensor.numpy()[CHUNK:], mine[CHUNK:])

@@ -102,6 +102,7 @@ class ReducerService:
         self.outcome: PartOutcome | None = None
         self.header: ResultHeader | None = None
         self.blobs: list[bytes | memoryview] = []
+        self.publish_ended = False  # publish() returned or was cancelled: no more blobs
         self.raw = isinstance(codec, NoneCodec)  # results are raw views of the mean
         self.ready = trio.Event()
         self.downloaded: set[PeerID] = set()
@@ -312,23 +313,28 @@ class ReducerService:
         chunks = self.header.chunks
         if not chunks or self.blobs:  # nothing to send, or topk (encoded whole)
             self.in_place = self.target is not None and chunks > 0
+            self.publish_ended = True
             return
         mean = self.reducer.mean()
         view = memoryview(self._results.get(self.part_bytes))
         out = mean if self.target is None else self.target
         offset = 0
-        for index in range(chunks):
-            a, b = chunk_span(len(mean), self.config.chunk_elements, index)
-            if self.raw:
-                size = 4 * (b - a)
-                np.copyto(np.frombuffer(view, np.float32, b - a, offset), mean[a:b])
-            else:
-                size = self.codec.encode_into(mean[a:b], view[offset:])
-                self.codec.decode_into(view[offset : offset + size], out[a:b])
-            self.blobs.append(view[offset : offset + size])
-            offset += size
+        try:
+            for index in range(chunks):
+                a, b = chunk_span(len(mean), self.config.chunk_elements, index)
+                if self.raw:
+                    size = 4 * (b - a)
+                    np.copyto(np.frombuffer(view, np.float32, b - a, offset), mean[a:b])
+                else:
+                    size = self.codec.encode_into(mean[a:b], view[offset:])
+                    self.codec.decode_into(view[offset : offset + size], out[a:b])
+                self.blobs.append(view[offset : offset + size])
+                offset += size
+                self._notify()
+                await trio.lowlevel.checkpoint()
+        finally:  # cancelled midway (the round's deadline): the streams stop waiting
+            self.publish_ended = True
             self._notify()
-            await trio.lowlevel.checkpoint()
         # Only now: cancelled midway, our tensor holds some chunks written back and the
         # caller stores the whole mean from the flat vector over it.
         self.in_place = self.in_place or self.target is not None
@@ -362,7 +368,9 @@ class ReducerService:
         self.last_download = trio.current_time()
         yield Reply(self.header.to_body())
         for index in range(self.header.chunks):
-            while len(self.blobs) <= index:  # publish() is encoding it
+            while len(self.blobs) <= index:
+                if self.publish_ended:
+                    raise RemoteError("unavailable", "the round ended before the result did")
                 await self._changed.wait()
             body = {"chunk": index, "raw": True} if self.raw else {"chunk": index}
             yield Reply(body, self.blobs[index])
