@@ -69,6 +69,16 @@ class PeerID:
     def __repr__(self) -> str:
         return f"PeerID({self.to_base58()})"
 
+    # Written out (the dataclass would hash and compare a tuple of the fields): PeerIDs key
+    # the routing table, every lookup and every connection, hundreds of times per DHT get.
+    def __hash__(self) -> int:
+        return hash(self.raw)
+
+    def __eq__(self, other: object) -> bool:
+        if other.__class__ is PeerID:
+            return self.raw == other.raw
+        return NotImplemented
+
     def short(self) -> str:
         """A few leading characters, for logs."""
         return self.to_base58()[:8]

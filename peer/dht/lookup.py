@@ -29,7 +29,6 @@ from dataclasses import dataclass
 
 import trio
 
-from protocol.dhtid import DHTID
 from protocol.identity import PeerID
 from protocol.messages import NodeInfo
 
@@ -93,7 +92,7 @@ class LookupState:
         if known is not None:
             known.hop = min(known.hop, hop)
             return
-        distance = DHTID.from_peer_id(node.peer_id) ^ self.target
+        distance = int.from_bytes(node.peer_id.raw, "big") ^ self.target  # its DHTID's
         self._candidates[node.peer_id] = _Candidate(node, distance, hop)
         bisect.insort(self._order, (distance, node.peer_id))
         if self._closest_seen is None or distance < self._closest_seen:
