@@ -123,6 +123,29 @@ def test_reducer_takes_raw_chunks_with_the_none_codec_only() -> None:
         int8.add_chunk(peer(1), 0, 0, 2.0, data[1][:8].tobytes(), raw=True)
 
 
+@pytest.mark.parametrize("into_out", [False, True])
+def test_reducer_divides_a_chunk_at_a_time_when_asked(into_out: bool) -> None:
+    rng = np.random.default_rng(2)
+    mine, theirs = (rng.standard_normal(20).astype(np.float32) for _ in range(2))
+    reducer = reducer_for("none", mine, weights=(1.0, 3.0))  # chunks of 8, 8, 4
+    for chunk in range(3):
+        raw = theirs[8 * chunk : 8 * chunk + 8].tobytes()
+        reducer.add_chunk(peer(1), chunk, 0, 3.0, raw, raw=True)
+    out = np.zeros(20, np.float32) if into_out else None
+    assert reducer.finalize({}, out, divide=False).weight == 4.0
+    assert reducer.sum_is_finite()
+    expected = (mine + 3 * theirs) / 4
+    reducer.divide(1)
+    reducer.divide(1)  # once only
+    np.testing.assert_allclose(reducer.mean()[8:16], expected[8:16], rtol=1e-6)
+    if into_out:  # the other chunks are not written yet
+        assert not reducer.mean()[:8].any() and not reducer.mean()[16:].any()
+    else:  # still the sum
+        np.testing.assert_allclose(reducer.mean()[:8], 4 * expected[:8], rtol=1e-6)
+    reducer.divide_all()
+    np.testing.assert_allclose(reducer.mean(), expected, rtol=1e-6)
+
+
 def test_reducer_drops_nonfinite_local_values_loaded_from_a_tensor() -> None:
     local = np.float32([1, 2, np.nan, 4])
     reducer = reducer_for("none", local, target=local)

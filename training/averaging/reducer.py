@@ -180,7 +180,10 @@ class PartReducer:
                 sender.done = True
             self.senders[peer_id] = sender
         self.finalized = False
-        self._mean: Float32Array = acc[:length]
+        self._acc_array: Float32Array = acc[:length]
+        self._mean = self._acc_array
+        self._weight = 0.0  # of the contributors, once finalized
+        self._undivided: set[int] = set()  # chunks of the sum not turned into the mean yet
         self._local = local
         self._local_values = local_values
         self.loaded = False
@@ -306,11 +309,17 @@ class PartReducer:
         sender.retained_bytes = 0
 
     def finalize(
-        self, reasons: Mapping[PeerID, DropReason], out: Float32Array | None = None
+        self,
+        reasons: Mapping[PeerID, DropReason],
+        out: Float32Array | None = None,
+        *,
+        divide: bool = True,
     ) -> PartOutcome:
         """Drop every sender still pending (with ``reasons[p]``, default ``timeout``), then
         turn the sum into the mean, in place or (given ``out``, and only when there were
-        contributions) into ``out``; see :meth:`mean`.
+        contributions) into ``out``; see :meth:`mean`. With ``divide=False`` the division
+        waits for :meth:`divide` (a chunk at a time, e.g. right before each is encoded, while
+        it is in cache) or :meth:`divide_all`.
 
         Raises:
             RuntimeError: before our own values were loaded (see :meth:`load_steps`).
@@ -323,20 +332,41 @@ class PartReducer:
         contributors = tuple(p for p, s in self.senders.items() if s.done and s.reason is None)
         dropped = tuple((p, s.reason) for p, s in self.senders.items() if s.reason is not None)
         weight = float(sum(self.senders[p].weight for p in contributors))
-        if weight > 0 and out is not None:
-            torch.div(self._acc, weight, out=torch.from_numpy(out))
-            self._mean = out
-        elif weight > 0:
-            self._acc.div_(weight)
+        if weight > 0:
+            self._weight = weight
+            if out is not None:
+                self._mean = out
+            self._undivided = set(range(self.n_chunks))
+            if divide:
+                self.divide_all()
         return PartOutcome(contributors, dropped, weight)
 
+    def divide(self, index: int) -> None:
+        """Turn chunk ``index`` of the sum into the mean (once; after ``finalize``)."""
+        if index not in self._undivided:
+            return
+        self._undivided.discard(index)
+        start, stop = chunk_span(self.length, self.chunk_elements, index)
+        total = self._acc[start:stop]
+        if self._mean is self._acc_array:
+            total.div_(self._weight)
+        else:
+            torch.div(total, self._weight, out=torch.from_numpy(self._mean[start:stop]))
+
+    def divide_all(self) -> None:
+        """Every chunk not divided yet (see :meth:`divide`)."""
+        for index in sorted(self._undivided):
+            self.divide(index)
+
     def mean(self) -> Float32Array:
-        """The part's values after :meth:`finalize` (a view of ``acc``, or ``out``)."""
+        """The part's values after :meth:`finalize` (a view of ``acc``, or ``out``); with
+        ``divide=False``, only the chunks divided so far."""
         return self._mean
 
-    def mean_is_finite(self) -> bool:
-        """True when the mean holds no NaN or infinity (a sum can overflow)."""
-        return pieces_finite(self._mean, self._zeros)
+    def sum_is_finite(self) -> bool:
+        """True when the sum holds no NaN or infinity (it can overflow); call before the
+        division, or after it (the mean of a finite sum is finite: a convex combination)."""
+        return pieces_finite(self._acc_array, self._zeros)
 
     # -- helpers -------------------------------------------------------------------------
 

@@ -217,7 +217,8 @@ class ReducerService:
                 if self.reducer.pending():
                     await self._watch_once()
         reasons = {p: self.liveness.bad.get(p, DropReason.TIMEOUT) for p in self.reducer.pending()}
-        outcome = self.reducer.finalize(reasons, self.target if self.raw else None)
+        # the division runs chunk by chunk in publish(), right before each is encoded
+        outcome = self.reducer.finalize(reasons, self.target if self.raw else None, divide=False)
         for sender in list(self._admitted):
             self._release(sender)
         return self._announce(outcome)
@@ -277,17 +278,18 @@ class ReducerService:
         chunks = 0
         if outcome.weight > 0:
             if isinstance(self.codec, TopKCodec):
+                self.reducer.divide_all()
                 try:
                     self.blobs = self._sparse_results(self.reducer.mean())
                     chunks = len(self.blobs)
                 except NonFiniteError:
                     outcome = self._overflowed(outcome)
-            elif self.codec.finite_output and not self.reducer.mean_is_finite():
+            elif self.codec.finite_output and not self.reducer.sum_is_finite():
                 outcome = self._overflowed(outcome)  # refused before a chunk is served
             else:
                 chunks = self.reducer.n_chunks
         self.outcome = outcome
-        # none: finalize() wrote the mean straight into our tensor
+        # none: the division writes the mean straight into our tensor (publish, or its cleanup)
         self.in_place = self.raw and self.target is not None and outcome.weight > 0
         self.header = ResultHeader(outcome.contributors, outcome.dropped, outcome.weight, chunks)
         self.last_download = trio.current_time()
@@ -322,6 +324,7 @@ class ReducerService:
         try:
             for index in range(chunks):
                 a, b = chunk_span(len(mean), self.config.chunk_elements, index)
+                self.reducer.divide(index)
                 if self.raw:
                     size = 4 * (b - a)
                     np.copyto(np.frombuffer(view, np.float32, b - a, offset), mean[a:b])
@@ -332,7 +335,8 @@ class ReducerService:
                 offset += size
                 self._notify()
                 await trio.lowlevel.checkpoint()
-        finally:  # cancelled midway (the round's deadline): the streams stop waiting
+        finally:  # cancelled midway (the round's deadline): the streams stop waiting,
+            self.reducer.divide_all()  # and the whole mean is there to be stored
             self.publish_ended = True
             self._notify()
         # Only now: cancelled midway, our tensor holds some chunks written back and the
