@@ -62,15 +62,19 @@ def bootstraps() -> Iterator[list[Bootstrap]]:
         node.stop()
 
 
-def _status(address: str) -> dict[str, object]:
-    out = subprocess.run(
+def _run_status(address: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
         [*SWARM, "status", "--initial-peers", address, "--json", "--timeout", "20"],
         capture_output=True,
         text=True,
         timeout=40,
         env=env_with_root(),
-        check=True,
     )
+
+
+def _status(address: str) -> dict[str, object]:
+    out = _run_status(address)
+    assert out.returncode == 0, out.stderr
     return json.loads(out.stdout)
 
 
@@ -133,14 +137,7 @@ def test_bootstrap_refuses_a_corrupt_identity_file(tmp_path: Path) -> None:
 
 
 def test_status_fails_when_no_peer_answers() -> None:
-    nobody = "6KKPsmJY8vaenxMPzr674T1cSeZmq4u8pzQcXN7eTAGK@127.0.0.1:1"  # nothing listens there
-    out = subprocess.run(
-        [*SWARM, "status", "--initial-peers", nobody, "--json", "--timeout", "20"],
-        capture_output=True,
-        text=True,
-        timeout=40,
-        env=env_with_root(),
-    )
+    out = _run_status("6KKPsmJY8vaenxMPzr674T1cSeZmq4u8pzQcXN7eTAGK@127.0.0.1:1")  # no one there
     assert out.returncode == 1
     assert json.loads(out.stdout) == {"num_peers": 0, "peers": []}  # still valid JSON
     assert "no peer answered" in out.stderr
