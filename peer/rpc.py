@@ -366,7 +366,7 @@ class RpcConnection:
             del data  # hold no frame buffer while waiting: the reader reuses free ones
             if frame.kind is FrameKind.REQUEST:
                 quick = self._handlers.quick.get(frame.method)
-                if quick is not None and self._outbox.has_room():
+                if quick is not None and self._outbox.has_room() and self._outbox.has_room(True):
                     self._answer_quick(frame, quick)
                 else:
                     self._start_request(frame, nursery)

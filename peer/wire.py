@@ -44,7 +44,9 @@ class Outbox:
     requests' frames does not matter) skip the queue: the writer takes them before any bulk
     frame still waiting. Otherwise a reply that paces a sender's uploads would wait behind
     megabytes of our own uploads on the same connection, and the sender's window would stall.
-    They never wait for room: each answers or opens a call, which the in-flight limits bound.
+    They have a queue of their own, of the same ``capacity``: a peer that sends requests
+    but never reads our answers fills it, its requests then stay in flight until the
+    in-flight limit cuts it off, and memory stays bounded.
     """
 
     def __init__(self, capacity: int) -> None:
@@ -52,6 +54,7 @@ class Outbox:
         self._urgent: deque[Sequence[Piece]] = deque()
         self._capacity = capacity
         self._space = trio.lowlevel.ParkingLot()
+        self._urgent_space = trio.lowlevel.ParkingLot()
         self._ready = trio.lowlevel.ParkingLot()
         self._closed = False
         self._busy = False  # a task is writing to the stream
@@ -64,17 +67,12 @@ class Outbox:
             trio.ClosedResourceError: if the outbox is closed.
         """
         await trio.lowlevel.checkpoint_if_cancelled()
-        if urgent:
-            if self._closed:
-                raise trio.ClosedResourceError("the connection is closed")
-            self.put_nowait(pieces, urgent=True)
-            await trio.lowlevel.cancel_shielded_checkpoint()
-            return
-        while not self._closed and len(self._items) >= self._capacity:
-            await self._space.park()
+        queue, space = (self._urgent, self._urgent_space) if urgent else (self._items, self._space)
+        while not self._closed and len(queue) >= self._capacity:
+            await space.park()
         if self._closed:
             raise trio.ClosedResourceError("the connection is closed")
-        self._items.append(pieces)
+        queue.append(pieces)
         if not self._busy:
             self._ready.unpark()
         await trio.lowlevel.cancel_shielded_checkpoint()
@@ -86,9 +84,9 @@ class Outbox:
             if not self._busy:
                 self._ready.unpark()
 
-    def has_room(self) -> bool:
-        """True when fewer than ``capacity`` frames are queued."""
-        return len(self._items) < self._capacity
+    def has_room(self, urgent: bool = False) -> bool:
+        """True when fewer than ``capacity`` frames are queued (urgent ones, if ``urgent``)."""
+        return len(self._urgent if urgent else self._items) < self._capacity
 
     def try_claim(self) -> bool:
         """Take the stream for a direct write: True when open, idle and nothing is queued
@@ -118,6 +116,7 @@ class Outbox:
             raise trio.ClosedResourceError("the connection is closed")
         self._busy = True
         pieces: list[Piece] = []
+        self._urgent_space.unpark(count=len(self._urgent))
         while self._urgent:
             frame = self._urgent.popleft()
             self._batch.append(frame)
@@ -138,6 +137,7 @@ class Outbox:
         for index, queued in enumerate(self._urgent):
             if queued is frame:
                 del self._urgent[index]
+                self._urgent_space.unpark()
                 return True
         for index, queued in enumerate(self._items):
             if queued is frame:
@@ -155,6 +155,7 @@ class Outbox:
         self._items.clear()
         self._urgent.clear()
         self._space.unpark_all()
+        self._urgent_space.unpark_all()
         self._ready.unpark_all()
 
 

@@ -15,8 +15,8 @@ async def test_urgent_frames_go_before_queued_bulk_frames() -> None:
         await outbox.put(frame)
     reply = [b"reply"]
     with trio.fail_after(1):
-        await outbox.put(reply, urgent=True)  # never waits for room, though the queue is full
-    assert not outbox.has_room()
+        await outbox.put(reply, urgent=True)  # a queue of its own: room, though bulk is full
+    assert not outbox.has_room() and outbox.has_room(urgent=True)
     assert await outbox.get_batch() == [b"reply", b"bulk0", b"bulk1"]
     assert outbox.writing(reply)
     outbox.release()
@@ -43,3 +43,26 @@ async def test_an_urgent_frame_can_be_withdrawn_and_wakes_the_writer() -> None:
             assert batches == []
             outbox.put_nowait([b"ping"], urgent=True)
     assert batches == [[b"ping"]]
+
+
+async def test_a_full_urgent_queue_waits_for_the_writer() -> None:
+    """A peer that never reads our answers cannot make us queue them without bound."""
+    outbox = Outbox(capacity=2)
+    for i in range(2):
+        outbox.put_nowait([b"answer%d" % i], urgent=True)
+    assert not outbox.has_room(urgent=True)
+    queued = trio.Event()
+
+    async def answer() -> None:
+        await outbox.put([b"answer2"], urgent=True)
+        queued.set()
+
+    with trio.fail_after(1):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(answer)
+            await trio.testing.wait_all_tasks_blocked()
+            assert not queued.is_set()  # parked until the writer takes a batch
+            assert await outbox.get_batch() == [b"answer0", b"answer1"]
+            outbox.release()
+            await queued.wait()
+        assert await outbox.get_batch() == [b"answer2"]

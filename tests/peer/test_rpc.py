@@ -417,11 +417,15 @@ class FrameWire:
 
 @asynccontextmanager
 async def wired_connection(
-    max_inflight_requests: int = 8,
+    max_inflight_requests: int = 8, lockstep: bool = False
 ) -> AsyncIterator[tuple[RpcConnection, FrameWire]]:
-    ours, theirs = trio.testing.memory_stream_pair()
+    """An RpcConnection and the raw frames of its peer (``lockstep``: a write waits until
+    the other side reads it, so a peer that never reads blocks our writer)."""
+    pair = trio.testing.lockstep_stream_pair if lockstep else trio.testing.memory_stream_pair
+    ours, theirs = pair()
     handlers = HandlerRegistry()
     handlers.register("echo", echo)
+    handlers.register_quick("ping", lambda request: Reply({}))
     connection = RpcConnection(
         ours, ID_B.peer_id, handlers, max_inflight_requests=max_inflight_requests
     )
@@ -429,6 +433,20 @@ async def wired_connection(
         await nursery.start(connection.run)
         yield connection, FrameWire(theirs)
         nursery.cancel_scope.cancel()
+
+
+async def test_a_peer_that_never_reads_its_answers_is_cut_off() -> None:
+    """Answers queue up to the outbox's bound, then requests stay in flight until the
+    in-flight limit drops the peer: memory stays bounded."""
+    with trio.fail_after(5):
+        async with wired_connection(max_inflight_requests=8, lockstep=True) as (conn, wire):
+            sent = 0
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+                while not conn.closed and sent < 1000:
+                    await wire.send(RpcFrame(FrameKind.REQUEST, sent, method="ping"))
+                    sent += 1
+            assert conn.closed
+            assert sent < 40  # 8 answers queued, 1 being written, 8 in flight, then cut
 
 
 async def test_late_and_unknown_answers_are_ignored() -> None:
