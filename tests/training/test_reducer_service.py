@@ -143,3 +143,21 @@ async def test_a_publication_cut_short_ends_the_result_streams() -> None:
         tensor.numpy()[:CHUNK], get_codec("int8").decode(fetched[1].payload)
     )
     np.testing.assert_array_equal(tensor.numpy()[CHUNK:], mine[CHUNK:])
+
+
+async def test_a_mean_rounded_up_to_infinity_is_clamped_back() -> None:
+    """A finite sum of about FLT_MAX can round to infinity when divided; int8 would refuse
+    to encode it midway through the results, so the reducer clamps it to FLT_MAX."""
+    big = np.full(CHUNKS * CHUNK, 1.0, np.float32)
+    service, tensor = service_for("int8", big)
+    with trio.fail_after(5):
+        await service.load()
+        await send_all(service, "int8", big)
+        await service.reduce(math.inf)  # the sum is finite: the header promises every chunk
+        service.reducer.mean()[5] = np.inf  # what such a division would leave in chunk 0
+        await service.publish()
+    assert service.header is not None and len(service.blobs) == service.header.chunks
+    first = get_codec("int8").decode(service.blobs[0])
+    assert np.isfinite(first).all() and first[5] > 3.4e38  # 127 x the largest safe scale
+    np.testing.assert_array_equal(tensor.numpy()[:CHUNK], first)
+    assert service.in_place

@@ -31,6 +31,8 @@ from .reducer import ChunkRejected, DropReason, Member, PartOutcome, PartReducer
 
 logger = logging.getLogger(__name__)
 
+_FLT_MAX = np.finfo(np.float32).max
+
 
 class ReducerService:
     """Reduces this peer's part of one round."""
@@ -329,7 +331,7 @@ class ReducerService:
                     size = 4 * (b - a)
                     np.copyto(np.frombuffer(view, np.float32, b - a, offset), mean[a:b])
                 else:
-                    size = self.codec.encode_into(mean[a:b], view[offset:])
+                    size = self._encode(mean[a:b], view[offset:])
                     self.codec.decode_into(view[offset : offset + size], out[a:b])
                 self.blobs.append(view[offset : offset + size])
                 offset += size
@@ -342,6 +344,17 @@ class ReducerService:
         # Only now: cancelled midway, our tensor holds some chunks written back and the
         # caller stores the whole mean from the flat vector over it.
         self.in_place = self.in_place or self.target is not None
+
+    def _encode(self, values: Float32Array, out: memoryview) -> int:
+        """Encode one chunk of the mean. The sum was finite (checked when the header was
+        fixed), so the mean is too, a convex combination of finite values, except that
+        dividing a sum of about FLT_MAX may round it up to infinity: clamped back, for the
+        codecs that refuse infinity."""
+        try:
+            return self.codec.encode_into(values, out)
+        except NonFiniteError:
+            np.clip(values, -_FLT_MAX, _FLT_MAX, out=values)
+            return self.codec.encode_into(values, out)
 
     def _sparse_results(self, mean: Float32Array) -> list[bytes | memoryview]:
         """topk: the mean of sparse contributions, sent without loss (every non-zero, up to
