@@ -446,15 +446,15 @@ class RpcConnection:
         request = Request(self.peer_id, frame.method, frame.body, frame.payload, self.remote_host)
         try:
             reply = handler(request)
-            pieces, _ = self._encode(
+            pieces, size = self._encode(
                 RpcFrame(
                     FrameKind.RESPONSE, frame.request_id, body=reply.body, payload=reply.payload
                 )
             )
         except Exception as exc:
             code, message = self._error_reply(frame.method, exc)
-            pieces, _ = self._encode(_error_frame(frame.request_id, code, message))
-        self._outbox.put_nowait(pieces, urgent=memoryview(pieces[1]).nbytes < _DIRECT_MAX)
+            pieces, size = self._encode(_error_frame(frame.request_id, code, message))
+        self._outbox.put_nowait(pieces, urgent=size <= _DIRECT_MAX)  # a large body waits
 
     def _error_reply(self, method: str, exc: Exception) -> tuple[str, str]:
         """The error code and message that answer a handler's exception."""
