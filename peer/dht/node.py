@@ -357,7 +357,13 @@ class DHT:
         key_id = check_key(key)
         if not 0 < ttl <= MAX_TTL:
             raise ValueError(f"ttl must be in (0, {MAX_TTL}] seconds, got {ttl}")
-        data = msgpack.packb(value, use_bin_type=True)
+        try:
+            data = msgpack.packb(value, use_bin_type=True)
+        except (TypeError, ValueError, OverflowError) as exc:
+            raise TypeError(
+                f"DHT values must be msgpack-serializable (None, bool, int, float, str, bytes,"
+                f" and lists and dicts of them); {type(value).__name__}: {exc}"
+            ) from exc
         expiration = self._clock() + ttl
         owner = key_owner(key)
         if owner is not None or owner_of(subkey) is not None:

@@ -95,6 +95,12 @@ async def test_50_tcp_peers_store_get_and_reject_forgeries() -> None:
             assert isinstance(info.value, ValueError)
             with pytest.raises(ValueError, match="MAX_KEY_BYTES"):
                 await first.dht.get("k" * 10_000)
+            # so are values msgpack cannot carry, and bad ttls
+            for bad in (object(), 2**70, {"a": {1, 2}}):
+                with pytest.raises(TypeError, match="msgpack-serializable"):
+                    await first.dht.store("tcp/bad", bad)
+            with pytest.raises(ValueError, match="ttl"):
+                await first.dht.store("tcp/bad", 1, ttl=0)
             nursery.cancel_scope.cancel()
     print(
         f"\n{N_PEERS} TCP peers joined in {joined - started:.1f} s; {N_KEYS} stores and gets "
