@@ -17,6 +17,13 @@ step (``fresh_buffers``: received frames, upload blobs, results; each one page-f
 Shaped runs add the wire-time lower bound ``2 (n-1)/n * encoded bytes / rate`` and the
 ratio to it. Every peer is its own process
 (one trio loop, one core's worth of Python); the Noise channel encrypts every byte.
+
+Two floors say what the machine allows, measured in the same run: ``cpu_floor_s`` (each
+result: ``cpu_s`` x peers / cores, the round time if the peers' CPU work overlapped
+perfectly on this machine's cores) and, per peer count, ``aead_floor_s``: AES-GCM sealing
+and opening, in 64 KiB transport messages, of the bytes each peer sends and receives with
+``none`` (2 (n-1)/n of the vector each way), for all peers, on this machine's cores: what
+encryption alone costs before any socket, copy or sum.
 """
 
 from __future__ import annotations
@@ -178,10 +185,12 @@ def summarize(
         allreduce = [max(r["allreduce_s"] for r in step) for step in per_step]
         total = [max(r["step_s"] for r in step) for step in per_step]
         cpu = [statistics.mean(r["cpu_s"] for r in step) for step in per_step]
+        cores = os.cpu_count() or 1
         result: dict[str, Any] = {
             "allreduce_s": round(statistics.median(allreduce), 4),
             "step_s": round(statistics.median(total), 4),
             "cpu_s": round(statistics.median(cpu), 4),  # per peer, matchmaking included
+            "cpu_floor_s": round(statistics.median(cpu) * n / min(n, cores), 4),
             # large buffers a peer allocated per step (each one page-faults), by use
             "fresh_buffers": {
                 key: round(statistics.mean(r["fresh_buffers"][key] for st in per_step for r in st))
@@ -203,6 +212,36 @@ def summarize(
             result["ratio_to_bound"] = round(result["allreduce_s"] / bound, 3)
         out[codec] = result
     return out
+
+
+# -- the cost of encryption alone ----------------------------------------------------------
+
+
+def aead_floor(n: int, size: int) -> float:
+    """Seconds to AES-GCM seal and open, in 64 KiB transport messages, what every peer sends
+    and receives in a ``none`` round (best of 3), with the peers spread over this machine's
+    cores."""
+    from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+
+    from protocol.noise.cipher import TAG_LENGTH
+    from protocol.noise.transport import MAX_PLAINTEXT_PER_MESSAGE
+
+    per_peer = 2 * (n - 1) / n * 4 * size  # bytes each way: uploads, then results
+    piece = MAX_PLAINTEXT_PER_MESSAGE
+    messages = max(1, round(per_peer / piece))
+    aead = AESGCM(bytes(32))
+    plain = bytearray(piece)
+    sealed = bytearray(piece + TAG_LENGTH)
+    nonce = bytes(12)
+    best = float("inf")
+    for _ in range(3):
+        start = time.process_time()
+        for _ in range(messages):
+            aead.encrypt_into(nonce, plain, None, sealed)
+            aead.decrypt_into(nonce, sealed, None, plain)
+        best = min(best, time.process_time() - start)
+    cores = os.cpu_count() or 1
+    return best * n / min(n, cores)
 
 
 # -- gloo ----------------------------------------------------------------------------------
@@ -311,7 +350,10 @@ def main() -> None:
         "runs": {},
     }
     for n in args.peers:
-        entry: dict[str, Any] = {"gloo_allreduce_s": run_gloo(n, args)}
+        entry: dict[str, Any] = {
+            "gloo_allreduce_s": run_gloo(n, args),
+            "aead_floor_s": round(aead_floor(n, args.size), 4),
+        }
         for name in args.rates:
             entry[name] = run_swarm(n, RATES[name], args)
             if name == "loopback":
