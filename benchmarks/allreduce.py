@@ -15,7 +15,12 @@ the figure to watch on a loaded machine), and how many large buffers a peer allo
 step (``fresh_buffers``: received frames, upload blobs, results; each one page-faults).
 ``--chunk-bytes`` and ``--max-inflight`` override the ``AveragerConfig`` defaults.
 Shaped runs add the wire-time lower bound ``2 (n-1)/n * encoded bytes / rate`` and the
-ratio to it. Every peer is its own process
+ratio to it. ``--shaper kernel`` (the default where it can run: Linux, root, ``tc``) has the
+kernel shape each peer's uplink on the loopback device (an HTB class per peer address, see
+``_shaping.KernelShaper``), so the link goes on moving while the peer computes, as a NIC
+does; ``--shaper stream`` (the fallback) shapes inside each peer with a rate-limiting stream
+wrapper, which moves bytes only while the peer's event loop runs. The report names the
+shaper. Every peer is its own process
 (one trio loop, one core's worth of Python); the Noise channel encrypts every byte.
 
 Two floors say what the machine allows, measured in the same run: ``cpu_floor_s`` (each
@@ -29,6 +34,7 @@ encryption alone costs before any socket, copy or sum.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import statistics
@@ -38,7 +44,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from _shaping import LINK_BUFFER
+from _shaping import KERNEL_BURST, LINK_BUFFER, KernelShaper
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
@@ -62,15 +68,21 @@ async def swarm_worker(args: argparse.Namespace) -> None:
     import numpy as np
     import torch
     import trio
-    from _shaping import ShapedNetwork
+    from _shaping import BoundTcpNetwork, ShapedNetwork, peer_address
 
-    from peer import open_peer
+    from peer import Network, open_peer
     from training import Averager, AveragerConfig
 
     torch.set_num_threads(1)
-    network = ShapedNetwork(args.rate, args.link_buffer) if args.rate else None
+    network: Network | None = None
+    host = "127.0.0.1"
+    if args.rate and args.shaper == "kernel":  # tc shapes what leaves our own address
+        host = peer_address(args.index)
+        network = BoundTcpNetwork(host)
+    elif args.rate:
+        network = ShapedNetwork(args.rate, args.link_buffer)
     initial = [args.initial_peer] if args.initial_peer else []
-    async with open_peer(listen="127.0.0.1:0", initial_peers=initial, network=network) as node:
+    async with open_peer(listen=f"{host}:0", initial_peers=initial, network=network) as node:
         _emit({"address": node.address})
         await trio.to_thread.run_sync(sys.stdin.readline)  # everybody is up: go
         tensor = torch.from_numpy(
@@ -129,12 +141,14 @@ def run_swarm(n: int, rate: float, args: argparse.Namespace) -> dict[str, Any]:
     base = [sys.executable, __file__, "--worker", "--size", str(args.size), "--rate", str(rate)]
     base += ["--steps", str(args.steps), "--warmup", "1", "--window", str(args.window)]
     base += ["--timeout", str(args.timeout), "--codecs", *args.codecs]
-    base += ["--link-buffer", str(args.link_buffer)]
+    base += ["--link-buffer", str(args.link_buffer), "--shaper", args.shaper]
     for name in ("chunk_bytes", "max_inflight"):
         if getattr(args, name) is not None:
             base += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     procs: list[subprocess.Popen[str]] = []
+    shaper = KernelShaper(n, rate) if rate and args.shaper == "kernel" else contextlib.nullcontext()
     try:
+        shaper.__enter__()
         address = ""
         profile = os.environ.get("ALLREDUCE_PROFILE")  # a folder: py-spy each worker
         for i in range(n):
@@ -170,6 +184,7 @@ def run_swarm(n: int, rate: float, args: argparse.Namespace) -> dict[str, Any]:
         for p in procs:
             if p.poll() is None:
                 p.kill()
+        shaper.__exit__(None, None, None)
     if trace := os.environ.get("ALLREDUCE_TRACE"):  # a folder: every worker's raw rows
         Path(trace, f"rows{n}_{int(rate)}.json").write_text(json.dumps(rows))
     return summarize(rows, n, rate, args)
@@ -324,6 +339,13 @@ def main() -> None:
         default=LINK_BUFFER,
         help="shaped links: bytes written ahead of the link (the socket buffer; see _shaping)",
     )
+    parser.add_argument(
+        "--shaper",
+        choices=["auto", "kernel", "stream"],
+        default="auto",
+        help="shaped links: kernel (Linux tc on the loopback device; needs root), stream"
+        " (a rate-limiting stream wrapper in each peer), auto (kernel when it can run)",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--gloo-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
@@ -341,12 +363,21 @@ def main() -> None:
     if args.gloo_worker:
         gloo_worker(args)
         return
+    if args.shaper != "stream" and (why := KernelShaper.unavailable()):
+        if args.shaper == "kernel":
+            parser.error(f"--shaper kernel: {why}")
+        print(f"kernel shaping unavailable ({why}): stream shaper", file=sys.stderr)
+        args.shaper = "stream"
+    elif args.shaper == "auto":
+        args.shaper = "kernel"
     report: dict[str, Any] = {
         "size_elements": args.size,
         "size_mib": args.size * 4 / (1 << 20),
         "cpus": os.cpu_count(),
         "steps": args.steps,
-        "link_buffer_bytes": args.link_buffer,
+        "shaper": args.shaper,
+        # slack of the shaped links: bytes a peer may send at once beyond the rate
+        "link_buffer_bytes": KERNEL_BURST if args.shaper == "kernel" else args.link_buffer,
         "runs": {},
     }
     for n in args.peers:
