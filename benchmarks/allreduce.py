@@ -15,13 +15,14 @@ the figure to watch on a loaded machine), and how many large buffers a peer allo
 step (``fresh_buffers``: received frames, upload blobs, results; each one page-faults).
 ``--chunk-bytes`` and ``--max-inflight`` override the ``AveragerConfig`` defaults.
 Shaped runs add the wire-time lower bound ``2 (n-1)/n * encoded bytes / rate`` and the
-ratio to it. ``--shaper kernel`` (the default where it can run: Linux, root, ``tc``) has the
-kernel shape each peer's uplink on the loopback device (an HTB class per peer address, see
-``_shaping.KernelShaper``), so the link goes on moving while the peer computes, as a NIC
-does; ``--shaper stream`` (the fallback) shapes inside each peer with a rate-limiting stream
-wrapper, which moves bytes only while the peer's event loop runs. The report names the
-shaper. Every peer is its own process
-(one trio loop, one core's worth of Python); the Noise channel encrypts every byte.
+ratio to it. Two shapers, named in the report: ``--shaper stream`` (the default) shapes
+inside each peer with a rate-limiting stream wrapper, which moves bytes only while the
+peer's event loop runs; ``--shaper kernel`` (Linux, root, ``tc``) has the kernel shape each
+peer's uplink on the loopback device (an HTB class per peer address, see
+``_shaping.KernelShaper``): the link goes on moving while the peer computes, as a NIC does,
+and real TCP runs through a bottleneck queue, acknowledgements behind bulk data. Every peer
+is its own process (one trio loop, one core's worth of Python); the Noise channel encrypts
+every byte.
 
 Two floors say what the machine allows, measured in the same run: ``cpu_floor_s`` (each
 result: ``cpu_s`` x peers / cores, the round time if the peers' CPU work overlapped
@@ -341,10 +342,10 @@ def main() -> None:
     )
     parser.add_argument(
         "--shaper",
-        choices=["auto", "kernel", "stream"],
-        default="auto",
-        help="shaped links: kernel (Linux tc on the loopback device; needs root), stream"
-        " (a rate-limiting stream wrapper in each peer), auto (kernel when it can run)",
+        choices=["stream", "kernel"],
+        default="stream",
+        help="shaped links: stream (a rate-limiting stream wrapper in each peer) or kernel"
+        " (Linux tc on the loopback device; needs root)",
     )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--gloo-worker", action="store_true", help=argparse.SUPPRESS)
@@ -363,13 +364,8 @@ def main() -> None:
     if args.gloo_worker:
         gloo_worker(args)
         return
-    if args.shaper != "stream" and (why := KernelShaper.unavailable()):
-        if args.shaper == "kernel":
-            parser.error(f"--shaper kernel: {why}")
-        print(f"kernel shaping unavailable ({why}): stream shaper", file=sys.stderr)
-        args.shaper = "stream"
-    elif args.shaper == "auto":
-        args.shaper = "kernel"
+    if args.shaper == "kernel" and (why := KernelShaper.unavailable()):
+        parser.error(f"--shaper kernel: {why}")
     report: dict[str, Any] = {
         "size_elements": args.size,
         "size_mib": args.size * 4 / (1 << 20),
