@@ -15,6 +15,11 @@ Rules:
   trips, not requests).
 - The lookup ends when the k closest live candidates have all answered (or fewer,
   when the network knows fewer), and nothing is in flight.
+- A request left unanswered through a silence of the hedge delay (no answer at all for
+  that long) is given up on: it stops counting as in flight and among the k closest, so
+  the next candidate takes its place, and a late answer is still used. Requests given up
+  on and still unanswered when the lookup ends are cancelled and reported (a frozen node
+  costs a lookup about two round trips, not the whole request timeout).
 - Hops: the seeds are hop 1; a node first named by a hop-h node is hop h + 1.
   ``rounds`` is the largest hop among the nodes that answered.
 """
@@ -43,6 +48,7 @@ class _Status(enum.Enum):
     IN_FLIGHT = enum.auto()
     ANSWERED = enum.auto()
     FAILED = enum.auto()
+    GIVEN_UP = enum.auto()  # in flight, but no longer waited for
 
 
 @dataclass(slots=True)
@@ -113,11 +119,32 @@ class LookupState:
         """How many requests may be in flight now."""
         return self.k if self.converged else alpha
 
+    def in_flight_nodes(self) -> list[NodeInfo]:
+        """Nodes asked and still waited for."""
+        return [c.node for c in self._candidates.values() if c.status is _Status.IN_FLIGHT]
+
+    def give_up(self, node: NodeInfo) -> None:
+        """Stop waiting for ``node`` (too slow): the next candidate takes its place among
+        the k closest; its answer, should it come, still counts."""
+        candidate = self._candidates[node.peer_id]
+        if candidate.status is not _Status.IN_FLIGHT:
+            return
+        candidate.status = _Status.GIVEN_UP
+        self.in_flight -= 1
+        self._order.remove((candidate.distance, node.peer_id))
+
+    def given_up(self) -> list[NodeInfo]:
+        """Nodes given up on that never answered nor failed."""
+        return [c.node for c in self._candidates.values() if c.status is _Status.GIVEN_UP]
+
     def on_answer(self, node: NodeInfo, nodes: Iterable[NodeInfo]) -> None:
         self.answers += 1
         candidate = self._candidates[node.peer_id]
+        if candidate.status is _Status.GIVEN_UP:  # late, but alive: back among the closest
+            bisect.insort(self._order, (candidate.distance, node.peer_id))
+        else:
+            self.in_flight -= 1
         candidate.status = _Status.ANSWERED
-        self.in_flight -= 1
         closest_before = self._closest_seen
         for other in nodes:
             self.add(other, candidate.hop + 1)
@@ -129,10 +156,11 @@ class LookupState:
 
     def on_failure(self, node: NodeInfo) -> None:
         candidate = self._candidates[node.peer_id]
-        candidate.status = _Status.FAILED
-        self.in_flight -= 1
         self.failed += 1
-        self._order.remove((candidate.distance, node.peer_id))
+        if candidate.status is not _Status.GIVEN_UP:
+            self.in_flight -= 1
+            self._order.remove((candidate.distance, node.peer_id))
+        candidate.status = _Status.FAILED
 
     def done(self) -> bool:
         if self.in_flight:
@@ -165,6 +193,8 @@ async def iterative_lookup(
     stop: Callable[[], bool] | None = None,
     wanted: Callable[[], int] | None = None,
     hedge_after: float = math.inf,
+    may_hedge: Callable[[], bool] = lambda: True,
+    on_given_up: Callable[[NodeInfo], None] | None = None,
 ) -> LookupResult:
     """Run one lookup of ``target`` from ``seeds``, with ``alpha`` queries in flight.
 
@@ -173,10 +203,14 @@ async def iterative_lookup(
     ``stop()``, when given, is asked after each answer: True ends the lookup at once
     (queries in flight are cancelled), e.g. when a value was found. ``wanted()``, when
     given, caps the queries in flight at how many more answers could end the lookup (a get
-    that needs two more holders keeps two in flight, not the converged lookup's k). Each
-    silence of twice the first answer's delay (at least 50 ms, at most ``hedge_after``
-    seconds, which is also the wait before any answer) lifts that cap by one: a dead or
-    frozen node among those asked costs about two round trips, not its whole timeout.
+    that needs two more holders keeps two in flight, not the converged lookup's k).
+
+    Hedging: each silence of twice the first answer's delay (at least 50 ms, at most
+    ``hedge_after`` seconds, which is also the wait before any answer) gives up on the
+    oldest request in flight (see the module rules), when ``may_hedge()`` allows it (False
+    while our own requests queue for a slot: then the silence is ours, not the peer's).
+    ``on_given_up(node)`` is called for each request given up on that was still unanswered
+    at the end (cancelled then).
 
     Raises:
         Exception: whatever ``query`` raises (a bug there, not a dead peer).
@@ -189,18 +223,19 @@ async def iterative_lookup(
     async def ask(node: NodeInfo) -> None:
         send.send_nowait((node, await query(node)))
 
-    hedged = 0  # requests allowed beyond wanted(): those in flight are slow to answer
-    hedge_delay = hedge_after if wanted is not None else math.inf
+    hedge_delay = hedge_after
     start = trio.current_time()
+    sent_at: dict[PeerID, float] = {}
     async with trio.open_nursery() as nursery:
         while True:
             limit = state.parallelism(alpha)
             if wanted is not None:
-                limit = min(limit, max(wanted(), 1) + hedged)
+                limit = min(limit, max(wanted(), 1))
             while state.in_flight < limit:
                 next_node = state.next_to_query()
                 if next_node is None:
                     break
+                sent_at[next_node.peer_id] = trio.current_time()
                 nursery.start_soon(ask, next_node)
             if state.in_flight == 0:
                 break
@@ -208,10 +243,12 @@ async def iterative_lookup(
             with trio.move_on_after(hedge_delay):
                 received = await receive.receive()
             if received is None:  # nothing answered for hedge_delay seconds
-                hedged += 1
+                if may_hedge():
+                    waiting = state.in_flight_nodes()
+                    state.give_up(min(waiting, key=lambda n: sent_at[n.peer_id]))
                 continue
             node, answer = received
-            if answer is not None and state.answers == 0 and wanted is not None:
+            if answer is not None and state.answers == 0:
                 first = trio.current_time() - start
                 hedge_delay = min(hedge_after, max(2 * first, _MIN_HEDGE_DELAY))
             if answer is None:
@@ -219,6 +256,9 @@ async def iterative_lookup(
             else:
                 state.on_answer(node, answer)
                 if stop is not None and stop():
-                    nursery.cancel_scope.cancel()
                     break
+        nursery.cancel_scope.cancel()  # requests given up on and still unanswered
+    if on_given_up is not None:
+        for node in state.given_up():
+            on_given_up(node)
     return state.result()

@@ -320,10 +320,17 @@ class DHT:
             stop=stop,
             wanted=wanted,
             hedge_after=self.config.hedge_after,
+            may_hedge=self.protocol.has_free_slot,
+            on_given_up=self._given_up,
         )
         self.table.mark_lookup(target, trio.current_time())
         self.stats.record(result)
         return result
+
+    def _given_up(self, node: NodeInfo) -> None:
+        # A request outlasted a lookup's hedging: as a timeout (it counts toward
+        # max_failures, so a frozen node leaves the table after a few lookups).
+        self.table.record_failure(node.peer_id, timed_out=True)
 
     def _among_closest(self, target: DHTID, closest: Sequence[NodeInfo]) -> bool:
         if len(closest) < self.config.k:

@@ -176,6 +176,10 @@ class DHTProtocol:
 
     # ---- calls -----------------------------------------------------------------------
 
+    def has_free_slot(self) -> bool:
+        """Whether a call would start now (no call of ours waits for a slot)."""
+        return self._limiter.available_tokens > 0
+
     async def ping(self, node: NodeInfo) -> bool:
         """True when ``node`` answered a ping in time."""
         return await self._call(node, PingRequest(self.sender), PingResponse) is not None

@@ -364,3 +364,32 @@ async def test_a_newcomer_closest_to_a_key_is_handed_it_at_once(
                 kill(net, sim)
             assert await newcomer.peer.dht.get("handover/x") == "v"
             nursery.cancel_scope.cancel()
+
+
+async def test_a_frozen_peer_costs_round_trips_not_timeouts(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A peer that stops answering but keeps its connections open (SIGSTOP): stores, gets
+    and misses around it take a few round trips instead of request_timeout (3 s), and the
+    peers that keep asking it drop it from their tables after max_failures lookups."""
+    net = MemoryNetwork(latency=LATENCY)
+    config = PeerConfig()
+    with trio.fail_after(600):
+        async with trio.open_nursery() as nursery:
+            swarm = await start_swarm(nursery, net, 16, config)  # fewer than k: all hold all
+            for sim in swarm:
+                await sim.peer.dht.find_peers()
+            frozen, user = swarm[5], swarm[9]
+            net.freeze_host(frozen.host)
+            durations = []
+            for i in range(config.dht.max_failures + 1):
+                start = trio.current_time()
+                assert await user.peer.dht.store(f"frozen/{i}", i, ttl=600.0)
+                assert await user.peer.dht.get(f"frozen/{i}") == i
+                assert await user.peer.dht.get(f"frozen/missing{i}") is None
+                durations.append(trio.current_time() - start)
+            print(f"\nstore + get + miss with a frozen peer: {[round(d, 2) for d in durations]} s")
+            assert max(durations) < config.dht.request_timeout
+            assert frozen.peer.peer_id not in user.peer.dht.table
+            net.unfreeze_host(frozen.host)
+            nursery.cancel_scope.cancel()

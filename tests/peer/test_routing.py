@@ -308,3 +308,66 @@ async def test_lookup_asks_one_more_node_when_the_wanted_ones_are_slow(
     assert holders == 2 and result.queried == 3
     # the live one answers at 0.1 s; 0.2 s of silence; one more request of 0.1 s
     assert trio.current_time() - start == pytest.approx(0.4)
+
+
+async def test_a_lookup_gives_up_on_a_frozen_node_and_takes_the_next_one(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A frozen node among the k closest costs a plain lookup (a store's, a miss's) about
+    two round trips, not its request's timeout: its place goes to the next candidate, and
+    it is reported so that the routing table can count it as a timeout."""
+    frozen = node(100)
+    given_up: list[NodeInfo] = []
+
+    async def query(asker: NodeInfo) -> list[NodeInfo] | None:
+        await trio.sleep(3 if asker == frozen else 0.1)
+        return None if asker == frozen else []
+
+    seeds = [node(i) for i in range(100, 120)]
+    start = trio.current_time()
+    result = await iterative_lookup(
+        0, seeds, query, k=10, alpha=3, hedge_after=1.0, on_given_up=given_up.append
+    )
+    assert trio.current_time() - start < 1.0  # not the 3 s timeout
+    assert given_up == [frozen]
+    assert [DHTID.from_peer_id(n.peer_id) for n in result.closest] == list(range(101, 111))
+
+
+async def test_a_late_answer_still_counts(autojump_clock: trio.testing.MockClock) -> None:
+    """A node given up on that answers before the lookup ends is back among the closest."""
+    slow = node(100)
+    asked: list[tuple[float, NodeInfo]] = []
+
+    async def query(asker: NodeInfo) -> list[NodeInfo]:
+        asked.append((trio.current_time(), asker))
+        await trio.sleep(0.35 if asker == slow else 0.1)
+        return []
+
+    seeds = [node(i) for i in range(100, 104)]
+    given_up: list[NodeInfo] = []
+    result = await iterative_lookup(
+        0, seeds, query, k=3, alpha=3, hedge_after=1.0, on_given_up=given_up.append
+    )
+    # 101 and 102 answer at 0.1 s; after 0.2 s of silence 103 takes the slow one's place
+    assert asked[-1] == (pytest.approx(0.3), node(103))
+    assert list(result.closest) == [slow, node(101), node(102)] and given_up == []
+
+
+async def test_no_hedging_while_our_own_requests_queue(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """``may_hedge() == False`` (our requests wait for a slot): silence is ours, so the
+    lookup waits for the slow node instead of asking more."""
+    slow = node(100)
+
+    async def query(asker: NodeInfo) -> list[NodeInfo]:
+        await trio.sleep(2 if asker == slow else 0.1)
+        return []
+
+    seeds = [node(i) for i in range(100, 110)]
+    start = trio.current_time()
+    result = await iterative_lookup(
+        0, seeds, query, k=10, alpha=3, hedge_after=1.0, may_hedge=lambda: False
+    )
+    assert trio.current_time() - start == pytest.approx(2.0)
+    assert slow in result.closest and result.queried == 10
