@@ -483,7 +483,8 @@ class DHT:
 
     async def get(self, key: str, *, latest: bool = True) -> Any:
         """The value under ``key``: a plain value, ``{subkey: value}`` for a dictionary
-        key, or None when nothing live is stored.
+        key (a plain value stored beside subkeys is the ``None`` entry there), or None when
+        nothing live is stored.
 
         Raises:
             RecordTooLargeError: (a ValueError) the key is over MAX_KEY_BYTES.
@@ -491,7 +492,7 @@ class DHT:
         entries = await self.get_entries(key, latest=latest)
         if not entries:
             return None
-        if None in entries:
+        if len(entries) == 1 and None in entries:
             return entries[None][0]
         return {subkey: value for subkey, (value, _) in entries.items()}
 

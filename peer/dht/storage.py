@@ -1,11 +1,11 @@
 """The local value store: ``key -> {subkey -> Entry}`` with expiry on an injected clock.
 
 Rules (the same ones merge answers from many nodes in a lookup, see :func:`merge_entry`):
-- A key holds either one plain value (subkey ``None``) or a dictionary of subkeys.
+- A key holds a dictionary of subkeys; a plain value is the subkey ``None``, one subkey
+  among the others (so no store, signed or not, can push another writer's subkey out:
+  an unsigned plain value must not erase owner-bound entries).
 - Per subkey, the later expiration wins; an identical entry is accepted again (a
   republish), an older or equally old different one is refused (a replay).
-- A plain value replaces a dictionary only when it outlives every subkey of it, and a
-  subkey replaces a plain value only when it outlives that value.
 - A full dictionary (``max_subkeys``) drops its soonest-expiring subkey for a newcomer
   that outlives it, and refuses it otherwise.
 - Entries vanish at their expiration (``expiration <= now``); every store is first
@@ -42,20 +42,9 @@ def merge_entry(record: Record, entry: Entry, max_subkeys: int = MAX_SUBKEYS_PER
     """
     subkey = entry.subkey
     old = record.get(subkey)
-    if old is not None and old == entry:
-        return True
-    if subkey is None:
-        if record and max(e.expiration for e in record.values()) >= entry.expiration:
-            return False
-        record.clear()
-        record[None] = entry
-        return True
-    plain = record.get(None)
-    if plain is not None:
-        if plain.expiration >= entry.expiration:
-            return False
-        del record[None]
     if old is not None:
+        if old == entry:
+            return True
         if old.expiration >= entry.expiration:
             return False
     elif len(record) >= max_subkeys:

@@ -247,6 +247,25 @@ async def test_values_expire_and_dictionaries_merge_across_peers(
             nursery.cancel_scope.cancel()
 
 
+async def test_a_plain_value_cannot_erase_owner_bound_subkeys(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A plain value is the None subkey beside the others: a vandal's long-lived plain
+    store leaves every owner's entry in place, and the owners can still update theirs."""
+    net = MemoryNetwork(latency=LATENCY)
+    with trio.fail_after(600):
+        async with trio.open_nursery() as nursery:
+            swarm = await start_swarm(nursery, net, 12, PeerConfig())
+            owner, vandal, reader = swarm[3].peer, swarm[7].peer, swarm[10].peer.dht
+            mine = str(owner.peer_id)
+            assert await owner.dht.store("run/peers", "here", ttl=60.0, subkey=mine)
+            assert await vandal.dht.store("run/peers", "wiped", ttl=86400.0)
+            assert await reader.get("run/peers") == {mine: "here", None: "wiped"}
+            assert await owner.dht.store("run/peers", "still here", ttl=120.0, subkey=mine)
+            assert (await reader.get("run/peers"))[mine] == "still here"
+            nursery.cancel_scope.cancel()
+
+
 async def test_client_mode_peers_use_the_dht_but_never_enter_tables(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

@@ -59,16 +59,17 @@ def test_later_expiration_wins_and_older_replays_lose(storage: DHTStorage, clock
     assert storage.expire() == 0 and storage.get(KEY) == {"a": newest}
 
 
-def test_plain_value_and_dictionary_replace_each_other_by_expiration(clock: Clock) -> None:
+def test_a_plain_value_is_one_subkey_among_the_others(clock: Clock) -> None:
+    """No store pushes another subkey out: an unsigned plain value with a long ttl must not
+    erase owner-bound entries (nor a subkey a plain value)."""
     record: dict = {}
     a, b = Entry("a", b"1", clock.now + 10), Entry("b", b"2", clock.now + 30)
     assert merge_entry(record, a) and merge_entry(record, b)
-    assert not merge_entry(record, Entry(None, b"p", clock.now + 20))  # b outlives it
     plain = Entry(None, b"p", clock.now + 40)
-    assert merge_entry(record, plain) and record == {None: plain}
-    assert not merge_entry(record, Entry("c", b"3", clock.now + 40))
-    c = Entry("c", b"3", clock.now + 50)
-    assert merge_entry(record, c) and record == {"c": c}
+    assert merge_entry(record, plain) and record == {"a": a, "b": b, None: plain}
+    assert not merge_entry(record, Entry(None, b"q", clock.now + 20))  # older: refused
+    c = Entry("c", b"3", clock.now + 5)
+    assert merge_entry(record, c) and record[None] == plain and record["c"] == c
 
 
 def test_full_dictionary_drops_soonest_expiring_for_a_longer_lived_newcomer(clock: Clock) -> None:
