@@ -330,7 +330,7 @@ class DHT:
     def _given_up(self, node: NodeInfo) -> None:
         # A request outlasted a lookup's hedging: as a timeout (it counts toward
         # max_failures, so a frozen node leaves the table after a few lookups).
-        self.table.record_failure(node.peer_id, timed_out=True)
+        self.protocol.record_failure(node, timed_out=True)
 
     def _among_closest(self, target: DHTID, closest: Sequence[NodeInfo]) -> bool:
         if len(closest) < self.config.k:

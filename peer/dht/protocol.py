@@ -99,8 +99,10 @@ class DHTProtocol:
             return
         known = node.peer_id in self.table
         to_ping = self.table.update(node, self._now())
-        if not known and node.peer_id in self.table and self.on_new_contact is not None:
-            self.on_new_contact(node)
+        if not known and node.peer_id in self.table:
+            logger.info("peer joined: %s at %s", node.peer_id.short(), node.address)
+            if self.on_new_contact is not None:
+                self.on_new_contact(node)
         if to_ping is not None:
             try:
                 self._ping_send.send_nowait(to_ping)
@@ -122,6 +124,8 @@ class DHTProtocol:
             async for node in receive:
                 alive = await self.ping(node)
                 self.table.ping_result(node.peer_id, alive=alive, now=self._now())
+                if not alive and node.peer_id not in self.table:
+                    logger.info("peer left: %s (no answer to a ping)", node.peer_id.short())
 
         async with trio.open_nursery() as nursery:
             for _ in range(self.config.max_parallel_pings):
@@ -232,8 +236,17 @@ class DHTProtocol:
         finally:
             self._limiter.release()
         self.calls_failed += 1
-        self.table.record_failure(node.peer_id, timed_out=maybe_alive)
+        self.record_failure(node, timed_out=maybe_alive)
         return None
+
+    def record_failure(self, node: NodeInfo, *, timed_out: bool) -> None:
+        """Count a failed or timed-out request against ``node`` (see the routing table's
+        rules); logs when that takes it out of the table."""
+        known = node.peer_id in self.table
+        self.table.record_failure(node.peer_id, timed_out=timed_out)
+        if known and node.peer_id not in self.table:
+            why = "requests timed out" if timed_out else "a request failed"
+            logger.info("peer left: %s (%s)", node.peer_id.short(), why)
 
     def _address_of(self, hostport: str, peer_id: PeerID) -> Address:
         key = (hostport, peer_id)

@@ -15,6 +15,7 @@ of the design (500 peers, 1000 keys, ~10 min, several GB) runs with
 from __future__ import annotations
 
 import gc
+import logging
 import math
 import os
 import random
@@ -263,6 +264,27 @@ async def test_a_plain_value_cannot_erase_owner_bound_subkeys(
             assert await reader.get("run/peers") == {mine: "here", None: "wiped"}
             assert await owner.dht.store("run/peers", "still here", ttl=120.0, subkey=mine)
             assert (await reader.get("run/peers"))[mine] == "still here"
+            nursery.cancel_scope.cancel()
+
+
+async def test_joins_and_leaves_are_logged_at_info(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """What `swarm bootstrap` shows its operator: peers entering and leaving its table."""
+    caplog.set_level(logging.INFO, logger="peer.dht")
+    net = MemoryNetwork(latency=LATENCY)
+    with trio.fail_after(600):
+        async with trio.open_nursery() as nursery:
+            swarm = await start_swarm(nursery, net, 4, PeerConfig())
+            gone = swarm[2]
+            joined = [r.getMessage() for r in caplog.records if "peer joined" in r.getMessage()]
+            assert any(gone.peer.peer_id.short() in message for message in joined)
+            kill(net, gone)
+            for _ in range(PeerConfig().dht.max_failures):
+                await swarm[0].peer.dht.find_peers()
+            assert gone.peer.peer_id not in swarm[0].peer.dht.table
+            left = [r.getMessage() for r in caplog.records if "peer left" in r.getMessage()]
+            assert any(gone.peer.peer_id.short() in message for message in left)
             nursery.cancel_scope.cancel()
 
 
