@@ -179,7 +179,7 @@ def run_in_background(
             "run_in_background() blocks the calling thread and cannot run inside trio; "
             "use `async with peer.open_peer(...)` in async code"
         )
-    initial = list(initial_peers)
+    initial = [initial_peers] if isinstance(initial_peers, str | Address) else list(initial_peers)
     ready = threading.Event()
     started: list[BackgroundPeer] = []
     failure: list[BaseException] = []

@@ -100,7 +100,8 @@ async def open_peer(
     Args:
         listen: ``HOST:PORT`` to accept connections on (port 0: any free one); None, or
             ``client_mode=True``, makes a client-mode peer that listens nowhere.
-        initial_peers: ``PEERID@HOST:PORT`` or ``HOST:PORT`` of peers already in the swarm.
+        initial_peers: ``PEERID@HOST:PORT`` or ``HOST:PORT`` of peers already in the swarm
+            (a list; a single string is taken as one address).
         identity: an Identity, a key-file path (created when missing), or None (fresh).
         network: where connections come from (default: real TCP).
         config: host and DHT tuning.
@@ -118,6 +119,8 @@ async def open_peer(
     dht_config = replace(config.dht, client_mode=client)
     me = load_identity(identity)
     listen_address = None if client or listen is None else Address.parse(listen)
+    if isinstance(initial_peers, str | Address):  # one address, not its characters
+        initial_peers = [initial_peers]
     peers = [p if isinstance(p, Address) else Address.parse(p) for p in initial_peers]
     body_error: BaseException | None = None
     async with open_rpc_host(

@@ -359,13 +359,19 @@ class DHT:
             RecordError: the subkey or the key is bound to another peer, or the subkey
                 is of a wrong type.
             ValueError: ``ttl`` is not in (0, MAX_TTL].
-            TypeError: ``value`` cannot be serialized with msgpack.
+            TypeError: ``ttl`` is not a number, or ``value`` cannot be serialized with
+                msgpack (or would not read back: a tuple as a dict key).
         """
         key_id = check_key(key)
+        if not isinstance(ttl, int | float) or isinstance(ttl, bool):
+            raise TypeError(f"ttl must be a number of seconds, got {type(ttl).__name__}")
         if not 0 < ttl <= MAX_TTL:
             raise ValueError(f"ttl must be in (0, {MAX_TTL}] seconds, got {ttl}")
         try:
             data = msgpack.packb(value, use_bin_type=True)
+            # what readers will get must unpack too: a tuple as a dict key packs, but comes
+            # back as a list, which no dict can hold
+            msgpack.unpackb(data, raw=False, strict_map_key=False)
         except (TypeError, ValueError, OverflowError) as exc:
             raise TypeError(
                 f"DHT values must be msgpack-serializable (None, bool, int, float, str, bytes,"

@@ -51,7 +51,8 @@ def test_startup_errors_reach_the_caller() -> None:
 def test_client_mode_peer_has_no_address_but_queries() -> None:
     with (
         peer.run_in_background() as server,
-        peer.run_in_background(initial_peers=[server.address], client_mode=True) as client,
+        # one address as a plain string works too (not as a list of its characters)
+        peer.run_in_background(initial_peers=server.address, client_mode=True) as client,
     ):
         assert client.address == str(client.peer_id)
         assert client.dht.store("bg/client", "hi", ttl=30.0)

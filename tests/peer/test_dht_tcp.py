@@ -96,11 +96,13 @@ async def test_50_tcp_peers_store_get_and_reject_forgeries() -> None:
             with pytest.raises(ValueError, match="MAX_KEY_BYTES"):
                 await first.dht.get("k" * 10_000)
             # so are values msgpack cannot carry, and bad ttls
-            for bad in (object(), 2**70, {"a": {1, 2}}):
+            for bad in (object(), 2**70, {"a": {1, 2}}, {(1, 2): 3}):  # a tuple key: no read
                 with pytest.raises(TypeError, match="msgpack-serializable"):
                     await first.dht.store("tcp/bad", bad)
             with pytest.raises(ValueError, match="ttl"):
                 await first.dht.store("tcp/bad", 1, ttl=0)
+            with pytest.raises(TypeError, match="ttl must be a number"):
+                await first.dht.store("tcp/bad", 1, ttl="60")  # type: ignore[arg-type]
             nursery.cancel_scope.cancel()
     print(
         f"\n{N_PEERS} TCP peers joined in {joined - started:.1f} s; {N_KEYS} stores and gets "
