@@ -19,7 +19,8 @@ class RemoteError(SwarmError):
     """The remote handler raised or refused the request.
 
     ``code`` is a short machine-readable word; the ones swarm uses are ``"not_found"``,
-    ``"bad_request"``, ``"busy"``, ``"internal"``, ``"unknown_method"`` and ``"timeout"``.
+    ``"bad_request"``, ``"internal"``, ``"unknown_method"``, ``"timeout"`` and
+    ``"unavailable"`` (see docs/protocol.md, section 4.3).
     A handler may raise ``RemoteError(code, message)`` itself to answer with a typed error.
     """
 

@@ -469,7 +469,7 @@ class RpcConnection:
             logger.debug("%r: reply to %s too large: %s", self, method, exc)
             return "internal", "reply too large"
         logger.debug("%r: handler %s failed", self, method, exc_info=True)
-        return "internal", f"{type(exc).__name__}: {exc}"
+        return "internal", type(exc).__name__  # its text may hold local details
 
     async def _answer(self, request: Request, request_id: int) -> None:
         method = request.method

@@ -89,7 +89,7 @@ async def test_remote_errors_are_typed(autojump_clock: trio.testing.MockClock) -
             b.register_stream("echo", echo)  # type: ignore[arg-type]
         expected = {
             "not_found": ("not_found", "no such key"),
-            "crash": ("internal", "ValueError: boom"),
+            "crash": ("internal", "ValueError"),
             "bad": ("bad_request", "malformed body"),
             "nope": ("unknown_method", "no method 'nope'"),
         }
@@ -135,7 +135,7 @@ async def test_quick_handlers_answer_on_the_reader(
             assert reply.body == {"body": {"x": 1}} and bytes(reply.payload) == b"data"
             for method, code, message in [
                 ("not_found", "not_found", "no such key"),
-                ("crash", "internal", "ValueError: boom"),
+                ("crash", "internal", "ValueError"),
                 ("bad", "bad_request", "malformed body"),
             ]:
                 with pytest.raises(RemoteError) as info:
