@@ -58,6 +58,12 @@ logger = logging.getLogger(__name__)
 _REPUBLISH_PARALLEL = 4
 _HANDOVER_QUEUE = 64
 _HANDOVER_MAX_KEYS = 10_000  # a handover scans every key we hold, once per new contact
+# The closest holders of a key that hand it to a newcomer: more than one, because the
+# closest may not know the newcomer, or may not hold the key yet (its own handover is
+# still on the way when the newcomer meets it).
+_HANDOVER_SENDERS = 3
+_HANDOVER_PARALLEL = 8  # STOREs in flight to one newcomer (a round trip each, one key each)
+_HANDOVER_NEWCOMERS = 4  # newcomers served at once
 
 
 @dataclass(slots=True)
@@ -209,16 +215,25 @@ class DHT:
             logger.debug("handover queue full: %s waits for republish", node.peer_id.short())
 
     async def _hand_over_to_newcomers(self) -> None:
-        async for node in self._newcomers:
+        slots = trio.Semaphore(_HANDOVER_NEWCOMERS)  # the rest wait in the bounded queue
+
+        async def one(node: NodeInfo) -> None:
             try:
                 await self.hand_over(node)
             except SwarmError:
                 logger.debug("handover to %s failed", node.peer_id.short(), exc_info=True)
+            finally:
+                slots.release()
+
+        async with trio.open_nursery() as nursery:
+            async for node in self._newcomers:
+                await slots.acquire()
+                nursery.start_soon(one, node)
 
     async def hand_over(self, node: NodeInfo) -> int:
-        """Store at ``node``, a new contact, the keys we hold for which it is now the
-        closest node we know while we were the closest before (the paper's join rule,
-        with one sender per key: the previous closest holder, not all k).
+        """Store at ``node``, a new contact, the keys we hold for which it is among the k
+        closest nodes we know, when we are among the ``_HANDOVER_SENDERS`` (3) closest to the
+        key of the others (the paper's join rule, with a few senders per key, not all k).
 
         Returns:
             How many keys were handed over.
@@ -231,26 +246,40 @@ class DHT:
         if len(self.storage) > _HANDOVER_MAX_KEYS:
             return 0  # one pass per newcomer would cost too much: republish covers it
         new_id = DHTID.from_peer_id(node.peer_id)
-        sent = 0
+        todo: list[tuple[DHTID, str]] = []
         for index, key_id in enumerate(self.storage.keys()):
             if index % 256 == 255:
                 await trio.lowlevel.checkpoint()
-            ours = self.node_id ^ key_id
             name = self.storage.name_of(key_id)
-            if new_id ^ key_id >= ours or name is None:
+            if name is None:
                 continue
-            others = [n for n in self.table.nearest(key_id, 2) if n.peer_id != node.peer_id]
-            if others and DHTID.from_peer_id(others[0].peer_id) ^ key_id < ours:
-                continue  # a closer holder hands it over
-            entries = tuple(self.storage.get(key_id).values())
-            if not entries:
-                continue
-            for start in range(0, len(entries), MAX_ENTRIES_PER_STORE):
-                chunk = entries[start : start + MAX_ENTRIES_PER_STORE]
-                stored = await self.protocol.store(node, key_id, name, chunk, want_nodes=False)
-                if stored is None:
-                    return sent  # gone or unreachable: republish covers the rest
-            sent += 1
+            ours, theirs = self.node_id ^ key_id, new_id ^ key_id
+            nearest = self.table.nearest(key_id, self.config.k + 1, exclude=node.peer_id)
+            distances = [DHTID.from_peer_id(n.peer_id) ^ key_id for n in nearest]
+            if sum(d < ours for d in distances) >= _HANDOVER_SENDERS:
+                continue  # closer holders hand it over
+            if sum(d < theirs for d in distances) + (ours < theirs) >= self.config.k:
+                continue  # not among the k closest: it need not hold the key
+            todo.append((key_id, name))
+        sent = 0
+        limiter = trio.CapacityLimiter(_HANDOVER_PARALLEL)
+
+        async def one(key_id: DHTID, name: str) -> None:
+            nonlocal sent
+            assert self.storage is not None
+            async with limiter:
+                entries = tuple(self.storage.get(key_id).values())
+                for start in range(0, len(entries), MAX_ENTRIES_PER_STORE):
+                    chunk = entries[start : start + MAX_ENTRIES_PER_STORE]
+                    reply = await self.protocol.store(node, key_id, name, chunk, want_nodes=False)
+                    if reply is None:  # gone or unreachable: republish covers the rest
+                        nursery.cancel_scope.cancel()
+                        return
+                sent += bool(entries)
+
+        async with trio.open_nursery() as nursery:
+            for key_id, name in todo:
+                nursery.start_soon(one, key_id, name)
         if sent:
             logger.debug("handed %d keys over to %s", sent, node.peer_id.short())
         return sent

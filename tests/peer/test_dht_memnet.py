@@ -434,3 +434,27 @@ async def test_a_frozen_peer_costs_round_trips_not_timeouts(
             assert frozen.peer.peer_id not in user.peer.dht.table
             net.unfreeze_host(frozen.host)
             nursery.cancel_scope.cancel()
+
+
+async def test_keys_survive_their_first_holders_after_the_network_grew(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Three peers store keys, 25 join, then the first three (holders and owners: no
+    republish) die: every newcomer among a key's k closest was handed the key."""
+    net = MemoryNetwork(latency=LATENCY)
+    with trio.fail_after(600):
+        async with trio.open_nursery() as nursery:
+            first = await start_swarm(nursery, net, 3, PeerConfig())
+            for i in range(50):
+                assert await first[i % 3].peer.dht.store(f"grown/{i}", i, ttl=3600.0)
+            newcomers = [
+                await nursery.start(_run_peer, net, index, [first[0].peer.address], PeerConfig())
+                for index in range(3, 28)
+            ]
+            await trio.sleep(2.0)  # far less than republish_interval
+            for sim in first:
+                kill(net, sim)
+            found = [await newcomers[i % 25].peer.dht.get(f"grown/{i}") == i for i in range(50)]
+            print(f"\nfound {sum(found)}/50 after the first holders died")
+            assert all(found)
+            nursery.cancel_scope.cancel()
