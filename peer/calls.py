@@ -101,6 +101,12 @@ class HandlerRegistry:
         self._check_free(method)
         self.streaming[method] = handler
 
+    def unregister(self, method: str) -> None:
+        """Stop serving ``method`` (requests for it answer ``unknown_method``; calls already
+        running finish). Unknown methods are ignored."""
+        for table in (self.unary, self.quick, self.streaming):
+            table.pop(method, None)
+
     def _check_free(self, method: str) -> None:
         if method in self.unary or method in self.quick or method in self.streaming:
             raise ValueError(f"method {method!r} is already registered")

@@ -150,6 +150,11 @@ class RpcHost:
         """
         self._handlers.register_stream(method, handler)
 
+    def unregister(self, method: str) -> None:
+        """Stop serving ``method``: later requests answer ``unknown_method`` (calls already
+        running finish); the name is free to register again."""
+        self._handlers.unregister(method)
+
     # -- calls -----------------------------------------------------------------------------
 
     async def call(

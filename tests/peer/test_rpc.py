@@ -560,3 +560,19 @@ async def test_a_cancelled_call_never_sends_its_payload_later(
             await trio.testing.wait_all_tasks_blocked()
             assert connection.closed  # the first call, still waiting, failed with it
             nursery.cancel_scope.cancel()
+
+
+def test_an_unregistered_method_is_free_again() -> None:
+    registry = HandlerRegistry()
+
+    async def handler(request: Request) -> Reply:
+        return Reply({})
+
+    registry.register("x.ping", handler)
+    with pytest.raises(ValueError, match="already registered"):
+        registry.register_stream("x.ping", handler)  # type: ignore[arg-type]
+    registry.unregister("x.ping")
+    registry.unregister("x.never")  # unknown: ignored
+    assert "x.ping" not in registry.unary
+    registry.register_quick("x.ping", lambda request: Reply({}))
+    assert "x.ping" in registry.quick

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 from collections.abc import AsyncIterator, Callable
+from contextlib import aclosing, asynccontextmanager
 from typing import Any
 
 import numpy as np
@@ -21,6 +22,7 @@ from test_averaging_support import (
     verify_round,
 )
 
+from protocol.address import Address
 from protocol.codecs import Codec
 from training import AveragingInfo, DropReason, Outcome, PartStatus
 from training.averaging.grouping import rank_key
@@ -165,6 +167,77 @@ async def test_member_lost_mid_round(
                 statuses = {p.status for p in info.parts if p.reducer != victim_id}
                 assert statuses == ({PartStatus.SOME} if acks == 2 else {PartStatus.ALL})
             await next_round_without(members, victim)
+
+
+class Watched:
+    """A result stream that calls ``on_item`` after each item it hands over."""
+
+    def __init__(self, items: AsyncIterator[Any], on_item: Callable[[], None]) -> None:
+        self.items = items
+        self.on_item = on_item
+
+    def __aiter__(self) -> Watched:
+        return self
+
+    async def __anext__(self) -> Any:
+        item = await self.items.__anext__()
+        self.on_item()
+        return item
+
+
+async def test_reducer_killed_after_its_result_header(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Everybody has the header of the victim's result (listing all four contributors), none
+    of its chunks: nobody's values in that part are averaged, so it lists no contributors."""
+    with trio.fail_after(300):
+        async with memnet_swarm(4) as (net, nodes):
+            members = make_members(nodes, SIZE, fast_config())
+            victim = non_leader(members)
+            victim_id = members[victim].peer_id
+            serve = ReducerService.results
+
+            async def header_only(self: ReducerService, member: Any) -> AsyncIterator[Any]:
+                async with aclosing(serve(self, member)) as items:
+                    async for item in items:
+                        yield item
+                        if self.plan.me == victim_id:  # the header went out: no chunks
+                            await trio.sleep_forever()
+
+            monkeypatch.setattr(ReducerService, "results", header_only)
+            headers: list[int] = []
+
+            def count_header() -> None:
+                headers.append(1)
+                if len(headers) == len(members) - 1:  # every survivor has it: kill the victim
+                    net.kill_host(host_of(victim))
+
+            for i, member in enumerate(members):
+                if i == victim:
+                    continue
+                rpc = member.averager.node.rpc
+
+                @asynccontextmanager
+                async def watching(
+                    address: Address, method: str, body: Any = None, payload: Any = b"",
+                    stream: Any = rpc.stream,
+                ) -> AsyncIterator[AsyncIterator[Any]]:  # fmt: skip
+                    async with stream(address, method, body, payload) as items:
+                        yield (
+                            Watched(items, count_header) if address.peer_id == victim_id else items
+                        )
+
+                rpc.stream = watching  # type: ignore[method-assign]
+            results = await step_all(members, timeout=TIMEOUT)
+            infos = check_survivors(results, members, victim)
+            assert len(headers) == len(members) - 1
+            for info in infos:
+                assert info.outcome is Outcome.PARTIAL and len(info.group) == 4
+                (part,) = [p for p in info.parts if p.reducer == victim_id]
+                assert part.status is PartStatus.NONE and not part.received
+                assert part.contributors == () and part.weight == 0.0
+                assert part.dropped[victim_id] is DropReason.DEAD
+                assert part.note == "the reducer is dead"
 
 
 async def test_frozen_sender_holding_the_only_admission_slot_is_dropped(

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import warnings
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -67,6 +69,26 @@ def test_as_tensors_refuses_bad_input() -> None:
         as_tensors([])
 
 
+def test_as_tensors_refuses_read_only_memory(tmp_path: Path) -> None:
+    """Averaging writes in place: a read-only array is refused (a read-only memmap, even
+    behind a torch tensor, would otherwise crash the process on the first write)."""
+    frozen = np.zeros(4, dtype=np.float32)
+    frozen.setflags(write=False)
+    with pytest.raises(ValueError, match="tensor 1 is a read-only numpy array"):
+        as_tensors([torch.zeros(2), frozen])
+    np.save(tmp_path / "x.npy", np.ones(1 << 16, dtype=np.float32))
+    mapped = np.load(tmp_path / "x.npy", mmap_mode="r")
+    with pytest.raises(ValueError, match="tensor 0 is a read-only numpy array"):
+        as_tensors([mapped])
+    with warnings.catch_warnings():  # torch warns (once per process) that it is not writable
+        warnings.simplefilter("ignore", UserWarning)
+        behind = torch.from_numpy(mapped)
+    with pytest.raises(ValueError, match="tensor 0 lies in read-only memory"):
+        as_tensors([behind])
+    writable = np.load(tmp_path / "x.npy", mmap_mode="r+")
+    assert len(as_tensors([writable, torch.from_numpy(writable[:0])])) == 2
+
+
 @given(
     total=st.integers(0, 1 << 22),
     bandwidths=st.lists(st.floats(0.0, 1e9), min_size=1, max_size=20).filter(lambda b: sum(b) > 0),
@@ -127,6 +149,34 @@ def test_moshpit_grid_mixes_everyone(n: int) -> None:
     if grid_full:
         assert spread < 1e-9
     assert spread < n - 1  # always mixes
+
+
+@pytest.mark.parametrize(
+    ("n", "group_size", "sizes", "spread"),
+    [(10, 3, [2, 2, 3, 3], 0.05), (7, 2, [1, 2, 2, 2], 0.5), (5, 4, [2, 3], 0.05)],
+)
+def test_short_grid_lines_are_balanced_within_group_size(
+    n: int, group_size: int, sizes: list[int], spread: float
+) -> None:
+    """Short grid lines are balanced (10 in groups of 3: not 3, 3, 3, 1), and no group
+    exceeds group_size: pairs of an odd count leave one peer out (another each round).
+    Repeated rounds still mix everyone."""
+    values = {peer(i): float(i) for i in range(n)}
+    d, _ = grid_shape(n, group_size)
+    for phase in range(2 * d):
+        decls = [decl(i, count=phase) for i in range(n)]
+        groups = make_groups(decls, group_size, "p")
+        assert make_groups(list(reversed(decls)), group_size, "p") == groups
+        assert sorted(d.peer_id.raw for g in groups for d in g) == sorted(p.raw for p in values)
+        assert sum(len(g) == 1 for g in groups) == (group_size == 2 and n % 2)
+        assert max(len(g) for g in groups) <= group_size
+        if phase == 0:
+            assert sorted(len(g) for g in groups) == sizes
+        for group in groups:
+            mean = sum(values[x.peer_id] for x in group) / len(group)
+            for x in group:
+                values[x.peer_id] = mean
+    assert max(values.values()) - min(values.values()) < spread  # from n - 1
 
 
 def test_clients_fill_groups_with_room_and_never_lead() -> None:

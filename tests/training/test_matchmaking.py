@@ -128,6 +128,12 @@ async def test_step_arguments_are_checked(autojump_clock: trio.testing.MockClock
             await member.averager.step(weight=0.0)
         with pytest.raises(ValueError):
             await member.averager.step(epoch=-1)
+        for bad in (7.0, True, np.int64(-1)):
+            with pytest.raises(ValueError, match="non-negative integer"):
+                await member.averager.step(epoch=bad)  # type: ignore[arg-type]
+        with trio.fail_after(5):  # any integer type will do (numpy's too)
+            info = await member.averager.step(epoch=np.int64(7))  # type: ignore[arg-type]
+        assert info.epoch == 7 and type(info.epoch) is int
         async with trio.open_nursery() as nursery:
             nursery.start_soon(member.averager.step)
             await trio.testing.wait_all_tasks_blocked()
@@ -136,6 +142,53 @@ async def test_step_arguments_are_checked(autojump_clock: trio.testing.MockClock
         with trio.fail_after(5):  # the caller's deadline is the default timeout
             info = await member.averager.step()
         assert info.outcome is Outcome.ALONE
+
+
+@pytest.mark.parametrize(("scope", "ends"), [(0.3, 0.25), (2.0, 1.8), (20.0, 19.0)])
+async def test_without_a_timeout_the_step_ends_before_the_callers_deadline(
+    autojump_clock: trio.testing.MockClock, scope: float, ends: float
+) -> None:
+    """A margin of 10 % of the time left (50 ms to 1 s): the report comes back before the
+    caller's cancel scope fires, even for a peer that waits for a round still open."""
+    async with memnet_swarm(1) as (_, nodes):
+        (member,) = make_members(nodes, 10, fast_config(gather_window=60.0))
+        start = trio.current_time()
+        info = None
+        with trio.move_on_after(scope):
+            info = await member.averager.step()
+        assert info is not None, "the caller's scope fired first"
+        assert info.outcome in (Outcome.ALONE, Outcome.UNCONFIRMED)
+        assert trio.current_time() - start == pytest.approx(ends)
+
+
+async def test_a_prefix_is_free_again_after_close(autojump_clock: trio.testing.MockClock) -> None:
+    with trio.fail_after(60):
+        async with memnet_swarm(2) as (_, nodes):
+            members = make_members(nodes, 500, fast_config())
+            with pytest.raises(ValueError, match="already open on this node"):
+                Averager(nodes[0], "t/x", [np.zeros(500, dtype=np.float32)])
+            members[0].averager.close()
+            members[0].averager = Averager(
+                nodes[0], "t/x", [members[0].array], config=fast_config()
+            )
+            results = await step_all(members, timeout=20.0)  # the new one serves the prefix
+    infos = [info for info, _ in results]
+    verify_round(members, infos)  # type: ignore[arg-type]
+    assert all(info is not None and info.outcome is Outcome.AVERAGED for info in infos)
+
+
+async def test_seven_peers_in_pairs_keep_the_group_size(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """group_size 2 with an odd count: three pairs average, one peer sits the round out."""
+    with trio.fail_after(120):
+        async with memnet_swarm(7) as (_, nodes):
+            members = make_members(nodes, 500, fast_config(group_size=2))
+            results = await step_all(members, timeout=20.0)
+    infos = [info for info, _ in results]
+    verify_round(members, infos)  # type: ignore[arg-type]
+    assert sorted(len(info.group) for info in infos) == [1, 2, 2, 2, 2, 2, 2]  # type: ignore[union-attr]
+    assert sum(info.outcome is Outcome.AVERAGED for info in infos) == 6  # type: ignore[union-attr]
 
 
 async def test_consecutive_steps_in_one_slot_and_a_peer_that_left(

@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import numbers
 import time
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
@@ -25,7 +26,7 @@ import numpy as np
 import torch
 import trio
 
-from peer import BackgroundPeer, Peer, RemoteError, Reply, Request
+from peer import BackgroundPeer, Peer, PeerStoppedError, RemoteError, Reply, Request
 from protocol.codecs import NonFiniteError, get_codec
 from protocol.errors import RemoteProtocolError
 
@@ -45,6 +46,11 @@ from .report import AveragingInfo, Outcome, merge_dropped, outcome_of
 logger = logging.getLogger(__name__)
 
 _CLOCK_OFFSETS: dict[int, tuple[object, float]] = {}
+
+MARGIN_SHARE, MIN_MARGIN, MAX_MARGIN = 0.1, 0.05, 1.0
+"""Without a ``timeout``, a step under a caller's deadline ``left`` seconds away ends
+``clamp(MARGIN_SHARE * left, MIN_MARGIN, MAX_MARGIN)`` before it (at most half of ``left``),
+so that it returns its report before the caller's cancel scope fires."""
 
 
 def wall_clock() -> float:
@@ -73,12 +79,14 @@ class Averager:
             ``peer.run_in_background`` for plain scripts (then ``step_blocking()``).
         prefix: names the averaged quantity; peers with the same prefix average together
             (their tensor shapes, dtypes and codec must match).
-        tensors: CPU, contiguous, floating torch tensors or numpy arrays; averaged in place.
+        tensors: CPU, contiguous, floating, writable torch tensors or numpy arrays;
+            averaged in place.
         codec, group_size, max_staleness: shortcuts for the same ``AveragerConfig`` fields.
         config: everything else.
 
     Raises:
-        TypeError, ValueError: for unusable tensors or config.
+        TypeError, ValueError: for unusable tensors (read-only ones too) or config.
+        ValueError: if an averager for ``prefix`` is already open on this node.
     """
 
     def __init__(
@@ -140,8 +148,19 @@ class Averager:
             self._register()
 
     def _register(self) -> None:
+        """Serve this averager's methods until :meth:`close`.
+
+        Raises:
+            ValueError: if an averager for the same prefix is open on this node.
+        """
         rpc = self.node.rpc
-        rpc.register(f"{self._methods}.ping", self._on_ping)
+        try:
+            rpc.register(f"{self._methods}.ping", self._on_ping)
+        except ValueError:
+            raise ValueError(
+                f"an Averager for prefix {self.prefix!r} is already open on this node: "
+                "close() it first, or use another prefix"
+            ) from None
         rpc.register(f"{self._methods}.join", self._on_join)
         rpc.register(f"{self._methods}.chunk", self._on_chunk)
         rpc.register_stream(f"{self._methods}.result", self._on_result)
@@ -150,8 +169,20 @@ class Averager:
         return f"<Averager {self.prefix!r}: {self.layout.describe()}, codec {self.codec.name}>"
 
     def close(self) -> None:
-        """Stop serving this averager's RPCs (they answer ``not_found`` from now on)."""
+        """Stop serving this averager's RPCs (requests for them answer ``unknown_method``
+        from now on); the prefix is free again for a new Averager on this node."""
+        if self._closed:
+            return
         self._closed = True
+        if self._background is None:
+            self._unregister()
+        else:  # the registry belongs to the peer's thread; a stopped peer serves nothing
+            with contextlib.suppress(PeerStoppedError):
+                self._background.run_sync(self._unregister)
+
+    def _unregister(self) -> None:
+        for name in ("ping", "join", "chunk", "result"):
+            self.node.rpc.unregister(f"{self._methods}.{name}")
 
     # -- the step ------------------------------------------------------------------------
 
@@ -166,22 +197,31 @@ class Averager:
         Args:
             weight: this peer's share of the weighted mean (e.g. its sample count).
             epoch: this peer's training epoch (staleness is measured against the group's).
-            timeout: seconds for the whole step. Default: the caller's cancel-scope deadline
-                when it has one, else ``config.default_timeout``.
+            timeout: seconds for the whole step. Default: a margin before the caller's
+                cancel-scope deadline when it has one (10 % of the time left, 50 ms to 1 s;
+                ``MARGIN_SHARE``), so that the report comes back before the scope fires;
+                else ``config.default_timeout``.
 
         Raises:
-            ValueError: for a non-positive weight, a negative epoch or timeout.
+            ValueError: for a non-positive weight, an epoch that is not a non-negative
+                integer (``int``, numpy integer or other ``numbers.Integral``), a
+                non-positive timeout.
             RuntimeError: if another step of this averager is running, or it was closed.
             LayoutMismatchError: the peers of the round average another tensor layout or
                 codec under this prefix.
         """
         if not (math.isfinite(weight) and weight > 0):
             raise ValueError(f"weight must be a positive number, got {weight}")
-        if type(epoch) is not int or epoch < 0:
-            raise ValueError(f"epoch must be a non-negative int, got {epoch!r}")
+        if not isinstance(epoch, numbers.Integral) or isinstance(epoch, bool) or epoch < 0:
+            raise ValueError(f"epoch must be a non-negative integer, got {epoch!r}")
+        epoch = int(epoch)
         if timeout is None:
             left = trio.current_effective_deadline() - trio.current_time()
-            timeout = left if math.isfinite(left) else self.config.default_timeout
+            if math.isfinite(left):
+                margin = min(max(MARGIN_SHARE * left, MIN_MARGIN), MAX_MARGIN, left / 2)
+                timeout = left - margin
+            else:
+                timeout = self.config.default_timeout
         elif not timeout > 0:
             raise ValueError("timeout must be positive")
         if self._busy or self._closed:
@@ -269,7 +309,7 @@ class Averager:
             if part.received and part.index != in_place and not butterfly.commit(part.index):
                 self.flat.store(part.span)
         if feedback is not None:
-            feedback.finish(parts, me.peer_id)
+            feedback.finish(butterfly.counted)
         return AveragingInfo(
             outcome_of(parts, self.flat.total), conf.round, plan.group, match.leader, parts,
             self.flat.total, epoch=plan.max_epoch, matchmaking_s=t1 - t0,

@@ -66,6 +66,7 @@ class Butterfly:
         self.pool = pool
         self.feedback = feedback  # topk: we send flat (values + residual) and note the blobs
         self.reports: dict[int, PartReport] = {}
+        self.counted: set[int] = set()  # parts whose result header lists us (error feedback)
         self.held: dict[int, list[bytes | memoryview]] = {}  # see _download and commit
         remote = max(1, len(plan.reducers) - (service is not None))
         self.per_part_inflight = max(1, math.ceil(config.max_inflight / remote))
@@ -88,7 +89,10 @@ class Butterfly:
         self, index: int, header: ResultHeader | None, received: bool, note: str = ""
     ) -> PartReport:
         reducer = self.plan.reducers[index].peer_id
-        contributors = header.contributors if header is not None else ()
+        if header is not None and self.plan.me in header.contributors:
+            self.counted.add(index)
+        # no result received: nobody's values are in ours (the header's drops still explain)
+        contributors = header.contributors if header is not None and received else ()
         dropped = dict(header.dropped) if header is not None else {}
         if not received and reducer in self.liveness.bad:
             dropped.setdefault(reducer, self.liveness.bad[reducer])
@@ -100,7 +104,7 @@ class Butterfly:
             contributors=contributors,
             dropped=dropped,
             received=received,
-            weight=header.weight if header is not None else 0.0,
+            weight=header.weight if header is not None and received else 0.0,
             note="" if received else note,
         )
 

@@ -34,7 +34,7 @@ class AveragerConfig:
     # Share of the all-reduce budget that reducers leave for streaming results back: they stop
     # accepting contributions once (1 - result_share) of the budget has passed.
     result_share: float = 0.35
-    default_timeout: float = 60.0  # step() timeout when none is given
+    default_timeout: float = 60.0  # step() timeout when none is given and no caller deadline
     bandwidth: float = 1.0  # declared throughput (any unit, same for all): part sizes follow it
     client_mode: bool | None = None  # sender only (no part); None: same as the node
     # float32 bytes per chunk on the wire (before compression): the largest that fits a frame,

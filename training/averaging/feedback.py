@@ -22,15 +22,13 @@ Non-finite values are never carried: an owed NaN or infinity is reset to zero.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection
 
 import numpy as np
 
 from protocol.codecs import Codec
-from protocol.identity import PeerID
 
 from .layout import FlatVector, Float32Array, chunk_count, chunk_span
-from .report import PartReport
 
 logger = logging.getLogger(__name__)
 
@@ -73,12 +71,11 @@ class ErrorFeedback:
             self.codec.decode_into(blob, values[a:b])
             self.record(part, start + a, blob)
 
-    def finish(self, parts: Sequence[PartReport], me: PeerID) -> None:
-        """Subtract what each part's reducer counted from us; keep the rest owed."""
-        for part in parts:
-            if me not in part.contributors:
-                continue
-            for start, blob in self._sent.get(part.index, ()):
+    def finish(self, counted: Collection[int]) -> None:
+        """Subtract what we sent for the ``counted`` parts (those whose reducer's result
+        header lists us, even if its result did not reach us); keep the rest owed."""
+        for part in counted:
+            for start, blob in self._sent.get(part, ()):
                 header_n = self._decode(blob)
                 self.residual[start : start + header_n] -= self._scratch[:header_n]
         self._sent.clear()

@@ -13,7 +13,8 @@ every ``d`` rounds, placed on a ``d``-dimensional grid of side ``m <= group_size
 grouped by all coordinates but one; the free coordinate cycles with the shared ``phase``
 (the largest round count declared). After ``d`` rounds over a stable population every peer
 has (indirectly) averaged with every other. Client-mode peers join the smallest groups
-that have room. Each group's leader is its first non-client member in hash order.
+that have room. Singletons are merged or balanced away wherever group_size allows (see
+``_merge_singletons``). Each group's leader is its first non-client member in hash order.
 """
 
 from __future__ import annotations
@@ -190,13 +191,22 @@ def _group_one_layout(
 
 
 def _merge_singletons(groups: list[list[Declaration]], group_size: int) -> None:
+    """Leave nobody alone that can be grouped (a grid that ``n`` does not fill has short
+    lines): a singleton joins the smallest group with room; if none has room, it takes the
+    last member of the largest group of 3 or more (10 peers in groups of 3: 3, 3, 2, 2, not
+    3, 3, 3, 1). Groups never exceed ``group_size``: with pairs and an odd count, one peer
+    stays out of the round (the grid puts another one out in the next)."""
     i = 0
     while i < len(groups):
-        if len(groups[i]) == 1:
-            others = [g for j, g in enumerate(groups) if j != i and len(g) < group_size]
-            if others:
-                min(others, key=len).extend(groups.pop(i))
+        if len(groups[i]) == 1 and len(groups) > 1:
+            others = [g for j, g in enumerate(groups) if j != i]
+            roomy = [g for g in others if len(g) < group_size]
+            largest = max(others, key=len)
+            if roomy:
+                min(roomy, key=len).extend(groups.pop(i))
                 continue
+            if len(largest) >= 3:
+                groups[i].append(largest.pop())
         i += 1
 
 

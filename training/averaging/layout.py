@@ -11,6 +11,7 @@ in chunks of ``chunk_elements``::
 
 from __future__ import annotations
 
+import bisect
 import hashlib
 import math
 from collections.abc import Sequence
@@ -65,11 +66,20 @@ def as_tensors(tensors: Sequence[Any]) -> list[torch.Tensor]:
 
     Raises:
         TypeError: if an item is neither a torch tensor nor a numpy array, or is not floating.
-        ValueError: if a tensor is not on the CPU, not contiguous, or the list is empty.
+        ValueError: if a tensor is not on the CPU, not contiguous or read-only, or the list
+            is empty.
     """
     out: list[torch.Tensor] = []
+    read_only = _read_only_ranges()
     for i, item in enumerate(tensors):
         if isinstance(item, np.ndarray):
+            if not item.flags.writeable:  # averaged in place: writing would be an error (or,
+                # for a memmap opened with mode "r", a segfault)
+                raise ValueError(
+                    f"tensor {i} is a read-only numpy array (flags.writeable is False, e.g. a "
+                    "memmap opened with mode 'r'): averaging writes in place; pass a writable "
+                    "array (np.array(x) copies it)"
+                )
             tensor = torch.from_numpy(item)
         elif isinstance(item, torch.Tensor):
             tensor = item.detach()
@@ -81,10 +91,36 @@ def as_tensors(tensors: Sequence[Any]) -> list[torch.Tensor]:
             raise ValueError(f"tensor {i} is on {tensor.device}: move it to the CPU")
         if not tensor.is_contiguous():
             raise ValueError(f"tensor {i} is not contiguous")
+        start = tensor.data_ptr()
+        stop = start + tensor.numel() * tensor.element_size()
+        first = bisect.bisect_right(read_only, start, key=lambda r: r[1])  # first ending later
+        if start < stop and first < len(read_only) and read_only[first][0] < stop:
+            raise ValueError(
+                f"tensor {i} lies in read-only memory (e.g. built from a memmap opened with "
+                "mode 'r'): averaging writes in place; pass a writable copy"
+            )
         out.append(tensor)
     if not out:
         raise ValueError("nothing to average: the tensor list is empty")
     return out
+
+
+def _read_only_ranges() -> list[Span]:
+    """Address ranges ``[lo, hi)``, in order, that this process may not write (from Linux's
+    ``/proc/self/maps``; elsewhere none are known): a torch tensor over a read-only memmap
+    has no flag saying so, and writing to it kills the process."""
+    try:
+        with open("/proc/self/maps") as maps:
+            lines = maps.readlines()
+    except OSError:
+        return []
+    ranges: list[Span] = []
+    for line in lines:
+        fields = line.split(maxsplit=2)
+        if len(fields) >= 2 and "w" not in fields[1]:
+            lo, _, hi = fields[0].partition("-")
+            ranges.append((int(lo, 16), int(hi, 16)))
+    return ranges
 
 
 class FlatVector:

@@ -328,7 +328,7 @@ class Matchmaker:
                 if exc.code == "mismatch":
                     raise LayoutMismatchError(exc.message) from None
                 note = f"the leader refused: {exc}"
-                retry = exc.code == "not_found"
+                retry = exc.code in ("not_found", "unknown_method")  # closed, or gone
             except (PeerUnavailableError, ProtocolError) as exc:
                 note = f"the leader is unreachable: {exc}"
                 retry = isinstance(exc, PeerUnavailableError)
