@@ -304,16 +304,17 @@ class Averager:
         async with trio.open_nursery() as nursery:  # the DHT store runs beside the butterfly
             nursery.start_soon(self._matchmaker.withdraw, match.round, max(withdraw_by, cutoff))
             parts = await butterfly.run(cutoff, deadline)
-        in_place = service.part if service is not None and service.in_place else None
-        for part in parts:  # the received parts into the tensors (unless already there)
-            if part.received and part.index != in_place and not butterfly.commit(part.index):
-                self.flat.store(part.span)
-        if feedback is not None:
-            feedback.finish(butterfly.counted)
+            in_place = service.part if service is not None and service.in_place else None
+            for part in parts:  # the received parts into the tensors (unless already there)
+                if part.received and part.index != in_place and not butterfly.commit(part.index):
+                    self.flat.store(part.span)
+            if feedback is not None:
+                feedback.finish(butterfly.counted)
+            allreduce_s = trio.current_time() - t1  # not the DHT store's wait, if longer
         return AveragingInfo(
             outcome_of(parts, self.flat.total), conf.round, plan.group, match.leader, parts,
             self.flat.total, epoch=plan.max_epoch, matchmaking_s=t1 - t0,
-            allreduce_s=trio.current_time() - t1, dropped=merge_dropped(parts),
+            allreduce_s=allreduce_s, dropped=merge_dropped(parts),
         )  # fmt: skip
 
     def _enter_round(self, number: int) -> None:
