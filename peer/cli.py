@@ -1,10 +1,13 @@
 """The ``swarm`` command line.
 
-    swarm bootstrap [--host H] [--port P] [--identity FILE] [--initial-peers ADDR ...]
-    swarm status --initial-peers ADDR [--json]
+    swarm [-v] bootstrap [--host H] [--port P] [--identity FILE] [--initial-peers ADDR ...]
+    swarm [-v] status --initial-peers ADDR [--json] [--timeout SECONDS]
 
 ``bootstrap`` runs a DHT-only peer and never imports torch; ``status`` joins as a
 client (no inbound connections), crawls the DHT and reports the peers it finds.
+
+Signals: the first SIGINT/SIGTERM stops the command (``bootstrap`` exits 0), whenever
+it comes; later ones are ignored, so a second signal cannot cut the shutdown short.
 """
 
 from __future__ import annotations
@@ -12,112 +15,299 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
+import os
 import signal
 import sys
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
+from types import FrameType
+from typing import TYPE_CHECKING, Any
 
-import trio
+if TYPE_CHECKING:
+    import trio
 
-logger = logging.getLogger("swarm")
+# not __name__: that is "__main__" under `python -m peer.cli`, outside the "peer" tree
+logger = logging.getLogger("peer.cli")
+
+_STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
+class _Interrupted(BaseException):
+    """A stop signal arrived before the trio loop ran: unwinds the start-up to main()."""
+
+
+class _SignalStop:
+    """Owns SIGINT/SIGTERM for the whole run of main(): the first one stops, later ones are ignored.
+
+    Until ``hand_over()`` (just before ``trio.run``) a signal raises _Interrupted, wherever
+    the start-up is; after it, a signal cancels the scope given to ``cancelling()`` through
+    the trio token (safe in a signal handler), or is kept for ``cancelling()`` to see. The
+    first signal also sets both signals to SIG_IGN, which outlives even the interpreter's
+    own teardown, so ``timeout``'s double SIGTERM cannot kill a node that is stopping.
+    """
+
+    def __init__(self) -> None:
+        self.signum: int | None = None
+        self._raise = True
+        self._cancel: Callable[[], object] | None = None
+        self._previous = {s: signal.signal(s, self._handle) for s in _STOP_SIGNALS}
+
+    def _handle(self, signum: int, frame: FrameType | None) -> None:
+        if self.signum is not None:  # already stopping
+            return
+        self.signum = signum
+        for s in _STOP_SIGNALS:
+            signal.signal(s, signal.SIG_IGN)
+        if self._raise:
+            raise _Interrupted
+        if self._cancel is not None:
+            self._cancel()
+
+    def hand_over(self) -> None:
+        """From now on a signal never raises: the trio loop is about to start."""
+        self._raise = False
+
+    @contextmanager
+    def cancelling(self, scope: trio.CancelScope) -> Iterator[None]:
+        """Within this block (inside trio), a stop signal cancels ``scope``."""
+        import trio
+
+        token = trio.lowlevel.current_trio_token()
+        outer, self._cancel = self._cancel, lambda: token.run_sync_soon(scope.cancel)
+        try:
+            if self.signum is not None:  # came between hand_over() and here
+                scope.cancel()
+            yield
+        finally:
+            self._cancel = outer
+
+    def restore(self) -> None:
+        """Put the previous handlers back, unless a signal arrived (then they stay ignored)."""
+        self._raise = False  # main() is returning: a signal now must not raise past it
+        if self.signum is None:
+            for s, handler in self._previous.items():
+                if handler is not None:  # None: not set from Python, nothing to put back
+                    signal.signal(s, handler)
+
+
+def _seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not (math.isfinite(value) and value > 0):
+        raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
+    return value
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="swarm", description=__doc__.split("\n\n")[0])
-    parser.add_argument("-v", "--verbose", action="store_true", help="debug logging")
-    commands = parser.add_subparsers(dest="command", required=True)
+    parser = argparse.ArgumentParser(
+        prog="swarm",
+        description="Host and inspect the peer-to-peer network of a swarm training run.",
+        epilog="Run 'swarm COMMAND --help' for the options of one command.",
+    )
+    parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
+    # the same flag after the command; SUPPRESS keeps it from resetting a top-level -v
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument(
+        "-v", "--verbose", action="store_true", default=argparse.SUPPRESS, help="log at DEBUG level"
+    )
+    commands = parser.add_subparsers(
+        title="commands", dest="command", required=True, metavar="COMMAND"
+    )
 
-    boot = commands.add_parser("bootstrap", help="host a DHT-only bootstrap node")
-    boot.add_argument("--host", default="0.0.0.0", help="interface to listen on (default 0.0.0.0)")
-    boot.add_argument("--port", type=int, default=0, help="TCP port (default: any free port)")
+    boot = commands.add_parser(
+        "bootstrap",
+        parents=[common],
+        help="host a DHT-only bootstrap node",
+        description="Host a DHT-only bootstrap node (no training, no torch). Prints its "
+        "address PEERID@HOST:PORT on one line on stdout, logs peers that join and leave to "
+        "stderr, and stops cleanly (exit code 0) on SIGINT or SIGTERM.",
+    )
+    boot.add_argument(
+        "--host", default="0.0.0.0", help="interface to listen on (default: 0.0.0.0, all)"
+    )
+    boot.add_argument(
+        "--port",
+        type=int,
+        default=0,
+        help="TCP port (default: any free port; pick a fixed one for a public node)",
+    )
     boot.add_argument(
         "--announce-host",
         default=None,
-        help="host to print in the address (default: --host, or 127.0.0.1 for 0.0.0.0)",
+        metavar="HOST",
+        help="host written into the printed address (default: --host, or 127.0.0.1 for "
+        "0.0.0.0; set your public IP or DNS name)",
     )
-    boot.add_argument("--identity", default=None, help="key file; created (mode 0600) when missing")
     boot.add_argument(
-        "--initial-peers", nargs="*", default=[], metavar="ADDR", help="join an existing network"
+        "--identity",
+        default=None,
+        metavar="FILE",
+        help="Ed25519 key file, created (mode 0600) when missing; keeps the address across "
+        "restarts",
+    )
+    boot.add_argument(
+        "--initial-peers",
+        nargs="*",
+        default=[],
+        metavar="ADDR",
+        help="PEERID@HOST:PORT of nodes to join (other bootstrap nodes)",
     )
 
-    status = commands.add_parser("status", help="show what the swarm looks like now")
-    status.add_argument("--initial-peers", nargs="+", required=True, metavar="ADDR")
-    status.add_argument("--json", action="store_true", help="machine-readable output")
-    status.add_argument("--timeout", type=float, default=20.0, help="give up after SECONDS")
+    status = commands.add_parser(
+        "status",
+        parents=[common],
+        help="list the peers reachable through the DHT",
+        description="Join as a client, walk the DHT and list every peer that answered. "
+        "Exit code 0 when at least one peer answered, 1 otherwise.",
+    )
+    status.add_argument(
+        "--initial-peers",
+        nargs="+",
+        required=True,
+        metavar="ADDR",
+        help="PEERID@HOST:PORT of any node in the swarm",
+    )
+    status.add_argument(
+        "--json", action="store_true", help='print {"num_peers": N, "peers": [...]} for scripts'
+    )
+    status.add_argument(
+        "--timeout",
+        type=_seconds,
+        default=20.0,
+        metavar="SECONDS",
+        help="give up after SECONDS (default: 20)",
+    )
     return parser
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+def _configure_logging(verbose: bool, ours: int) -> None:
+    """Logs to stderr: everything at DEBUG with -v; else this project's loggers (``peer.*``,
+    ``protocol.*``) from level ``ours`` and the libraries' from WARNING."""
     logging.basicConfig(
-        level=logging.DEBUG if args.verbose else logging.INFO,
+        level=logging.DEBUG if verbose else logging.WARNING,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
         stream=sys.stderr,
     )
+    for name in ("peer", "protocol"):
+        logging.getLogger(name).setLevel(logging.DEBUG if verbose else ours)
+
+
+def _silence_stdout() -> None:
+    """Nobody reads stdout any more: send the rest to /dev/null, so exit does not fail."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one `swarm` command; returns the exit code."""
+    stop = _SignalStop()  # first: a signal during the imports below must end cleanly too
+    command = None
     try:
-        if args.command == "bootstrap":
-            return trio.run(_bootstrap, args)
-        if args.command == "status":
-            return trio.run(_status, args)
-    except KeyboardInterrupt:
-        return 0
-    raise AssertionError(args.command)
+        args = _parser().parse_args(argv)
+        command = args.command
+        # a bootstrap node logs peers joining and leaving (INFO); status only its problems
+        _configure_logging(
+            args.verbose, logging.INFO if command == "bootstrap" else logging.WARNING
+        )
+        import trio
+
+        if command == "bootstrap":
+            stop.hand_over()
+            return trio.run(_bootstrap, args, stop)
+        if command == "status":
+            stop.hand_over()
+            report = trio.run(_status, args, stop)
+            if stop.signum is not None:
+                return 128 + stop.signum  # interrupted: not a health-check answer
+            return _print_status(report, args)
+        raise AssertionError(command)
+    except _Interrupted:
+        assert stop.signum is not None
+        return 128 + stop.signum if command == "status" else 0
+    finally:
+        stop.restore()
 
 
-async def _bootstrap(args: argparse.Namespace) -> int:
+async def _bootstrap(args: argparse.Namespace, stop: _SignalStop) -> int:
+    import trio
+
     from protocol.errors import SwarmError
 
     from .node import open_peer
 
     announce = args.announce_host or ("127.0.0.1" if args.host == "0.0.0.0" else args.host)
     try:
-        with trio.open_signal_receiver(signal.SIGINT, signal.SIGTERM) as signals:
+        # a signal while starting cancels the start; once up, it ends only the wait, so
+        # the node's own shutdown runs uncancelled
+        with trio.CancelScope() as starting, stop.cancelling(starting):
             async with open_peer(
                 listen=f"{args.host}:{args.port}",
                 initial_peers=args.initial_peers,
                 identity=args.identity,
                 announce_host=announce,
             ) as node:
-                print(node.address, flush=True)
+                try:
+                    print(node.address, flush=True)
+                except BrokenPipeError:
+                    _silence_stdout()
+                    logger.warning("stdout is closed: the address is only in this log")
                 logger.info("bootstrap node %s is up", node.address)
-                async for signum in signals:
-                    logger.info("received %s, stopping", signal.Signals(signum).name)
-                    break
+                with trio.CancelScope() as serving, stop.cancelling(serving):
+                    await trio.sleep_forever()
+                if stop.signum is not None:
+                    logger.info("received %s, stopping", signal.Signals(stop.signum).name)
     except (SwarmError, OSError) as exc:
         print(f"swarm bootstrap: {exc}", file=sys.stderr)
         return 1
     return 0
 
 
-async def _status(args: argparse.Namespace) -> int:
+async def _status(args: argparse.Namespace, stop: _SignalStop) -> dict[str, Any] | str:
+    """The report, or why there is none."""
+    import trio
+
     from protocol.errors import SwarmError
 
     from .crawl import crawl
     from .node import open_peer
 
+    peers: list[Any] = []
     try:
-        with trio.fail_after(args.timeout):
+        with trio.CancelScope() as scope, stop.cancelling(scope), trio.fail_after(args.timeout):
             async with open_peer(
                 listen=None, initial_peers=args.initial_peers, client_mode=True
             ) as node:
                 peers = await crawl(node)
     except trio.TooSlowError:
-        print(f"swarm status: no answer within {args.timeout} s", file=sys.stderr)
-        return 1
+        return f"no answer within {args.timeout} s"
     except (SwarmError, OSError) as exc:
-        print(f"swarm status: {exc}", file=sys.stderr)
-        return 1
-    report: dict[str, Any] = {
+        return str(exc)
+    return {
         "num_peers": len(peers),
         "peers": [{"peer_id": str(pid), "address": f"{pid}@{addr}"} for pid, addr in peers],
     }
-    if args.json:
-        print(json.dumps(report, indent=2))
-    else:
-        print(f"{len(peers)} peer(s) reachable")
-        for entry in report["peers"]:
-            print(f"  {entry['address']}")
-    if not peers:  # not even an initial peer: the swarm was not reached
+
+
+def _print_status(report: dict[str, Any] | str, args: argparse.Namespace) -> int:
+    if isinstance(report, str):
+        print(f"swarm status: {report}", file=sys.stderr)
+        return 1
+    try:
+        if args.json:
+            print(json.dumps(report, indent=2))
+        else:
+            print(f"{report['num_peers']} peer(s) reachable")
+            for entry in report["peers"]:
+                print(f"  {entry['address']}")
+        sys.stdout.flush()
+    except BrokenPipeError:  # e.g. `swarm status --json | head -3`
+        _silence_stdout()
+        return 1
+    if not report["peers"]:  # not even an initial peer: the swarm was not reached
         tried = ", ".join(args.initial_peers)
         print(f"swarm status: no peer answered (tried {tried})", file=sys.stderr)
         return 1

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import json
+import os
 import select
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -60,6 +62,20 @@ def bootstraps() -> Iterator[list[Bootstrap]]:
         if node.proc.poll() is None:
             node.proc.kill()
         node.stop()
+
+
+def _read_until(stream: object, needle: str, timeout: float = 30.0) -> str:
+    """What a process wrote on ``stream`` (a pipe) up to the first ``needle``; bounded."""
+    fd = stream.fileno()  # type: ignore[attr-defined]
+    seen = b""
+    deadline = time.monotonic() + timeout
+    while needle.encode() not in seen:
+        ready, _, _ = select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+        chunk = os.read(fd, 65536) if ready else b""
+        if not chunk:
+            pytest.fail(f"no {needle!r} within {timeout} s; got {seen.decode()!r}")
+        seen += chunk
+    return seen.decode()
 
 
 def _run_status(address: str) -> subprocess.CompletedProcess[str]:
@@ -150,3 +166,90 @@ def test_bootstrap_and_status_do_not_import_torch_or_numpy() -> None:
         "assert not bad, bad"
     )
     subprocess.run([sys.executable, "-c", code], check=True, timeout=60, env=env_with_root())
+
+
+def test_bootstrap_logs_peers_that_join_at_info(bootstraps: list[Bootstrap]) -> None:
+    first = Bootstrap()
+    bootstraps.append(first)
+    second = Bootstrap("--initial-peers", first.address)
+    bootstraps.append(second)
+    short_id = second.address[:6]  # logs show a prefix of the PeerID
+    log = _read_until(first.proc.stderr, f"peer joined: {short_id}")
+    assert " INFO peer.dht." in log
+    assert " DEBUG " not in log  # DEBUG only with -v
+
+
+def test_verbose_after_the_command_logs_debug() -> None:
+    argv = [*SWARM, "status", "--initial-peers", "127.0.0.1:1", "--timeout", "10"]
+    quiet = subprocess.run(argv, capture_output=True, text=True, timeout=30, env=env_with_root())
+    loud = subprocess.run(
+        [*argv, "-v"], capture_output=True, text=True, timeout=30, env=env_with_root()
+    )
+    assert quiet.returncode == loud.returncode == 1
+    assert " DEBUG peer." not in quiet.stderr
+    assert " DEBUG peer." in loud.stderr
+
+
+def test_status_rejects_a_negative_timeout_in_one_line() -> None:
+    out = subprocess.run(
+        [*SWARM, "status", "--initial-peers", "127.0.0.1:1", "--timeout", "-1"],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=env_with_root(),
+    )
+    assert out.returncode == 2
+    assert "Traceback" not in out.stderr
+    assert "argument --timeout: expected a positive number of seconds" in out.stderr
+
+
+def _closed_pipe() -> int:
+    """The write end of a pipe nobody reads: every write to it fails with EPIPE."""
+    read_end, write_end = os.pipe()
+    os.close(read_end)
+    return write_end
+
+
+def test_status_into_a_closed_pipe_fails_quietly(bootstraps: list[Bootstrap]) -> None:
+    node = Bootstrap()
+    bootstraps.append(node)
+    stdout = _closed_pipe()  # like `swarm status --json | head -0`
+    try:
+        out = subprocess.run(
+            [*SWARM, "status", "--initial-peers", node.address, "--json"],
+            stdout=stdout,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=40,
+            env=env_with_root(),
+        )
+    finally:
+        os.close(stdout)
+    assert out.returncode == 1
+    assert out.stderr == ""  # no traceback, no "Exception ignored" at exit
+
+
+def test_bootstrap_keeps_serving_when_stdout_is_closed(bootstraps: list[Bootstrap]) -> None:
+    stdout = _closed_pipe()
+    try:
+        proc = subprocess.Popen(
+            [*SWARM, "bootstrap", "--host", "127.0.0.1"],
+            stdout=stdout,
+            stderr=subprocess.PIPE,
+            env=env_with_root(),
+        )
+    finally:
+        os.close(stdout)
+    try:
+        log = _read_until(proc.stderr, " is up\n")
+        assert "stdout is closed" in log
+        address = log.split("bootstrap node ")[1].split(" is up")[0]
+        assert _status(address)["num_peers"] == 1
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0
+    assert b"Traceback" not in err and b"Exception ignored" not in err

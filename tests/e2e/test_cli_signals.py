@@ -1,0 +1,146 @@
+"""`swarm bootstrap` ends with exit code 0 on SIGINT/SIGTERM, whenever they come and however many.
+
+Where a signal lands matters, so the deterministic cases have the child send it to itself at
+a chosen point (a patched function in a small driver script); the others send it from here
+right after a condition the test observes (the printed address, the handler being installed).
+"""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+from test_cli import SWARM, Bootstrap
+from tests_support_paths import env_with_root
+
+pytestmark = pytest.mark.slow
+
+SIGNALS = [pytest.param(signal.SIGTERM, id="SIGTERM"), pytest.param(signal.SIGINT, id="SIGINT")]
+
+
+def _drive(prelude: str, sig: int) -> subprocess.CompletedProcess[str]:
+    """Run ``swarm bootstrap`` after ``prelude`` patched something to send itself STOP."""
+    script = (
+        "import os, signal, sys\n"
+        "from peer import cli\n"
+        f"STOP = signal.Signals({int(sig)})\n"
+        f"{textwrap.dedent(prelude)}\n"
+        "sys.exit(cli.main(['bootstrap', '--host', '127.0.0.1']))\n"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=env_with_root(),
+    )
+
+
+@pytest.mark.parametrize("sig", SIGNALS)
+def test_a_second_signal_right_after_the_first_is_ignored(sig: int) -> None:
+    node = Bootstrap()
+    node.proc.send_signal(sig)
+    node.proc.send_signal(sig)  # what `timeout` does: the child and its group, ~at once
+    assert node.proc.wait(timeout=15) == 0
+    assert node.proc.stderr is not None
+    assert "Traceback" not in node.proc.stderr.read()
+    node.stop()
+
+
+@pytest.mark.parametrize("sig", SIGNALS)
+def test_a_second_signal_during_the_shutdown_is_ignored(sig: int) -> None:
+    # the node's own shutdown sends the second signal: it lands mid-teardown every time
+    prelude = """
+        from contextlib import asynccontextmanager
+        import trio, peer.node
+        real = peer.node.open_peer
+
+        @asynccontextmanager
+        async def open_peer(**kwargs):
+            async with real(**kwargs) as node:
+                os.kill(os.getpid(), STOP)  # the first, once the node is up
+                yield node
+                os.kill(os.getpid(), STOP)  # the second, while it stops
+                await trio.lowlevel.checkpoint()
+
+        peer.node.open_peer = open_peer
+    """
+    out = _drive(prelude, sig)
+    assert out.returncode == 0, out.stderr
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("sig", SIGNALS)
+def test_a_signal_before_the_event_loop_starts(sig: int) -> None:
+    prelude = """
+        real = cli._configure_logging
+
+        def configure_logging(*args):
+            os.kill(os.getpid(), STOP)
+            real(*args)
+
+        cli._configure_logging = configure_logging
+    """
+    out = _drive(prelude, sig)
+    assert (out.returncode, out.stdout) == (0, ""), out.stderr  # quietly, no address
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize("sig", SIGNALS)
+def test_a_signal_while_the_node_is_still_starting(sig: int) -> None:
+    # like an initial peer that never answers: the start would never finish on its own
+    prelude = """
+        from contextlib import asynccontextmanager
+        import trio, peer.node
+
+        @asynccontextmanager
+        async def open_peer(**kwargs):
+            os.kill(os.getpid(), STOP)
+            await trio.sleep_forever()
+            yield
+
+        peer.node.open_peer = open_peer
+    """
+    out = _drive(prelude, sig)
+    assert (out.returncode, out.stdout) == (0, ""), out.stderr
+    assert "Traceback" not in out.stderr
+
+
+def _catches(pid: int, sig: int) -> bool:
+    status = Path(f"/proc/{pid}/status").read_text()
+    mask = int(next(ln for ln in status.splitlines() if ln.startswith("SigCgt:")).split()[1], 16)
+    return bool(mask & (1 << (sig - 1)))
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc/PID/status")
+@pytest.mark.parametrize("sig", SIGNALS)
+def test_a_signal_as_soon_as_the_command_owns_the_signals(sig: int) -> None:
+    # The earliest a process can answer SIGTERM is when it installs a handler; before that
+    # (the interpreter starting, `import peer`) the kernel's default applies. Python catches
+    # SIGINT from its start, SIGTERM only once main() does: wait for that, then signal.
+    proc = subprocess.Popen(
+        [*SWARM, "bootstrap", "--host", "127.0.0.1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env_with_root(),
+    )
+    try:
+        deadline = time.monotonic() + 30
+        while not _catches(proc.pid, signal.SIGTERM):
+            assert proc.poll() is None and time.monotonic() < deadline, "no handler within 30 s"
+            time.sleep(0.001)
+        proc.send_signal(sig)
+        out, err = proc.communicate(timeout=15)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err
+    assert "Traceback" not in err
+    assert out == "" or "@127.0.0.1:" in out  # it may or may not have got to print

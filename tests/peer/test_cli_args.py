@@ -1,0 +1,61 @@
+"""`swarm` argument parsing, in process (no network, no subprocess)."""
+
+from __future__ import annotations
+
+import pytest
+
+from peer.cli import _parser
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["-v", "bootstrap"],
+        ["bootstrap", "-v"],
+        ["--verbose", "bootstrap", "--port", "5"],
+        ["bootstrap", "--port", "5", "--verbose"],
+        ["-v", "status", "--initial-peers", "a@h:1"],
+        ["status", "--initial-peers", "a@h:1", "-v"],
+        ["-v", "bootstrap", "-v"],
+    ],
+)
+def test_verbose_before_or_after_the_command(argv: list[str]) -> None:
+    assert _parser().parse_args(argv).verbose is True
+
+
+@pytest.mark.parametrize("argv", [["bootstrap"], ["status", "--initial-peers", "a@h:1"]])
+def test_not_verbose_by_default(argv: list[str]) -> None:
+    assert _parser().parse_args(argv).verbose is False
+
+
+@pytest.mark.parametrize("value", ["-1", "0", "nan", "inf", "1e999", "soon", ""])
+def test_status_refuses_a_timeout_that_is_not_a_positive_number(
+    value: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        _parser().parse_args(["status", "--initial-peers", "a@h:1", "--timeout", value])
+    assert exit_.value.code == 2
+    err = capsys.readouterr().err
+    assert err.splitlines()[-1] == (
+        "swarm status: error: argument --timeout: "
+        f"expected a positive number of seconds, got {value!r}"
+    )
+
+
+def test_status_timeout_is_seconds_as_a_float() -> None:
+    args = _parser().parse_args(["status", "--initial-peers", "a@h:1", "--timeout", "2.5"])
+    assert args.timeout == 2.5
+    assert _parser().parse_args(["status", "--initial-peers", "a@h:1"]).timeout == 20.0
+
+
+@pytest.mark.parametrize("argv", [["--help"], ["bootstrap", "--help"], ["status", "--help"]])
+def test_help_reads_as_prose(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        _parser().parse_args(argv)
+    assert exit_.value.code == 0
+    text = capsys.readouterr().out
+    assert "``" not in text  # no raw reST from a docstring
+    description = text.split("\n\n")[1]
+    assert description[0].isupper() and description.rstrip().endswith(".")
+    if argv == ["--help"]:
+        assert "bootstrap" in text and "status" in text
