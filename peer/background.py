@@ -159,6 +159,7 @@ def run_in_background(
     *,
     announce_host: str | None = None,
     clock: Callable[[], float] = time.time,
+    require_initial_peers: bool = True,
 ) -> Iterator[BackgroundPeer]:
     """Start a peer (see :func:`peer.open_peer` for the arguments) on a background thread.
 
@@ -166,7 +167,8 @@ def run_in_background(
     the thread.
 
     Raises:
-        ProtocolError, IdentityFileError, OSError: as :func:`peer.open_peer`, at startup.
+        ProtocolError, IdentityFileError, OSError, PeerUnavailableError: as
+            :func:`peer.open_peer`, at startup.
         RuntimeError: if called from inside a trio run (it would block that loop: use
             ``async with peer.open_peer(...)`` there).
     """
@@ -195,6 +197,7 @@ def run_in_background(
             config,
             announce_host=announce_host,
             clock=clock,
+            require_initial_peers=require_initial_peers,
         ) as peer:
             stop.append(trio.Event())
             started.append(BackgroundPeer(peer, trio.lowlevel.current_trio_token()))

@@ -249,6 +249,7 @@ async def _bootstrap(args: argparse.Namespace, stop: _SignalStop) -> int:
                 initial_peers=args.initial_peers,
                 identity=args.identity,
                 announce_host=announce,
+                require_initial_peers=False,  # a backup of bootstrap nodes that are down
             ) as node:
                 try:
                     print(node.address, flush=True)
@@ -278,8 +279,11 @@ async def _status(args: argparse.Namespace, stop: _SignalStop) -> dict[str, Any]
     peers: list[Any] = []
     try:
         with trio.CancelScope() as scope, stop.cancelling(scope), trio.fail_after(args.timeout):
-            async with open_peer(
-                listen=None, initial_peers=args.initial_peers, client_mode=True
+            async with open_peer(  # nobody answering is a report too: 0 peers, exit 1
+                listen=None,
+                initial_peers=args.initial_peers,
+                client_mode=True,
+                require_initial_peers=False,
             ) as node:
                 peers = await crawl(node)
     except trio.TooSlowError:

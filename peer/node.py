@@ -26,6 +26,7 @@ from protocol.address import Address
 from protocol.identity import Identity, PeerID
 
 from .dht import DHT, DHTConfig
+from .errors import PeerUnavailableError
 from .host import HostConfig, RpcHost, open_rpc_host
 from .network import Network
 
@@ -94,6 +95,7 @@ async def open_peer(
     *,
     announce_host: str | None = None,
     clock: Callable[[], float] = time.time,
+    require_initial_peers: bool = True,
 ) -> AsyncIterator[Peer]:
     """Start a peer, bootstrap its DHT through ``initial_peers``, and yield it.
 
@@ -108,11 +110,15 @@ async def open_peer(
         announce_host: the host others should dial (default: the listen host; a wildcard
             listen host announces the loopback address).
         clock: unix time, for record expirations (tests pass a virtual one).
+        require_initial_peers: when ``initial_peers`` are given and none answers, raise
+            (a mistyped address must not leave a volunteer training alone); False starts
+            alone with a warning instead (a bootstrap node whose peers are down).
 
     Raises:
         ProtocolError: if ``listen`` or an initial peer is not a valid address.
         IdentityFileError: if the identity file exists but is not a key file.
         OSError: if the listen address cannot be bound.
+        PeerUnavailableError: if no initial peer answered (see ``require_initial_peers``).
     """
     config = config or PeerConfig()
     client = client_mode or listen is None or config.dht.client_mode
@@ -139,12 +145,17 @@ async def open_peer(
         dht = DHT(host, me, dht_config, sender=sender, clock=clock)
         async with trio.open_nursery() as nursery:
             await nursery.start(dht.serve)
-            await dht.bootstrap(peers)
-            try:
-                yield Peer(me, host, dht, address)
-            except BaseException as exc:  # re-raised below, outside the nursery (no group)
-                body_error = exc
-            finally:
+            reached = await dht.bootstrap(peers)
+            if peers and not reached and require_initial_peers:
+                tried = ", ".join(str(p) for p in peers)
+                body_error = PeerUnavailableError(f"no initial peer answered (tried {tried})")
                 nursery.cancel_scope.cancel()
+            else:
+                try:
+                    yield Peer(me, host, dht, address)
+                except BaseException as exc:  # re-raised below, outside the nursery (no group)
+                    body_error = exc
+                finally:
+                    nursery.cancel_scope.cancel()
     if body_error is not None:
         raise body_error

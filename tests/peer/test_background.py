@@ -63,3 +63,15 @@ def test_client_mode_peer_has_no_address_but_queries() -> None:
 async def test_refused_inside_a_trio_run() -> None:
     with pytest.raises(RuntimeError, match="open_peer"), peer.run_in_background():
         pass  # pragma: no cover - never entered
+
+
+def test_no_initial_peer_answering_is_an_error_unless_allowed() -> None:
+    """A mistyped or dead address must not leave a volunteer training alone unawares."""
+    dead = "6KKPsmJY8vaenxMPzr674T1cSeZmq4u8pzQcXN7eTAGK@127.0.0.1:1"
+    with (
+        pytest.raises(peer.PeerUnavailableError, match="no initial peer answered"),
+        peer.run_in_background(initial_peers=[dead]),
+    ):
+        pass  # pragma: no cover
+    with peer.run_in_background(initial_peers=[dead], require_initial_peers=False) as alone:
+        assert alone.dht.routing_table_peers() == []
