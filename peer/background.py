@@ -159,7 +159,7 @@ def run_in_background(
     *,
     announce_host: str | None = None,
     clock: Callable[[], float] = time.time,
-    require_initial_peers: bool = True,
+    ensure_bootstrap_success: bool = True,
 ) -> Iterator[BackgroundPeer]:
     """Start a peer (see :func:`peer.open_peer` for the arguments) on a background thread.
 
@@ -197,7 +197,7 @@ def run_in_background(
             config,
             announce_host=announce_host,
             clock=clock,
-            require_initial_peers=require_initial_peers,
+            ensure_bootstrap_success=ensure_bootstrap_success,
         ) as peer:
             stop.append(trio.Event())
             started.append(BackgroundPeer(peer, trio.lowlevel.current_trio_token()))

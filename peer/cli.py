@@ -249,7 +249,7 @@ async def _bootstrap(args: argparse.Namespace, stop: _SignalStop) -> int:
                 initial_peers=args.initial_peers,
                 identity=args.identity,
                 announce_host=announce,
-                require_initial_peers=False,  # a backup of bootstrap nodes that are down
+                ensure_bootstrap_success=False,  # a backup of bootstrap nodes that are down
             ) as node:
                 try:
                     print(node.address, flush=True)
@@ -283,7 +283,7 @@ async def _status(args: argparse.Namespace, stop: _SignalStop) -> dict[str, Any]
                 listen=None,
                 initial_peers=args.initial_peers,
                 client_mode=True,
-                require_initial_peers=False,
+                ensure_bootstrap_success=False,
             ) as node:
                 peers = await crawl(node)
     except trio.TooSlowError:

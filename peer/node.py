@@ -95,7 +95,7 @@ async def open_peer(
     *,
     announce_host: str | None = None,
     clock: Callable[[], float] = time.time,
-    require_initial_peers: bool = True,
+    ensure_bootstrap_success: bool = True,
 ) -> AsyncIterator[Peer]:
     """Start a peer, bootstrap its DHT through ``initial_peers``, and yield it.
 
@@ -110,15 +110,16 @@ async def open_peer(
         announce_host: the host others should dial (default: the listen host; a wildcard
             listen host announces the loopback address).
         clock: unix time, for record expirations (tests pass a virtual one).
-        require_initial_peers: when ``initial_peers`` are given and none answers, raise
+        ensure_bootstrap_success: when ``initial_peers`` are given and none answers, raise
             (a mistyped address must not leave a volunteer training alone); False starts
-            alone with a warning instead (a bootstrap node whose peers are down).
+            alone with a warning instead (a bootstrap node whose peers are down). Named
+            as hivemind's ``DHT`` argument of the same meaning.
 
     Raises:
         ProtocolError: if ``listen`` or an initial peer is not a valid address.
         IdentityFileError: if the identity file exists but is not a key file.
         OSError: if the listen address cannot be bound.
-        PeerUnavailableError: if no initial peer answered (see ``require_initial_peers``).
+        PeerUnavailableError: if no initial peer answered (see ``ensure_bootstrap_success``).
     """
     config = config or PeerConfig()
     client = client_mode or listen is None or config.dht.client_mode
@@ -146,7 +147,7 @@ async def open_peer(
         async with trio.open_nursery() as nursery:
             await nursery.start(dht.serve)
             reached = await dht.bootstrap(peers)
-            if peers and not reached and require_initial_peers:
+            if peers and not reached and ensure_bootstrap_success:
                 tried = ", ".join(str(p) for p in peers)
                 body_error = PeerUnavailableError(f"no initial peer answered (tried {tried})")
                 nursery.cancel_scope.cancel()

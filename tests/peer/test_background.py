@@ -73,5 +73,5 @@ def test_no_initial_peer_answering_is_an_error_unless_allowed() -> None:
         peer.run_in_background(initial_peers=[dead]),
     ):
         pass  # pragma: no cover
-    with peer.run_in_background(initial_peers=[dead], require_initial_peers=False) as alone:
+    with peer.run_in_background(initial_peers=[dead], ensure_bootstrap_success=False) as alone:
         assert alone.dht.routing_table_peers() == []
