@@ -78,6 +78,9 @@ class HostConfig:
     """A connection with no call in flight and no traffic for this long is closed."""
     dial_timeout: float = 10.0
     """Connect plus handshake, for outbound connections."""
+    drain_timeout: float = 3.0
+    """On a clean exit: how long connections may go on answering and writing what they
+    queued (a result stream's last chunks) before they are closed."""
 
 
 class _Dial:
@@ -227,6 +230,14 @@ class RpcHost:
         for connection in list(self._connections):
             await connection.aclose()
 
+    async def drain(self, limit: float) -> None:
+        """Let every connection finish the requests it serves and write what it queued,
+        for at most ``limit`` seconds."""
+        with trio.move_on_after(limit):
+            async with trio.open_nursery() as nursery:
+                for connection in list(self._connections):
+                    nursery.start_soon(connection.flush)
+
     async def aclose(self) -> None:
         """Stop listening and close everything (the host cannot be used afterwards)."""
         self._nursery.cancel_scope.cancel()
@@ -361,7 +372,9 @@ async def open_rpc_host(
     """An :class:`RpcHost` listening on ``listen`` (``None``: client mode, no listener).
 
     The listener is up before the host is yielded (``host.listen_address`` has the bound
-    port). Leaving the context closes every connection and stops every task at once.
+    port). Leaving the context normally first lets the connections finish the requests
+    they serve and write what they queued (at most ``config.drain_timeout``), then closes
+    every connection and stops every task; leaving it by an exception does so at once.
 
     Raises:
         OSError: if the listen address cannot be bound.
@@ -377,6 +390,8 @@ async def open_rpc_host(
                 )
                 host.listen_address = Address(listen.host, port, identity.peer_id)
             yield host
+            # a clean exit: others get what we were sending them (bounded)
+            await host.drain(config.drain_timeout)
         except BaseException as exc:  # re-raised below, outside the nursery (no group)
             body_error = exc
         finally:

@@ -121,6 +121,7 @@ class RpcConnection:
         self._call_slots = trio.Semaphore(max_inflight_requests)
         self._pending: dict[int, PendingCall | PendingStream] = {}
         self._incoming: dict[int, _Incoming] = {}
+        self._served = trio.lowlevel.ParkingLot()  # a request we served was answered
         self._next_id = 0
         self._scope = trio.CancelScope()
         self._cause: BaseException | None = None
@@ -153,6 +154,14 @@ class RpcConnection:
             await trio.aclose_forcefully(self._byte_stream)
             self._finished.set()
 
+    async def flush(self) -> None:
+        """Wait until the requests we serve are answered and every queued frame is written
+        (or the connection ended): a peer that leaves cleanly first finishes what it
+        started, e.g. a result stream whose last chunks are still queued."""
+        while not self.closed and self._incoming:
+            await self._served.park()
+        await self._outbox.drained()
+
     async def aclose(self) -> None:
         """Close the connection; pending calls fail with ``PeerUnavailableError``."""
         self._shutdown(PeerUnavailableError("connection closed locally"))
@@ -165,6 +174,7 @@ class RpcConnection:
         self._cause = cause
         self._scope.cancel()
         self._outbox.close()
+        self._served.unpark_all()
         for pending in self._pending.values():
             error = PeerUnavailableError(f"connection to {self.peer_id.short()} lost: {cause}")
             error.__cause__ = cause
@@ -440,6 +450,7 @@ class RpcConnection:
         finally:
             if self._incoming.get(request_id) is incoming:
                 del self._incoming[request_id]
+            self._served.unpark_all()
 
     def _answer_quick(self, frame: RpcFrame, handler: QuickHandler) -> None:
         """Answer on the reader, no task: the reply is queued for the writer."""

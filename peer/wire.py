@@ -56,6 +56,7 @@ class Outbox:
         self._space = trio.lowlevel.ParkingLot()
         self._urgent_space = trio.lowlevel.ParkingLot()
         self._ready = trio.lowlevel.ParkingLot()
+        self._idle = trio.lowlevel.ParkingLot()  # waiters for "everything written"
         self._closed = False
         self._busy = False  # a task is writing to the stream
         self._batch: list[Sequence[Piece]] = []  # the frames the writer is writing now
@@ -102,6 +103,13 @@ class Outbox:
         self._batch.clear()
         if self._items or self._urgent:
             self._ready.unpark()
+        else:
+            self._idle.unpark_all()
+
+    async def drained(self) -> None:
+        """Wait until every queued frame was written (or the outbox closed)."""
+        while not self._closed and (self._busy or self._items or self._urgent):
+            await self._idle.park()
 
     async def get_batch(self) -> list[Piece]:
         """The pieces of one or more queued frames, in order (waits for at least one, and
@@ -157,6 +165,7 @@ class Outbox:
         self._space.unpark_all()
         self._urgent_space.unpark_all()
         self._ready.unpark_all()
+        self._idle.unpark_all()
 
 
 async def write_pieces(stream: trio.abc.Stream, pieces: Sequence[Piece]) -> None:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+
 import pytest
 import trio
 import trio.testing
@@ -186,3 +188,40 @@ async def test_listen_address_in_use() -> None:
         with pytest.raises(OSError):
             async with open_rpc_host(ID_B, listen=Address("a", 1), network=net.interface("a")):
                 pass
+
+
+async def test_a_clean_exit_first_writes_what_it_queued(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A peer that leaves right after its last stream item was queued (an averaging
+    reducer whose step just returned) still delivers it: a clean exit drains connections
+    (at most drain_timeout); it does not wait for callers that never read."""
+    net = MemoryNetwork(latency=0.05)
+    served = trio.Event()
+    chunk = bytes(1 << 20)
+
+    async def chunks(request: Request) -> AsyncIterator[Reply]:
+        for index in range(8):
+            yield Reply({"i": index}, chunk)
+        served.set()
+
+    got: list[int] = []
+
+    async def server(task_status: trio.TaskStatus[Address]) -> None:
+        async with open_rpc_host(ID_A, listen=Address("a", 1), network=net.interface("a")) as a:
+            a.register_stream("chunks", chunks)
+            assert a.listen_address is not None
+            task_status.started(a.listen_address)
+            await served.wait()  # and leaves at once
+
+    with trio.fail_after(30):
+        async with (
+            open_rpc_host(ID_B, listen=None, network=net.interface("b")) as b,
+            trio.open_nursery() as nursery,
+        ):
+            address = await nursery.start(server)
+            async with b.stream(address, "chunks") as items:
+                async for item in items:
+                    got.append(item.body["i"])
+                    assert len(item.payload) == len(chunk)
+    assert got == list(range(8))
