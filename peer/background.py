@@ -57,6 +57,11 @@ class BackgroundPeer:
         """The underlying async Peer; use its methods only from coroutines given to run()."""
         return self._peer
 
+    @property
+    def token(self) -> trio.lowlevel.TrioToken:
+        """The trio token of the peer's own loop (code running there may use ``peer``)."""
+        return self._token
+
     def run(self, async_fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         """Run ``async_fn(*args)`` on the peer's loop and return its result.
 

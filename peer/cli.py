@@ -300,6 +300,8 @@ def _print_status(report: dict[str, Any] | str, args: argparse.Namespace) -> int
     if isinstance(report, str):
         print(f"swarm status: {report}", file=sys.stderr)
         return 1
+    if sys.stdout is None:  # started with stdout closed (`>&-`): nowhere to report
+        return 1
     try:
         if args.json:
             print(json.dumps(report, indent=2))

@@ -253,3 +253,20 @@ def test_bootstrap_keeps_serving_when_stdout_is_closed(bootstraps: list[Bootstra
             proc.communicate()
     assert proc.returncode == 0
     assert b"Traceback" not in err and b"Exception ignored" not in err
+
+
+def test_status_with_stdout_closed_fails_quietly(bootstraps: list[Bootstrap]) -> None:
+    """`swarm status ... >&-`: Python starts with no sys.stdout at all."""
+    node = Bootstrap()
+    bootstraps.append(node)
+    out = subprocess.run(
+        [*SWARM, "status", "--initial-peers", node.address, "--json"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        timeout=40,
+        env=env_with_root(),
+        preexec_fn=lambda: os.close(1),  # in the child only
+    )
+    assert out.returncode == 1
+    assert out.stderr == ""

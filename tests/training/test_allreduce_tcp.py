@@ -198,3 +198,18 @@ def test_step_blocking_with_background_peers() -> None:
     assert "averaged 100% over 2 peers" in str(results[0])
     for x in arrays:
         np.testing.assert_allclose(x, 3.0, rtol=1e-6)  # (1 * 1 + 2 * 4) / 3
+
+
+def test_awaiting_step_on_a_background_peer_from_another_loop_is_refused() -> None:
+    """A plain script's own trio.run must not drive a background peer's averager: a clear
+    error, and the peer keeps working (it used to die inside trio)."""
+    with run_in_background() as a:
+        averager = Averager(a, "t/wrong-loop", [np.zeros(10, dtype=np.float32)], config=CONFIG)
+
+        async def in_my_own_loop() -> None:
+            await averager.step(timeout=3.0)
+
+        with pytest.raises(RuntimeError, match="step_blocking"):
+            trio.run(in_my_own_loop)
+        assert a.dht.store("t/still-alive", 1, ttl=10.0)
+        assert averager.step_blocking(timeout=1.0).outcome is Outcome.ALONE

@@ -224,6 +224,13 @@ class Averager:
                 timeout = self.config.default_timeout
         elif not timeout > 0:
             raise ValueError("timeout must be positive")
+        background = self._background
+        if background is not None and trio.lowlevel.current_trio_token() != background.token:
+            # another trio loop than the peer's: the peer's tasks would run in the wrong one
+            raise RuntimeError(
+                "this Averager is on a background peer (run_in_background): call "
+                "step_blocking() from a thread, or build it on open_peer()'s peer in async code"
+            )
         if self._busy or self._closed:
             raise RuntimeError("the averager is closed or already in a step")
         self._busy = True
