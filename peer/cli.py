@@ -277,6 +277,7 @@ async def _status(args: argparse.Namespace, stop: _SignalStop) -> dict[str, Any]
     from .node import open_peer
 
     peers: list[Any] = []
+    errors: dict[str, str] = {}
     try:
         with trio.CancelScope() as scope, stop.cancelling(scope), trio.fail_after(args.timeout):
             async with open_peer(  # nobody answering is a report too: 0 peers, exit 1
@@ -285,6 +286,7 @@ async def _status(args: argparse.Namespace, stop: _SignalStop) -> dict[str, Any]
                 client_mode=True,
                 ensure_bootstrap_success=False,
             ) as node:
+                errors = dict(node.dht.contact_errors)
                 peers = await crawl(node)
     except trio.TooSlowError:
         return f"no answer within {args.timeout} s"
@@ -293,6 +295,7 @@ async def _status(args: argparse.Namespace, stop: _SignalStop) -> dict[str, Any]
     return {
         "num_peers": len(peers),
         "peers": [{"peer_id": str(pid), "address": f"{pid}@{addr}"} for pid, addr in peers],
+        "_errors": errors,  # why initial peers did not answer (stderr only)
     }
 
 
@@ -300,6 +303,7 @@ def _print_status(report: dict[str, Any] | str, args: argparse.Namespace) -> int
     if isinstance(report, str):
         print(f"swarm status: {report}", file=sys.stderr)
         return 1
+    errors = report.pop("_errors", {})
     if sys.stdout is None:  # started with stdout closed (`>&-`): nowhere to report
         return 1
     try:
@@ -314,7 +318,7 @@ def _print_status(report: dict[str, Any] | str, args: argparse.Namespace) -> int
         _silence_stdout()
         return 1
     if not report["peers"]:  # not even an initial peer: the swarm was not reached
-        tried = ", ".join(args.initial_peers)
+        tried = "; ".join(f"{a}: {errors.get(a, '?')}" for a in args.initial_peers)
         print(f"swarm status: no peer answered (tried {tried})", file=sys.stderr)
         return 1
     return 0

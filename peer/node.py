@@ -148,7 +148,7 @@ async def open_peer(
             await nursery.start(dht.serve)
             reached = await dht.bootstrap(peers)
             if peers and not reached and ensure_bootstrap_success:
-                tried = ", ".join(str(p) for p in peers)
+                tried = "; ".join(f"{p}: {dht.contact_errors.get(str(p), '?')}" for p in peers)
                 body_error = PeerUnavailableError(f"no initial peer answered (tried {tried})")
                 nursery.cancel_scope.cancel()
             else:

@@ -125,6 +125,8 @@ class DHT:
         self._clock = clock
         self._rng = random.Random(self.peer_id.raw)
         self._initial_peers: list[Address] = []
+        # initial peers that did not answer at the last contact -> why (for error messages)
+        self.contact_errors: dict[str, str] = {}
         # (key id, subkey) -> (key text, entry) of what this node stored, to republish
         self._published: OrderedDict[tuple[DHTID, Subkey], tuple[str, Entry]] = OrderedDict()
 
@@ -175,16 +177,23 @@ class DHT:
 
         async def one(address: Address) -> None:
             nonlocal reached
+            key = str(address)
+            self.contact_errors[key] = f"no answer within {self.config.request_timeout} s"
             with trio.move_on_after(self.config.request_timeout):
-                try:
-                    peer_id = address.peer_id or await self.host.connect(address)
+                try:  # (a pooled connection is reused; a new one proves the id)
+                    peer_id = await self.host.connect(address)
                 except (SwarmError, OSError) as exc:
                     logger.debug("initial peer %s: %r", address, exc)
+                    self.contact_errors[key] = str(exc) or type(exc).__name__
                     return
                 if peer_id == self.peer_id:
+                    self.contact_errors[key] = "that is this peer's own address"
                     return
                 if await self.protocol.ping(NodeInfo(peer_id, address.hostport)):
                     reached += 1
+                    del self.contact_errors[key]
+                else:
+                    self.contact_errors[key] = "no answer to a ping"
 
         async with trio.open_nursery() as nursery:
             for address in addresses:
