@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -105,6 +105,9 @@ class RpcHost:
         self.listen_address: Address | None = None
         self._nursery = nursery
         self._handlers = HandlerRegistry()
+        # Called with a peer whose last connection the peer's side ended (closed, reset):
+        # it may have left (the DHT pings it).
+        self.on_connection_lost: Callable[[PeerID], None] | None = None
         self._connections: dict[RpcConnection, PeerID] = {}  # -> the PeerID that dialed
         self._by_peer: dict[PeerID, RpcConnection] = {}
         self._by_address: dict[str, PeerID] = {}
@@ -322,6 +325,8 @@ class RpcHost:
                 del self._by_peer[peer_id]
                 self._promote(peer_id)
             logger.debug("%r: disconnected from %s", self, peer_id.short())
+            if connection.lost and peer_id not in self._by_peer and self.on_connection_lost:
+                self.on_connection_lost(peer_id)
 
     def _promote(self, peer_id: PeerID) -> None:
         """After the pooled connection to ``peer_id`` ended, pool another live one, if any."""

@@ -127,6 +127,7 @@ class RpcConnection:
         self._cause: BaseException | None = None
         self._finished = trio.Event()
         self.closed = False
+        self.lost = False  # ended by the peer's side (closed, reset, broken), not by us
         self.last_activity = trio.current_time()
 
     def __repr__(self) -> str:
@@ -189,6 +190,8 @@ class RpcConnection:
             await fn(*args)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             logger.debug("%r: connection lost: %r", self, exc)
+            if not self.closed:
+                self.lost = True
             self._shutdown(exc)
         except ProtocolError as exc:
             logger.debug("%r: protocol error, dropping the peer: %s", self, exc)
@@ -388,6 +391,10 @@ class RpcConnection:
             else:
                 await self._deliver(frame)
             del frame
+        # A connection quiet for half the idle timeout was most likely closed by the
+        # peer's idle timer (it is alive); one in use was closed by a peer that left.
+        if not self.closed and trio.current_time() - self.last_activity < self.idle_timeout / 2:
+            self.lost = True
         self._shutdown(PeerUnavailableError("the peer closed the connection"))
 
     def _start_request(self, frame: RpcFrame, nursery: trio.Nursery) -> None:

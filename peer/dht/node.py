@@ -120,6 +120,7 @@ class DHT:
         self._newcomers_send, self._newcomers = trio.open_memory_channel[NodeInfo](_HANDOVER_QUEUE)
         if self.storage is not None:
             self.protocol.on_new_contact = self._on_new_contact
+        host.on_connection_lost = self.protocol.check_alive
         self.host = host
         self.stats = LookupStats()
         self._clock = clock

@@ -16,6 +16,7 @@ Learning rules (the routing table's only inputs):
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Iterable
 from typing import TypeVar
@@ -108,6 +109,15 @@ class DHTProtocol:
                 self._ping_send.send_nowait(to_ping)
             except trio.WouldBlock:
                 self.table.ping_result(to_ping.peer_id, alive=True, now=self._now())
+
+    def check_alive(self, peer_id: PeerID) -> None:
+        """``peer_id``'s side ended our connection: ping it (if it is a contact), so that a
+        peer that left leaves the table now, not when a request to it next fails."""
+        node = self.table.get(peer_id)
+        if node is None:
+            return
+        with contextlib.suppress(trio.WouldBlock):  # full: a failed request will tell
+            self._ping_send.send_nowait(node)
 
     def _learn_sender(self, peer_id: PeerID, sender: str | None) -> None:
         if sender is None:

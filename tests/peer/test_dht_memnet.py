@@ -288,6 +288,51 @@ async def test_joins_and_leaves_are_logged_at_info(
             nursery.cancel_scope.cancel()
 
 
+async def test_a_peer_that_leaves_is_dropped_when_its_connections_end(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Killed or stopped, a peer's connections end on the other side, which pings it: it
+    leaves the tables (and the bootstrap's log) at once, not when a request next fails."""
+    caplog.set_level(logging.INFO, logger="peer.dht")
+    net = MemoryNetwork(latency=LATENCY)
+    with trio.fail_after(600):
+        async with trio.open_nursery() as nursery:
+            swarm = await start_swarm(nursery, net, 4, PeerConfig())
+            killed, stopped = swarm[2], swarm[3]
+            kill(net, killed)
+            stopped.scope.cancel()  # a clean exit: its connections close
+            await trio.sleep(1.0)  # no request from anyone meanwhile
+            for gone in (killed, stopped):
+                assert gone.peer.peer_id not in swarm[0].peer.dht.table
+                assert any(
+                    "peer left" in r.getMessage() and gone.peer.peer_id.short() in r.getMessage()
+                    for r in caplog.records
+                )
+            assert swarm[1].peer.peer_id in swarm[0].peer.dht.table  # the living stay
+            nursery.cancel_scope.cancel()
+
+
+async def test_idle_connections_close_without_pinging_back(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A connection closed by the other side's idle timer does not look like a leave: no
+    ping, no new connection, every minute, between every pair that ever talked."""
+    net = MemoryNetwork(latency=LATENCY)
+    with trio.fail_after(600):
+        async with trio.open_nursery() as nursery:
+            swarm = await start_swarm(nursery, net, 4, PeerConfig())
+
+            def opened() -> int:
+                return sum(sim.peer.rpc.connections_opened for sim in swarm)
+
+            before = opened()
+            await trio.sleep(250.0)  # idle timeouts (60 s) close every connection
+            assert net.open_connections == 0
+            assert opened() == before
+            assert all(len(sim.peer.dht.table) == 3 for sim in swarm)
+            nursery.cancel_scope.cancel()
+
+
 async def test_client_mode_peers_use_the_dht_but_never_enter_tables(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
