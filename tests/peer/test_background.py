@@ -69,7 +69,7 @@ def test_no_initial_peer_answering_is_an_error_unless_allowed() -> None:
     """A mistyped or dead address must not leave a volunteer training alone unawares."""
     dead = "6KKPsmJY8vaenxMPzr674T1cSeZmq4u8pzQcXN7eTAGK@127.0.0.1:1"
     with (
-        pytest.raises(peer.PeerUnavailableError, match="no initial peer answered .*connect"),
+        pytest.raises(peer.PeerUnavailableError, match=r"no initial peer answered .*connect"),
         peer.run_in_background(initial_peers=[dead]),
     ):
         pass  # pragma: no cover
