@@ -139,6 +139,16 @@ def _fresh_buffers(averager: Any) -> dict[str, int]:
 
 
 def run_swarm(n: int, rate: float, args: argparse.Namespace) -> dict[str, Any]:
+    kernel = rate and args.shaper == "kernel"
+    with KernelShaper(n, rate) if kernel else contextlib.nullcontext():
+        rows = _run_workers(n, rate, args)
+    if trace := os.environ.get("ALLREDUCE_TRACE"):  # a folder: every worker's raw rows
+        Path(trace, f"rows{n}_{int(rate)}.json").write_text(json.dumps(rows))
+    return summarize(rows, n, rate, args)
+
+
+def _run_workers(n: int, rate: float, args: argparse.Namespace) -> list[list[dict[str, Any]]]:
+    """Every worker's rows (one process per peer, released step by step together)."""
     base = [sys.executable, __file__, "--worker", "--size", str(args.size), "--rate", str(rate)]
     base += ["--steps", str(args.steps), "--warmup", "1", "--window", str(args.window)]
     base += ["--timeout", str(args.timeout), "--codecs", *args.codecs]
@@ -147,9 +157,7 @@ def run_swarm(n: int, rate: float, args: argparse.Namespace) -> dict[str, Any]:
         if getattr(args, name) is not None:
             base += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
     procs: list[subprocess.Popen[str]] = []
-    shaper = KernelShaper(n, rate) if rate and args.shaper == "kernel" else contextlib.nullcontext()
     try:
-        shaper.__enter__()
         address = ""
         profile = os.environ.get("ALLREDUCE_PROFILE")  # a folder: py-spy each worker
         for i in range(n):
@@ -185,10 +193,7 @@ def run_swarm(n: int, rate: float, args: argparse.Namespace) -> dict[str, Any]:
         for p in procs:
             if p.poll() is None:
                 p.kill()
-        shaper.__exit__(None, None, None)
-    if trace := os.environ.get("ALLREDUCE_TRACE"):  # a folder: every worker's raw rows
-        Path(trace, f"rows{n}_{int(rate)}.json").write_text(json.dumps(rows))
-    return summarize(rows, n, rate, args)
+    return rows
 
 
 def summarize(
