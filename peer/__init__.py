@@ -23,7 +23,7 @@ _EXPORTS = {
     "RecordTooLargeError": "protocol.records",
     "BackgroundDHT": ".background",
     "BackgroundPeer": ".background",
-    "PeerStoppedError": ".background",
+    "PeerStoppedError": ".errors",
     "run_in_background": ".background",
     "DHT": ".dht",
     "DHTConfig": ".dht",
@@ -54,11 +54,11 @@ if TYPE_CHECKING:
 
     from .background import BackgroundDHT as BackgroundDHT
     from .background import BackgroundPeer as BackgroundPeer
-    from .background import PeerStoppedError as PeerStoppedError
     from .background import run_in_background as run_in_background
     from .dht import DHT as DHT
     from .dht import DHTConfig as DHTConfig
     from .errors import LimitExceededError as LimitExceededError
+    from .errors import PeerStoppedError as PeerStoppedError
     from .errors import PeerUnavailableError as PeerUnavailableError
     from .errors import RemoteError as RemoteError
     from .host import HostConfig as HostConfig

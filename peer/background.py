@@ -25,20 +25,16 @@ from typing import Any, TypeVar
 import trio
 
 from protocol.address import Address
-from protocol.errors import SwarmError
 from protocol.identity import Identity, PeerID
 from protocol.records import Subkey
 
+from .errors import PeerStoppedError
 from .network import Network
 from .node import Peer, PeerConfig, open_peer
 
 __all__ = ["BackgroundDHT", "BackgroundPeer", "PeerStoppedError", "run_in_background"]
 
 T = TypeVar("T")
-
-
-class PeerStoppedError(SwarmError):
-    """The background peer is no longer running (it was closed, or its loop crashed)."""
 
 
 class BackgroundPeer:

@@ -6,13 +6,14 @@
   a different identity, or the connection died mid-call. ``__cause__`` says how.
 - :class:`LimitExceededError`: a local limit refused the operation (oversized message, too many
   connections).
+- :class:`PeerStoppedError`: our own peer no longer runs (used after its context ended).
 """
 
 from __future__ import annotations
 
 from protocol.errors import SwarmError
 
-__all__ = ["LimitExceededError", "PeerUnavailableError", "RemoteError"]
+__all__ = ["LimitExceededError", "PeerStoppedError", "PeerUnavailableError", "RemoteError"]
 
 
 class RemoteError(SwarmError):
@@ -39,3 +40,8 @@ class PeerUnavailableError(SwarmError):
 
 class LimitExceededError(SwarmError):
     """A configured limit refused the operation (message size, connections)."""
+
+
+class PeerStoppedError(SwarmError):
+    """This peer is no longer running: its ``open_peer`` context (or background thread)
+    has ended, or its loop crashed."""

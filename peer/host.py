@@ -33,7 +33,7 @@ from protocol.errors import ProtocolError
 from protocol.framing import DEFAULT_MAX_FRAME_SIZE
 from protocol.identity import Identity, PeerID
 
-from .errors import PeerUnavailableError
+from .errors import PeerStoppedError, PeerUnavailableError
 from .network import Network, TcpNetwork, remote_host_of
 from .rpc import (
     ConnectionClosedError,
@@ -116,6 +116,8 @@ class RpcHost:
         self._per_host: Counter[str] = Counter()
         self.connections_opened = 0
         """Connections established so far, both directions (each one a handshake)."""
+        self.stopped = False
+        """True once the host's context has ended: calls raise PeerStoppedError."""
 
     def __repr__(self) -> str:
         return f"<RpcHost {self.peer_id.short()} at {self.listen_address}>"
@@ -179,6 +181,8 @@ class RpcHost:
             PeerUnavailableError: cannot connect, wrong identity, or the connection died.
             LimitExceededError: the request exceeds the maximum frame size.
         """
+        if self.stopped:
+            raise PeerStoppedError(f"{self!r} has stopped: its context has ended")
         # A pooled connection is used without a scheduler pass: the call checkpoints.
         connection = self._pooled(address) if address.peer_id != self.peer_id else None
         if connection is None:
@@ -254,6 +258,8 @@ class RpcHost:
         return connection if connection is not None and not connection.closed else None
 
     async def _connection(self, address: Address) -> RpcConnection:
+        if self.stopped:
+            raise PeerStoppedError(f"{self!r} has stopped: its context has ended")
         if address.peer_id == self.peer_id:
             raise PeerUnavailableError(f"{address} is this host itself")
         if (connection := self._pooled(address)) is not None:
@@ -400,6 +406,7 @@ async def open_rpc_host(
         except BaseException as exc:  # re-raised below, outside the nursery (no group)
             body_error = exc
         finally:
+            host.stopped = True
             nursery.cancel_scope.cancel()
     if body_error is not None:
         raise body_error

@@ -71,6 +71,24 @@ class Peer:
         return f"<Peer {self.address}>"
 
 
+def _check_arguments(listen: object, identity: object, client_mode: object, config: object) -> None:
+    """Wrong types fail here, named, instead of deep inside the start-up."""
+    if listen is not None and not isinstance(listen, str):
+        raise TypeError(f"listen must be a 'HOST:PORT' string or None, not {type(listen).__name__}")
+    if not isinstance(identity, Identity | str | os.PathLike) and identity is not None:
+        raise TypeError(
+            f"identity must be an Identity, a key-file path or None, not {type(identity).__name__}"
+            " (for a 32-byte seed: Identity.from_seed(seed))"
+        )
+    if type(client_mode) is not bool:
+        raise TypeError(f"client_mode must be a bool, not {type(client_mode).__name__}")
+    if config is not None and not isinstance(config, PeerConfig):
+        raise TypeError(
+            f"config must be a PeerConfig (or None), not {type(config).__name__}:"
+            " PeerConfig(dht=DHTConfig(k=...), host=HostConfig(...))"
+        )
+
+
 def load_identity(identity: Identity | str | os.PathLike[str] | None) -> Identity:
     """An Identity as given, loaded from (or created at) a key-file path, or a fresh one.
 
@@ -117,15 +135,22 @@ async def open_peer(
 
     Raises:
         ProtocolError: if ``listen`` or an initial peer is not a valid address.
+        ValueError: if ``listen`` names a PeerID other than this peer's.
+        TypeError: if an argument has the wrong type.
         IdentityFileError: if the identity file exists but is not a key file.
         OSError: if the listen address cannot be bound.
         PeerUnavailableError: if no initial peer answered (see ``ensure_bootstrap_success``).
     """
+    _check_arguments(listen, identity, client_mode, config)
     config = config or PeerConfig()
     client = client_mode or listen is None or config.dht.client_mode
     dht_config = replace(config.dht, client_mode=client)
     me = load_identity(identity)
     listen_address = None if client or listen is None else Address.parse(listen)
+    if listen_address is not None and listen_address.peer_id not in (None, me.peer_id):
+        raise ValueError(
+            f"listen={listen!r} names another peer: give HOST:PORT (the PeerID is the identity's)"
+        )
     if isinstance(initial_peers, str | Address):  # one address, not its characters
         initial_peers = [initial_peers]
     peers = [p if isinstance(p, Address) else Address.parse(p) for p in initial_peers]

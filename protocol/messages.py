@@ -23,11 +23,19 @@ from .address import MAX_ADDRESS_LENGTH, Address
 from .dhtid import DHTID, ID_BYTES
 from .errors import LocalProtocolError, ProtocolError, RemoteProtocolError
 from .identity import PeerID
-from .records import MAX_ENTRIES_PER_STORE, MAX_KEY_BYTES, MAX_SUBKEYS_PER_KEY, Entry
+from .records import (
+    MAX_ENTRIES_PER_STORE,
+    MAX_KEY_BYTES,
+    MAX_SUBKEY_BYTES,
+    MAX_SUBKEYS_PER_KEY,
+    Entry,
+)
 from .records import Subkey as Subkey  # re-exported: entries are part of the messages
 
 MAX_NODES = 64
 """Most nodes in one FIND_NODE or FIND_VALUE reply."""
+MAX_SUBKEY_ORDER_BYTES = MAX_SUBKEY_BYTES + 9
+"""Longest FIND_VALUE cursor: a subkey in msgpack (its header takes at most 9 bytes)."""
 
 
 class Message:
@@ -308,50 +316,70 @@ class FindNodeResponse(Message):
 @register_message
 @dataclass(frozen=True, slots=True)
 class FindValueRequest(Message):
-    """``dht.find_value``: the callee's entries under ``key`` and its closest contacts."""
+    """``dht.find_value``: the callee's entries under ``key`` and its closest contacts.
+    ``after``: only entries whose subkey orders after this one (its
+    :func:`~protocol.records.subkey_order` form), to continue a reply that said ``more``."""
 
     TAG: ClassVar[str] = "dht.find_value.req"
     METHOD: ClassVar[str] = "dht.find_value"
-    FIELDS: ClassVar[tuple[str, ...]] = ("sender", "key")
+    FIELDS: ClassVar[tuple[str, ...]] = ("sender", "key", "after")
     sender: str | None
     key: DHTID
+    after: bytes | None = None
 
     def __post_init__(self) -> None:
         _check_hostport(self.sender, "sender")
         _check_dhtid(self.key, "key")
+        if self.after is not None and (
+            type(self.after) is not bytes or len(self.after) > MAX_SUBKEY_ORDER_BYTES
+        ):
+            raise LocalProtocolError(
+                f"after must be nil or at most {MAX_SUBKEY_ORDER_BYTES} bytes (a packed subkey)"
+            )
 
     def _encode(self) -> dict[str, Any]:
-        return {"sender": self.sender, "key": self.key.to_raw()}
+        return {"sender": self.sender, "key": self.key.to_raw(), "after": self.after}
 
     @classmethod
     def _decode(cls, body: dict[str, Any]) -> Self:
-        return cls(body["sender"], _raw_id(body["key"], "key"))
+        return cls(body["sender"], _raw_id(body["key"], "key"), body["after"])
 
 
 @register_message
 @dataclass(frozen=True, slots=True)
 class FindValueResponse(Message):
-    """Reply to ``dht.find_value``. ``entries`` None: the callee stores nothing for the key."""
+    """Reply to ``dht.find_value``. ``entries`` None: the callee stores nothing for the key
+    (after the request's cursor). ``more``: the entries did not all fit; they come in
+    subkey order, and a request ``after`` the last one's subkey continues."""
 
     TAG: ClassVar[str] = "dht.find_value.res"
-    FIELDS: ClassVar[tuple[str, ...]] = ("entries", "nodes")
+    FIELDS: ClassVar[tuple[str, ...]] = ("entries", "nodes", "more")
     entries: tuple[Entry, ...] | None
     nodes: tuple[NodeInfo, ...]
+    more: bool = False
 
     def __post_init__(self) -> None:
         if self.entries is not None:
             _tuple_of(self, "entries", Entry, MAX_SUBKEYS_PER_KEY)
         _tuple_of(self, "nodes", NodeInfo, MAX_NODES)
+        if type(self.more) is not bool:
+            raise LocalProtocolError("more must be a bool")
+        if self.more and not self.entries:
+            raise LocalProtocolError("a reply with more to come carries entries")
 
     def _encode(self) -> dict[str, Any]:
         entries = None if self.entries is None else [entry.to_body() for entry in self.entries]
-        return {"entries": entries, "nodes": [node.to_body() for node in self.nodes]}
+        return {
+            "entries": entries,
+            "nodes": [node.to_body() for node in self.nodes],
+            "more": self.more,
+        }
 
     @classmethod
     def _decode(cls, body: dict[str, Any]) -> Self:
         raw = body["entries"]
         entries = None if raw is None else _entries(raw, MAX_SUBKEYS_PER_KEY)
-        return cls(entries, _nodes(body["nodes"]))
+        return cls(entries, _nodes(body["nodes"]), body["more"])
 
 
 @register_message

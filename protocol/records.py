@@ -14,6 +14,8 @@ node applies (no clock is read here: ``now`` is an argument):
   written only by that peer, under any subkey: every entry must be signed by it. Storing
   nodes see the key text in STORE requests (``StoreRequest.name``), readers know it anyway.
 - any signature that is present must verify, owner-bound subkey or not.
+- a value decodes as msgpack without extension types (:func:`decode_value`): readers
+  get only None, bool, int, float, str, bytes, and lists and maps of them.
 
 A record that breaks a rule raises :class:`RecordError`. For a record received from a
 peer this rejects *that record* (a STORE answers ``accepted=False`` for it); it is not a
@@ -286,6 +288,52 @@ def validate_entry(
         data = signing_bytes(key, entry.subkey, entry.value, entry.expiration)
         if not verify_signature(entry.owner_key, entry.signature, data):
             raise RecordError("invalid record signature")
+    try:
+        decode_value(entry.value)
+    except ValueError as exc:
+        raise RecordError(f"the value is not a DHT value: {exc}") from exc
+
+
+def decode_value(data: bytes) -> Any:
+    """The user's value from an entry's serialized ``value``.
+
+    Raises:
+        ValueError: if ``data`` is not one complete msgpack object, or uses an extension
+            type (a timestamp included): a value must read back as what a store accepts.
+    """
+    try:
+        value = msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=_refuse_extension)
+    except TypeError as exc:  # a map key that Python cannot hash (a list)
+        raise ValueError(f"undecodable value: {exc}") from exc
+    # msgpack decodes its timestamp extension (type -1) without calling ext_hook; its
+    # type byte 0xff is in the data whenever one is, so most values skip the walk
+    if b"\xff" in data and _holds_timestamp(value):
+        raise ValueError("msgpack timestamps are not DHT values")
+    return value
+
+
+def _refuse_extension(code: int, data: bytes) -> Any:
+    raise ValueError(f"msgpack extension type {code} is not a DHT value")
+
+
+def _holds_timestamp(value: Any) -> bool:
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, msgpack.Timestamp):
+            return True
+        if isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+    return False
+
+
+def subkey_order(subkey: Subkey) -> bytes:
+    """A total order on subkeys of every type (their msgpack form): the cursor by which a
+    FIND_VALUE reply that cannot hold every entry of a key is continued."""
+    return msgpack.packb(subkey, use_bin_type=True)
 
 
 def check_key(key: str) -> DHTID:

@@ -40,12 +40,15 @@ from protocol.records import (
     RecordError,
     Subkey,
     check_key,
+    decode_value,
     key_owner,
     owner_of,
     sign_entry,
+    subkey_order,
     validate_entry,
 )
 
+from ..errors import PeerStoppedError
 from ..host import RpcHost
 from .config import DHTConfig
 from .lookup import LookupResult, Query, iterative_lookup
@@ -64,6 +67,9 @@ _HANDOVER_MAX_KEYS = 10_000  # a handover scans every key we hold, once per new 
 _HANDOVER_SENDERS = 3
 _HANDOVER_PARALLEL = 8  # STOREs in flight to one newcomer (a round trip each, one key each)
 _HANDOVER_NEWCOMERS = 4  # newcomers served at once
+# A key holds at most 1024 subkeys of 16 KiB: 17 replies of 1 MiB; a node that keeps
+# saying "more" gets no further than this.
+_MAX_VALUE_PAGES = 32
 
 
 @dataclass(slots=True)
@@ -346,6 +352,8 @@ class DHT:
         stop: Callable[[], bool] | None = None,
         wanted: Callable[[], int] | None = None,
     ) -> LookupResult:
+        if self.host.stopped:  # the nursery is gone: no lookup could run, none may lie
+            raise PeerStoppedError("this peer has stopped: its open_peer context has ended")
         # Twice k seeds: when some of the closest known are dead, the next ones take
         # their place instead of the lookup running dry.
         seeds = self.table.nearest(target, 2 * self.config.k)
@@ -399,7 +407,8 @@ class DHT:
                 is of a wrong type.
             ValueError: ``ttl`` is not in (0, MAX_TTL].
             TypeError: ``ttl`` is not a number, or ``value`` cannot be serialized with
-                msgpack (or would not read back: a tuple as a dict key).
+                msgpack (or would not read back: a tuple as a dict key, an extension type).
+            PeerStoppedError: this peer's ``open_peer`` context has ended.
         """
         key_id = check_key(key)
         if not isinstance(ttl, int | float) or isinstance(ttl, bool):
@@ -409,8 +418,8 @@ class DHT:
         try:
             data = msgpack.packb(value, use_bin_type=True)
             # what readers will get must unpack too: a tuple as a dict key packs, but comes
-            # back as a list, which no dict can hold
-            msgpack.unpackb(data, raw=False, strict_map_key=False)
+            # back as a list, which no dict can hold; extension types are refused
+            decode_value(data)
         except (TypeError, ValueError, OverflowError) as exc:
             raise TypeError(
                 f"DHT values must be msgpack-serializable (None, bool, int, float, str, bytes,"
@@ -471,6 +480,7 @@ class DHT:
 
         Raises:
             RecordTooLargeError: (a ValueError) the key is over MAX_KEY_BYTES.
+            PeerStoppedError: this peer's ``open_peer`` context has ended.
         """
         key_id, owner = check_key(key), key_owner(key)
         record: Record = {}
@@ -488,9 +498,20 @@ class DHT:
             if response is None:
                 return None
             holders += bool(response.entries)
-            for entry in response.entries or ():
-                self._merge(key_id, owner, record, values, entry, verified=False)
-            return response.nodes
+            nodes = response.nodes
+            for _ in range(_MAX_VALUE_PAGES):
+                entries = response.entries or ()
+                for entry in entries:
+                    self._merge(key_id, owner, record, values, entry, verified=False)
+                if not (response.more and entries):
+                    break
+                # the rest of a key too large for one reply, page by page, in subkey order
+                response = await self.protocol.find_value(
+                    node, key_id, after=subkey_order(entries[-1].subkey)
+                )
+                if response is None:
+                    break
+            return nodes
 
         quorum = self.config.value_quorum if latest else 1
         if holders < quorum:
@@ -519,7 +540,7 @@ class DHT:
         try:
             if not verified:
                 validate_entry(key_id, entry, now=self._clock(), key_owner=owner)
-            value = msgpack.unpackb(entry.value, raw=False, strict_map_key=False)
+            value = decode_value(entry.value)
         except (RecordError, ValueError, TypeError) as exc:
             logger.debug("dropped an invalid entry from a lookup: %r", exc)
             return
@@ -533,6 +554,7 @@ class DHT:
 
         Raises:
             RecordTooLargeError: (a ValueError) the key is over MAX_KEY_BYTES.
+            PeerStoppedError: this peer's ``open_peer`` context has ended.
         """
         entries = await self.get_entries(key, latest=latest)
         if not entries:

@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 from collections.abc import Callable, Iterable
+from operator import itemgetter
 from typing import TypeVar
 
 import trio
@@ -40,7 +41,7 @@ from protocol.messages import (
     StoreRequest,
     StoreResponse,
 )
-from protocol.records import RecordError, key_owner
+from protocol.records import RecordError, key_owner, subkey_order
 
 from ..errors import RemoteError
 from ..host import RpcHost
@@ -52,8 +53,10 @@ from .storage import DHTStorage
 logger = logging.getLogger(__name__)
 
 # A FIND_VALUE reply carries at most this many value bytes (the frame limit is a few MiB);
-# a key holding more answers with its latest-expiring entries.
+# a key holding more answers in pages (the reply says ``more``; the caller asks again
+# ``after`` the last subkey it got). A key may hold 1024 subkeys of 16 KiB.
 _MAX_REPLY_VALUE_BYTES = 1 << 20
+_ENTRY_OVERHEAD = 200  # subkey, expiration, signature and msgpack headers, generously
 _PING_QUEUE = 256
 _M = TypeVar("_M", bound=Message)
 
@@ -82,6 +85,7 @@ class DHTProtocol:
         self._limiter = trio.CapacityLimiter(config.max_concurrent_requests)
         # Called with each contact that enters the routing table (the DHT hands keys over).
         self.on_new_contact: Callable[[NodeInfo], None] | None = None
+        table.on_promoted = self._joined
         self.calls_sent = 0
         self.calls_failed = 0
 
@@ -101,14 +105,19 @@ class DHTProtocol:
         known = node.peer_id in self.table
         to_ping = self.table.update(node, self._now())
         if not known and node.peer_id in self.table:
-            logger.info("peer joined: %s at %s", node.peer_id.short(), node.address)
-            if self.on_new_contact is not None:
-                self.on_new_contact(node)
+            self._joined(node)
         if to_ping is not None:
             try:
                 self._ping_send.send_nowait(to_ping)
             except trio.WouldBlock:
                 self.table.ping_result(to_ping.peer_id, alive=True, now=self._now())
+
+    def _joined(self, node: NodeInfo) -> None:
+        """``node`` entered the routing table (learned, or promoted from a bucket's
+        replacement cache when a contact left)."""
+        logger.info("peer joined: %s at %s", node.peer_id.short(), node.address)
+        if self.on_new_contact is not None:
+            self.on_new_contact(node)
 
     def check_alive(self, peer_id: PeerID) -> None:
         """``peer_id``'s side ended our connection: ping it (if it is a contact), so that a
@@ -133,8 +142,9 @@ class DHTProtocol:
         async def worker(receive: trio.MemoryReceiveChannel[NodeInfo]) -> None:
             async for node in receive:
                 alive = await self.ping(node)
+                known = node.peer_id in self.table  # a failed ping may have evicted it already
                 self.table.ping_result(node.peer_id, alive=alive, now=self._now())
-                if not alive and node.peer_id not in self.table:
+                if known and node.peer_id not in self.table:
                     logger.info("peer left: %s (no answer to a ping)", node.peer_id.short())
 
         async with trio.open_nursery() as nursery:
@@ -158,14 +168,15 @@ class DHTProtocol:
         message = FindValueRequest.from_body(request.body)
         self._learn_sender(request.peer_id, message.sender)
         entries: tuple[Entry, ...] | None = None
+        more = False
         if self.storage is not None:
             record = self.storage.get(message.key)
             if record:
-                entries = _within_budget(record.values())
+                entries, more = _page(record.values(), message.after)
         # As in the paper, a holder answers with the value instead of contacts (the caller's
         # lookup goes on with what the others named, if it needs more holders).
         nodes = () if entries else self.table.nearest(message.key, self.config.k, request.peer_id)
-        return Reply(FindValueResponse(entries, tuple(nodes)).to_body())
+        return Reply(FindValueResponse(entries or None, tuple(nodes), more).to_body())
 
     def _on_store(self, request: Request) -> Reply:
         message = StoreRequest.from_body(request.body)
@@ -202,9 +213,13 @@ class DHTProtocol:
         """``node``'s closest contacts to ``target``; None when it failed."""
         return await self._call(node, FindNodeRequest(self.sender, target), FindNodeResponse)
 
-    async def find_value(self, node: NodeInfo, key: DHTID) -> FindValueResponse | None:
-        """``node``'s entries under ``key`` and closest contacts; None when it failed."""
-        return await self._call(node, FindValueRequest(self.sender, key), FindValueResponse)
+    async def find_value(
+        self, node: NodeInfo, key: DHTID, after: bytes | None = None
+    ) -> FindValueResponse | None:
+        """``node``'s entries under ``key`` (those whose subkey orders ``after``, when given)
+        and closest contacts; None when it failed."""
+        request = FindValueRequest(self.sender, key, after)
+        return await self._call(node, request, FindValueResponse)
 
     async def store(
         self,
@@ -268,14 +283,17 @@ class DHTProtocol:
         return address
 
 
-def _within_budget(entries: Iterable[Entry]) -> tuple[Entry, ...]:
-    """Entries for a reply, latest-expiring first, until the value budget is spent."""
+def _page(entries: Iterable[Entry], after: bytes | None) -> tuple[tuple[Entry, ...], bool]:
+    """The entries for one FIND_VALUE reply, in subkey order, from the first after the
+    cursor ``after`` until the value budget is spent, and whether any are left over."""
+    ordered = sorted(((subkey_order(e.subkey), e) for e in entries), key=itemgetter(0))
     chosen: list[Entry] = []
     spent = 0
-    for entry in sorted(entries, key=lambda e: -e.expiration):
-        spent += len(entry.value) + 200
-        if spent > _MAX_REPLY_VALUE_BYTES:
-            logger.warning("find_value reply truncated to %d entries", len(chosen))
-            break
+    for cursor, entry in ordered:
+        if after is not None and cursor <= after:
+            continue
+        spent += len(entry.value) + _ENTRY_OVERHEAD
+        if chosen and spent > _MAX_REPLY_VALUE_BYTES:
+            return tuple(chosen), True
         chosen.append(entry)
-    return tuple(chosen)
+    return tuple(chosen), False

@@ -28,7 +28,7 @@ from __future__ import annotations
 import bisect
 import random
 from collections import OrderedDict, defaultdict
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 from protocol.dhtid import DHTID, ID_BITS
@@ -74,6 +74,8 @@ class RoutingTable:
         self._buckets: defaultdict[int, _Bucket] = defaultdict(_Bucket)  # made on first use
         self._index: dict[PeerID, int] = {}  # peer -> bucket index, for contacts only
         self._nonempty: list[int] = []  # indices of buckets with contacts, ascending
+        self.on_promoted: Callable[[NodeInfo], None] | None = None
+        """Called with a replacement that took an evicted contact's place."""
 
     # ---- queries ---------------------------------------------------------------------
 
@@ -207,6 +209,8 @@ class RoutingTable:
         if bucket.replacements:
             _, replacement = bucket.replacements.popitem(last=True)
             self._add(index, replacement)
+            if self.on_promoted is not None:
+                self.on_promoted(replacement.node)
         elif not bucket.contacts:
             self._nonempty.remove(index)
 

@@ -23,6 +23,7 @@ import time
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
+import msgpack
 import pytest
 import trio
 import trio.testing
@@ -33,6 +34,7 @@ from peer.memnet import MemoryNetwork
 from peer.node import Peer, PeerConfig, open_peer
 from protocol.dhtid import DHTID
 from protocol.identity import Identity
+from protocol.messages import Entry, NodeInfo
 from protocol.records import check_key
 
 EPOCH = 1_700_000_000.0  # unix time at virtual time 0: expirations travel as unix times
@@ -264,6 +266,69 @@ async def test_a_plain_value_cannot_erase_owner_bound_subkeys(
             assert await reader.get("run/peers") == {mine: "here", None: "wiped"}
             assert await owner.dht.store("run/peers", "still here", ttl=120.0, subkey=mine)
             assert (await reader.get("run/peers"))[mine] == "still here"
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_key_larger_than_one_reply_is_read_whole(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """200 subkeys of 8 KB (1.6 MB, more than one FIND_VALUE reply holds) come back in
+    pages: every subkey, from a reader that holds none of them."""
+    net = MemoryNetwork(latency=LATENCY)
+    with trio.fail_after(600):
+        async with trio.open_nursery() as nursery:
+            swarm = await start_swarm(nursery, net, 6, PeerConfig())
+            writer, reader = swarm[1].peer.dht, swarm[4].peer
+            big = {f"part-{i:03d}": bytes([i % 256]) * 8000 for i in range(200)}
+            for subkey, value in big.items():
+                assert await writer.store("big", value, ttl=600.0, subkey=subkey)
+            client = await nursery.start(_run_client, net, 99, [reader.address], PeerConfig())
+            assert await client.dht.get("big") == big
+            assert await reader.dht.get("big") == big
+            nursery.cancel_scope.cancel()
+
+
+async def _run_client(
+    net: MemoryNetwork,
+    index: int,
+    initial_peers: Sequence[str],
+    config: PeerConfig,
+    *,
+    task_status: trio.TaskStatus[Peer],
+) -> None:
+    host = f"10.9.0.{index}"
+    async with open_peer(
+        listen=None,
+        initial_peers=initial_peers,
+        identity=Identity.from_seed(index.to_bytes(32, "big")),
+        network=net.interface(host),
+        config=config,
+        clock=virtual_unix_time,
+    ) as peer:
+        task_status.started(peer)
+        await trio.sleep_forever()
+
+
+async def test_values_that_would_not_read_back_are_refused(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """msgpack extension types (a timestamp too) are no DHT values: the caller's store
+    raises, and a storing node refuses such an entry sent by hand."""
+    net = MemoryNetwork(latency=LATENCY)
+    with trio.fail_after(600):
+        async with trio.open_nursery() as nursery:
+            swarm = await start_swarm(nursery, net, 4, PeerConfig())
+            dht = swarm[1].peer.dht
+            for value in (msgpack.ExtType(5, b"x"), {"t": [msgpack.Timestamp(1, 0)]}):
+                with pytest.raises(TypeError, match="msgpack"):
+                    await dht.store("odd", value)
+            target = NodeInfo(swarm[2].peer.peer_id, swarm[2].peer.address.split("@")[1])
+            key = DHTID.from_key("odd")
+            raw = msgpack.packb([msgpack.Timestamp(1, 0)])
+            entry = Entry(None, raw, virtual_unix_time() + 60)
+            reply = await dht.protocol.store(target, key, "odd", (entry,))
+            assert reply is not None and reply.accepted == (False,)
+            assert await swarm[3].peer.dht.get("odd") is None
             nursery.cancel_scope.cancel()
 
 

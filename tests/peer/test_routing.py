@@ -87,6 +87,20 @@ def test_full_bucket_evicts_dead_oldest_for_freshest_replacement() -> None:
     assert table.update(d, now=3.0) == b  # the next newcomer pings the new oldest
 
 
+def test_a_promoted_replacement_is_reported() -> None:
+    """What `swarm bootstrap` logs as a join: a replacement entering the table counts."""
+    table = RoutingTable(LOCAL, k=2)
+    promoted: list[NodeInfo] = []
+    table.on_promoted = promoted.append
+    a, b, c = (in_bucket(10, i) for i in range(3))
+    for n in (a, b, c):
+        table.update(n, now=0.0)
+    table.record_failure(a.peer_id, timed_out=False)  # with a replacement: evicted at once
+    assert promoted == [c] and c.peer_id in table
+    table.remove(b.peer_id)  # no replacement left: nothing promoted
+    assert promoted == [c]
+
+
 def test_recently_seen_oldest_is_kept_without_a_ping() -> None:
     table = RoutingTable(LOCAL, k=2, ping_after=10.0)
     a, b, c = (in_bucket(10, i) for i in range(3))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import msgpack
 import pytest
 
 from peer.dht.storage import DHTStorage, merge_entry
@@ -13,6 +14,11 @@ from protocol.records import MAX_VALUE_BYTES, RecordError, RecordTooLargeError, 
 KEY = DHTID.from_key("run/progress")
 ALICE = Identity.from_seed(bytes([1]) * 32)
 MALLORY = Identity.from_seed(bytes([2]) * 32)
+
+
+def v(value: object) -> bytes:
+    """A value as stored: its msgpack form."""
+    return msgpack.packb(value, use_bin_type=True)
 
 
 class Clock:
@@ -45,14 +51,14 @@ def test_store_get_and_expire_on_the_injected_clock(storage: DHTStorage, clock: 
 
 
 def test_later_expiration_wins_and_older_replays_lose(storage: DHTStorage, clock: Clock) -> None:
-    old = Entry("a", b"old", clock.now + 10)
-    new = Entry("a", b"new", clock.now + 20)
+    old = Entry("a", v("old"), clock.now + 10)
+    new = Entry("a", v("new"), clock.now + 20)
     assert storage.store(KEY, new)
     assert not storage.store(KEY, old)  # a replay of an older version
-    assert not storage.store(KEY, Entry("a", b"other", clock.now + 20))  # same age, different
+    assert not storage.store(KEY, Entry("a", v("other"), clock.now + 20))  # same age, different
     assert storage.store(KEY, new)  # the same record again (a republish) is fine
     assert storage.get(KEY) == {"a": new}
-    newest = Entry("a", b"newest", clock.now + 30)
+    newest = Entry("a", v("newest"), clock.now + 30)
     assert storage.store(KEY, newest)
     assert storage.get(KEY) == {"a": newest}
     clock.now += 20.5  # the replaced versions' expiry must not remove the newest
@@ -93,11 +99,11 @@ def test_storage_refuses_new_keys_when_full(clock: Clock) -> None:
 
 def test_storage_refuses_entries_beyond_its_byte_budget(clock: Clock) -> None:
     storage = DHTStorage(clock=clock, max_bytes=100)
-    assert storage.store(KEY, Entry("a", bytes(60), clock.now + 5))
-    assert not storage.store(KEY, Entry("b", bytes(60), clock.now + 5))
-    assert storage.store(KEY, Entry("a", bytes(30), clock.now + 6))  # replaces: 30 bytes held
+    assert storage.store(KEY, Entry("a", v(bytes(58)), clock.now + 5))
+    assert not storage.store(KEY, Entry("b", v(bytes(58)), clock.now + 5))
+    assert storage.store(KEY, Entry("a", v(bytes(28)), clock.now + 6))  # replaces: 30 bytes held
     assert storage.num_bytes == 30
-    assert storage.store(KEY, Entry("b", bytes(60), clock.now + 5))
+    assert storage.store(KEY, Entry("b", v(bytes(58)), clock.now + 5))
     clock.now += 5.5
     storage.expire()
     assert storage.num_bytes == 30 and set(storage.get(KEY)) == {"a"}
@@ -105,24 +111,24 @@ def test_storage_refuses_entries_beyond_its_byte_budget(clock: Clock) -> None:
 
 def test_owner_bound_subkeys_need_the_owners_signature(storage: DHTStorage, clock: Clock) -> None:
     subkey = str(ALICE.peer_id)
-    signed = sign_entry(ALICE, KEY, subkey, b"alice", clock.now + 10)
+    signed = sign_entry(ALICE, KEY, subkey, v("alice"), clock.now + 10)
     assert storage.store(KEY, signed)
 
     with pytest.raises(RecordError, match="unsigned"):
-        storage.store(KEY, Entry(subkey, b"mallory", clock.now + 20))
-    forged = sign_entry(MALLORY, KEY, str(MALLORY.peer_id), b"mallory", clock.now + 20)
+        storage.store(KEY, Entry(subkey, v("mallory"), clock.now + 20))
+    forged = sign_entry(MALLORY, KEY, str(MALLORY.peer_id), v("mallory"), clock.now + 20)
     stolen = Entry(subkey, forged.value, forged.expiration, forged.owner_key, forged.signature)
     with pytest.raises(RecordError, match="another peer"):
         storage.store(KEY, stolen)
     assert signed.signature is not None and signed.owner_key is not None
-    tampered = Entry(subkey, b"tampered", signed.expiration, signed.owner_key, signed.signature)
+    tampered = Entry(subkey, v("tampered"), signed.expiration, signed.owner_key, signed.signature)
     with pytest.raises(RecordError, match="signature"):
         storage.store(KEY, tampered)
-    other_key = Entry(subkey, b"alice", clock.now + 30, signed.owner_key, signed.signature)
+    other_key = Entry(subkey, v("alice"), clock.now + 30, signed.owner_key, signed.signature)
     with pytest.raises(RecordError, match="signature"):
         storage.store(KEY, other_key)  # a signature does not carry over to a new expiration
 
-    older = sign_entry(ALICE, KEY, subkey, b"alice-older", clock.now + 5)
+    older = sign_entry(ALICE, KEY, subkey, v("alice-older"), clock.now + 5)
     assert not storage.store(KEY, older)  # validly signed but older: a replay
     assert storage.get(KEY) == {subkey: signed}
 

@@ -54,7 +54,9 @@ EXAMPLES: list[Message] = [
     FindNodeResponse((NODE, NodeInfo(ALICE.peer_id, None))),
     FindNodeResponse(()),
     FindValueRequest(None, KEY),
+    FindValueRequest("10.0.0.1:4000", KEY, b"\xa3sub"),
     FindValueResponse(None, (NODE,)),
+    FindValueResponse((ENTRY,), (), more=True),
     FindValueResponse((), ()),
     FindValueResponse((ENTRY, SIGNED, Entry(None, b"", 1.0), Entry(-5, b"", 2.0)), (NODE,)),
     StoreRequest("host.example:1", KEY, "k", (ENTRY, SIGNED)),
@@ -195,6 +197,10 @@ def test_bad_senders(sender: Any) -> None:
         lambda: FindNodeResponse(NODE),  # type: ignore[arg-type]
         lambda: FindValueResponse((NODE,), ()),  # type: ignore[arg-type]
         lambda: FindValueResponse(None, (NODE,) * (MAX_NODES + 1)),
+        lambda: FindValueResponse(None, (NODE,), more=True),  # more of nothing: a loop
+        lambda: FindValueResponse((ENTRY,), (), more=1),  # type: ignore[arg-type]
+        lambda: FindValueRequest(None, KEY, "sub"),  # type: ignore[arg-type]
+        lambda: FindValueRequest(None, KEY, bytes(200)),  # longer than any packed subkey
         lambda: StoreRequest(None, KEY, "k", ()),
         lambda: StoreRequest(None, KEY, "k", (ENTRY,) * (MAX_ENTRIES_PER_STORE + 1)),
         lambda: StoreRequest(None, KEY, "not k", (ENTRY,)),  # name must hash to key

@@ -33,6 +33,8 @@ from protocol import (
     signing_bytes,
     validate_entry,
 )
+from protocol.messages import MAX_SUBKEY_ORDER_BYTES
+from protocol.records import decode_value, subkey_order
 
 NOW = 1_700_000_000.0
 ALICE = Identity.from_seed(b"\x01" * 32)
@@ -275,18 +277,18 @@ def test_signature_is_bound_to_the_key() -> None:
 
 def test_expiration_window() -> None:
     with pytest.raises(RecordError, match="expired"):
-        validate_entry(KEY, Entry(None, b"", NOW), now=NOW)
+        validate_entry(KEY, Entry(None, b"\xc0", NOW), now=NOW)
     with pytest.raises(RecordError, match="expired"):
-        validate_entry(KEY, Entry(None, b"", NOW - 1), now=NOW)
-    validate_entry(KEY, Entry(None, b"", math.nextafter(NOW, math.inf)), now=NOW)
+        validate_entry(KEY, Entry(None, b"\xc0", NOW - 1), now=NOW)
+    validate_entry(KEY, Entry(None, b"\xc0", math.nextafter(NOW, math.inf)), now=NOW)
     furthest = NOW + MAX_TTL + MAX_CLOCK_SKEW
-    validate_entry(KEY, Entry(None, b"", furthest), now=NOW)
+    validate_entry(KEY, Entry(None, b"\xc0", furthest), now=NOW)
     with pytest.raises(RecordError, match="MAX_TTL"):
-        validate_entry(KEY, Entry(None, b"", furthest + 1), now=NOW)
+        validate_entry(KEY, Entry(None, b"\xc0", furthest + 1), now=NOW)
 
 
 def test_validate_rechecks_a_bypassed_entry() -> None:
-    entry = Entry(None, b"", NOW + 1)
+    entry = Entry(None, b"\xc0", NOW + 1)
     object.__setattr__(entry, "value", b"x" * (MAX_VALUE_BYTES + 1))
     with pytest.raises(RecordTooLargeError):
         validate_entry(KEY, entry, now=NOW)
@@ -309,3 +311,34 @@ def test_check_key() -> None:
         check_key("\udc00")
     with pytest.raises(RecordError):
         check_key(b"bytes")  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize(
+    "value",
+    [
+        msgpack.packb(msgpack.ExtType(3, b"x")),
+        msgpack.packb({"at": [msgpack.Timestamp(1, 0)]}),
+        msgpack.packb({"at": msgpack.Timestamp(1, 0)}),
+        b"\x92\x01",  # truncated
+        b"\x01\x02",  # two objects
+        b"\x81\x91\x01\x02",  # a list as a map key
+    ],
+)
+def test_values_that_do_not_read_back_are_refused(value: bytes) -> None:
+    with pytest.raises(ValueError):
+        decode_value(value)
+    with pytest.raises(RecordError, match="not a DHT value"):
+        validate_entry(KEY, Entry(None, value, NOW + 1), now=NOW)
+
+
+def test_decode_value_reads_plain_values() -> None:
+    value = {"a": [1, 2.5, None, True, b"\xff\xff", "x" * 300], 255: {"b": -1}}
+    assert decode_value(msgpack.packb(value, use_bin_type=True)) == value
+
+
+def test_subkey_order_is_a_total_order_over_every_subkey_type() -> None:
+    subkeys = [None, "a", "b", str(ALICE.peer_id), b"a", 0, -1, 2**64 - 1, -(2**63)]
+    orders = [subkey_order(s) for s in subkeys]
+    assert len(set(orders)) == len(subkeys)
+    assert all(len(o) <= MAX_SUBKEY_ORDER_BYTES for o in orders)
+    assert len(subkey_order("x" * MAX_SUBKEY_BYTES)) <= MAX_SUBKEY_ORDER_BYTES

@@ -1,0 +1,62 @@
+"""open_peer's contract at its edges: wrong arguments, and a peer used after it stopped."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import trio
+import trio.testing
+
+from peer import PeerStoppedError, open_peer
+from peer.dht import DHTConfig
+from peer.memnet import MemoryNetwork
+from protocol.identity import Identity
+
+OTHER = Identity.from_seed(bytes([9]) * 32)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"listen": f"{OTHER.peer_id}@10.0.0.1:0"}, ValueError, "names another peer"),
+        ({"listen": 4000}, TypeError, "listen must be"),
+        ({"identity": bytes(32)}, TypeError, "Identity.from_seed"),
+        ({"client_mode": "yes"}, TypeError, "client_mode must be a bool"),
+        ({"config": {"k": 5}}, TypeError, "config must be a PeerConfig"),
+        ({"config": DHTConfig()}, TypeError, "config must be a PeerConfig"),
+    ],
+)
+async def test_wrong_arguments_are_named(
+    kwargs: dict[str, Any], error: type[Exception], match: str
+) -> None:
+    net = MemoryNetwork()
+    with trio.fail_after(10), pytest.raises(error, match=match):
+        async with open_peer(
+            **{"listen": "10.0.0.1:0", "network": net.interface("10.0.0.1"), **kwargs}
+        ):
+            pass
+
+
+async def test_a_stopped_peer_refuses_work_instead_of_pretending(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """After its context ended a peer cannot store or look up anything: a clear
+    PeerStoppedError, not a store that "succeeded" locally or a closed-nursery error."""
+    net = MemoryNetwork()
+    with trio.fail_after(60):
+        async with open_peer("10.0.0.1:0", network=net.interface("10.0.0.1")) as first:
+            async with open_peer(
+                "10.0.0.2:0", [first.address], network=net.interface("10.0.0.2")
+            ) as second:
+                assert await second.dht.store("k", 1)
+            stopped = second
+            with pytest.raises(PeerStoppedError):
+                await stopped.dht.store("k", 2)
+            with pytest.raises(PeerStoppedError):
+                await stopped.dht.get("k")
+            with pytest.raises(PeerStoppedError):
+                await stopped.dht.find_peers()
+            with pytest.raises(PeerStoppedError):
+                await stopped.rpc.call(first.rpc.listen_address, "dht.ping")  # type: ignore[arg-type]
+            assert await first.dht.get("k") == 1
