@@ -175,8 +175,12 @@ class DHT:
         reached = await self._contact(self._initial_peers)
         if reached:
             await self.find_nodes(self.node_id)
-        elif self._initial_peers:
-            logger.warning("no initial peer answered (%d tried)", len(self._initial_peers))
+        else:
+            # our own address among them is no failure (the same list on every host)
+            others = [a for a in self._initial_peers if a.peer_id != self.peer_id]
+            if others:
+                tried = "; ".join(f"{a}: {self.contact_errors.get(str(a), '?')}" for a in others)
+                logger.warning("no initial peer answered (tried %s)", tried)
         return reached
 
     async def _contact(self, addresses: Sequence[Address]) -> int:

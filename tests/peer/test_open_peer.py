@@ -60,3 +60,27 @@ async def test_a_stopped_peer_refuses_work_instead_of_pretending(
             with pytest.raises(PeerStoppedError):
                 await stopped.rpc.call(first.rpc.listen_address, "dht.ping")  # type: ignore[arg-type]
             assert await first.dht.get("k") == 1
+
+
+async def test_a_lone_start_warns_with_addresses_but_not_about_itself(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Every host may be given the same list, its own address included: that one is no
+    failure. A dead one is named, with the reason."""
+    me = Identity.from_seed(bytes([3]) * 32)
+    own, dead = f"{me.peer_id}@10.0.0.1:4000", f"{OTHER.peer_id}@10.0.0.9:4000"
+    net = MemoryNetwork()
+    for initial, warned in (([own], False), ([own, dead], True)):
+        caplog.clear()
+        with trio.fail_after(60):
+            async with open_peer(
+                "10.0.0.1:4000",
+                initial,
+                identity=me,
+                network=net.interface("10.0.0.1"),
+                ensure_bootstrap_success=False,
+            ):
+                pass
+        warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+        assert any(dead in w for w in warnings) == warned, warnings
+        assert not any(f"{own}:" in w for w in warnings), warnings
