@@ -7,12 +7,14 @@
 client (no inbound connections), crawls the DHT and reports the peers it finds.
 
 Signals: the first SIGINT/SIGTERM stops the command (``bootstrap`` exits 0), whenever
-it comes; later ones are ignored, so a second signal cannot cut the shutdown short.
+it comes; later ones, of either kind, are ignored, so a second signal cannot cut the
+shutdown short.
 """
 
 from __future__ import annotations
 
 import argparse
+import ipaddress
 import json
 import logging
 import math
@@ -27,10 +29,12 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     import trio
 
+
 # not __name__: that is "__main__" under `python -m peer.cli`, outside the "peer" tree
 logger = logging.getLogger("peer.cli")
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_WILDCARD_HOSTS = {"0.0.0.0": "127.0.0.1", "::": "::1"}  # listen on all -> announce loopback
 
 
 class _Interrupted(BaseException):
@@ -42,9 +46,15 @@ class _SignalStop:
 
     Until ``hand_over()`` (just before ``trio.run``) a signal raises _Interrupted, wherever
     the start-up is; after it, a signal cancels the scope given to ``cancelling()`` through
-    the trio token (safe in a signal handler), or is kept for ``cancelling()`` to see. The
-    first signal also sets both signals to SIG_IGN, which outlives even the interpreter's
-    own teardown, so ``timeout``'s double SIGTERM cannot kill a node that is stopping.
+    the trio token (safe in a signal handler), or is kept for ``cancelling()`` to see.
+
+    Later signals reach the same handler, which ignores them. It must stay a Python
+    handler while main() runs: Python runs the handlers of signals that arrived together
+    one after another, and one whose handler was set to SIG_IGN in between is reported as
+    "ignored due to race condition" (a traceback on stderr, e.g. for SIGINT then SIGTERM).
+    Only ``restore()``, after the trio loop, sets SIG_IGN, which outlives even the
+    interpreter's own teardown, so ``timeout``'s double SIGTERM cannot kill a node that is
+    stopping.
     """
 
     def __init__(self) -> None:
@@ -57,8 +67,6 @@ class _SignalStop:
         if self.signum is not None:  # already stopping
             return
         self.signum = signum
-        for s in _STOP_SIGNALS:
-            signal.signal(s, signal.SIG_IGN)
         if self._raise:
             raise _Interrupted
         if self._cancel is not None:
@@ -83,12 +91,22 @@ class _SignalStop:
             self._cancel = outer
 
     def restore(self) -> None:
-        """Put the previous handlers back, unless a signal arrived (then they stay ignored)."""
+        """Put the previous handlers back, unless a signal arrived (then ignore them for good)."""
         self._raise = False  # main() is returning: a signal now must not raise past it
         if self.signum is None:
             for s, handler in self._previous.items():
                 if handler is not None:  # None: not set from Python, nothing to put back
                     signal.signal(s, handler)
+            return
+        # Blocked while switching: signal.signal() runs the handlers of signals already
+        # caught, then sets SIG_IGN; one caught in between would be "ignored due to race
+        # condition". A blocked one stays with the kernel, which drops it at SIG_IGN.
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+        try:
+            for s in _STOP_SIGNALS:
+                signal.signal(s, signal.SIG_IGN)
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
 
 
 def _seconds(text: str) -> float:
@@ -99,6 +117,21 @@ def _seconds(text: str) -> float:
     if not (math.isfinite(value) and value > 0):
         raise argparse.ArgumentTypeError(f"expected a positive number of seconds, got {text!r}")
     return value
+
+
+def _host(text: str) -> str:
+    """A host name or IP address; an IPv6 one with or without brackets (``::1``, ``[::1]``)."""
+    host = text[1:-1] if text.startswith("[") and text.endswith("]") else text
+    if ":" in host or host != text:
+        try:
+            return str(ipaddress.IPv6Address(host))
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is not a host name or IP address (give the host without a port)"
+            ) from None
+    if not host:
+        raise argparse.ArgumentTypeError("the host is empty")
+    return host
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -126,7 +159,10 @@ def _parser() -> argparse.ArgumentParser:
         "stderr, and stops cleanly (exit code 0) on SIGINT or SIGTERM.",
     )
     boot.add_argument(
-        "--host", default="0.0.0.0", help="interface to listen on (default: 0.0.0.0, all)"
+        "--host",
+        type=_host,
+        default="0.0.0.0",
+        help="interface to listen on (default: 0.0.0.0, all IPv4 ones; :: for all IPv6 ones)",
     )
     boot.add_argument(
         "--port",
@@ -136,10 +172,11 @@ def _parser() -> argparse.ArgumentParser:
     )
     boot.add_argument(
         "--announce-host",
+        type=_host,
         default=None,
         metavar="HOST",
-        help="host written into the printed address (default: --host, or 127.0.0.1 for "
-        "0.0.0.0; set your public IP or DNS name)",
+        help="host written into the printed address, without a port (default: --host, or "
+        "127.0.0.1 for 0.0.0.0 and ::1 for ::; set your public IP or DNS name)",
     )
     boot.add_argument(
         "--identity",
@@ -235,36 +272,59 @@ def main(argv: Sequence[str] | None = None) -> int:
 async def _bootstrap(args: argparse.Namespace, stop: _SignalStop) -> int:
     import trio
 
+    from protocol.address import Address
     from protocol.errors import SwarmError
+    from protocol.identity import Identity
 
     from .node import open_peer
 
-    announce = args.announce_host or ("127.0.0.1" if args.host == "0.0.0.0" else args.host)
+    try:
+        listen = Address(args.host, args.port).hostport  # brackets an IPv6 host
+        identity = None if args.identity is None else Identity.load_or_create(args.identity)
+    except SwarmError as exc:  # a bad host or port; a key file that holds no key
+        return _fail("bootstrap", str(exc))
+    except OSError as exc:  # the key file cannot be read or created (it names the file)
+        return _fail("bootstrap", f"identity file {args.identity}: {exc.strerror or exc}")
+    announce = args.announce_host or _WILDCARD_HOSTS.get(args.host, args.host)
+    up = False
     try:
         # a signal while starting cancels the start; once up, it ends only the wait, so
         # the node's own shutdown runs uncancelled
         with trio.CancelScope() as starting, stop.cancelling(starting):
             async with open_peer(
-                listen=f"{args.host}:{args.port}",
+                listen=listen,
                 initial_peers=args.initial_peers,
-                identity=args.identity,
+                identity=identity,
                 announce_host=announce,
                 ensure_bootstrap_success=False,  # a backup of bootstrap nodes that are down
             ) as node:
+                up = True
                 try:
                     print(node.address, flush=True)
                 except BrokenPipeError:
                     _silence_stdout()
                     logger.warning("stdout is closed: the address is only in this log")
+                except OSError as exc:  # e.g. `> /dev/full`
+                    _silence_stdout()
+                    return _fail("bootstrap", f"cannot print the address: {exc.strerror or exc}")
                 logger.info("bootstrap node %s is up", node.address)
                 with trio.CancelScope() as serving, stop.cancelling(serving):
                     await trio.sleep_forever()
                 if stop.signum is not None:
                     logger.info("received %s, stopping", signal.Signals(stop.signum).name)
-    except (SwarmError, OSError) as exc:
-        print(f"swarm bootstrap: {exc}", file=sys.stderr)
-        return 1
+    except SwarmError as exc:
+        return _fail("bootstrap", str(exc))
+    except OSError as exc:
+        if up:
+            return _fail("bootstrap", str(exc))
+        # binding: the port is taken, the host is no address of this machine or unknown
+        return _fail("bootstrap", f"cannot listen on {listen}: {exc.strerror or exc}")
     return 0
+
+
+def _fail(command: str, message: str) -> int:
+    print(f"swarm {command}: {message}", file=sys.stderr)
+    return 1
 
 
 async def _status(args: argparse.Namespace, stop: _SignalStop) -> dict[str, Any] | str:
@@ -317,6 +377,9 @@ def _print_status(report: dict[str, Any] | str, args: argparse.Namespace) -> int
     except BrokenPipeError:  # e.g. `swarm status --json | head -3`
         _silence_stdout()
         return 1
+    except OSError as exc:  # e.g. `> /dev/full`
+        _silence_stdout()
+        return _fail("status", f"cannot write the report: {exc.strerror or exc}")
     if not report["peers"]:  # not even an initial peer: the swarm was not reached
         tried = "; ".join(f"{a}: {errors.get(a, '?')}" for a in args.initial_peers)
         print(f"swarm status: no peer answered (tried {tried})", file=sys.stderr)

@@ -6,8 +6,10 @@ Key files hold the raw 32-byte private seed, created with mode 0600.
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import os
+from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -25,6 +27,7 @@ PEER_ID_LENGTH = 32
 PUBLIC_KEY_LENGTH = 32
 SIGNATURE_LENGTH = 64
 _SEED_LENGTH = 32
+_CREATE_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -96,7 +99,7 @@ def verify_signature(public_key: bytes, signature: bytes, data: bytes) -> bool:
 
 
 class IdentityFileError(SwarmError):
-    """A key file exists but cannot be used (wrong size, unreadable)."""
+    """A key file exists but does not hold a key (wrong size)."""
 
 
 class Identity:
@@ -131,16 +134,22 @@ class Identity:
         return self._private.sign(bytes(data))
 
     def save(self, path: str | os.PathLike[str]) -> None:
-        """Write the private seed with mode 0600, atomically (temp file + rename)."""
+        """Write the private seed to ``path`` with mode 0600, atomically: a fresh temp file
+        in the same directory, then a rename over ``path`` (a link there is replaced, never
+        followed).
+
+        Raises:
+            OSError: if the file cannot be written; it names ``path``.
+        """
         path = Path(path)
-        tmp = path.with_name(path.name + ".tmp")
-        fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        tmp = self._write_temp(path)
         try:
-            os.write(fd, self.seed())
-            os.fsync(fd)
+            os.replace(tmp, path)
+        except OSError as exc:
+            raise _naming(exc, path) from exc
         finally:
-            os.close(fd)
-        os.replace(tmp, path)
+            _remove(tmp)
+        _sync_directory(path)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Identity:
@@ -148,6 +157,7 @@ class Identity:
 
         Raises:
             IdentityFileError: if the file does not hold a 32-byte seed.
+            OSError: if it cannot be read (FileNotFoundError when missing).
         """
         data = Path(path).read_bytes()
         if len(data) != _SEED_LENGTH:
@@ -160,14 +170,79 @@ class Identity:
     def load_or_create(cls, path: str | os.PathLike[str]) -> Identity:
         """Load the key file, or create it (mode 0600) when it is missing.
 
+        Creation never overwrites: when two processes create the same file at once, the
+        first one's key is published whole (temp file, then a hard link to ``path``) and
+        both end with it.
+
         Raises:
             IdentityFileError: if the file exists but is not a valid key file.
+            OSError: if it cannot be read or created; it names ``path``.
         """
-        if Path(path).exists():
+        path = Path(path)
+        try:
             return cls.load(path)
+        except FileNotFoundError:
+            pass
         identity = cls.generate()
-        identity.save(path)
+        tmp = identity._write_temp(path)
+        try:
+            os.link(tmp, path)  # unlike a rename, fails when ``path`` appeared meanwhile
+        except FileExistsError:
+            return cls.load(path)  # another process was first: its key, whole
+        except OSError as exc:
+            raise _naming(exc, path) from exc
+        finally:
+            _remove(tmp)
+        _sync_directory(path)
         return identity
+
+    def _write_temp(self, path: Path) -> Path:
+        """The seed in a new file (mode 0600) next to ``path``, fsynced: never an existing
+        file, never through a link (O_EXCL), so nothing planted there is written to.
+
+        Raises:
+            OSError: naming ``path``, e.g. when its directory is missing or read-only.
+        """
+        for _ in range(100):
+            tmp = path.with_name(f".{path.name}.{os.urandom(6).hex()}.tmp")
+            try:
+                fd = os.open(tmp, _CREATE_NEW, 0o600)
+            except FileExistsError:
+                continue
+            except OSError as exc:
+                raise _naming(exc, path) from exc
+            try:
+                os.fchmod(fd, 0o600)  # whatever the umask
+                if os.write(fd, self.seed()) != _SEED_LENGTH:
+                    raise OSError(errno.EIO, "short write")
+                os.fsync(fd)
+            except OSError as exc:
+                _remove(tmp)
+                raise _naming(exc, path) from exc
+            finally:
+                os.close(fd)
+            return tmp
+        raise FileExistsError(errno.EEXIST, "no free temporary file name", os.fspath(path))
 
     def __repr__(self) -> str:
         return f"Identity({self.peer_id})"
+
+
+def _naming(exc: OSError, path: Path) -> OSError:
+    """``exc`` about ``path``, the name the user gave (not a temp file's)."""
+    return OSError(exc.errno, exc.strerror, os.fspath(path))
+
+
+def _remove(path: Path) -> None:
+    with suppress(FileNotFoundError):
+        os.unlink(path)
+
+
+def _sync_directory(path: Path) -> None:
+    """Make the new directory entry durable (best effort: not every system can)."""
+    with suppress(OSError):
+        fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)

@@ -70,6 +70,7 @@ _HANDOVER_NEWCOMERS = 4  # newcomers served at once
 # A key holds at most 1024 subkeys of 16 KiB: 17 replies of 1 MiB; a node that keeps
 # saying "more" gets no further than this.
 _MAX_VALUE_PAGES = 32
+_OWN_ADDRESS = "that is this peer's own address"
 
 
 @dataclass(slots=True)
@@ -177,7 +178,11 @@ class DHT:
             await self.find_nodes(self.node_id)
         else:
             # our own address among them is no failure (the same list on every host)
-            others = [a for a in self._initial_peers if a.peer_id != self.peer_id]
+            others = [
+                a
+                for a in self._initial_peers
+                if a.peer_id != self.peer_id and self.contact_errors.get(str(a)) != _OWN_ADDRESS
+            ]
             if others:
                 tried = "; ".join(f"{a}: {self.contact_errors.get(str(a), '?')}" for a in others)
                 logger.warning("no initial peer answered (tried %s)", tried)
@@ -198,7 +203,7 @@ class DHT:
                     self.contact_errors[key] = str(exc) or type(exc).__name__
                     return
                 if peer_id == self.peer_id:
-                    self.contact_errors[key] = "that is this peer's own address"
+                    self.contact_errors[key] = _OWN_ADDRESS
                     return
                 if await self.protocol.ping(NodeInfo(peer_id, address.hostport)):
                     reached += 1

@@ -2,21 +2,25 @@
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import select
 import signal
+import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 import trio
 from tests_support_paths import env_with_root
 
 from peer import open_peer
+from protocol import Identity
 
 pytestmark = pytest.mark.slow
 
@@ -26,9 +30,9 @@ SWARM = [sys.executable, "-m", "peer.cli"]
 class Bootstrap:
     """A `swarm bootstrap` process; its address is the first line it prints."""
 
-    def __init__(self, *args: str) -> None:
+    def __init__(self, *args: str, host: str = "127.0.0.1") -> None:
         self.proc = subprocess.Popen(
-            [*SWARM, "bootstrap", "--host", "127.0.0.1", *args],
+            [*SWARM, "bootstrap", "--host", host, *args],
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
             text=True,
@@ -41,7 +45,8 @@ class Bootstrap:
             self.proc.kill()
             pytest.fail("swarm bootstrap printed no address within 30 s")
         self.address = self.proc.stdout.readline().strip()
-        assert "@127.0.0.1:" in self.address, self.proc.stderr.read() if not self.address else ""
+        shown = host if host.startswith("[") or ":" not in host else f"[{host}]"
+        assert f"@{shown}:" in self.address, self.proc.stderr.read() if not self.address else ""
 
     def stop(self, sig: int = signal.SIGTERM) -> int:
         if self.proc.poll() is None:
@@ -270,3 +275,144 @@ def test_status_with_stdout_closed_fails_quietly(bootstraps: list[Bootstrap]) ->
     )
     assert out.returncode == 1
     assert out.stderr == ""
+
+
+def _run_bootstrap(*args: str, **kwargs: Any) -> subprocess.CompletedProcess[str]:
+    """`swarm bootstrap` that is expected to stop by itself (on an error)."""
+    return subprocess.run(
+        [*SWARM, "bootstrap", *args],
+        **{"capture_output": True, "text": True, "timeout": 30, "env": env_with_root(), **kwargs},
+    )
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback (::1) on this machine")
+@pytest.mark.parametrize("host", ["::1", "[::1]"])
+def test_bootstrap_listens_on_ipv6_and_status_reaches_it(
+    bootstraps: list[Bootstrap], host: str
+) -> None:
+    node = Bootstrap("--port", "0", host=host)
+    bootstraps.append(node)
+    peer_id, _, hostport = node.address.partition("@")
+    assert hostport.startswith("[::1]:") and int(hostport.removeprefix("[::1]:")) > 0
+    report = _status(node.address)
+    assert report["peers"] == [{"peer_id": peer_id, "address": node.address}]
+
+
+def test_bootstrap_names_a_port_in_use() -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        out = _run_bootstrap("--host", "127.0.0.1", "--port", str(port))
+    in_use = os.strerror(errno.EADDRINUSE)
+    assert out.returncode == 1
+    assert out.stderr == f"swarm bootstrap: cannot listen on 127.0.0.1:{port}: {in_use}\n"
+
+
+def test_bootstrap_names_a_host_that_does_not_resolve() -> None:
+    # the resolver is stubbed: the same answer with or without DNS on this machine
+    script = (
+        "import socket, sys\n"
+        "real = socket.getaddrinfo\n"
+        "def getaddrinfo(host, *args, **kwargs):\n"
+        "    if host in ('999.1.1.1', b'999.1.1.1'):\n"
+        "        raise socket.gaierror(socket.EAI_NONAME, 'Name or service not known')\n"
+        "    return real(host, *args, **kwargs)\n"
+        "socket.getaddrinfo = getaddrinfo\n"
+        "from peer import cli\n"
+        "sys.exit(cli.main(['bootstrap', '--host', '999.1.1.1']))\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        env=env_with_root(),
+    )
+    assert out.returncode == 1
+    assert out.stderr == (
+        "swarm bootstrap: cannot listen on 999.1.1.1:0: Name or service not known\n"
+    )
+
+
+def test_bootstrap_names_the_identity_file_it_cannot_create(tmp_path: Path) -> None:
+    key = tmp_path / "nonexistent" / "dir" / "x.key"
+    out = _run_bootstrap("--host", "127.0.0.1", "--identity", str(key))
+    assert out.returncode == 1
+    assert out.stderr == f"swarm bootstrap: identity file {key}: {os.strerror(errno.ENOENT)}\n"
+    assert not key.parent.exists()
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_status_into_a_full_disk_fails_in_one_line(bootstraps: list[Bootstrap]) -> None:
+    node = Bootstrap()
+    bootstraps.append(node)
+    for json_flag in (["--json"], []):
+        with open("/dev/full", "w") as full:
+            out = subprocess.run(
+                [*SWARM, "status", "--initial-peers", node.address, *json_flag],
+                stdout=full,
+                stderr=subprocess.PIPE,
+                text=True,
+                timeout=40,
+                env=env_with_root(),
+            )
+        full_disk = os.strerror(errno.ENOSPC)
+        assert out.returncode == 1
+        assert out.stderr == f"swarm status: cannot write the report: {full_disk}\n"
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/full"), reason="needs /dev/full")
+def test_bootstrap_into_a_full_disk_fails_in_one_line() -> None:
+    with open("/dev/full", "w") as full:
+        out = _run_bootstrap(
+            "--host", "127.0.0.1", stdout=full, capture_output=False, stderr=subprocess.PIPE
+        )
+    assert out.returncode == 1
+    assert out.stderr.endswith(
+        f"swarm bootstrap: cannot print the address: {os.strerror(errno.ENOSPC)}\n"
+    )
+    assert "Traceback" not in out.stderr and "Exception ignored" not in out.stderr
+
+
+NOBODY = "6KKPsmJY8vaenxMPzr674T1cSeZmq4u8pzQcXN7eTAGK@127.0.0.1:1"  # no one listens there
+
+
+def test_bootstrap_warns_naming_each_initial_peer_that_did_not_answer(
+    bootstraps: list[Bootstrap],
+) -> None:
+    node = Bootstrap("--initial-peers", NOBODY)
+    bootstraps.append(node)
+    log = _read_until(node.proc.stderr, " is up\n")
+    warning = next(line for line in log.splitlines() if " WARNING peer.dht.node: " in line)
+    assert warning.split(" WARNING peer.dht.node: ")[1].startswith(
+        f"no initial peer answered (tried {NOBODY}: "
+    )
+
+
+def test_bootstrap_does_not_count_itself_among_the_initial_peers(
+    bootstraps: list[Bootstrap], tmp_path: Path
+) -> None:
+    """The same list on every bootstrap host names each host too: not a reason to warn."""
+    key = tmp_path / "own.key"
+    own = Identity.from_seed(bytes(range(32)))
+    own.save(key)
+    itself = f"{own.peer_id}@127.0.0.1:1"
+    alone = Bootstrap("--identity", str(key), "--initial-peers", itself)
+    bootstraps.append(alone)
+    assert " WARNING " not in _read_until(alone.proc.stderr, " is up\n")
+
+    with_another = Bootstrap("--identity", str(key), "--initial-peers", itself, NOBODY)
+    bootstraps.append(with_another)
+    log = _read_until(with_another.proc.stderr, " is up\n")
+    warning = next(line for line in log.splitlines() if " WARNING peer.dht.node: " in line)
+    assert f"(tried {NOBODY}: " in warning and itself not in warning

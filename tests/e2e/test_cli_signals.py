@@ -41,15 +41,106 @@ def _drive(prelude: str, sig: int) -> subprocess.CompletedProcess[str]:
     )
 
 
-@pytest.mark.parametrize("sig", SIGNALS)
-def test_a_second_signal_right_after_the_first_is_ignored(sig: int) -> None:
+# the same signal twice (what `timeout` does: the child and its group, ~at once), or both
+PAIRS = [
+    pytest.param(signal.SIGTERM, signal.SIGTERM, id="SIGTERM-SIGTERM"),
+    pytest.param(signal.SIGINT, signal.SIGINT, id="SIGINT-SIGINT"),
+    pytest.param(signal.SIGINT, signal.SIGTERM, id="SIGINT-SIGTERM"),
+    pytest.param(signal.SIGTERM, signal.SIGINT, id="SIGTERM-SIGINT"),
+]
+
+
+@pytest.mark.parametrize(("sig", "then"), PAIRS)
+def test_a_second_signal_right_after_the_first_is_ignored(sig: int, then: int) -> None:
     node = Bootstrap()
     node.proc.send_signal(sig)
-    node.proc.send_signal(sig)  # what `timeout` does: the child and its group, ~at once
+    node.proc.send_signal(then)
     assert node.proc.wait(timeout=15) == 0
     assert node.proc.stderr is not None
-    assert "Traceback" not in node.proc.stderr.read()
+    err = node.proc.stderr.read()
+    assert "Traceback" not in err and "Error" not in err, err
     node.stop()
+
+
+# Both signals caught before Python runs either handler: it then runs them one after the
+# other, by signal number. Held back (blocked) and released together, they always are.
+_BOTH_AT_ONCE = """
+import threading
+
+def both_at_once():
+    pair = {STOP, THEN}
+    signal.pthread_sigmask(signal.SIG_BLOCK, pair)
+    signal.pthread_kill(threading.get_ident(), STOP)  # to this thread: stays pending
+    signal.pthread_kill(threading.get_ident(), THEN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, pair)
+"""
+
+
+def _drive_both(prelude: str, sig: int, then: int) -> subprocess.CompletedProcess[str]:
+    then_line = f"THEN = signal.Signals({int(then)})\n"
+    return _drive(then_line + _BOTH_AT_ONCE + textwrap.dedent(prelude), sig)
+
+
+@pytest.mark.parametrize(("sig", "then"), PAIRS)
+def test_two_signals_caught_together_once_the_node_is_up(sig: int, then: int) -> None:
+    prelude = """
+        from contextlib import asynccontextmanager
+        import peer.node
+        real = peer.node.open_peer
+
+        @asynccontextmanager
+        async def open_peer(**kwargs):
+            async with real(**kwargs) as node:
+                both_at_once()
+                yield node
+
+        peer.node.open_peer = open_peer
+    """
+    out = _drive_both(prelude, sig, then)
+    assert out.returncode == 0, out.stderr
+    assert "@127.0.0.1:" in out.stdout
+    assert "Traceback" not in out.stderr and "Error" not in out.stderr, out.stderr
+
+
+@pytest.mark.parametrize(("sig", "then"), PAIRS)
+def test_two_signals_caught_together_before_the_event_loop_starts(sig: int, then: int) -> None:
+    prelude = """
+        real = cli._configure_logging
+
+        def configure_logging(*args):
+            both_at_once()
+            real(*args)
+
+        cli._configure_logging = configure_logging
+    """
+    out = _drive_both(prelude, sig, then)
+    assert (out.returncode, out.stdout) == (0, ""), out.stderr
+    assert "Traceback" not in out.stderr and "Error" not in out.stderr, out.stderr
+
+
+def test_signals_stay_ignored_through_the_interpreter_teardown() -> None:
+    """After a stop the signals are SIG_IGN by the time the interpreter tears down (which
+    resets Python handlers to the fatal default but keeps SIG_IGN): signals then are dropped."""
+    prelude = """
+        import atexit
+        real = cli._configure_logging
+
+        def configure_logging(*args):
+            os.kill(os.getpid(), STOP)
+            real(*args)
+
+        cli._configure_logging = configure_logging
+
+        @atexit.register
+        def late():
+            assert signal.getsignal(signal.SIGINT) == signal.getsignal(signal.SIGTERM)
+            assert signal.getsignal(signal.SIGTERM) == signal.SIG_IGN
+            os.kill(os.getpid(), signal.SIGTERM)
+            os.kill(os.getpid(), signal.SIGINT)
+    """
+    out = _drive(prelude, signal.SIGTERM)
+    assert (out.returncode, out.stdout) == (0, ""), out.stderr
+    assert "Traceback" not in out.stderr and "Error" not in out.stderr, out.stderr
 
 
 @pytest.mark.parametrize("sig", SIGNALS)

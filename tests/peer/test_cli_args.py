@@ -59,3 +59,41 @@ def test_help_reads_as_prose(argv: list[str], capsys: pytest.CaptureFixture[str]
     assert description[0].isupper() and description.rstrip().endswith(".")
     if argv == ["--help"]:
         assert "bootstrap" in text and "status" in text
+
+
+@pytest.mark.parametrize(
+    ("given", "host"),
+    [
+        ("127.0.0.1", "127.0.0.1"),
+        ("example.org", "example.org"),
+        ("::1", "::1"),
+        ("[::1]", "::1"),
+        ("::", "::"),
+        ("[2001:db8::7]", "2001:db8::7"),
+        ("0:0:0:0:0:0:0:1", "::1"),  # one spelling, so that "::" is recognised as "all"
+    ],
+)
+@pytest.mark.parametrize("flag", ["--host", "--announce-host"])
+def test_bootstrap_hosts_are_names_or_ips_with_ipv6_unbracketed(
+    flag: str, given: str, host: str
+) -> None:
+    args = _parser().parse_args(["bootstrap", flag, given])
+    assert getattr(args, flag[2:].replace("-", "_")) == host
+
+
+@pytest.mark.parametrize("given", ["127.0.0.1:5", "example.org:80", "[::1]:5", "[foo]", "::g", ""])
+@pytest.mark.parametrize("flag", ["--host", "--announce-host"])
+def test_bootstrap_refuses_a_host_with_a_port_in_one_line(
+    flag: str, given: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_:
+        _parser().parse_args(["bootstrap", flag, given])
+    assert exit_.value.code == 2
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last.startswith(f"swarm bootstrap: error: argument {flag}: ")
+    if given:
+        assert last.endswith(
+            f"{given!r} is not a host name or IP address (give the host without a port)"
+        )
+    else:
+        assert last.endswith("the host is empty")
