@@ -343,3 +343,37 @@ async def test_member_too_stale_is_dropped_and_staleness_decays_weights(
             for m in members:
                 m.data = m.array.copy()
             await next_round_without(members, victim=len(members))
+
+
+async def test_a_reducer_whose_result_misses_the_deadline_is_listed_as_dropped(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reducer that freezes for good near the deadline (here: it never serves its result,
+    while its host still answers pings) is caught by no stall timeout before the deadline;
+    its part is none for the others all the same, and lists it as dropped (``timeout``)."""
+    with trio.fail_after(120):
+        async with memnet_swarm(3) as (_, nodes):
+            members = make_members(nodes, SIZE, fast_config(stall_timeout=60.0))
+            victim = non_leader(members)
+            victim_id = members[victim].peer_id
+            serve = ReducerService.results
+
+            async def never(self: ReducerService, member: Any) -> AsyncIterator[Any]:
+                if self.plan.me == victim_id:
+                    await trio.sleep_forever()
+                async for item in serve(self, member):
+                    yield item
+
+            monkeypatch.setattr(ReducerService, "results", never)
+            results = await step_all(members, timeout=10.0)
+    infos = [info for info, _ in results]
+    verify_round(members, infos)  # type: ignore[arg-type]
+    for i, (info, elapsed) in enumerate(results):
+        assert info is not None and elapsed <= 10.0
+        if i == victim:
+            continue
+        assert info.outcome is Outcome.PARTIAL and info.dropped == {victim_id: DropReason.TIMEOUT}
+        (part,) = [p for p in info.parts if p.reducer == victim_id]
+        assert part.status is PartStatus.NONE and part.dropped == {victim_id: DropReason.TIMEOUT}
+        assert "deadline" in part.note
+        assert all(p.status is PartStatus.ALL for p in info.parts if p is not part)

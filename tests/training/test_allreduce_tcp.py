@@ -212,4 +212,6 @@ def test_awaiting_step_on_a_background_peer_from_another_loop_is_refused() -> No
         with pytest.raises(RuntimeError, match="step_blocking"):
             trio.run(in_my_own_loop)
         assert a.dht.store("t/still-alive", 1, ttl=10.0)
+        with pytest.raises(ValueError, match="finite number of seconds"):  # checked here
+            averager.step_blocking(timeout=float("inf"))
         assert averager.step_blocking(timeout=1.0).outcome is Outcome.ALONE

@@ -14,7 +14,7 @@ from test_averaging_support import (
     verify_round,
 )
 
-from training import Averager, Outcome, PartStatus
+from training import Averager, DropReason, Outcome, PartStatus
 
 
 @pytest.mark.parametrize(
@@ -159,3 +159,59 @@ async def test_tiny_vector_with_empty_parts(autojump_clock: trio.testing.MockClo
     for info in infos:
         assert info is not None and info.outcome is Outcome.AVERAGED
         assert sorted(p.size for p in info.parts) == [0, 0, 1, 1, 1]
+
+
+@pytest.mark.parametrize(
+    ("codec", "weights", "scale"),
+    [
+        ("none", (1.0, 1.0), 1.2e38),  # the weighted sum overflowed float32
+        ("float16", (1.0, 1.0), 3e4),  # ... or float16, where the mean still fits it
+        ("int8", (1.0, 1.0), 1.2e38),
+        ("none", (1e20, 1e20), 1e20),  # weight x value overflowed
+        ("none", (1e300, 1e300), 1.0),  # weights beyond float32
+        ("none", (1e-46, 1e-40), 1.0),  # ... and below it
+        ("none", (1e-300, 1e300), 1.0),
+    ],
+)
+async def test_extreme_values_and_weights_average_to_the_weighted_mean(
+    autojump_clock: trio.testing.MockClock, codec: str, weights: tuple[float, ...], scale: float
+) -> None:
+    with trio.fail_after(60):
+        async with memnet_swarm(2) as (_, nodes):
+            members = make_members(nodes, 10_000, fast_config(codec=codec))
+            rng = np.random.default_rng(3)
+            for i, (m, weight) in enumerate(zip(members, weights, strict=True)):
+                m.weight = weight
+                m.data = (scale * (i + 1) * rng.uniform(0.5, 1.0, 10_000)).astype(np.float32)
+                m.array[:] = m.data
+            results = await step_all(members, timeout=20.0)
+    infos = [info for info, _ in results]
+    verify_round(members, infos, codec=codec)  # type: ignore[arg-type]
+    for info in infos:
+        assert info is not None and info.outcome is Outcome.AVERAGED, info
+    for m in members:
+        assert np.isfinite(m.array).all()
+
+
+async def test_a_mean_beyond_float16_is_reported_as_an_overflow(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """float16 cannot carry 1.2e38: each peer's upload is dropped as nonfinite, and each
+    reducer's mean (its own float32 values) cannot be sent back. Nobody is blamed for
+    garbage, no part claims a result, and every tensor keeps its own values."""
+    with trio.fail_after(60):
+        async with memnet_swarm(2) as (_, nodes):
+            members = make_members(nodes, 10_000, fast_config(codec="float16"))
+            for i, m in enumerate(members):
+                m.data = np.full(10_000, 1.2e38 * (i + 1), np.float32)
+                m.array[:] = m.data
+            results = await step_all(members, timeout=20.0)
+    infos = [info for info, _ in results]
+    verify_round(members, infos, codec="float16")  # type: ignore[arg-type]
+    for member, info in zip(members, infos, strict=True):
+        assert info is not None and info.outcome is Outcome.FAILED
+        assert DropReason.GARBAGE not in info.dropped.values()
+        for part in info.parts:
+            assert part.status is PartStatus.NONE and part.contributors == ()
+            assert "overflows float16" in part.note
+        np.testing.assert_array_equal(member.array, member.data)

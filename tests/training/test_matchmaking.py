@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import math
 
 import numpy as np
 import pytest
@@ -16,7 +17,7 @@ from test_averaging_support import (
     verify_round,
 )
 
-from training import Averager, LayoutMismatchError, Outcome
+from training import Averager, AveragerConfig, LayoutMismatchError, Outcome
 from training.averaging.grouping import rank_key
 
 
@@ -131,9 +132,24 @@ async def test_step_arguments_are_checked(autojump_clock: trio.testing.MockClock
         for bad in (7.0, True, np.int64(-1)):
             with pytest.raises(ValueError, match="non-negative integer"):
                 await member.averager.step(epoch=bad)  # type: ignore[arg-type]
+        for big in (2**62, 2**70):  # beyond what a declaration carries
+            with pytest.raises(ValueError, match=r"below 2\*\*62"):
+                await member.averager.step(epoch=big)
+        for weight in (True, math.nan, math.inf, "1.0"):
+            with pytest.raises(ValueError, match="weight"):
+                await member.averager.step(weight=weight)  # type: ignore[arg-type]
+        for timeout in (math.inf, math.nan):
+            with pytest.raises(ValueError, match=r"finite number of seconds.*None uses"):
+                await member.averager.step(timeout=timeout)
+        for timeout in (0.0, -1.0, True):
+            with pytest.raises(ValueError, match="timeout"):
+                await member.averager.step(timeout=timeout)
         with trio.fail_after(5):  # any integer type will do (numpy's too)
             info = await member.averager.step(epoch=np.int64(7))  # type: ignore[arg-type]
         assert info.epoch == 7 and type(info.epoch) is int
+        with trio.fail_after(5):  # the largest epoch the wire takes
+            info = await member.averager.step(epoch=2**62 - 1)
+        assert info.epoch == 2**62 - 1
         async with trio.open_nursery() as nursery:
             nursery.start_soon(member.averager.step)
             await trio.testing.wait_all_tasks_blocked()
@@ -237,3 +253,81 @@ async def test_a_newcomer_gets_into_a_swarm_whose_groups_are_full(
                     m.data = m.array.copy()
             assert Outcome.AVERAGED in outcomes
             assert outcomes[-1] is Outcome.AVERAGED
+
+
+@pytest.mark.parametrize("value", [2.5, True, 1, "4", np.float64(4.0)])
+def test_group_size_must_be_an_integer_of_at_least_two(value: object) -> None:
+    with pytest.raises(ValueError, match="group_size must be an integer >= 2"):
+        AveragerConfig(group_size=value)  # type: ignore[arg-type]
+    assert AveragerConfig(group_size=np.int64(3)).group_size == 3  # type: ignore[arg-type]
+    assert type(AveragerConfig(group_size=np.int64(3)).group_size) is int  # type: ignore[arg-type]
+
+
+async def test_a_peer_with_another_group_size_gets_a_layout_mismatch(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """group_size is part of what must match: a peer of group_size 2 among peers of 16 is
+    told so, and is never put in their group (which could exceed its own bound)."""
+    with trio.fail_after(60):
+        async with memnet_swarm(4) as (_, nodes):
+            members = make_members(nodes[:3], 1000, fast_config(group_size=16))
+            odd = Averager(
+                nodes[3], "t/x", [np.zeros(1000, np.float32)], config=fast_config(group_size=2)
+            )
+            errors: list[BaseException] = []
+
+            async def odd_step() -> None:
+                try:
+                    await odd.step(timeout=20.0)
+                except LayoutMismatchError as exc:
+                    errors.append(exc)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(odd_step)
+                results = await step_all(members, timeout=20.0)
+    assert len(errors) == 1
+    assert "group_size 2" in str(errors[0]) and "group_size 16" in str(errors[0])
+    infos = [info for info, _ in results]
+    verify_round(members, infos)  # type: ignore[arg-type]
+    assert all(info.outcome is Outcome.AVERAGED and len(info.group) == 3 for info in infos)  # type: ignore[union-attr]
+
+
+async def test_two_group_sizes_under_one_prefix_average_apart(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Two peers of group_size 2 and three of 16 (the tester's case): each kind groups
+    with its own, in both rounds, and no group exceeds a member's group_size."""
+    with trio.fail_after(120):
+        async with memnet_swarm(5) as (_, nodes):
+            members = [
+                *make_members(nodes[:2], 500, fast_config(group_size=2), seed=1),
+                *make_members(nodes[2:], 500, fast_config(group_size=16), seed=2),
+            ]
+            pairs = {m.peer_id for m in members[:2]}
+            for _ in range(2):
+                results = await step_all(members, timeout=20.0)
+                infos = [info for info, _ in results]
+                verify_round(members, infos)  # type: ignore[arg-type]
+                for member, info in zip(members, infos, strict=True):
+                    assert info is not None and info.outcome is Outcome.AVERAGED, info
+                    assert len(info.group) <= member.averager.config.group_size
+                    assert (set(info.group) == pairs) == (member.peer_id in pairs)
+                for m in members:
+                    m.data = m.array.copy()
+
+
+async def test_a_timeout_shorter_than_the_gather_window_is_unconfirmed_not_alone(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Both peers declared, but the step's timeout came before the round closed: no group,
+    and the report says the timeout did it (``alone`` would say nobody else came)."""
+    with trio.fail_after(60):
+        async with memnet_swarm(2) as (_, nodes):
+            members = make_members(nodes, 100, fast_config(gather_window=2.0))
+            await trio.sleep(2.0 - trio.current_time() % 2.0)  # a fresh slot: 1 s to 3 s away
+            results = await step_all(members, timeout=0.3)
+    for member, (info, elapsed) in zip(members, results, strict=True):
+        assert info is not None and elapsed == pytest.approx(0.3)
+        assert info.outcome is Outcome.UNCONFIRMED and info.parts == ()
+        assert info.note.startswith("the timeout ended the gather window before a group formed")
+        np.testing.assert_array_equal(member.array, member.data)

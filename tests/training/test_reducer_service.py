@@ -1,6 +1,6 @@
 """ReducerService on its own: results are served while the mean is still being encoded,
-a publication cut short ends the result streams, and a mean that overflowed is refused
-before any chunk goes out."""
+a publication cut short ends the result streams, and a mean beyond what the codec carries
+is refused before any chunk goes out."""
 
 from __future__ import annotations
 
@@ -97,18 +97,37 @@ async def test_result_chunks_are_served_while_the_mean_is_encoded() -> None:
     np.testing.assert_allclose(served, (mine + theirs) / 2, atol=bound)
 
 
-async def test_an_overflowed_mean_is_refused_before_any_chunk() -> None:
-    big = np.full(CHUNKS * CHUNK, 3e38, np.float32)  # the sum overflows to infinity
-    service, tensor = service_for("int8", big)  # int8 cannot encode infinity
+async def test_a_mean_beyond_the_codec_is_refused_before_any_chunk() -> None:
+    """float16 carries up to 65504: our own values (float32) pull the mean beyond it."""
+    mine = np.full(CHUNKS * CHUNK, 2e5, np.float32)
+    service, tensor = service_for("float16", mine)
+    with trio.fail_after(5):
+        await service.load()
+        await send_all(service, "float16", np.full(CHUNKS * CHUNK, 1e4, np.float32))
+        outcome = await service.reduce(math.inf)
+        await service.publish()
+    assert outcome.weight == 0 and outcome.contributors == ()
+    assert "overflows float16" in outcome.note
+    header = service.header
+    assert header is not None and header.chunks == 0 and header.note == outcome.note
+    assert ResultHeader.from_body(header.to_body()) == header  # the members read why
+    assert not service.in_place and not service.blobs
+    np.testing.assert_array_equal(tensor.numpy(), mine)  # our values stay as they were
+
+
+async def test_values_near_float32s_largest_average_without_overflow() -> None:
+    """The sum is convex (each value times its share of the weight): 3e38 and 3e38 average
+    to 3e38 instead of overflowing to infinity."""
+    big = np.full(CHUNKS * CHUNK, 3e38, np.float32)
+    service, tensor = service_for("int8", big)
     with trio.fail_after(5):
         await service.load()
         await send_all(service, "int8", big)
         outcome = await service.reduce(math.inf)
         await service.publish()
-    assert outcome.weight == 0 and outcome.contributors == ()
-    assert service.header is not None and service.header.chunks == 0
-    assert not service.in_place and not service.blobs
-    np.testing.assert_array_equal(tensor.numpy(), big)  # our values stay as they were
+    assert outcome.weight == 2.0 and outcome.note == ""
+    assert service.header is not None and len(service.blobs) == service.header.chunks == CHUNKS
+    np.testing.assert_allclose(tensor.numpy(), big, rtol=1 / 127)
 
 
 async def test_a_publication_cut_short_ends_the_result_streams() -> None:

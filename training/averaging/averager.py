@@ -35,7 +35,7 @@ from .butterfly import Butterfly
 from .casts import TORCH_CASTS
 from .config import AveragerConfig
 from .feedback import ErrorFeedback
-from .grouping import Declaration
+from .grouping import MAX_EPOCH, Declaration
 from .layout import FlatVector, Float32Array, as_tensors
 from .matchmaking import Matchmaker
 from .messages import ChunkHeader, method_prefix
@@ -60,6 +60,36 @@ def wall_clock() -> float:
     if entry is None or entry[0] is not clock:
         entry = _CLOCK_OFFSETS[id(clock)] = (clock, time.time() - trio.current_time())
     return trio.current_time() + entry[1]
+
+
+def check_step_arguments(weight: float, epoch: int, timeout: float | None) -> None:
+    """Raises: ValueError naming the argument that :meth:`Averager.step` cannot take."""
+    if not (math.isfinite(number := _real(weight, "weight")) and number > 0):
+        raise ValueError(f"weight must be a positive finite number, got {weight!r}")
+    if not isinstance(epoch, numbers.Integral) or isinstance(epoch, bool) or epoch < 0:
+        raise ValueError(f"epoch must be a non-negative integer, got {epoch!r}")
+    if epoch >= MAX_EPOCH:  # what a declaration can carry
+        raise ValueError(f"epoch must be below 2**62 (the wire limit), got {epoch}")
+    if timeout is None:
+        return
+    if not math.isfinite(seconds := _real(timeout, "timeout")):
+        raise ValueError(
+            f"timeout must be a finite number of seconds, got {timeout!r}; None uses the "
+            "default (a margin before the caller's cancel-scope deadline, else "
+            "AveragerConfig.default_timeout)"
+        )
+    if not seconds > 0:
+        raise ValueError(f"timeout must be positive, got {timeout!r}")
+
+
+def _real(value: object, name: str) -> float:
+    """``value`` as a float (numpy and 0-d torch numbers too); bools and text are refused."""
+    try:
+        if isinstance(value, bool | str | bytes):
+            raise TypeError
+        return float(value)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number, got {value!r}") from None
 
 
 @dataclass
@@ -117,10 +147,13 @@ class Averager:
         self.codec = get_codec(config.codec, **config.codec_params)
         self.codec.casts = TORCH_CASTS  # same values as numpy's, many times faster
         self.layout = self.flat.layout
-        # peers must agree on the codec, the chunking and the wire format (v2: raw result
-        # blobs reused; topk results lossless with error feedback; v3: raw float32 payloads
-        # with the none codec)
-        self.layout_id = self.layout.fingerprint(f"{self.codec!r}|{config.chunk_bytes}|v3")
+        # peers must agree on the codec, the chunking, the group size (a group must fit
+        # every member's) and the wire format (v2: raw result blobs reused; topk results
+        # lossless with error feedback; v3: raw float32 payloads with the none codec; v4:
+        # convex sums, the group size)
+        self.layout_id = self.layout.fingerprint(
+            f"{self.codec!r}|{config.chunk_bytes}|group_size={config.group_size}|v4"
+        )
         client = node.client_mode if config.client_mode is None else config.client_mode
         self.client_mode = client or node.rpc.listen_address is None
         self._methods = method_prefix(prefix)
@@ -203,27 +236,24 @@ class Averager:
                 else ``config.default_timeout``.
 
         Raises:
-            ValueError: for a non-positive weight, an epoch that is not a non-negative
-                integer (``int``, numpy integer or other ``numbers.Integral``), a
-                non-positive timeout.
+            ValueError: for a weight that is not a positive finite number, an epoch that is
+                not an integer in ``[0, 2**62)`` (``int``, numpy integer or other
+                ``numbers.Integral``), a timeout that is not a positive finite number.
             RuntimeError: if another step of this averager is running, or it was closed.
-            LayoutMismatchError: the peers of the round average another tensor layout or
-                codec under this prefix.
+            LayoutMismatchError: the peers of the round average another tensor layout,
+                codec or group size under this prefix.
         """
-        if not (math.isfinite(weight) and weight > 0):
-            raise ValueError(f"weight must be a positive number, got {weight}")
-        if not isinstance(epoch, numbers.Integral) or isinstance(epoch, bool) or epoch < 0:
-            raise ValueError(f"epoch must be a non-negative integer, got {epoch!r}")
+        check_step_arguments(weight, epoch, timeout)
         epoch = int(epoch)
-        if timeout is None:
+        if timeout is not None:
+            timeout = float(timeout)
+        else:
             left = trio.current_effective_deadline() - trio.current_time()
             if math.isfinite(left):
                 margin = min(max(MARGIN_SHARE * left, MIN_MARGIN), MAX_MARGIN, left / 2)
                 timeout = left - margin
             else:
                 timeout = self.config.default_timeout
-        elif not timeout > 0:
-            raise ValueError("timeout must be positive")
         background = self._background
         if background is not None and trio.lowlevel.current_trio_token() != background.token:
             # another trio loop than the peer's: the peer's tasks would run in the wrong one
@@ -254,6 +284,7 @@ class Averager:
         """
         if self._background is None:
             raise RuntimeError("step_blocking needs a peer from peer.run_in_background")
+        check_step_arguments(weight, epoch, timeout)
         return self._background.run(self.step, weight, epoch, timeout)
 
     async def _step(self, weight: float, epoch: int, deadline: float) -> AveragingInfo:
@@ -267,6 +298,7 @@ class Averager:
             self.layout_id,
             self._count,
             self.flat.total,
+            self.config.group_size,
         )
         match = await self._matchmaker.find_group(me, deadline, on_round=self._enter_round)
         t1 = trio.current_time()

@@ -30,9 +30,10 @@ from .feedback import ErrorFeedback
 from .layout import FlatVector, Float32Array, chunk_count, chunk_span
 from .messages import ChunkHeader, ResultHeader, raw_flag
 from .plan import Liveness, Plan
-from .reducer import DropReason, all_finite, copy_finite, decode_raw
+from .reducer import DropReason, decode_raw
 from .reducing import ReducerService
 from .report import PartReport, part_status
+from .scans import all_finite, copy_finite
 
 logger = logging.getLogger(__name__)
 
@@ -80,9 +81,15 @@ class Butterfly:
                         nursery.start_soon(self._exchange, index)
                 if self.service is not None:  # it loads our part while the uploads start
                     nursery.start_soon(self._reduce, cutoff)
-        for index in range(len(self.plan.reducers)):
-            if index not in self.reports:
-                self.reports[index] = self._report(index, None, False, "the deadline passed")
+        for index, reducer in enumerate(self.plan.reducers):
+            if index in self.reports:
+                continue
+            if reducer.peer_id == self.plan.me:
+                note = "the deadline passed before our own reduction finished"
+            else:  # frozen, or too slow: out of this part either way
+                self.liveness.mark(reducer.peer_id, DropReason.TIMEOUT)
+                note = "the deadline passed before the reducer's result arrived"
+            self.reports[index] = self._report(index, None, False, note)
         return tuple(self.reports[i] for i in range(len(self.plan.reducers)))
 
     def _report(
@@ -114,7 +121,8 @@ class Butterfly:
         await self.service.load()
         outcome = await self.service.reduce(cutoff)
         received = outcome.weight > 0
-        self.reports[part] = self._report(part, self.service.header, received, "no contributions")
+        note = outcome.note or "no contributions"
+        self.reports[part] = self._report(part, self.service.header, received, note)
         await self.service.publish()
         await self.service.serve()
 
@@ -265,7 +273,7 @@ class Butterfly:
                     if header is None:
                         raise RemoteProtocolError("empty result stream")
                     received = header.weight > 0 and chunk + 1 == header.chunks
-                    note = "" if received else "the reducer had no contributions"
+                    note = "" if received else header.note or "the reducer had no contributions"
                     if received and held is not None:
                         self.held[index] = held
             except RemoteError as exc:

@@ -15,7 +15,7 @@ import torch
 
 from protocol.codecs.casts import Casts
 
-from .reducer import as_tensor
+from .scans import as_tensor
 
 __all__ = ["TORCH_CASTS"]
 

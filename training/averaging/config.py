@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import numbers
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -10,6 +11,16 @@ from typing import Any
 from protocol.codecs import CODEC_NAMES
 
 MiB = 1 << 20
+
+_INTEGERS = {
+    "group_size": 2,
+    "max_staleness": 0,
+    "chunk_bytes": 4096,
+    "max_inflight": 1,
+    "max_downloads": 1,
+    "retain_budget": 0,
+}
+"""The integer fields and their least values."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,12 +62,10 @@ class AveragerConfig:
     clock: Callable[[], float] | None = None
 
     def __post_init__(self) -> None:
-        if self.group_size < 2:
-            raise ValueError("AveragerConfig.group_size must be at least 2")
+        for name, least in _INTEGERS.items():
+            self._check_integer(name, least)
         if self.codec not in CODEC_NAMES:
             raise ValueError(f"AveragerConfig.codec must be one of {CODEC_NAMES}")
-        if self.max_staleness < 0:
-            raise ValueError("AveragerConfig.max_staleness must be >= 0")
         if not 0.0 < self.staleness_decay <= 1.0:
             raise ValueError("AveragerConfig.staleness_decay must be in (0, 1]")
         for name in ("gather_window", "join_timeout", "stall_timeout", "default_timeout"):
@@ -71,10 +80,19 @@ class AveragerConfig:
             raise ValueError("AveragerConfig.chunk_bytes must be a multiple of 4, >= 4096")
         if self.chunk_bytes > 2 * MiB:
             raise ValueError("AveragerConfig.chunk_bytes must fit a frame (<= 2 MiB)")
-        if self.max_inflight < 1 or self.max_downloads < 1:
-            raise ValueError("AveragerConfig.max_inflight and max_downloads must be >= 1")
-        if self.retain_budget is not None and self.retain_budget < 0:
-            raise ValueError("AveragerConfig.retain_budget must be >= 0")
+
+    def _check_integer(self, name: str, least: int) -> None:
+        """An integer field (numpy's too, stored as ``int``; not a bool) of at least ``least``.
+
+        Raises:
+            ValueError: naming the field.
+        """
+        value = getattr(self, name)
+        if value is None and name == "retain_budget":
+            return
+        if not isinstance(value, numbers.Integral) or isinstance(value, bool) or value < least:
+            raise ValueError(f"AveragerConfig.{name} must be an integer >= {least}, got {value!r}")
+        object.__setattr__(self, name, int(value))  # frozen: set once, here
 
     @property
     def chunk_elements(self) -> int:

@@ -42,13 +42,19 @@ class Declaration:
     weight: float
     epoch: int
     bandwidth: float
-    layout: str  # TensorLayout fingerprint (shapes, dtypes, codec)
+    layout: str  # fingerprint of what must match: shapes, dtypes, codec, group size
     count: int  # rounds this averager has been through: the grid phase
     total: int = 0  # elements in the flat vector (for error messages)
+    group_size: int = 0  # the averager's group_size (for error messages; 0: not said)
 
     @property
     def client_mode(self) -> bool:
         return self.address is None
+
+    def describe_layout(self) -> str:
+        """What the layout fingerprint covers, as far as the declaration says it."""
+        size = f", group_size {self.group_size}" if self.group_size else ""
+        return f"{self.total} elements{size} ({self.layout})"
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -60,6 +66,7 @@ class Declaration:
             "layout": self.layout,
             "count": self.count,
             "total": self.total,
+            "group_size": self.group_size,
         }
 
     @classmethod
@@ -79,6 +86,7 @@ class Declaration:
             layout = value["layout"]
             count = value["count"]
             total = value.get("total", 0)
+            group_size = value.get("group_size", 0)
             client_mode = value.get("client_mode", address is None)
         except (KeyError, TypeError, ValueError) as exc:
             raise RemoteProtocolError(f"malformed declaration: {exc!r}") from None
@@ -95,12 +103,18 @@ class Declaration:
             raise RemoteProtocolError(f"declared weight {weight} is not positive")
         if not (math.isfinite(bandwidth) and bandwidth > 0):
             raise RemoteProtocolError(f"declared bandwidth {bandwidth} is not positive")
-        for name, number in (("epoch", epoch), ("count", count), ("total", total)):
+        integers = (
+            ("epoch", epoch),
+            ("count", count),
+            ("total", total),
+            ("group_size", group_size),
+        )
+        for name, number in integers:
             if type(number) is not int or not 0 <= number < MAX_EPOCH:
                 raise RemoteProtocolError(f"declared {name} {number!r} is out of range")
         if not isinstance(layout, str) or len(layout) > 64:
             raise RemoteProtocolError("declared layout is not a short string")
-        return cls(peer_id, address, weight, epoch, bandwidth, layout, count, total)
+        return cls(peer_id, address, weight, epoch, bandwidth, layout, count, total, group_size)
 
 
 def parse_declarations(entries: Mapping[Any, Any]) -> list[Declaration]:

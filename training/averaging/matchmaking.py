@@ -66,6 +66,7 @@ class _Round:
     confirmation: GroupConfirmation | None = None
     answered: trio.Event = field(default_factory=trio.Event)
     budget: float = 0.0
+    others_seen: int = 0  # the most other declarations a read of the round found
 
     def notify(self) -> None:
         self.changed.set()
@@ -103,6 +104,7 @@ class Matchmaker:
         self.clock = clock
         self._views: list[int] = []  # declarations seen in the last rounds
         self.seen_count = 0  # the largest round count the others declared in rounds we read
+        self._foreign: set[str] = set()  # other layouts seen (warned about once)
         self._subkey = str(node.peer_id)
         self.current: _Round | None = None
 
@@ -197,17 +199,15 @@ class Matchmaker:
         settle = window / 4
         close_at = max(close_at, trio.current_time() + settle)
         declared = await self._gather(state, key, min(close_at, deadline), deadline)
+        if trio.current_time() >= deadline:  # the step's timeout ended the gather
+            state.closed.set()
+            return self._cut_short(state, close_at - deadline)
         if not any(d.peer_id == state.me.peer_id for d in declared):
             declared.append(state.me)
         self._views = [*self._views[-2:], len(declared)]
         groups = make_groups(declared, self.config.group_size, self.prefix)
         others = [d for d in declared if d.peer_id != state.me.peer_id]
-        if others and all(d.layout != state.me.layout for d in others):
-            raise LayoutMismatchError(
-                f"every other peer under {self.prefix!r} has another tensor layout or codec "
-                f"(ours: {state.me.total} elements, {state.me.layout}; theirs: "
-                f"{sorted({(d.total, d.layout) for d in others})})"
-            )
+        self._check_layouts(state.me, others)
         group = find_group(groups, state.me.peer_id) or [state.me]
         leader = leader_of(group)
         state.leader = None if leader is None else leader.peer_id
@@ -224,6 +224,35 @@ class Matchmaker:
             return await self._lead(state, deadline, len(declared))
         state.closed.set()
         return await self._join(state, leader, deadline, len(declared))
+
+    def _cut_short(self, state: _Round, early_by: float) -> MatchResult:
+        """The deadline came before the round closed (or could be read): no group, whoever
+        declared; not "alone", which says that nobody else did."""
+        note = "the timeout ended the gather window before a group formed"
+        if early_by > 0:
+            note += f" (the round closes {early_by:.2f} s after the deadline; allow more than "
+            note += "1.5 x gather_window for matchmaking, plus the all-reduce)"
+        if state.others_seen:
+            note += f"; {state.others_seen} other peer(s) had declared"
+        return MatchResult(state.number, None, None, state.others_seen + 1, note)
+
+    def _check_layouts(self, me: Declaration, others: list[Declaration]) -> None:
+        """Peers of another layout (shapes, dtypes, codec, group size) group apart.
+
+        Raises: LayoutMismatchError: every other peer has another layout."""
+        foreign = sorted({d.describe_layout() for d in others if d.layout != me.layout})
+        if others and all(d.layout != me.layout for d in others):
+            raise LayoutMismatchError(
+                f"every other peer under {self.prefix!r} has another tensor layout, codec or "
+                f"group_size (ours: {me.describe_layout()}; theirs: {foreign})"
+            )
+        if set(foreign) - self._foreign:  # a split swarm averages less: say so, once
+            self._foreign.update(foreign)
+            logger.warning(
+                "peers under %r average another tensor layout, codec or group_size, in groups "
+                "of their own (ours: %s; theirs: %s)",
+                self.prefix, me.describe_layout(), foreign,
+            )  # fmt: skip
 
     async def _gather(
         self, state: _Round, key: str, close_at: float, deadline: float
@@ -258,6 +287,7 @@ class Matchmaker:
                 declared = parse_declarations({s: v for s, (v, _) in entries.items()})
                 others = [d.count for d in declared if d.peer_id != state.me.peer_id]
                 self.seen_count = max([self.seen_count, *others])
+                state.others_seen = max(state.others_seen, len(others))
             # Exactly the peers we expect: close. More (a newcomer, who does not know it
             # could close early): wait for the close, so that everybody reads the same set.
             if not early or len(declared) == population:
@@ -351,8 +381,8 @@ class Matchmaker:
         if join.declaration.layout != state.me.layout:
             raise RemoteError(
                 "mismatch",
-                f"tensor layout or codec differs: ours {state.me.total} elements "
-                f"({state.me.layout}), yours {join.declaration.total} ({join.declaration.layout})",
+                f"tensor layout, codec or group_size differs: ours {state.me.describe_layout()}, "
+                f"yours {join.declaration.describe_layout()}",
             )
         state.wake.set()
         await state.closed.wait()

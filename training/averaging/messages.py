@@ -30,6 +30,7 @@ from .layout import Span, check_spans
 from .reducer import DropReason
 
 MAX_MEMBERS = 256
+MAX_NOTE = 200  # characters in a result header's note
 
 
 def method_prefix(prefix: str) -> str:
@@ -203,14 +204,18 @@ class ResultHeader:
     dropped: tuple[tuple[PeerID, DropReason], ...]
     weight: float
     chunks: int
+    note: str = ""  # why there is no result although some sent everything (e.g. overflow)
 
     def to_body(self) -> dict[str, Any]:
-        return {
+        body: dict[str, Any] = {
             "contributors": [str(p) for p in self.contributors],
             "dropped": [[str(p), r.value] for p, r in self.dropped],
             "weight": self.weight,
             "chunks": self.chunks,
         }
+        if self.note:
+            body["note"] = self.note
+        return body
 
     @classmethod
     def from_body(cls, body: Any) -> ResultHeader:
@@ -233,9 +238,13 @@ class ResultHeader:
                 raise RemoteProtocolError(f"unknown drop reason {item[1]!r}") from None
         if not isinstance(weight, float | int) or not math.isfinite(weight) or weight < 0:
             raise RemoteProtocolError("weight must be a non-negative number")
+        note = body.get("note", "")
+        if not isinstance(note, str) or len(note) > MAX_NOTE:
+            raise RemoteProtocolError(f"a note is a string of at most {MAX_NOTE} characters")
         return cls(
             tuple(_peer(p) for p in contributors_raw),
             tuple(dropped),
             float(weight),
             _int(body, "chunks", 0, 1 << 32),
+            note,
         )

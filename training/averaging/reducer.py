@@ -9,15 +9,21 @@ Rules (what a reducer promises):
 - Staleness: with ``E`` the largest epoch declared in the group, a sender at epoch ``e``
   is dropped as ``stale`` when ``E - e > max_staleness``, else weighted by
   ``weight * decay ** (E - e)``. Everybody derives this from the same member list.
-- :meth:`PartReducer.finalize` divides by the contributors' total weight once; the mean is
-  what every member receives (encoded once), so they all get the same values.
+- Convex sums: each contribution is added as ``share * values``, its weight's share of the
+  total weight of the part's senders (float64, rounded down to a float32 factor in [0, 1]),
+  so the running sum never exceeds the largest ``|value|`` (but by rounding) whatever the
+  weights (any positive finite float64). :meth:`PartReducer.finalize` divides by the shares
+  of the senders that counted (1 when nobody was dropped), which cannot overflow unless
+  their mean does, and checks that the mean fits what the codec can send back (float16:
+  +-65504); when it does not, the part has no result and its note says so.
+- The mean is what every member receives (encoded once), so they all get the same values.
 
 No I/O and no clock here: the trio glue decides when a sender is frozen or dead.
 """
 
 from __future__ import annotations
 
-import warnings
+import math
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
@@ -30,6 +36,18 @@ from protocol.errors import ProtocolError, RemoteProtocolError
 from protocol.identity import PeerID
 
 from .layout import Float32Array, chunk_count, chunk_span
+from .scans import (
+    as_tensor,
+    convex_shares,
+    magnitude,
+    overflow_note,
+    result_limit,
+    scale_magnitude,
+)
+
+MIN_SHARE = 2.0**-64
+"""Below this share of the senders' total weight, the contributors' sum is too small to be
+scaled back up in float32 (a sender that outweighed them by 2**64 was dropped)."""
 
 
 class DropReason(StrEnum):
@@ -37,7 +55,7 @@ class DropReason(StrEnum):
 
     DEAD = "dead"  # its host refused connections or the connection broke
     FROZEN = "frozen"  # it stopped delivering and did not answer a ping
-    TIMEOUT = "timeout"  # still delivering when the reducer had to finish
+    TIMEOUT = "timeout"  # still delivering at the cutoff; a reducer: no result by the deadline
     GARBAGE = "garbage"  # malformed chunk, wrong size, repeated chunk, lying header
     NONFINITE = "nonfinite"  # NaN or infinity in its values
     STALE = "stale"  # epoch more than max_staleness behind the group
@@ -54,10 +72,13 @@ class Member:
 
 
 class _Sender:
-    __slots__ = ("done", "epoch", "reason", "received", "retained", "retained_bytes", "weight")
+    __slots__ = (
+        "done", "epoch", "reason", "received", "retained", "retained_bytes", "share", "weight"
+    )  # fmt: skip
 
     def __init__(self, weight: float, epoch: int, n_chunks: int) -> None:
         self.weight = weight  # effective (staleness-decayed)
+        self.share = 0.0  # weight / total weight of the senders, a float32 factor in [0, 1]
         self.epoch = epoch
         self.received = bytearray(n_chunks)
         self.retained: list[tuple[int, bytes | memoryview, bool]] = []  # (chunk, blob, raw)
@@ -81,49 +102,7 @@ class PartOutcome:
     contributors: tuple[PeerID, ...]
     dropped: tuple[tuple[PeerID, DropReason], ...]
     weight: float  # total effective weight of the contributors (0: no result)
-
-
-def as_tensor(values: Float32Array) -> torch.Tensor:
-    """A torch view of ``values``, read-only ones included (torch only warns about those;
-    we never write through the view)."""
-    if values.flags.writeable:
-        return torch.from_numpy(values)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore", UserWarning)
-        return torch.from_numpy(values)
-
-
-def all_finite(values: Float32Array, zeros: Float32Array) -> bool:
-    """True when ``values`` holds no NaN or infinity (one BLAS pass: x . 0 is NaN iff it has
-    any; ``zeros`` is a zero array of the same length)."""
-    with np.errstate(invalid="ignore"):
-        return bool(np.isfinite(np.dot(values, zeros)))
-
-
-PIECE = 1 << 16
-"""Elements per piece of :func:`copy_finite` (256 KiB: still in cache for the second pass)."""
-
-
-def copy_finite(dst: Float32Array, src: Float32Array, zeros: Float32Array) -> bool:
-    """``dst[...] = src``, and whether ``src`` holds no NaN or infinity: each piece is
-    checked right after its copy, while in cache (one pass over memory instead of two).
-    ``zeros`` is a zero array (pieces are at most its length)."""
-    finite = True
-    step = max(1, min(PIECE, len(zeros)))
-    for i in range(0, len(src), step):
-        piece = dst[i : i + step]
-        np.copyto(piece, src[i : i + step])
-        finite = finite and all_finite(piece, zeros[: len(piece)])
-    return finite
-
-
-def pieces_finite(values: Float32Array, zeros: Float32Array) -> bool:
-    """True when ``values`` holds no NaN or infinity, checked ``len(zeros)`` at a time."""
-    step = max(len(zeros), 1)
-    return all(
-        all_finite(values[i : i + step], zeros[: len(values[i : i + step])])
-        for i in range(0, len(values), step)
-    )
+    note: str = ""  # why there is no result although some sent everything (overflow)
 
 
 def effective_weights(
@@ -165,10 +144,11 @@ class PartReducer:
         self.n_chunks = chunk_count(length, chunk_elements)
         self.codec = codec
         self.members = {m.peer_id: m for m in members}
-        self._acc = torch.from_numpy(acc[:length])  # (length,) running weighted sum, in place
+        self._acc = torch.from_numpy(acc[:length])  # (length,) running convex sum, in place
         self._scratch = scratch
-        self._zeros = np.zeros(min(chunk_elements, len(scratch)), dtype=np.float32)
         weights = effective_weights(self.members.values(), max_staleness, decay)
+        senders = list(senders)
+        shares = convex_shares({p: w for p in senders if (w := weights[p]) is not None})
         self.senders: dict[PeerID, _Sender] = {}
         for peer_id in senders:
             member = self.members[peer_id]
@@ -176,13 +156,16 @@ class PartReducer:
             sender = _Sender(weight or 0.0, member.epoch, self.n_chunks)
             if weight is None:
                 sender.reason = DropReason.STALE
-            elif self.n_chunks == 0:
-                sender.done = True
+            else:
+                sender.share = shares[peer_id]
+                sender.done = self.n_chunks == 0
             self.senders[peer_id] = sender
         self.finalized = False
         self._acc_array: Float32Array = acc[:length]
         self._mean = self._acc_array
-        self._weight = 0.0  # of the contributors, once finalized
+        self._share = 1.0  # the contributors' shares together, once finalized
+        self._largest = 0.0  # the largest |value| added (ours included): overflow is possible
+        # only when it nears what the codec can send back
         self._undivided: set[int] = set()  # chunks of the sum not turned into the mean yet
         self._local = local
         self._local_values = local_values
@@ -214,8 +197,8 @@ class PartReducer:
         """Take in our own values (with ``defer_load``: before any chunk is added), yielding
         after every ``step`` elements (default: a chunk) so that the caller can let other work
         run in between. ``acc`` holds ``local``'s values (the reducer's own), or gets them from
-        ``local_values``: weighed in place; the sum starts from zero instead when there are
-        none, or they are stale or not finite."""
+        ``local_values``: scaled by our share in place; the sum starts from zero instead when
+        there are none, or they are stale or not finite."""
         if self.loaded:
             return
         sender = None if self._local is None else self.senders.get(self._local)
@@ -223,17 +206,16 @@ class PartReducer:
             values = self._acc.numpy()
             source = self._local_values
             step = max(1, step or self.chunk_elements)
+            share = sender.share
             finite = True
             for i in range(0, self.length, step):
-                piece = values[i : i + step]
-                if source is not None:
-                    finite = copy_finite(piece, source[i : i + step], self._zeros) and finite
-                else:
-                    finite = pieces_finite(piece, self._zeros) and finite
+                piece = None if source is None else source[i : i + step]
+                size = scale_magnitude(values[i : i + step], piece, share)  # NaN stays NaN
+                finite = math.isfinite(size)
                 if not finite:
                     break
-                if sender.weight != 1.0:
-                    self._acc[i : i + step].mul_(sender.weight)
+                if share > 0:  # (with no share, our values do not enter the sum)
+                    self._largest = max(self._largest, size / share)
                 if i + step < self.length:
                     yield
             if finite:
@@ -278,13 +260,15 @@ class PartReducer:
             if sender.received[index]:
                 raise ChunkRejected(DropReason.GARBAGE, f"chunk {index} sent twice")
             start, stop = chunk_span(self.length, self.chunk_elements, index)
-            values = self._decode(blob, stop - start, raw)
-            if not self.codec.finite_output and not all_finite(values, self._zeros[: stop - start]):
+            values = as_tensor(self._decode(blob, stop - start, raw))
+            size = magnitude(values)  # NaN or infinity when it holds any
+            if not math.isfinite(size):
                 raise ChunkRejected(DropReason.NONFINITE, f"chunk {index} is not finite")
         except ChunkRejected as exc:
             self.drop(peer_id, exc.reason)
             raise
-        self._acc[start:stop].add_(as_tensor(values), alpha=sender.weight)
+        self._largest = max(self._largest, size)
+        self._acc[start:stop].add_(values, alpha=sender.share)
         sender.received[index] = 1
         sender.retained.append((index, blob, raw))
         sender.retained_bytes += len(blob)
@@ -304,7 +288,7 @@ class PartReducer:
         for index, blob, raw in sender.retained:
             start, stop = chunk_span(self.length, self.chunk_elements, index)
             values = self._decode(blob, stop - start, raw)
-            self._acc[start:stop].sub_(as_tensor(values), alpha=sender.weight)
+            self._acc[start:stop].sub_(as_tensor(values), alpha=sender.share)
         sender.retained.clear()
         sender.retained_bytes = 0
 
@@ -319,7 +303,8 @@ class PartReducer:
         turn the sum into the mean, in place or (given ``out``, and only when there were
         contributions) into ``out``; see :meth:`mean`. With ``divide=False`` the division
         waits for :meth:`divide` (a chunk at a time, e.g. right before each is encoded, while
-        it is in cache) or :meth:`divide_all`.
+        it is in cache) or :meth:`divide_all`. A mean beyond what the codec can send back is
+        no result: no contributors, weight 0, and a ``note`` naming the overflow.
 
         Raises:
             RuntimeError: before our own values were loaded (see :meth:`load_steps`).
@@ -331,9 +316,12 @@ class PartReducer:
         self.finalized = True
         contributors = tuple(p for p, s in self.senders.items() if s.done and s.reason is None)
         dropped = tuple((p, s.reason) for p, s in self.senders.items() if s.reason is not None)
-        weight = float(sum(self.senders[p].weight for p in contributors))
+        weight = math.fsum(self.senders[p].weight for p in contributors)
         if weight > 0:
-            self._weight = weight
+            self._share = math.fsum(self.senders[p].share for p in contributors)
+            note = self._out_of_range()
+            if note:
+                return PartOutcome((), dropped, 0.0, note)
             if out is not None:
                 self._mean = out
             self._undivided = set(range(self.n_chunks))
@@ -348,10 +336,14 @@ class PartReducer:
         self._undivided.discard(index)
         start, stop = chunk_span(self.length, self.chunk_elements, index)
         total = self._acc[start:stop]
+        # the sum of shares * values; nobody dropped: the shares sum to 1 but for rounding
         if self._mean is self._acc_array:
-            total.div_(self._weight)
+            if self._share != 1.0:
+                total.div_(self._share)
+        elif self._share != 1.0:
+            torch.div(total, self._share, out=torch.from_numpy(self._mean[start:stop]))
         else:
-            torch.div(total, self._weight, out=torch.from_numpy(self._mean[start:stop]))
+            torch.from_numpy(self._mean[start:stop]).copy_(total)
 
     def divide_all(self) -> None:
         """Every chunk not divided yet (see :meth:`divide`)."""
@@ -363,10 +355,28 @@ class PartReducer:
         ``divide=False``, only the chunks divided so far."""
         return self._mean
 
-    def sum_is_finite(self) -> bool:
-        """True when the sum holds no NaN or infinity (it can overflow); call before the
-        division, or after it (the mean of a finite sum is finite: a convex combination)."""
-        return pieces_finite(self._acc_array, self._zeros)
+    def _out_of_range(self) -> str:
+        """Why the mean (the sum divided by ``_share``) exceeds what the codec can send
+        back, or "" when it does not. Without a pass over the sum when the values added
+        were well below that limit: the sum is then at most their largest magnitude, times
+        the shares that counted, plus rounding (of the order of 2**-24 of it, for each sender
+        added or subtracted, which the division by ``_share`` magnifies)."""
+        if self._share < MIN_SHARE:
+            return (
+                f"the contributors' share of the weight ({self._share:.3g}) is too small to "
+                "scale their sum back up in float32 (underflow)"
+            )
+        limit = result_limit(self.codec)
+        if self._largest <= limit * min(0.5, self._share):
+            return ""
+        # values near the limit, or a sum scaled far back up: measure every element (the
+        # division by the share, when there is one, rounds too)
+        largest = limit if self._share == 1.0 else limit * self._share / (1 + 2**-20)
+        for index in range(self.n_chunks):
+            start, stop = chunk_span(self.length, self.chunk_elements, index)
+            if not magnitude(self._acc[start:stop]) <= largest:  # NaN too
+                return overflow_note(self.codec)
+        return ""
 
     # -- helpers -------------------------------------------------------------------------
 

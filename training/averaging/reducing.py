@@ -28,6 +28,7 @@ from .layout import FlatVector, Float32Array, chunk_span
 from .messages import ChunkHeader, ResultHeader
 from .plan import Liveness, Plan
 from .reducer import ChunkRejected, DropReason, Member, PartOutcome, PartReducer
+from .scans import overflow_note
 
 logger = logging.getLogger(__name__)
 
@@ -278,29 +279,27 @@ class ReducerService:
         """Fix the result header (who counted, how many chunks) and open the result streams;
         :meth:`publish` then encodes the chunks while they are being served."""
         chunks = 0
-        if outcome.weight > 0:
+        if outcome.weight > 0:  # the mean fits the codec (finalize checked)
             if isinstance(self.codec, TopKCodec):
                 self.reducer.divide_all()
                 try:
                     self.blobs = self._sparse_results(self.reducer.mean())
                     chunks = len(self.blobs)
                 except NonFiniteError:
-                    outcome = self._overflowed(outcome)
-            elif self.codec.finite_output and not self.reducer.sum_is_finite():
-                outcome = self._overflowed(outcome)  # refused before a chunk is served
+                    outcome = PartOutcome((), outcome.dropped, 0.0, overflow_note(self.codec))
             else:
                 chunks = self.reducer.n_chunks
+        if outcome.note:  # refused before a chunk is served
+            logger.warning("round %d: part %d: %s", self.plan.round, self.part, outcome.note)
         self.outcome = outcome
         # none: the division writes the mean straight into our tensor (publish, or its cleanup)
         self.in_place = self.raw and self.target is not None and outcome.weight > 0
-        self.header = ResultHeader(outcome.contributors, outcome.dropped, outcome.weight, chunks)
+        self.header = ResultHeader(
+            outcome.contributors, outcome.dropped, outcome.weight, chunks, outcome.note
+        )
         self.last_download = trio.current_time()
         self.ready.set()
         return outcome
-
-    def _overflowed(self, outcome: PartOutcome) -> PartOutcome:
-        logger.warning("round %d: the mean overflowed; no result", self.plan.round)
-        return PartOutcome((), outcome.dropped, 0.0)
 
     async def publish(self) -> None:
         """Encode the mean a chunk at a time, each served as soon as it is encoded, with a
@@ -346,10 +345,9 @@ class ReducerService:
         self.in_place = self.in_place or self.target is not None
 
     def _encode(self, values: Float32Array, out: memoryview) -> int:
-        """Encode one chunk of the mean. The sum was finite (checked when the header was
-        fixed), so the mean is too, a convex combination of finite values, except that
-        dividing a sum of about FLT_MAX may round it up to infinity: clamped back, for the
-        codecs that refuse infinity."""
+        """Encode one chunk of the mean. ``finalize`` checked that the mean fits the codec,
+        with a margin for rounding; should a value near FLT_MAX still round up to infinity,
+        it is clamped back, for the codecs that refuse infinity."""
         try:
             return self.codec.encode_into(values, out)
         except NonFiniteError:

@@ -1,0 +1,129 @@
+"""The reducer's convex sums: any positive finite weights, values up to float32's largest,
+and a mean the codec cannot send back refused with a note (never served as infinity)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from protocol.codecs import get_codec
+from protocol.identity import Identity, PeerID
+from training.averaging.reducer import DropReason, Member, PartReducer
+from training.averaging.scans import FLT_MAX, convex_shares, float32_below
+
+LENGTH, CHUNK = 20, 8
+
+
+def peer(i: int) -> PeerID:
+    return Identity.from_seed(bytes([i + 31]) * 32).peer_id
+
+
+def reduce(
+    codec: str, weights: tuple[float, ...], data: list[np.ndarray], senders: int | None = None
+) -> tuple[PartReducer, np.ndarray]:
+    """We are peer 0 (our values already in the sum's buffer); the first ``senders`` others
+    (default: all) send everything through ``codec``, the rest nothing."""
+    members = [Member(peer(i), w, 0) for i, w in enumerate(weights)]
+    acc = data[0].copy()
+    reducer = PartReducer(
+        length=LENGTH,
+        chunk_elements=CHUNK,
+        codec=get_codec(codec),
+        members=members,
+        senders=[m.peer_id for m in members],
+        max_staleness=2,
+        decay=0.5,
+        acc=acc,
+        scratch=np.empty(CHUNK, np.float32),
+        local=peer(0),
+    )
+    encoder = get_codec(codec)
+    count = len(members) - 1 if senders is None else senders
+    for member, values in zip(members[1 : 1 + count], data[1 : 1 + count], strict=True):
+        for index in range(reducer.n_chunks):
+            blob = encoder.encode(values[index * CHUNK : (index + 1) * CHUNK])
+            reducer.add_chunk(member.peer_id, index, 0, member.weight, blob)
+    return reducer, acc
+
+
+def spread(value: float, seed: int) -> np.ndarray:
+    """``LENGTH`` values between 0.5 and 1 times ``value`` (so that the mean is not trivial)."""
+    return (value * np.random.default_rng(seed).uniform(0.5, 1.0, LENGTH)).astype(np.float32)
+
+
+@pytest.mark.parametrize(
+    ("weights", "scales"),
+    [
+        ((1.0, 1.0), (1.2e38, 2.4e38)),  # the weighted sum overflowed float32
+        ((1e20, 1e20), (1e20, 2e20)),  # weight x value overflowed float32
+        ((1e300, 1e300), (1.0, 2.0)),  # weights beyond float32's range
+        ((1e-300, 1e-300), (1.0, 2.0)),  # ... and below it
+        ((1e-46, 1e-40), (1.0, 2.0)),  # below float32's smallest subnormal
+        ((1e39, 1.0), (1.0, 2.0)),
+        ((1e300, 1e-300, 3.0), (1.0, 2.0, 3.0)),
+        ((1.0, 2.0, 3.0), (1e-30, -2e-30, 3e-30)),  # tiny values stay exact too
+    ],
+)
+def test_any_positive_finite_weights_give_the_weighted_mean(
+    weights: tuple[float, ...], scales: tuple[float, ...]
+) -> None:
+    data = [spread(scale, i) for i, scale in enumerate(scales)]
+    reducer, _ = reduce("none", weights, data)
+    outcome = reducer.finalize({})
+    assert outcome.contributors == tuple(peer(i) for i in range(len(weights)))
+    assert outcome.note == "" and outcome.weight == pytest.approx(sum(weights))
+    top = max(weights)  # float64 reference, scaled so that it cannot overflow either
+    expected = sum(w / top * d.astype(np.float64) for w, d in zip(weights, data, strict=True))
+    expected /= sum(w / top for w in weights)
+    mean = reducer.mean().astype(np.float64)
+    assert np.isfinite(mean).all()
+    assert np.abs(mean - expected).max() <= 1e-6 * np.abs(expected).max()
+
+
+def test_shares_are_float32_factors_that_sum_to_at_most_one() -> None:
+    for weights in ([1.0, 1.0, 1.0], [1e300, 1e-300, 7.0], [1e-320, 2e-320], [3.0] * 17):
+        shares = convex_shares(dict(enumerate(weights)))
+        assert all(float(np.float32(s)) == s and 0.0 <= s <= 1.0 for s in shares.values())
+        assert sum(shares.values()) <= 1.0
+        assert sum(shares.values()) > 1.0 - 1e-6 * len(weights)
+    assert float32_below(1 / 3) < 1 / 3 < float(np.nextafter(np.float32(float32_below(1 / 3)), 1))
+
+
+def test_renormalising_after_a_drop_cannot_overflow() -> None:
+    """Peer 2 (most of the weight) sent nothing: the contributors' sum is scaled back up by
+    their shares (a quarter of the total), and their values near FLT_MAX still fit."""
+    data = [np.full(LENGTH, 3e38, np.float32), np.full(LENGTH, 3.2e38, np.float32), spread(1, 2)]
+    reducer, _ = reduce("none", (1.0, 1.0, 6.0), data, senders=1)
+    outcome = reducer.finalize({})
+    assert outcome.contributors == (peer(0), peer(1)) and outcome.weight == 2.0
+    assert outcome.dropped == ((peer(2), DropReason.TIMEOUT),)
+    np.testing.assert_allclose(reducer.mean(), np.full(LENGTH, 3.1e38), rtol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("codec", "weights", "scales", "senders", "words"),
+    [
+        ("float16", (1.0, 1.0), (2e5, 1e4), None, "overflows float16"),  # ours beyond it
+        ("none", (1.0, 1.0, 1.0), (FLT_MAX,) * 3, None, "overflows float32"),
+        ("int8", (1.0, 1.0, 1.0), (FLT_MAX,) * 3, None, "overflows float32"),
+        ("none", (1.0, 1e30), (1.0, 1.0), 0, "underflow"),  # a dominant sender dropped
+    ],
+)
+def test_a_mean_the_codec_cannot_send_back_is_no_result_with_a_note(
+    codec: str, weights: tuple[float, ...], scales: tuple[float, ...], senders: int | None,
+    words: str,
+) -> None:  # fmt: skip
+    data = [np.full(LENGTH, scale, np.float32) for scale in scales]
+    reducer, _ = reduce(codec, weights, data, senders)
+    outcome = reducer.finalize({})
+    assert outcome.contributors == () and outcome.weight == 0.0
+    assert words in outcome.note
+
+
+def test_a_mean_at_float32s_largest_is_served_when_no_division_is_needed() -> None:
+    """Two equal weights: shares of exactly 1/2, the sum is the mean, nothing rounds up."""
+    data = [np.full(LENGTH, FLT_MAX, np.float32), np.full(LENGTH, FLT_MAX, np.float32)]
+    reducer, _ = reduce("none", (1.0, 1.0), data)
+    outcome = reducer.finalize({})
+    assert outcome.note == "" and outcome.weight == 2.0
+    np.testing.assert_array_equal(reducer.mean(), data[0])
