@@ -14,6 +14,7 @@ of the design (500 peers, 1000 keys, ~10 min, several GB) runs with
 
 from __future__ import annotations
 
+import functools
 import gc
 import logging
 import math
@@ -78,6 +79,7 @@ async def _run_peer(
     initial_peers: Sequence[str],
     config: PeerConfig,
     *,
+    client_mode: bool = False,
     task_status: trio.TaskStatus[SimPeer],
 ) -> None:
     host = f"10.0.{index // 256}.{index % 256}"
@@ -85,6 +87,7 @@ async def _run_peer(
         async with open_peer(
             listen=f"{host}:0",
             initial_peers=initial_peers,
+            client_mode=client_mode,
             identity=Identity.from_seed(index.to_bytes(32, "big")),
             network=net.interface(host),
             config=config,
@@ -282,31 +285,16 @@ async def test_a_key_larger_than_one_reply_is_read_whole(
             big = {f"part-{i:03d}": bytes([i % 256]) * 8000 for i in range(200)}
             for subkey, value in big.items():
                 assert await writer.store("big", value, ttl=600.0, subkey=subkey)
-            client = await nursery.start(_run_client, net, 99, [reader.address], PeerConfig())
-            assert await client.dht.get("big") == big
+            client = await nursery.start(
+                functools.partial(_run_peer, client_mode=True),
+                net,
+                99,
+                [reader.address],
+                PeerConfig(),
+            )
+            assert await client.peer.dht.get("big") == big
             assert await reader.dht.get("big") == big
             nursery.cancel_scope.cancel()
-
-
-async def _run_client(
-    net: MemoryNetwork,
-    index: int,
-    initial_peers: Sequence[str],
-    config: PeerConfig,
-    *,
-    task_status: trio.TaskStatus[Peer],
-) -> None:
-    host = f"10.9.0.{index}"
-    async with open_peer(
-        listen=None,
-        initial_peers=initial_peers,
-        identity=Identity.from_seed(index.to_bytes(32, "big")),
-        network=net.interface(host),
-        config=config,
-        clock=virtual_unix_time,
-    ) as peer:
-        task_status.started(peer)
-        await trio.sleep_forever()
 
 
 async def test_values_that_would_not_read_back_are_refused(
