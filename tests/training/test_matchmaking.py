@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -17,6 +18,7 @@ from test_averaging_support import (
     verify_round,
 )
 
+from peer import Peer
 from training import Averager, AveragerConfig, LayoutMismatchError, Outcome
 from training.averaging.grouping import rank_key
 
@@ -74,11 +76,23 @@ async def test_peers_split_by_a_slot_boundary_meet_in_the_next_round(
 async def test_layout_mismatch_is_a_clear_error_and_others_still_average(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
+    errors = await _three_average_beside_an_odd_one(
+        fast_config(),
+        lambda node: Averager(node, "t/x", [np.zeros(999, np.float32)], config=fast_config()),
+    )
+    assert len(errors) == 1 and "layout" in str(errors[0])
+
+
+async def _three_average_beside_an_odd_one(
+    config: AveragerConfig, make_odd: Callable[[Peer], Averager]
+) -> list[LayoutMismatchError]:
+    """Three peers of 1000 elements and ``config`` step beside ``make_odd``'s averager:
+    they average among themselves (checked here); the odd one's errors are returned."""
     with trio.fail_after(60):
         async with memnet_swarm(4) as (_, nodes):
-            members = make_members(nodes[:3], 1000, fast_config())
-            odd = Averager(nodes[3], "t/x", [np.zeros(999, dtype=np.float32)], config=fast_config())
-            errors: list[BaseException] = []
+            members = make_members(nodes[:3], 1000, config)
+            odd = make_odd(nodes[3])
+            errors: list[LayoutMismatchError] = []
 
             async def odd_step() -> None:
                 try:
@@ -89,10 +103,10 @@ async def test_layout_mismatch_is_a_clear_error_and_others_still_average(
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(odd_step)
                 results = await step_all(members, timeout=20.0)
-    assert len(errors) == 1 and "layout" in str(errors[0])
     infos = [info for info, _ in results]
     verify_round(members, infos)  # type: ignore[arg-type]
     assert all(info.outcome is Outcome.AVERAGED and len(info.group) == 3 for info in infos)  # type: ignore[union-attr]
+    return errors
 
 
 async def test_a_leader_frozen_after_confirming_costs_members_little_time(
@@ -268,28 +282,14 @@ async def test_a_peer_with_another_group_size_gets_a_layout_mismatch(
 ) -> None:
     """group_size is part of what must match: a peer of group_size 2 among peers of 16 is
     told so, and is never put in their group (which could exceed its own bound)."""
-    with trio.fail_after(60):
-        async with memnet_swarm(4) as (_, nodes):
-            members = make_members(nodes[:3], 1000, fast_config(group_size=16))
-            odd = Averager(
-                nodes[3], "t/x", [np.zeros(1000, np.float32)], config=fast_config(group_size=2)
-            )
-            errors: list[BaseException] = []
-
-            async def odd_step() -> None:
-                try:
-                    await odd.step(timeout=20.0)
-                except LayoutMismatchError as exc:
-                    errors.append(exc)
-
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(odd_step)
-                results = await step_all(members, timeout=20.0)
+    errors = await _three_average_beside_an_odd_one(
+        fast_config(group_size=16),
+        lambda node: Averager(
+            node, "t/x", [np.zeros(1000, np.float32)], config=fast_config(group_size=2)
+        ),
+    )
     assert len(errors) == 1
     assert "group_size 2" in str(errors[0]) and "group_size 16" in str(errors[0])
-    infos = [info for info, _ in results]
-    verify_round(members, infos)  # type: ignore[arg-type]
-    assert all(info.outcome is Outcome.AVERAGED and len(info.group) == 3 for info in infos)  # type: ignore[union-attr]
 
 
 async def test_two_group_sizes_under_one_prefix_average_apart(
