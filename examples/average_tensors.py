@@ -1,7 +1,7 @@
 """Average a tensor between processes started by hand on one machine.
 
-    python examples/average_tensors.py                          # prints its address
-    python examples/average_tensors.py --initial-peers ADDRESS  # in other terminals
+    .venv/bin/python examples/average_tensors.py                          # prints its address
+    .venv/bin/python examples/average_tensors.py --initial-peers ADDRESS  # in other terminals
 
 Each process fills a tensor with its own value and averages it with whoever steps at the
 same time; within a few rounds every process holds the mean of all the values.
