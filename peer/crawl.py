@@ -44,7 +44,9 @@ async def crawl(
     async def visit(address: Address, found: list[Address]) -> None:
         async with limiter:
             for target in [*targets, DHTID.from_peer_id(address.peer_id or node.peer_id)]:
-                with trio.move_on_after(request_timeout):
+                # a peer that lets one request time out is not asked again: a frozen or
+                # stalling peer costs one request_timeout, not one per target
+                with trio.move_on_after(request_timeout) as scope:
                     try:
                         reply = await node.rpc.call(
                             address,
@@ -60,6 +62,9 @@ async def crawl(
                     for info in response.nodes:
                         if info.address is not None:
                             found.append(Address.parse(info.address).with_peer_id(info.peer_id))
+                if scope.cancelled_caught:
+                    logger.debug("crawl: %s did not answer within %s s", address, request_timeout)
+                    return
 
     while frontier:
         found: list[Address] = []

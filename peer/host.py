@@ -227,6 +227,13 @@ class RpcHost:
         """
         return (await self._connection(address)).peer_id
 
+    def dialed(self, address: Address) -> bool:
+        """Whether a connection we dialed to ``address.hostport`` proved ``address.peer_id``
+        (remembered for the last few thousand addresses). A call over a pooled connection
+        proves the peer's id, not that it listens at the address the caller named."""
+        peer_id = address.peer_id
+        return peer_id is not None and self._by_address.get(address.hostport) == peer_id
+
     async def disconnect(self, peer_id: PeerID) -> None:
         """Close every connection to ``peer_id`` (pending calls fail)."""
         for connection in [c for c in self._connections if c.peer_id == peer_id]:

@@ -15,7 +15,8 @@ Rules:
 
 - Every chunk written is delivered ``latency`` seconds later (in order); ``receive_some`` sleeps
   until the head chunk is due, so there are no background tasks and ``MockClock`` jumps straight
-  to the delivery time. Buffers are unbounded (no flow control).
+  to the delivery time. Buffers are unbounded (no flow control). ``slow_host`` adds a
+  per-host delay on top (a peer behind a far link).
 - ``connect`` to an address with no listener, a killed host, or across a partition raises
   ``ConnectionRefusedError``. ``connect`` to or from a frozen host waits until it is unfrozen.
 - A broken stream raises ``trio.BrokenResourceError`` on send and receive; ``__cause__`` is a
@@ -123,7 +124,9 @@ class MemoryStream(trio.abc.HalfCloseableStream):
             self._network.bytes_sent_by[self.local_host] += len(data)
 
     def _push(self, chunk: bytes) -> None:
-        due = max(trio.current_time() + self._network.latency, self._out.last_due)
+        network = self._network
+        delay = network.latency + network.extra_latency(self.local_host, self.remote_host)
+        due = max(trio.current_time() + delay, self._out.last_due)
         self._out.last_due = due
         self._out.chunks.append((due, chunk))
         self._conn.lot.unpark_all()
@@ -222,6 +225,7 @@ class MemoryNetwork:
         self._groups: dict[str, int] = {}
         self._dead: set[str] = set()
         self._frozen: set[str] = set()
+        self._slow: dict[str, float] = {}
         self._thaw = trio.lowlevel.ParkingLot()
         self._anon = itertools.count()
         self._ports: Counter[str] = Counter()
@@ -239,6 +243,14 @@ class MemoryNetwork:
     def set_latency(self, latency: float) -> None:
         """One-way delay for chunks written from now on."""
         self.latency = latency
+
+    def slow_host(self, host: str, extra: float) -> None:
+        """Add ``extra`` seconds to the one-way delay of every chunk ``host`` sends or
+        receives from now on (a peer behind a slow, far link)."""
+        self._slow[host] = extra
+
+    def extra_latency(self, a: str, b: str) -> float:
+        return self._slow.get(a, 0.0) + self._slow.get(b, 0.0)
 
     def partition(self, *groups: Iterable[str]) -> None:
         """Split hosts into groups that cannot reach each other; breaks cross-group streams."""

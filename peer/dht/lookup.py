@@ -19,7 +19,10 @@ Rules:
   that long) is given up on: it stops counting as in flight and among the k closest, so
   the next candidate takes its place, and a late answer is still used. Requests given up
   on and still unanswered when the lookup ends are cancelled and reported (a frozen node
-  costs a lookup about two round trips, not the whole request timeout).
+  costs a lookup about two round trips, not the whole request timeout). One request per
+  silence, not all: where latencies differ widely, a slow node among the k closest must
+  still get its turn (a store to it is not cancelled after one fast answer).
+- An answer contributes its k nodes closest to the target (a reply may name up to 64).
 - Hops: the seeds are hop 1; a node first named by a hop-h node is hop h + 1.
   ``rounds`` is the largest hop among the nodes that answered.
 """
@@ -28,6 +31,7 @@ from __future__ import annotations
 
 import bisect
 import enum
+import heapq
 import math
 from collections.abc import Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass
@@ -98,11 +102,14 @@ class LookupState:
         if known is not None:
             known.hop = min(known.hop, hop)
             return
-        distance = int.from_bytes(node.peer_id.raw, "big") ^ self.target  # its DHTID's
+        distance = self._distance(node)
         self._candidates[node.peer_id] = _Candidate(node, distance, hop)
         bisect.insort(self._order, (distance, node.peer_id))
         if self._closest_seen is None or distance < self._closest_seen:
             self._closest_seen = distance
+
+    def _distance(self, node: NodeInfo) -> int:
+        return int.from_bytes(node.peer_id.raw, "big") ^ self.target  # its DHTID's
 
     def next_to_query(self) -> NodeInfo | None:
         """The closest unasked node among the k closest live ones, now marked in flight."""
@@ -146,6 +153,8 @@ class LookupState:
             self.in_flight -= 1
         candidate.status = _Status.ANSWERED
         closest_before = self._closest_seen
+        if len(nodes := list(nodes)) > self.k:  # a reply names k contacts; more buy nothing
+            nodes = heapq.nsmallest(self.k, nodes, key=self._distance)
         for other in nodes:
             self.add(other, candidate.hop + 1)
         if self._closest_seen == closest_before:
@@ -195,6 +204,7 @@ async def iterative_lookup(
     hedge_after: float = math.inf,
     may_hedge: Callable[[], bool] = lambda: True,
     on_given_up: Callable[[NodeInfo], None] | None = None,
+    max_in_flight: int | None = None,
 ) -> LookupResult:
     """Run one lookup of ``target`` from ``seeds``, with ``alpha`` queries in flight.
 
@@ -208,9 +218,11 @@ async def iterative_lookup(
     Hedging: each silence of twice the first answer's delay (at least 50 ms, at most
     ``hedge_after`` seconds, which is also the wait before any answer) gives up on the
     oldest request in flight (see the module rules), when ``may_hedge()`` allows it (False
-    while our own requests queue for a slot: then the silence is ours, not the peer's).
+    while our own requests queue for a slot: then the silence is ours, not the peer's;
+    the requests this lookup gave up on, which may hold those slots, are cancelled then).
     ``on_given_up(node)`` is called for each request given up on that was still unanswered
-    at the end (cancelled then).
+    at the end (cancelled then). ``max_in_flight``: at most this many requests at once
+    (the caller's slots: more would only queue, and stop the hedging).
 
     Raises:
         Exception: whatever ``query`` raises (a bug there, not a dead peer).
@@ -220,8 +232,15 @@ async def iterative_lookup(
         state.add(node, hop=1)
     send, receive = trio.open_memory_channel[tuple[NodeInfo, Sequence[NodeInfo] | None]](math.inf)
 
+    running: dict[PeerID, trio.CancelScope] = {}  # requests still waited on by their task
+
     async def ask(node: NodeInfo) -> None:
-        send.send_nowait((node, await query(node)))
+        with trio.CancelScope() as scope:
+            running[node.peer_id] = scope
+            try:
+                send.send_nowait((node, await query(node)))
+            finally:
+                del running[node.peer_id]
 
     hedge_delay = hedge_after
     start = trio.current_time()
@@ -231,6 +250,8 @@ async def iterative_lookup(
             limit = state.parallelism(alpha)
             if wanted is not None:
                 limit = min(limit, max(wanted(), 1))
+            if max_in_flight is not None:
+                limit = min(limit, max_in_flight)
             while state.in_flight < limit:
                 next_node = state.next_to_query()
                 if next_node is None:
@@ -246,6 +267,10 @@ async def iterative_lookup(
                 if may_hedge():
                     waiting = state.in_flight_nodes()
                     state.give_up(min(waiting, key=lambda n: sent_at[n.peer_id]))
+                else:  # our requests queue for slots that those given up on may hold
+                    for given_up in state.given_up():
+                        if (scope := running.get(given_up.peer_id)) is not None:
+                            scope.cancel()
                 continue
             node, answer = received
             if answer is not None and state.answers == 0:

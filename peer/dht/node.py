@@ -378,6 +378,7 @@ class DHT:
             hedge_after=self.config.hedge_after,
             may_hedge=self.protocol.has_free_slot,
             on_given_up=self._given_up,
+            max_in_flight=self.config.max_concurrent_requests,
         )
         self.table.mark_lookup(target, trio.current_time())
         self.stats.record(result)

@@ -3,8 +3,10 @@
 Learning rules (the routing table's only inputs):
 - A request teaches us its sender: the handshake-verified ``request.peer_id`` with the
   ``sender`` address it claims (None: a client, never added).
-- A reply teaches us the node we called (we dialed its address and the handshake proved
-  its id). Nodes named *inside* replies are only lookup candidates until they answer.
+- A reply teaches us the node we called when we dialed its address and the handshake
+  proved its id (or the table holds it at that address already): a reply over a pooled
+  connection the peer opened proves its id, not the address a third party named for it.
+  Nodes named *inside* replies are only lookup candidates until they answer.
 - A failed call (timeout, refused, malformed or error reply) counts against the node.
 - At most ``max_concurrent_requests`` calls are in flight; the deadline of a call
   starts when it gets its slot, so a node overloaded by its own lookups does not
@@ -202,8 +204,8 @@ class DHTProtocol:
     # ---- calls -----------------------------------------------------------------------
 
     def has_free_slot(self) -> bool:
-        """Whether a call would start now (no call of ours waits for a slot)."""
-        return self._limiter.available_tokens > 0
+        """Whether no call of ours waits for a slot (a call made now may have to)."""
+        return not self._limiter.statistics().tasks_waiting
 
     async def ping(self, node: NodeInfo) -> bool:
         """True when ``node`` answered a ping in time."""
@@ -256,13 +258,23 @@ class DHTProtocol:
                     logger.debug("%s to %s failed: %r", method, node.peer_id.short(), exc)
                     maybe_alive = isinstance(exc, RemoteError)
                 else:
-                    self.learn(node)
+                    if self._address_proven(node, address):
+                        self.learn(node)
                     return response
         finally:
             self._limiter.release()
         self.calls_failed += 1
         self.record_failure(node, timed_out=maybe_alive)
         return None
+
+    def _address_proven(self, node: NodeInfo, address: Address) -> bool:
+        """Whether ``node`` is known to listen at its address: the table holds it there, or
+        we dialed that address and the handshake proved its id. A reply over a connection
+        pooled for another reason (the peer dialed us; a client-mode peer does) proves its
+        id only: a third party that named it at a made-up address must not put it, or that
+        address, into the table."""
+        known = self.table.get(node.peer_id)
+        return (known is not None and known.address == node.address) or self.host.dialed(address)
 
     def record_failure(self, node: NodeInfo, *, timed_out: bool) -> None:
         """Count a failed or timed-out request against ``node`` (see the routing table's

@@ -1,0 +1,49 @@
+"""The DHT walk behind ``swarm status``: bounded by peers that do not answer."""
+
+from __future__ import annotations
+
+from contextlib import AsyncExitStack
+
+import trio
+import trio.testing
+
+from peer import Reply, Request
+from peer.crawl import crawl
+from peer.memnet import MemoryNetwork
+from peer.node import open_peer
+
+REQUEST_TIMEOUT = 3.0
+
+
+async def test_a_stalling_peer_costs_the_walk_one_request_timeout(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A peer that completes the handshake but never answers (hostile, or stuck) is given
+    up on after one request timeout, not one per crawl target (9 x 3 s, more than the
+    20 s that ``swarm status`` allows the whole walk: it reported nothing at all)."""
+
+    async def never(request: Request) -> Reply:
+        await trio.sleep_forever()
+        raise AssertionError("unreachable")
+
+    net = MemoryNetwork(latency=0.01)
+    with trio.fail_after(120):
+        async with AsyncExitStack() as stack:
+            first = await stack.enter_async_context(
+                open_peer("10.0.0.1:0", network=net.interface("10.0.0.1"))
+            )
+            stalling = await stack.enter_async_context(
+                open_peer("10.0.0.2:0", [first.address], network=net.interface("10.0.0.2"))
+            )
+            stalling.rpc.unregister("dht.find_node")
+            stalling.rpc.register("dht.find_node", never)
+            client = await stack.enter_async_context(
+                open_peer(
+                    None, [first.address], client_mode=True, network=net.interface("10.0.0.3")
+                )
+            )
+            start = trio.current_time()
+            peers = await crawl(client, request_timeout=REQUEST_TIMEOUT)
+            elapsed = trio.current_time() - start
+    assert peers == [(first.peer_id, first.rpc.listen_address.hostport)]  # type: ignore[union-attr]
+    assert elapsed < 2 * REQUEST_TIMEOUT, elapsed

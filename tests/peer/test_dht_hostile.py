@@ -1,0 +1,135 @@
+"""DHT peers that lie in their replies: what a lookup may and may not learn from them."""
+
+from __future__ import annotations
+
+from contextlib import AsyncExitStack
+
+import trio
+import trio.testing
+
+from peer import Reply, Request
+from peer.memnet import MemoryNetwork
+from peer.node import open_peer
+from protocol.dhtid import DHTID
+from protocol.identity import PeerID
+from protocol.messages import (
+    MAX_NODES,
+    FindNodeRequest,
+    FindNodeResponse,
+    FindValueRequest,
+    FindValueResponse,
+    NodeInfo,
+    StoreRequest,
+    StoreResponse,
+)
+
+
+async def test_a_node_named_at_a_made_up_address_is_not_learnt_over_a_pooled_connection(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A hostile peer names a client-mode peer, which is connected to the victim, at an
+    address it made up. The victim's query reaches the client over that connection and
+    the client answers: its id is proven, its address is not, and a client never enters
+    routing tables. A node named at its real address is dialed there and learnt."""
+    net = MemoryNetwork(latency=0.01)
+    with trio.fail_after(120):
+        async with AsyncExitStack() as stack:
+            victim = await stack.enter_async_context(
+                open_peer("10.0.0.1:0", network=net.interface("10.0.0.1"))
+            )
+            client = await stack.enter_async_context(
+                open_peer(
+                    None, [victim.address], client_mode=True, network=net.interface("10.0.0.3")
+                )
+            )
+            honest = await stack.enter_async_context(
+                open_peer("10.0.0.4:0", network=net.interface("10.0.0.4"))
+            )
+            assert await client.dht.store("k", 1)  # the client stays connected
+            assert client.peer_id in victim.rpc.connected_peers()
+            named = (
+                NodeInfo(client.peer_id, "10.0.0.9:9"),
+                NodeInfo(honest.peer_id, honest.rpc.listen_address.hostport),  # type: ignore[union-attr]
+            )
+
+            def lying(request: Request) -> Reply:
+                FindNodeRequest.from_body(request.body)
+                return Reply(FindNodeResponse(named).to_body())
+
+            hostile = await stack.enter_async_context(
+                open_peer("10.0.0.2:0", [victim.address], network=net.interface("10.0.0.2"))
+            )
+            hostile.rpc.unregister("dht.find_node")
+            hostile.rpc.register_quick("dht.find_node", lying)
+            await victim.dht.find_nodes(DHTID.from_peer_id(client.peer_id))
+            assert client.peer_id not in victim.dht.table
+            assert victim.dht.table.get(honest.peer_id) == named[1]
+            assert hostile.peer_id in victim.dht.table
+
+
+async def test_a_reply_naming_many_dead_nodes_costs_a_lookup_round_trips_not_timeouts(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A hostile peer answers every lookup with 64 made-up nodes closer to the target than
+    anyone, at an address that swallows connections (a frozen host). A lookup takes the k
+    closest of them, gives up on one per short silence, never queues more requests than
+    it has slots, and cancels those it gave up on when its requests wait for slots: a
+    store, a miss and a find_nodes each take about a second (12 s before: 16 requests at
+    a time waited out their 3 s timeouts). None of them enters a table."""
+    net = MemoryNetwork(latency=0.01)
+    net.freeze_host("10.0.0.66")
+
+    def made_up(target: DHTID) -> tuple[NodeInfo, ...]:
+        ids = (PeerID((int(target) ^ i).to_bytes(32, "big")) for i in range(1, MAX_NODES + 1))
+        return tuple(NodeInfo(peer_id, "10.0.0.66:4000") for peer_id in ids)
+
+    def find_node(request: Request) -> Reply:
+        target = FindNodeRequest.from_body(request.body).target
+        return Reply(FindNodeResponse(made_up(target)).to_body())
+
+    def store(request: Request) -> Reply:
+        message = StoreRequest.from_body(request.body)
+        accepted = tuple(True for _ in message.entries)
+        return Reply(StoreResponse(accepted, made_up(message.key)).to_body())
+
+    def find_value(request: Request) -> Reply:
+        key = FindValueRequest.from_body(request.body).key
+        return Reply(FindValueResponse(None, made_up(key)).to_body())
+
+    with trio.fail_after(120):
+        async with AsyncExitStack() as stack:
+            first = await stack.enter_async_context(
+                open_peer("10.0.0.1:0", network=net.interface("10.0.0.1"))
+            )
+            peers = [first]
+            for i in range(2, 8):
+                peers.append(
+                    await stack.enter_async_context(
+                        open_peer(
+                            f"10.0.0.{i}:0", [first.address], network=net.interface(f"10.0.0.{i}")
+                        )
+                    )
+                )
+            hostile = await stack.enter_async_context(
+                open_peer("10.0.0.9:0", [first.address], network=net.interface("10.0.0.9"))
+            )
+            for method, handler in (
+                ("dht.find_node", find_node),
+                ("dht.store", store),
+                ("dht.find_value", find_value),
+            ):
+                hostile.rpc.unregister(method)
+                hostile.rpc.register_quick(method, handler)
+            victim = peers[-1]
+            assert hostile.peer_id in victim.dht.table
+            for operation in (
+                lambda: victim.dht.store("key", 1),
+                lambda: peers[1].dht.get("missing"),
+                lambda: victim.dht.find_nodes(DHTID.from_key("target")),
+            ):
+                start = trio.current_time()
+                await operation()
+                assert trio.current_time() - start < 2.0
+            assert await peers[2].dht.get("key") == 1
+            for node in peers:
+                assert all(n.address != "10.0.0.66:4000" for n in node.dht.table.nodes())
