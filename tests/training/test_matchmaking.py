@@ -83,6 +83,22 @@ async def test_layout_mismatch_is_a_clear_error_and_others_still_average(
     assert len(errors) == 1 and "layout" in str(errors[0])
 
 
+@pytest.mark.parametrize("change", [{"max_staleness": 0}, {"staleness_decay": 1.0}])
+async def test_another_staleness_rule_is_a_layout_mismatch(
+    autojump_clock: trio.testing.MockClock, change: dict[str, object]
+) -> None:
+    # Each reducer weighs its part by its own rule: mixed rules weighed the parts of one
+    # vector differently, and a reducer with a larger S waited until the cutoff for a
+    # sender that counted itself stale by its smaller S and sent nothing.
+    errors = await _three_average_beside_an_odd_one(
+        fast_config(),
+        lambda node: Averager(
+            node, "t/x", [np.zeros(1000, np.float32)], config=fast_config(**change)
+        ),
+    )
+    assert len(errors) == 1 and "staleness rule" in str(errors[0])
+
+
 async def _three_average_beside_an_odd_one(
     config: AveragerConfig, make_odd: Callable[[Peer], Averager]
 ) -> list[LayoutMismatchError]:
@@ -149,10 +165,10 @@ async def test_step_arguments_are_checked(autojump_clock: trio.testing.MockClock
         for big in (2**62, 2**70):  # beyond what a declaration carries
             with pytest.raises(ValueError, match=r"below 2\*\*62"):
                 await member.averager.step(epoch=big)
-        for weight in (True, math.nan, math.inf, "1.0"):
+        for weight in (True, math.nan, math.inf, "1.0", 10**400, -(10**400)):
             with pytest.raises(ValueError, match="weight"):
                 await member.averager.step(weight=weight)  # type: ignore[arg-type]
-        for timeout in (math.inf, math.nan):
+        for timeout in (math.inf, math.nan, 10**400):
             with pytest.raises(ValueError, match=r"finite number of seconds.*None uses"):
                 await member.averager.step(timeout=timeout)
         for timeout in (0.0, -1.0, True):

@@ -88,6 +88,8 @@ def _real(value: object, name: str) -> float:
         if isinstance(value, bool | str | bytes):
             raise TypeError
         return float(value)  # type: ignore[arg-type]
+    except OverflowError:  # an integer beyond float's range (10**400): not finite
+        return math.inf
     except (TypeError, ValueError):
         raise ValueError(f"{name} must be a number, got {value!r}") from None
 
@@ -150,9 +152,12 @@ class Averager:
         # peers must agree on the codec, the chunking, the group size (a group must fit
         # every member's) and the wire format (v2: raw result blobs reused; topk results
         # lossless with error feedback; v3: raw float32 payloads with the none codec; v4:
-        # convex sums, the group size)
+        # convex sums, the group size), and on the staleness rule: each reducer applies its
+        # own, so with different ones parts were weighed differently, or a reducer waited
+        # until the cutoff for a sender that had found itself stale and sent nothing
         self.layout_id = self.layout.fingerprint(
             f"{self.codec!r}|{config.chunk_bytes}|group_size={config.group_size}|v4"
+            f"|S={config.max_staleness}|decay={float(config.staleness_decay)!r}"
         )
         client = node.client_mode if config.client_mode is None else config.client_mode
         self.client_mode = client or node.rpc.listen_address is None
@@ -241,7 +246,7 @@ class Averager:
                 ``numbers.Integral``), a timeout that is not a positive finite number.
             RuntimeError: if another step of this averager is running, or it was closed.
             LayoutMismatchError: the peers of the round average another tensor layout,
-                codec or group size under this prefix.
+                codec, group size or staleness rule under this prefix.
         """
         check_step_arguments(weight, epoch, timeout)
         epoch = int(epoch)

@@ -237,20 +237,21 @@ class Matchmaker:
         return MatchResult(state.number, None, None, state.others_seen + 1, note)
 
     def _check_layouts(self, me: Declaration, others: list[Declaration]) -> None:
-        """Peers of another layout (shapes, dtypes, codec, group size) group apart.
+        """Peers of another layout (shapes, dtypes, codec, group size, staleness rule) group
+        apart.
 
         Raises: LayoutMismatchError: every other peer has another layout."""
         foreign = sorted({d.describe_layout() for d in others if d.layout != me.layout})
         if others and all(d.layout != me.layout for d in others):
             raise LayoutMismatchError(
-                f"every other peer under {self.prefix!r} has another tensor layout, codec or "
-                f"group_size (ours: {me.describe_layout()}; theirs: {foreign})"
+                f"every other peer under {self.prefix!r} has another tensor layout, codec, "
+                f"group_size or staleness rule (ours: {me.describe_layout()}; theirs: {foreign})"
             )
         if set(foreign) - self._foreign:  # a split swarm averages less: say so, once
             self._foreign.update(foreign)
             logger.warning(
-                "peers under %r average another tensor layout, codec or group_size, in groups "
-                "of their own (ours: %s; theirs: %s)",
+                "peers under %r average another tensor layout, codec, group_size or staleness "
+                "rule, in groups of their own (ours: %s; theirs: %s)",
                 self.prefix, me.describe_layout(), foreign,
             )  # fmt: skip
 
@@ -381,8 +382,8 @@ class Matchmaker:
         if join.declaration.layout != state.me.layout:
             raise RemoteError(
                 "mismatch",
-                f"tensor layout, codec or group_size differs: ours {state.me.describe_layout()}, "
-                f"yours {join.declaration.describe_layout()}",
+                "tensor layout, codec, group_size or staleness rule differs: ours "
+                f"{state.me.describe_layout()}, yours {join.declaration.describe_layout()}",
             )
         state.wake.set()
         await state.closed.wait()

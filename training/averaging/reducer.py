@@ -59,7 +59,6 @@ class DropReason(StrEnum):
     GARBAGE = "garbage"  # malformed chunk, wrong size, repeated chunk, lying header
     NONFINITE = "nonfinite"  # NaN or infinity in its values
     STALE = "stale"  # epoch more than max_staleness behind the group
-    MISMATCH = "mismatch"  # tensor layout or codec differs from the group's
 
 
 @dataclass(frozen=True, slots=True)
