@@ -67,6 +67,18 @@ def test_as_tensors_refuses_bad_input() -> None:
         as_tensors([torch.zeros(4, 4).t()])
     with pytest.raises(ValueError):
         as_tensors([])
+    with pytest.raises(ValueError, match="only dense tensors"):
+        as_tensors([torch.zeros(4, 4).to_sparse()])
+
+
+def test_as_tensors_refuses_tensors_that_share_memory() -> None:
+    """Shared memory would be averaged twice over (and a partial round's report could not
+    be right for it): the same tensor twice, overlapping views, tied state_dict entries."""
+    base = torch.zeros(10)
+    for tensors in ([base, base], [base[2:6], base[4:8]], [torch.zeros(3), base, base[9:]]):
+        with pytest.raises(ValueError, match="share memory"):
+            as_tensors(tensors)
+    assert len(as_tensors([base[:5], base[5:], base[:0], base[:0]])) == 4  # disjoint or empty
 
 
 def test_as_tensors_refuses_read_only_memory(tmp_path: Path) -> None:

@@ -19,7 +19,8 @@ from test_averaging_support import (
 )
 
 from peer import Peer
-from training import Averager, AveragerConfig, LayoutMismatchError, Outcome
+from training import Averager, AveragerConfig, AveragingInfo, LayoutMismatchError, Outcome
+from training.averaging.averager import _check_prefix
 from training.averaging.grouping import rank_key
 
 
@@ -221,6 +222,42 @@ async def test_a_prefix_is_free_again_after_close(autojump_clock: trio.testing.M
     infos = [info for info, _ in results]
     verify_round(members, infos)  # type: ignore[arg-type]
     assert all(info is not None and info.outcome is Outcome.AVERAGED for info in infos)
+
+
+async def test_close_during_a_step_lets_the_step_serve_its_group(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """close() mid-step used to unregister at once: the others got unknown_method for our
+    part and waited until the cutoff. Now the step ends normally, then frees the prefix."""
+    with trio.fail_after(60):
+        async with memnet_swarm(3) as (_, nodes):
+            members = make_members(nodes, 3000, fast_config())
+            async with trio.open_nursery() as nursery:
+                done: list[list[tuple[AveragingInfo | None, float]]] = []
+
+                async def run() -> None:
+                    done.append(await step_all(members, timeout=20.0))
+
+                nursery.start_soon(run)
+                await trio.sleep(0.01)  # virtual time: every step has started
+                members[0].averager.close()
+                with pytest.raises(RuntimeError, match="closed"):
+                    await members[0].averager.step()
+            Averager(nodes[0], "t/x", [members[0].array])  # the prefix is free again
+    infos = [info for info, _ in done[0]]
+    verify_round(members, infos)  # type: ignore[arg-type]
+    assert all(info is not None and info.outcome is Outcome.AVERAGED for info in infos)
+    assert max(elapsed for _, elapsed in done[0]) < 5.0
+
+
+def test_a_prefix_that_no_step_could_use_is_refused_at_once() -> None:
+    with pytest.raises(TypeError, match="prefix must be a str"):
+        _check_prefix(b"t/x")
+    with pytest.raises(ValueError, match="must not be empty"):
+        _check_prefix("")
+    with pytest.raises(ValueError, match="prefix too long"):
+        _check_prefix("p" * 500)
+    assert _check_prefix("p" * 400) == "p" * 400
 
 
 async def test_seven_peers_in_pairs_keep_the_group_size(

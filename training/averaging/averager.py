@@ -29,13 +29,14 @@ import trio
 from peer import BackgroundPeer, Peer, PeerStoppedError, RemoteError, Reply, Request
 from protocol.codecs import NonFiniteError, get_codec
 from protocol.errors import RemoteProtocolError
+from protocol.records import RecordError, check_key
 
 from .buffers import BufferPool, SharedBuffer
 from .butterfly import Butterfly
 from .casts import TORCH_CASTS
 from .config import AveragerConfig
 from .feedback import ErrorFeedback
-from .grouping import MAX_EPOCH, Declaration
+from .grouping import MAX_EPOCH, Declaration, round_key
 from .layout import FlatVector, Float32Array, as_tensors
 from .matchmaking import Matchmaker
 from .messages import ChunkHeader, method_prefix
@@ -82,6 +83,25 @@ def check_step_arguments(weight: float, epoch: int, timeout: float | None) -> No
         raise ValueError(f"timeout must be positive, got {timeout!r}")
 
 
+def _check_prefix(prefix: object) -> str:
+    """Refuse, at construction, a prefix that every step would fail with.
+
+    Raises:
+        TypeError: if it is not a str.
+        ValueError: if it is empty, or its round keys would exceed the DHT's key limit.
+    """
+    if not isinstance(prefix, str):
+        raise TypeError(f"prefix must be a str, got {type(prefix).__name__}")
+    if not prefix:
+        raise ValueError("prefix must not be empty (e.g. 'my-run/grads')")
+    longest = round_key(prefix, 2**64)  # round numbers are unix times over the window
+    try:
+        check_key(longest)
+    except RecordError as exc:
+        raise ValueError(f"prefix too long: its round keys cannot be DHT keys ({exc})") from None
+    return prefix
+
+
 def _real(value: object, name: str) -> float:
     """``value`` as a float (numpy and 0-d torch numbers too); bools and text are refused."""
     try:
@@ -117,7 +137,8 @@ class Averager:
         config: everything else.
 
     Raises:
-        TypeError, ValueError: for unusable tensors (read-only ones too) or config.
+        TypeError, ValueError: for unusable tensors (read-only, sparse, or sharing memory
+            with another one), config, or prefix (a non-empty str of at most ~480 bytes).
         ValueError: if an averager for ``prefix`` is already open on this node.
     """
 
@@ -143,7 +164,7 @@ class Averager:
         if isinstance(node, BackgroundPeer):
             node = node.peer
         self.node = node
-        self.prefix = prefix
+        self.prefix = _check_prefix(prefix)
         self.config = config
         self.flat = FlatVector(as_tensors(tensors))
         self.codec = get_codec(config.codec, **config.codec_params)
@@ -169,6 +190,7 @@ class Averager:
         self._active: _Active | None = None
         self._busy = False
         self._closed = False
+        self._registered = False
         chunk = config.chunk_elements
         self._scratch: Float32Array = np.empty(chunk, dtype=np.float32)
         self._zeros: Float32Array = np.zeros(chunk, dtype=np.float32)
@@ -202,25 +224,34 @@ class Averager:
         rpc.register(f"{self._methods}.join", self._on_join)
         rpc.register(f"{self._methods}.chunk", self._on_chunk)
         rpc.register_stream(f"{self._methods}.result", self._on_result)
+        self._registered = True
 
     def __repr__(self) -> str:
         return f"<Averager {self.prefix!r}: {self.layout.describe()}, codec {self.codec.name}>"
 
     def close(self) -> None:
         """Stop serving this averager's RPCs (requests for them answer ``unknown_method``
-        from now on); the prefix is free again for a new Averager on this node."""
+        from now on); the prefix is free again for a new Averager on this node. During a
+        step, that step goes on serving its group and closes the averager when it ends
+        (its group would otherwise wait for our part until the cutoff)."""
         if self._closed:
             return
         self._closed = True
         if self._background is None:
-            self._unregister()
+            self._release()
         else:  # the registry belongs to the peer's thread; a stopped peer serves nothing
             with contextlib.suppress(PeerStoppedError):
-                self._background.run_sync(self._unregister)
+                self._background.run_sync(self._release)
+
+    def _release(self) -> None:
+        if not self._busy:  # else the step unregisters when it ends
+            self._unregister()
 
     def _unregister(self) -> None:
-        for name in ("ping", "join", "chunk", "result"):
-            self.node.rpc.unregister(f"{self._methods}.{name}")
+        if self._registered:
+            self._registered = False
+            for name in ("ping", "join", "chunk", "result"):
+                self.node.rpc.unregister(f"{self._methods}.{name}")
 
     # -- the step ------------------------------------------------------------------------
 
@@ -247,6 +278,7 @@ class Averager:
             RuntimeError: if another step of this averager is running, or it was closed.
             LayoutMismatchError: the peers of the round average another tensor layout,
                 codec, group size or staleness rule under this prefix.
+            PeerStoppedError: the node's ``open_peer`` context has ended.
         """
         check_step_arguments(weight, epoch, timeout)
         epoch = int(epoch)
@@ -276,6 +308,8 @@ class Averager:
                 self._active.ready.set()
                 self._active = None
             self._busy = False
+            if self._closed:  # closed during the step
+                self._unregister()
 
     def step_blocking(
         self, weight: float = 1.0, epoch: int = 0, timeout: float | None = None
@@ -372,13 +406,11 @@ class Averager:
         return Reply({})
 
     async def _on_join(self, request: Request) -> Reply:
-        if self._closed:
-            raise RemoteError("not_found", "averager closed")
         return await self._matchmaker.on_join(request)
 
     async def _service(self, round_no: int) -> ReducerService:
         active = self._active
-        if self._closed or active is None or active.round != round_no:
+        if active is None or active.round != round_no:
             raise RemoteError("not_found", f"not in round {round_no}")
         await active.ready.wait()
         if active.service is None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import itertools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -66,8 +67,8 @@ def as_tensors(tensors: Sequence[Any]) -> list[torch.Tensor]:
 
     Raises:
         TypeError: if an item is neither a torch tensor nor a numpy array, or is not floating.
-        ValueError: if a tensor is not on the CPU, not contiguous or read-only, or the list
-            is empty.
+        ValueError: if a tensor is not on the CPU, sparse, not contiguous or read-only, if
+            two tensors share memory, or if the list is empty.
     """
     out: list[torch.Tensor] = []
     read_only = _read_only_ranges()
@@ -89,6 +90,8 @@ def as_tensors(tensors: Sequence[Any]) -> list[torch.Tensor]:
             raise TypeError(f"tensor {i} has dtype {tensor.dtype}: only floating tensors average")
         if tensor.device.type != "cpu":
             raise ValueError(f"tensor {i} is on {tensor.device}: move it to the CPU")
+        if tensor.layout != torch.strided:
+            raise ValueError(f"tensor {i} is {tensor.layout}: only dense tensors average")
         if not tensor.is_contiguous():
             raise ValueError(f"tensor {i} is not contiguous")
         start = tensor.data_ptr()
@@ -102,7 +105,29 @@ def as_tensors(tensors: Sequence[Any]) -> list[torch.Tensor]:
         out.append(tensor)
     if not out:
         raise ValueError("nothing to average: the tensor list is empty")
+    _check_disjoint(out)
     return out
+
+
+def _check_disjoint(tensors: Sequence[torch.Tensor]) -> None:
+    """Each tensor's memory is averaged once: the same memory twice would be loaded twice
+    and written back twice, and a partial round's report could not be right for it.
+
+    Raises:
+        ValueError: if two tensors share memory.
+    """
+    spans = sorted(
+        (t.data_ptr(), t.data_ptr() + t.numel() * t.element_size(), i)
+        for i, t in enumerate(tensors)
+        if t.numel()
+    )
+    for (_, stop, i), (start, _, j) in itertools.pairwise(spans):
+        if start < stop:
+            raise ValueError(
+                f"tensors {min(i, j)} and {max(i, j)} share memory (the same tensor twice, "
+                "overlapping views, or tied weights from a state_dict()): pass each once, "
+                "e.g. list(model.parameters()), which lists a tied weight once"
+            )
 
 
 def _read_only_ranges() -> list[Span]:
