@@ -169,6 +169,29 @@ async def test_member_lost_mid_round(
             await next_round_without(members, victim)
 
 
+@pytest.mark.parametrize("fault", ["kill", "freeze"])
+async def test_client_mode_member_lost_mid_round(
+    autojump_clock: trio.testing.MockClock, fault: str
+) -> None:
+    """A client-mode sender cannot be pinged: a killed one (its connections gone) is
+    reported dead, a frozen one (connections open) frozen; it used to be frozen either way."""
+    with trio.fail_after(300):
+        async with memnet_swarm(4) as (net, nodes):
+            members = make_members(nodes[:3], SIZE, fast_config(max_inflight=3))
+            members += make_members(nodes[3:], SIZE, fast_config(max_inflight=3, client_mode=True))
+            victim = 3
+            lose = net.kill_host if fault == "kill" else net.freeze_host
+            after_acks(members[victim], 2, lambda: lose(host_of(victim)))
+            results = await step_all(members, timeout=TIMEOUT)
+            infos = check_survivors(results, members, victim)
+            reason = DropReason.DEAD if fault == "kill" else DropReason.FROZEN
+            victim_id = members[victim].peer_id
+            for info in infos:
+                assert info.outcome is Outcome.PARTIAL and len(info.parts) == 3
+                assert {part.dropped[victim_id] for part in info.parts} == {reason}
+            await next_round_without(members, victim)
+
+
 class Watched:
     """A result stream that calls ``on_item`` after each item it hands over."""
 

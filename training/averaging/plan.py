@@ -87,9 +87,11 @@ class Liveness:
         if peer_id in self.bad:
             return self.bad[peer_id]
         address = self.plan.address(peer_id)
-        if address is None:  # client mode: cannot be pinged
-            self.mark(peer_id, DropReason.FROZEN)
-            return DropReason.FROZEN
+        if address is None:  # client mode: cannot be pinged, but a dead one's connection is gone
+            alive = peer_id in self.node.rpc.connected_peers()
+            reason = DropReason.FROZEN if alive else DropReason.DEAD
+            self.mark(peer_id, reason)
+            return reason
         with trio.move_on_after(self.timeout):
             try:
                 await self.node.rpc.call(address, self.ping_method, {})
