@@ -134,6 +134,18 @@ def _host(text: str) -> str:
     return host
 
 
+def _announce_host(text: str) -> str:
+    """A host other peers can dial (not ``0.0.0.0``, ``::``, broadcast or multicast)."""
+    from protocol.address import Address  # lazily, as the rest: --help stays instant
+
+    host = _host(text)
+    if not Address(host, 1).dialable:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not an address peers can dial: give this machine's public IP or DNS name"
+        )
+    return host
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="swarm",
@@ -172,7 +184,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     boot.add_argument(
         "--announce-host",
-        type=_host,
+        type=_announce_host,
         default=None,
         metavar="HOST",
         help="host written into the printed address, without a port (default: --host, or "
@@ -313,6 +325,10 @@ async def _bootstrap(args: argparse.Namespace, stop: _SignalStop) -> int:
                 if stop.signum is not None:
                     logger.info("received %s, stopping", signal.Signals(stop.signum).name)
     except SwarmError as exc:
+        return _fail("bootstrap", str(exc))
+    except ValueError as exc:  # open_peer refused the host to announce (e.g. --host 0x7f.1)
+        if up:
+            raise
         return _fail("bootstrap", str(exc))
     except OSError as exc:
         if up:

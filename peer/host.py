@@ -14,12 +14,17 @@ Rules:
   prove that identity.
 - Inbound: over ``max_connections`` in all or ``max_connections_per_ip`` from one host, a new
   connection is closed at once; a handshake not done within ``handshake_timeout`` is cut off.
+- A peer that stops reading what we send is cut off once a write to it has stalled for
+  ``send_timeout`` (checked every quarter of it; the idle timer spares a connection with
+  calls in flight, so it would otherwise keep its connection slot, its requests and their
+  queued replies forever).
 - Each connection lives in its own task; whatever a peer does, only its connection ends.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections import Counter
 from collections.abc import AsyncIterator, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
@@ -76,11 +81,19 @@ class HostConfig:
     handshake_timeout: float = 10.0
     idle_timeout: float = 60.0
     """A connection with no call in flight and no traffic for this long is closed."""
+    send_timeout: float = 60.0
+    """A write of up to 1 MiB to a peer that has not finished after this long (the peer
+    stopped reading, or reads under ~17 KiB/s) closes the connection (found within a
+    quarter of it more)."""
     dial_timeout: float = 10.0
     """Connect plus handshake, for outbound connections."""
     drain_timeout: float = 3.0
     """On a clean exit: how long connections may go on answering and writing what they
     queued (a result stream's last chunks) before they are closed."""
+
+    def __post_init__(self) -> None:
+        if not self.send_timeout > 0:  # math.inf turns the check off
+            raise ValueError(f"HostConfig.send_timeout must be positive, got {self.send_timeout}")
 
 
 class _Dial:
@@ -306,6 +319,18 @@ class RpcHost:
             del self._dials[key]
             dial.done.set()
 
+    async def _cut_off_stalled_readers(self) -> None:
+        """Close each connection whose write in progress began ``send_timeout`` ago."""
+        timeout = self.config.send_timeout
+        while True:
+            await trio.sleep(timeout / 4)
+            now = trio.current_time()
+            for connection in list(self._connections):
+                started = connection.write_started
+                if started is not None and now - started >= timeout:
+                    logger.debug("%r: %r read nothing for %.1f s", self, connection, timeout)
+                    connection.abort(PeerUnavailableError("the peer stopped reading"))
+
     async def _serve_connection(
         self,
         secure: SecureStream,
@@ -401,6 +426,8 @@ async def open_rpc_host(
     body_error: BaseException | None = None
     async with trio.open_nursery() as nursery:
         host = RpcHost(identity, network, config, nursery)
+        if math.isfinite(config.send_timeout):
+            nursery.start_soon(host._cut_off_stalled_readers)
         try:
             if listen is not None:
                 port = await nursery.start(

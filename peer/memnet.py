@@ -15,8 +15,11 @@ Rules:
 
 - Every chunk written is delivered ``latency`` seconds later (in order); ``receive_some`` sleeps
   until the head chunk is due, so there are no background tasks and ``MockClock`` jumps straight
-  to the delivery time. Buffers are unbounded (no flow control). ``slow_host`` adds a
-  per-host delay on top (a peer behind a far link).
+  to the delivery time. Buffers are unbounded (no flow control) unless the network has a
+  ``window``: then ``send_all`` waits while that many bytes or more are unread in its
+  direction (in flight or buffered), and queues its data whole once fewer are, so a peer
+  that stops reading stalls its writers, as with TCP. ``slow_host`` adds a per-host delay
+  on top (a peer behind a far link).
 - ``connect`` to an address with no listener, a killed host, or across a partition raises
   ``ConnectionRefusedError``. ``connect`` to or from a frozen host waits until it is unfrozen.
 - A broken stream raises ``trio.BrokenResourceError`` on send and receive; ``__cause__`` is a
@@ -51,10 +54,11 @@ _EOF = b""
 class _Pipe:
     """One direction of a connection: chunks with their due times; ``b""`` marks EOF."""
 
-    __slots__ = ("chunks", "eof_received", "eof_sent", "last_due", "reader_closed")
+    __slots__ = ("chunks", "eof_received", "eof_sent", "last_due", "reader_closed", "unread")
 
     def __init__(self) -> None:
         self.chunks: deque[tuple[float, bytes]] = deque()
+        self.unread = 0  # bytes in ``chunks``
         self.last_due = 0.0
         self.eof_sent = False
         self.eof_received = False
@@ -119,9 +123,26 @@ class MemoryStream(trio.abc.HalfCloseableStream):
                 errno.EPIPE, "peer closed the stream"
             )
         if data:
+            await self._wait_for_window()
             self._push(bytes(data))
             self._network.bytes_sent += len(data)
             self._network.bytes_sent_by[self.local_host] += len(data)
+
+    async def _wait_for_window(self) -> None:
+        """Wait while the network's ``window`` or more bytes are unread in our direction.
+
+        Raises:
+            trio.ClosedResourceError: if this end was closed meanwhile.
+            trio.BrokenResourceError: if the connection broke or the peer closed its end.
+        """
+        window = self._network.window
+        while window is not None and self._out.unread >= window:
+            await self._conn.lot.park()
+            if self._closed:
+                raise trio.ClosedResourceError("stream closed while sending")
+            self._check_broken()
+            if self._out.reader_closed:
+                raise trio.BrokenResourceError("peer closed the stream")
 
     def _push(self, chunk: bytes) -> None:
         network = self._network
@@ -129,10 +150,12 @@ class MemoryStream(trio.abc.HalfCloseableStream):
         due = max(trio.current_time() + delay, self._out.last_due)
         self._out.last_due = due
         self._out.chunks.append((due, chunk))
+        self._out.unread += len(chunk)
         self._conn.lot.unpark_all()
 
     async def wait_send_all_might_not_block(self) -> None:
         await trio.lowlevel.checkpoint()
+        await self._wait_for_window()
 
     async def send_eof(self) -> None:
         await trio.lowlevel.checkpoint()
@@ -170,7 +193,11 @@ class MemoryStream(trio.abc.HalfCloseableStream):
                 with trio.move_on_at(due):
                     await self._conn.lot.park()
                 continue
-            return self._take_due(pipe, max_bytes)
+            data = self._take_due(pipe, max_bytes)
+            pipe.unread -= len(data)
+            if data and self._network.window is not None:
+                self._conn.lot.unpark_all()  # a writer may wait for room
+            return data
 
     @staticmethod
     def _take_due(pipe: _Pipe, max_bytes: int | None) -> bytes:
@@ -201,6 +228,7 @@ class MemoryStream(trio.abc.HalfCloseableStream):
                 self._push(_EOF)
             self._in.reader_closed = True
             self._in.chunks.clear()
+            self._in.unread = 0
             self._conn.lot.unpark_all()
             if self._conn.finished:
                 self._network._connections.discard(self._conn)
@@ -218,8 +246,11 @@ class _Listener:
 class MemoryNetwork:
     """A switchboard of in-memory streams keyed by ``(host, port)``; see the module docstring."""
 
-    def __init__(self, *, latency: float = 0.0) -> None:
+    def __init__(self, *, latency: float = 0.0, window: int | None = None) -> None:
         self.latency = latency
+        self.window = window
+        """Most unread bytes per direction of a connection before ``send_all`` waits
+        (None: no limit)."""
         self._listeners: dict[tuple[str, int], _Listener] = {}
         self._connections: set[_Connection] = set()
         self._groups: dict[str, int] = {}

@@ -135,7 +135,8 @@ async def open_peer(
 
     Raises:
         ProtocolError: if ``listen`` or an initial peer is not a valid address.
-        ValueError: if ``listen`` names a PeerID other than this peer's.
+        ValueError: if ``listen`` names a PeerID other than this peer's, or
+            ``announce_host`` is one no peer dials (``0.0.0.0``, multicast: they skip it).
         TypeError: if an argument has the wrong type.
         IdentityFileError: if the identity file exists but is not a key file.
         OSError: if the listen address cannot be bound.
@@ -167,6 +168,11 @@ async def open_peer(
                 if bound.host in _WILDCARD_HOSTS:
                     logger.warning("listening on %s: announcing %s", bound.host, announce_host)
             public = Address(announce_host, bound.port, me.peer_id)
+            if not public.dialable:  # checked once bound: a bad listen host fails first
+                raise ValueError(
+                    f"announce_host {announce_host!r} is not an address peers can dial (they"
+                    " skip it): give this machine's public IP or DNS name"
+                )
             sender, address = public.hostport, str(public)
         dht = DHT(host, me, dht_config, sender=sender, clock=clock)
         async with trio.open_nursery() as nursery:

@@ -168,6 +168,18 @@ class RpcConnection:
         self._shutdown(PeerUnavailableError("connection closed locally"))
         await self._finished.wait()
 
+    @property
+    def write_started(self) -> float | None:
+        """When the byte stream's write in progress began (None between writes, or when
+        the stream does not tell: only a ``SecureStream`` does)."""
+        return getattr(self._byte_stream, "write_started", None)
+
+    def abort(self, cause: BaseException) -> None:
+        """End the connection now (pending calls fail with ``cause``), e.g. a peer that
+        stopped reading: a write stalled on it is cancelled."""
+        self.lost = True
+        self._shutdown(cause)
+
     def _shutdown(self, cause: BaseException) -> None:
         if self.closed:
             return

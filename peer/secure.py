@@ -61,6 +61,10 @@ class SecureStream(trio.abc.Stream):
         self._closed = False
         self._sending = False
         self._receiving = False
+        self.write_started: float | None = None
+        """trio time the raw write in progress (at most ``SEAL_SLICE`` bytes of data) began;
+        None between writes. The host cuts off a peer that lets one stall (see ``HostConfig``):
+        a deadline per write would cost more than the write of a small frame."""
 
     def __repr__(self) -> str:
         return f"<SecureStream {self.remote_peer_id.short()} at {self.remote_host}>"
@@ -114,8 +118,12 @@ class SecureStream(trio.abc.Stream):
             raise trio.BrokenResourceError("the secure channel cannot send more") from exc
 
     async def _write(self, size: int) -> None:
-        with memoryview(self._out) as view, view[:size] as chunk:
-            await self.transport_stream.send_all(chunk)
+        self.write_started = trio.current_time()
+        try:
+            with memoryview(self._out) as view, view[:size] as chunk:
+                await self.transport_stream.send_all(chunk)
+        finally:
+            self.write_started = None
 
     async def wait_send_all_might_not_block(self) -> None:
         await self.transport_stream.wait_send_all_might_not_block()

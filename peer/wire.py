@@ -46,7 +46,8 @@ class Outbox:
     megabytes of our own uploads on the same connection, and the sender's window would stall.
     They have a queue of their own, of the same ``capacity``: a peer that sends requests
     but never reads our answers fills it, its requests then stay in flight until the
-    in-flight limit cuts it off, and memory stays bounded.
+    in-flight limit or the stalled write's send timeout cuts it off (see ``HostConfig``),
+    and memory stays bounded.
     """
 
     def __init__(self, capacity: int) -> None:

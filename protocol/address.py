@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import functools
+import ipaddress
+import re
 from dataclasses import dataclass
 
 from .errors import ProtocolError
 from .identity import PeerID
 
 MAX_ADDRESS_LENGTH = 300
+_BROADCAST = ipaddress.IPv4Address("255.255.255.255")
+_NUMERIC_IPV4 = re.compile(r"(?:0[xX][0-9a-fA-F]+|[0-9]+)(?:\.(?:0[xX][0-9a-fA-F]+|[0-9]+)){0,3}")
+"""What resolvers read as an IPv4 address (inet_aton's forms: ``0`` is 0.0.0.0, ``0x7f.1``
+is 127.0.0.1), dotted-quad or not."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,6 +60,14 @@ class Address:
         return cls(host, int(port_text), peer_id)
 
     @property
+    def dialable(self) -> bool:
+        """Whether a peer can listen at this host: False for an unspecified (``0.0.0.0``,
+        ``::``), multicast or broadcast IP, and for a numeric IPv4 host written other than
+        as a dotted quad (``0``, ``0x7f.1``: resolvers read it as an IP, ``0`` as 0.0.0.0).
+        Loopback and private IPs are dialable (tests, LANs); so is any DNS name."""
+        return _dialable_host(self.host)
+
+    @property
     def hostport(self) -> str:
         host = f"[{self.host}]" if ":" in self.host else self.host
         return f"{host}:{self.port}"
@@ -64,3 +79,14 @@ class Address:
         if self.peer_id is None:
             return self.hostport
         return f"{self.peer_id}@{self.hostport}"
+
+
+@functools.lru_cache(maxsize=4096)
+def _dialable_host(host: str) -> bool:
+    try:
+        ip = ipaddress.ip_address(host)
+    except ValueError:
+        return _NUMERIC_IPV4.fullmatch(host) is None  # a DNS name, or a disguised IPv4
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return not (ip.is_unspecified or ip.is_multicast or ip == _BROADCAST)

@@ -5,6 +5,9 @@ keys are the message's fields, all required, no others allowed (a new field mean
 new tag or a new protocol version). Constructing a message checks it (a bad local
 message raises :class:`LocalProtocolError`); ``from_body`` checks a received one (a bad
 remote one raises :class:`RemoteProtocolError`), so a message object is always valid.
+One leniency: a reply's contacts at a host no peer can listen at (``0.0.0.0``, multicast:
+see :attr:`Address.dialable`) are dropped on decoding, and the rest of the reply stands
+(an honest peer may relay such a contact); nobody dials them.
 
     body = FindNodeRequest(sender="10.0.0.1:4000", target=DHTID.from_key("x")).to_body()
     request = decode_message(body)          # dispatches on body["t"]
@@ -120,7 +123,8 @@ def _show(value: object) -> str:
 
 
 def _check_hostport(value: object, what: str) -> None:
-    """``None`` (client mode) or a canonical routable ``HOST:PORT`` without a PeerID."""
+    """``None`` (client mode) or a canonical ``HOST:PORT`` without a PeerID (dialable or
+    not: a request's sender at ``0.0.0.0`` is answered, just not learnt)."""
     if value is None:
         return
     if type(value) is not str or len(value) > MAX_ADDRESS_LENGTH:
@@ -234,7 +238,15 @@ NodeInfo is immutable, so one checked instance serves every reply that names it.
 
 
 def _nodes(value: object) -> tuple[NodeInfo, ...]:
-    return tuple(NodeInfo.from_body(item) for item in _seq(value, "nodes", MAX_NODES))
+    """A reply's contacts, less those at an address nobody can be dialed at."""
+    nodes = (NodeInfo.from_body(item) for item in _seq(value, "nodes", MAX_NODES))
+    return tuple(node for node in nodes if node.address is None or _dialable(node.address))
+
+
+@functools.lru_cache(maxsize=8192)
+def _dialable(hostport: str) -> bool:
+    """Whether a checked ``HOST:PORT`` is :attr:`Address.dialable` (cached, as above)."""
+    return Address.parse(hostport).dialable
 
 
 def _entries(value: object, limit: int) -> tuple[Entry, ...]:

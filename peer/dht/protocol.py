@@ -2,7 +2,8 @@
 
 Learning rules (the routing table's only inputs):
 - A request teaches us its sender: the handshake-verified ``request.peer_id`` with the
-  ``sender`` address it claims (None: a client, never added).
+  ``sender`` address it claims (None: a client, never added; nor is a sender at a host no
+  peer can listen at, such as ``0.0.0.0``: see ``Address.dialable``).
 - A reply teaches us the node we called when we dialed its address and the handshake
   proved its id (or the table holds it at that address already): a reply over a pooled
   connection the peer opened proves its id, not the address a third party named for it.
@@ -131,7 +132,7 @@ class DHTProtocol:
             self._ping_send.send_nowait(node)
 
     def _learn_sender(self, peer_id: PeerID, sender: str | None) -> None:
-        if sender is None:
+        if sender is None or not self._address_of(sender, peer_id).dialable:
             return
         known = self.table.get(peer_id)
         if known is None or known.address != sender:

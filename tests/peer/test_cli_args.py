@@ -77,8 +77,27 @@ def test_help_reads_as_prose(argv: list[str], capsys: pytest.CaptureFixture[str]
 def test_bootstrap_hosts_are_names_or_ips_with_ipv6_unbracketed(
     flag: str, given: str, host: str
 ) -> None:
+    if flag == "--announce-host" and host == "::":
+        return  # listening on all interfaces is fine; announcing "all" is not (below)
     args = _parser().parse_args(["bootstrap", flag, given])
     assert getattr(args, flag[2:].replace("-", "_")) == host
+
+
+@pytest.mark.parametrize("given", ["0.0.0.0", "::", "[::]", "255.255.255.255", "224.0.0.1", "0"])
+def test_bootstrap_refuses_to_announce_a_host_no_peer_dials(
+    given: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Peers skip contacts at such hosts: announcing one would leave the node in no table."""
+    with pytest.raises(SystemExit) as exit_:
+        _parser().parse_args(["bootstrap", "--announce-host", given])
+    assert exit_.value.code == 2
+    assert (
+        capsys.readouterr()
+        .err.splitlines()[-1]
+        .endswith(
+            f"{given!r} is not an address peers can dial: give this machine's public IP or DNS name"
+        )
+    )
 
 
 @pytest.mark.parametrize("given", ["127.0.0.1:5", "example.org:80", "[::1]:5", "[foo]", "::g", ""])

@@ -19,6 +19,7 @@ from protocol.messages import (
     FindValueRequest,
     FindValueResponse,
     NodeInfo,
+    PingRequest,
     StoreRequest,
     StoreResponse,
 )
@@ -133,3 +134,104 @@ async def test_a_reply_naming_many_dead_nodes_costs_a_lookup_round_trips_not_tim
             assert await peers[2].dht.get("key") == 1
             for node in peers:
                 assert all(n.address != "10.0.0.66:4000" for n in node.dht.table.nodes())
+
+
+UNDIALABLE_HOSTS = ("0.0.0.0", "::", "255.255.255.255", "224.0.0.1", "ff02::1", "0")
+
+
+def _hostport(host: str) -> str:
+    return f"[{host}]:4000" if ":" in host else f"{host}:4000"
+
+
+async def test_contacts_at_undialable_addresses_are_skipped_not_dialed(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A hostile peer names nodes at 0.0.0.0, ::, broadcast and multicast hosts in its
+    FIND_NODE, STORE and FIND_VALUE replies (listeners wait there, recording every dial).
+    Nobody dials them; the honest node named in the same replies is still learnt."""
+    net = MemoryNetwork(latency=0.01)
+    dialed: list[str] = []
+
+    async def trap(stream: trio.abc.Stream) -> None:
+        dialed.append(getattr(stream, "local_host", "?"))
+        await stream.aclose()
+
+    with trio.fail_after(120):
+        async with AsyncExitStack() as stack:
+            nursery = await stack.enter_async_context(trio.open_nursery())
+            stack.callback(nursery.cancel_scope.cancel)
+            for host in UNDIALABLE_HOSTS:
+                await nursery.start(net.interface(host).serve, host, 4000, trap)
+            victim = await stack.enter_async_context(
+                open_peer("10.0.0.1:0", network=net.interface("10.0.0.1"))
+            )
+            honest = await stack.enter_async_context(
+                open_peer("10.0.0.4:0", network=net.interface("10.0.0.4"))
+            )
+            honest_node = NodeInfo(honest.peer_id, honest.rpc.listen_address.hostport)  # type: ignore[union-attr]
+
+            def named(target: DHTID) -> tuple[NodeInfo, ...]:
+                made_up = (
+                    NodeInfo(PeerID((int(target) ^ i).to_bytes(32, "big")), _hostport(host))
+                    for i, host in enumerate(UNDIALABLE_HOSTS, 1)
+                )
+                return (*made_up, honest_node)
+
+            def find_node(request: Request) -> Reply:
+                target = FindNodeRequest.from_body(request.body).target
+                return Reply(FindNodeResponse(named(target)).to_body())
+
+            def store(request: Request) -> Reply:
+                message = StoreRequest.from_body(request.body)
+                accepted = tuple(True for _ in message.entries)
+                return Reply(StoreResponse(accepted, named(message.key)).to_body())
+
+            def find_value(request: Request) -> Reply:
+                key = FindValueRequest.from_body(request.body).key
+                return Reply(FindValueResponse(None, named(key)).to_body())
+
+            hostile = await stack.enter_async_context(
+                open_peer("10.0.0.2:0", [victim.address], network=net.interface("10.0.0.2"))
+            )
+            for method, handler in (
+                ("dht.find_node", find_node),
+                ("dht.store", store),
+                ("dht.find_value", find_value),
+            ):
+                hostile.rpc.unregister(method)
+                hostile.rpc.register_quick(method, handler)
+            await victim.dht.find_nodes(DHTID.from_key("target"))
+            assert victim.dht.table.get(honest.peer_id) == honest_node
+            assert await victim.dht.store("key", 1)
+            assert await victim.dht.get("key") == 1
+            assert await victim.dht.get("missing") is None
+            assert dialed == []
+            hosts = {n.address for n in victim.dht.table.nodes()}
+            assert hosts == {honest_node.address, hostile.rpc.listen_address.hostport}  # type: ignore[union-attr]
+
+
+async def test_a_sender_at_an_undialable_address_is_answered_but_not_learnt(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Requests whose ``sender`` names 0.0.0.0, ::, broadcast or multicast are answered, but
+    the sender does not enter the routing table; a sender at an ordinary address does."""
+    net = MemoryNetwork(latency=0.01)
+    with trio.fail_after(60):
+        async with AsyncExitStack() as stack:
+            victim = await stack.enter_async_context(
+                open_peer("10.0.0.1:0", network=net.interface("10.0.0.1"))
+            )
+            caller = await stack.enter_async_context(
+                open_peer(None, client_mode=True, network=net.interface("10.0.0.3"))
+            )
+            address = victim.rpc.listen_address
+            assert address is not None
+            target = DHTID.from_key("t")
+            for host in UNDIALABLE_HOSTS:
+                sender = _hostport(host)
+                await caller.rpc.call(address, "dht.ping", PingRequest(sender).to_body())
+                body = FindNodeRequest(sender, target).to_body()
+                await caller.rpc.call(address, "dht.find_node", body)
+            assert caller.peer_id not in victim.dht.table
+            await caller.rpc.call(address, "dht.ping", PingRequest("10.0.0.3:4000").to_body())
+            assert victim.dht.table.get(caller.peer_id) == NodeInfo(caller.peer_id, "10.0.0.3:4000")

@@ -1,5 +1,5 @@
-"""Limits: frame size, connections (total, per host), in-flight requests, handshake and idle
-timeouts. In every case the bad peer is cut off and everyone else keeps being served."""
+"""Limits: frame size, connections (total, per host), in-flight requests, handshake, idle and
+send timeouts. In every case the bad peer is cut off and everyone else keeps being served."""
 
 from __future__ import annotations
 
@@ -11,8 +11,10 @@ from peer.errors import PeerUnavailableError
 from peer.host import HostConfig, open_rpc_host
 from peer.memnet import MemoryNetwork
 from peer.rpc import Reply, Request
+from peer.secure import secure_handshake
 from protocol.address import Address
 from protocol.identity import Identity
+from protocol.rpc import FrameKind, RpcFrame, encode_rpc_frame
 
 SERVER = Identity.from_seed(b"s" * 32)
 GOOD = Identity.from_seed(b"g" * 32)
@@ -21,6 +23,13 @@ BAD = Identity.from_seed(b"b" * 32)
 
 async def echo(request: Request) -> Reply:
     return Reply(request.body, request.payload)
+
+
+LARGE = bytes(1 << 20)
+
+
+async def large(request: Request) -> Reply:
+    return Reply({}, LARGE)
 
 
 async def sleepy(request: Request) -> Reply:
@@ -164,6 +173,41 @@ async def test_idle_timeout(autojump_clock: trio.testing.MockClock) -> None:
         assert s.num_connections == good.num_connections == 0
         await good.call(s.listen_address, "sleepy", {"seconds": 0.0})  # dials again
         assert net.connections_opened == 2
+
+
+async def test_a_peer_that_stops_reading_is_cut_off(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A peer completes the handshake, asks for large replies and never reads them. Its
+    requests stay in flight, so the idle timer spares it: without a send timeout it would
+    hold its connection slot (and the replies) forever. The host cuts it off once a write
+    has stalled for ``send_timeout`` (checked every quarter of it); everyone else is served
+    meanwhile."""
+    net = MemoryNetwork(window=1 << 16)  # flow control: the server's writes stall
+    config = HostConfig(max_connections_per_ip=1, idle_timeout=5.0, send_timeout=10.0)
+    async with open_rpc_host(
+        SERVER, listen=Address("s", 1), network=net.interface("s"), config=config
+    ) as s:
+        s.register("large", large)
+        s.register("echo", echo)
+        assert s.listen_address is not None
+        with trio.fail_after(30):
+            raw = await net.interface("evil").connect("s", 1)
+            evil = await secure_handshake(raw, BAD, initiator=True)
+            start = trio.current_time()
+            for request_id in range(64):  # more than the outbox holds: some stay in flight
+                frame = RpcFrame(FrameKind.REQUEST, request_id, method="large")
+                await evil.send_all(b"".join(bytes(p) for p in encode_rpc_frame(frame)))
+            async with open_rpc_host(GOOD, listen=None, network=net.interface("good")) as good:
+                assert (await good.call(s.listen_address, "echo", {"x": 1})).body == {"x": 1}
+            await trio.sleep_until(start + 9.9)  # well past the idle timeout
+            assert s.num_connections == 1
+            assert await _is_closed_at_once(await net.interface("evil").connect("s", 1))
+            await trio.sleep_until(start + 12.6)
+            assert s.num_connections == 0  # the slot is free again
+            async with open_rpc_host(BAD, listen=None, network=net.interface("evil")) as again:
+                assert (await again.call(s.listen_address, "echo", {"y": 2})).body == {"y": 2}
+            await evil.aclose()
 
 
 async def test_tcp_flood_and_garbage_do_not_stop_service() -> None:

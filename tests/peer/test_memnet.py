@@ -170,6 +170,47 @@ async def test_freeze_stalls_delivery(autojump_clock: trio.testing.MockClock) ->
         nursery.cancel_scope.cancel()
 
 
+async def test_window_stalls_a_writer_until_the_reader_reads(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """With a window, unread bytes pile up to it and then ``send_all`` waits (a peer that
+    stops reading stalls its writer); reading wakes the writer, and so does the reader
+    closing its end (the writer's stream is broken then)."""
+    net = MemoryNetwork(window=100)
+    accepted: list[trio.abc.Stream] = []
+    failed: list[BaseException] = []
+
+    async def keep(stream: trio.abc.Stream) -> None:
+        accepted.append(stream)
+
+    async def send(data: bytes) -> None:
+        try:
+            await stream.send_all(data)
+        except trio.BrokenResourceError as exc:
+            failed.append(exc)
+
+    async with trio.open_nursery() as nursery:
+        port = await nursery.start(net.serve, "s", 0, keep)
+        stream = await net.connect("s", port)
+        await trio.testing.wait_all_tasks_blocked()
+        reader = accepted[0]
+        await stream.send_all(bytes(150))  # queued whole: fewer than 100 were unread
+        with trio.move_on_after(100) as scope:
+            await stream.send_all(b"x")
+        assert scope.cancelled_caught  # waited for room all along; nothing was queued
+        nursery.start_soon(send, b"y")
+        await trio.testing.wait_all_tasks_blocked()
+        assert await _receive_exactly(reader, 150) == bytes(150)
+        assert await _receive_exactly(reader, 1) == b"y"  # the waiting writer went on
+        await stream.send_all(bytes(100))
+        nursery.start_soon(send, b"z")
+        await trio.testing.wait_all_tasks_blocked()
+        await reader.aclose()
+        await trio.testing.wait_all_tasks_blocked()
+        assert len(failed) == 1
+        nursery.cancel_scope.cancel()
+
+
 async def test_close_semantics() -> None:
     net = MemoryNetwork()
     async with trio.open_nursery() as nursery:

@@ -25,6 +25,8 @@ OTHER = Identity.from_seed(bytes([9]) * 32)
         ({"client_mode": "yes"}, TypeError, "client_mode must be a bool"),
         ({"config": {"k": 5}}, TypeError, "config must be a PeerConfig"),
         ({"config": DHTConfig()}, TypeError, "config must be a PeerConfig"),
+        ({"announce_host": "0.0.0.0"}, ValueError, "not an address peers can dial"),
+        ({"announce_host": "224.0.0.1"}, ValueError, "not an address peers can dial"),
     ],
 )
 async def test_wrong_arguments_are_named(

@@ -186,6 +186,36 @@ def test_address_rejects_non_ascii_port_digits(text: str) -> None:
         Address.parse(text)
 
 
+@pytest.mark.parametrize(
+    "host",
+    ["127.0.0.1", "10.0.0.1", "192.168.1.7", "::1", "fe80::1", "2001:db8::7", "example.org"],
+)
+def test_loopback_private_and_named_hosts_are_dialable(host: str) -> None:
+    assert Address(host, 4000).dialable
+
+
+@pytest.mark.parametrize(
+    "host",
+    [
+        "0.0.0.0",
+        "::",
+        "255.255.255.255",
+        "224.0.0.1",
+        "239.255.255.250",
+        "ff02::1",
+        "::ffff:0.0.0.0",  # IPv4-mapped
+        "::ffff:224.0.0.1",
+        "0",  # what resolvers read as an IPv4 address: 0.0.0.0
+        "0x0",
+        "4294967295",  # 255.255.255.255
+        "0xe0000001",  # 224.0.0.1
+        "127.1",  # not a dotted quad: refused whatever it names
+    ],
+)
+def test_unspecified_multicast_and_broadcast_hosts_are_not_dialable(host: str) -> None:
+    assert not Address(host, 4000).dialable
+
+
 def test_address_checks_fields() -> None:
     with pytest.raises(ProtocolError):
         Address("", 1)

@@ -287,6 +287,25 @@ def test_invalid_remote_bodies(cls: type[Message], body: Any) -> None:
             decode_message(body)
 
 
+UNDIALABLE = ["0.0.0.0:4000", "[::]:4000", "255.255.255.255:4000", "224.0.0.1:4000", "0:4000"]
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda nodes: FindNodeResponse(nodes),
+        lambda nodes: FindValueResponse(None, nodes),
+        lambda nodes: StoreResponse((True,), nodes),
+    ],
+)
+def test_replies_drop_only_their_undialable_contacts(make: Any) -> None:
+    """A contact nobody can dial is left out of a received reply; the others stay."""
+    client = NodeInfo(ALICE.peer_id, None)
+    undialable = tuple(NodeInfo(ALICE.peer_id, a) for a in UNDIALABLE)
+    body = over_the_wire(make((undialable[0], NODE, *undialable[1:], client)).to_body())
+    assert decode_message(body) == make((NODE, client))
+
+
 # --- property: every valid message survives the wire ---
 
 peer_ids = st.builds(PeerID, st.binary(min_size=32, max_size=32))
