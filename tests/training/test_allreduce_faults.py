@@ -4,6 +4,7 @@ its tensors are exactly what its report says, and the next round works without t
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
@@ -22,10 +23,13 @@ from test_averaging_support import (
     verify_round,
 )
 
+from peer import Reply
 from protocol.address import Address
 from protocol.codecs import Codec
+from protocol.identity import PeerID
 from training import AveragingInfo, DropReason, Outcome, PartStatus
 from training.averaging.grouping import rank_key
+from training.averaging.messages import ResultHeader
 from training.averaging.reducing import ReducerService
 
 SIZE = 16_384  # 4 equal parts of 4 chunks (1024 elements each) in a group of 4
@@ -400,3 +404,98 @@ async def test_a_reducer_whose_result_misses_the_deadline_is_listed_as_dropped(
         assert part.status is PartStatus.NONE and part.dropped == {victim_id: DropReason.TIMEOUT}
         assert "deadline" in part.note
         assert all(p.status is PartStatus.ALL for p in info.parts if p is not part)
+
+
+def _forge(header: ResultHeader, group: tuple[PeerID, ...], kind: str) -> ResultHeader:
+    if kind == "no chunks":  # a result without its chunks: members kept their values
+        return ResultHeader(group, (), header.weight, 0)
+    if kind == "no contributors":  # values, but "nobody's": members said none and took them
+        return ResultHeader((), (), header.weight, header.chunks)
+    if kind == "listed twice":
+        return ResultHeader(group + group[:1], (), header.weight, header.chunks)
+    if kind == "counted and dropped":
+        return ResultHeader(group, ((group[0], DropReason.GARBAGE),), header.weight, header.chunks)
+    assert kind == "weight"
+    return ResultHeader(group, (), header.weight * 3, header.chunks)
+
+
+@pytest.mark.parametrize(
+    "kind", ["no chunks", "no contributors", "listed twice", "counted and dropped", "weight"]
+)
+async def test_a_result_header_that_contradicts_itself_or_the_plan_is_garbage(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """A reducer's result header is checked against what a member knows: group members,
+    each once, nobody both counted and dropped, the contributors' weight from the plan, and
+    every chunk for a result. A header of a result without chunks was taken for a full
+    result (the tensors kept their values, the report said ``all``); one without
+    contributors had its chunks stored while the report said ``none``."""
+    with trio.fail_after(120):
+        async with memnet_swarm(3) as (_, nodes):
+            members = make_members(nodes, 3 * 4096, fast_config())
+            victim = non_leader(members)
+            victim_id = members[victim].peer_id
+            serve = ReducerService.results
+
+            async def forged(self: ReducerService, member: Any) -> AsyncIterator[Any]:
+                async with aclosing(serve(self, member)) as items:
+                    async for item in items:
+                        if self.plan.me == victim_id and "contributors" in item.body:
+                            header = ResultHeader.from_body(item.body)
+                            yield Reply(_forge(header, self.plan.group, kind).to_body())
+                            if kind == "no chunks":
+                                return
+                            continue
+                        yield item
+
+            monkeypatch.setattr(ReducerService, "results", forged)
+            results = await step_all(members, timeout=TIMEOUT)
+            infos = check_survivors(results, members, victim)
+            for info in infos:
+                (part,) = [p for p in info.parts if p.reducer == victim_id]
+                assert part.status is PartStatus.NONE and not part.received
+                assert part.dropped[victim_id] is DropReason.GARBAGE
+                assert part.note == "the reducer is garbage"
+                assert all(p.status is PartStatus.ALL for p in info.parts if p is not part)
+            monkeypatch.setattr(ReducerService, "results", serve)
+            for m in members:
+                m.data = m.array.copy()
+            results = await step_all(members, timeout=TIMEOUT)
+            verify_round(members, [info for info, _ in results])  # type: ignore[misc]
+            assert all(info.outcome is Outcome.AVERAGED for info, _ in results)  # type: ignore[union-attr]
+
+
+async def test_a_member_whose_step_was_cancelled_costs_the_others_a_stall_timeout(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A member whose step ends early (cancelled by its caller, here after one chunk went
+    out) still answers pings, so the others waited for its chunks and its result until
+    their deadline. Liveness pings name the round, and a peer no longer in it answers
+    ``not_found``: it is dropped as dead after a stall timeout."""
+    with trio.fail_after(120):
+        async with memnet_swarm(3) as (_, nodes):
+            members = make_members(nodes, 3 * 4096, fast_config(max_inflight=1))
+            victim = non_leader(members)
+            scope = trio.CancelScope()
+            after_acks(members[victim], 1, scope.cancel)
+            results: list[tuple[AveragingInfo | None, float]] = [(None, 0.0)] * 3
+
+            async def one(i: int) -> None:
+                start = trio.current_time()
+                with scope if i == victim else contextlib.nullcontext():
+                    info = await members[i].averager.step(members[i].weight, timeout=TIMEOUT)
+                    results[i] = (info, trio.current_time() - start)
+
+            async with trio.open_nursery() as nursery:
+                for i in range(3):
+                    nursery.start_soon(one, i)
+            assert results[victim][0] is None  # cancelled: no report
+            victim_id = members[victim].peer_id
+            survivors = [m for i, m in enumerate(members) if i != victim]
+            infos = [info for i, (info, _) in enumerate(results) if i != victim]
+            verify_round(survivors, infos, without_report=[members[victim]])  # type: ignore[arg-type]
+            for info in infos:
+                assert info is not None and info.outcome is Outcome.PARTIAL
+                assert info.allreduce_s <= 2 * members[0].averager.config.stall_timeout
+                assert info.dropped == {victim_id: DropReason.DEAD}
+            await next_round_without(members, victim)

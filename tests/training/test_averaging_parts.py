@@ -122,6 +122,14 @@ def test_split_spans_equal_bandwidth_is_even() -> None:
     assert [b - a for a, b in spans] == [1 << 22] * 4
 
 
+def test_split_spans_take_any_finite_bandwidths() -> None:
+    """A declared bandwidth is any positive finite number: 1e308 used to overflow the sum
+    (two of them) or the boundary (one before the last)."""
+    assert split_spans(100_000, [1e308, 1e308]) == [(0, 49152), (49152, 100_000)]
+    assert split_spans(100_000, [1e308, 1.0]) == [(0, 100_000), (100_000, 100_000)]
+    assert split_spans(10, [5e-324, 1.0, 5e-324]) == [(0, 0), (0, 10), (10, 10)]
+
+
 # -- grouping ---------------------------------------------------------------------------
 
 

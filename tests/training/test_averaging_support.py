@@ -121,9 +121,11 @@ def verify_round(
     codec: str = "none",
     max_staleness: int = 2,
     decay: float = 0.5,
+    without_report: Sequence[Member] = (),
 ) -> None:
-    """Check that every member's tensors are exactly what its report claims."""
-    by_id = {m.peer_id: m for m in members}
+    """Check that every member's tensors are exactly what its report claims
+    (``without_report``: group members whose step returned none, e.g. it was cancelled)."""
+    by_id = {m.peer_id: m for m in [*members, *without_report]}
     scale = max(float(np.abs(m.data).max()) for m in members)
     tol = tolerance(codec, scale)
     seen_contributors: dict[tuple[int, PeerID, int], tuple[PeerID, ...]] = {}

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import math
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import numpy as np
 import pytest
@@ -16,12 +16,15 @@ from test_averaging_support import (
     memnet_swarm,
     step_all,
     verify_round,
+    virtual_clock,
 )
 
 from peer import Peer
+from protocol.address import Address
 from training import Averager, AveragerConfig, AveragingInfo, LayoutMismatchError, Outcome
 from training.averaging.averager import _check_prefix
-from training.averaging.grouping import rank_key
+from training.averaging.grouping import rank_key, round_closing_after, round_key
+from training.averaging.messages import method_prefix
 
 
 async def test_peers_arriving_within_half_a_window_meet(
@@ -384,3 +387,117 @@ async def test_a_timeout_shorter_than_the_gather_window_is_unconfirmed_not_alone
         assert info.outcome is Outcome.UNCONFIRMED and info.parts == ()
         assert info.note.startswith("the timeout ended the gather window before a group formed")
         np.testing.assert_array_equal(member.array, member.data)
+
+
+# -- hostile or buggy peers speaking the protocol by hand -----------------------------------
+
+
+async def test_members_declaring_enormous_bandwidths_do_not_crash_the_leader(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Bandwidths are any positive finite number: the leader's split of the vector used to
+    overflow (``OverflowError`` out of its step) when members declared 1e308 (two of them,
+    or one before the last in the group's order). Now they share the vector."""
+    with trio.fail_after(60):
+        async with memnet_swarm(3) as (_, nodes):
+            members = [
+                *make_members(nodes[:1], 3000, fast_config()),
+                *make_members(nodes[1:], 3000, fast_config(bandwidth=1e308), seed=1),
+            ]
+            results = await step_all(members, timeout=20.0)
+            infos = [info for info, _ in results]
+            verify_round(members, infos)  # type: ignore[arg-type]
+            for info in infos:
+                assert info is not None and info.outcome is Outcome.AVERAGED
+                assert [p.size for p in info.parts if p.reducer == members[0].peer_id] == [0]
+
+
+async def _declare_in_rounds(node: Peer, value: dict[str, object], rounds: int = 8) -> None:
+    """Store ``value`` as ``node``'s declaration in the next ``rounds`` rounds of ``t/x``
+    (gather_window 1.0), as any peer of the DHT may."""
+    first = round_closing_after(virtual_clock(), 1.0)
+    for number in range(first, first + rounds):
+        await node.dht.store(round_key("t/x", number), value, ttl=60.0, subkey=str(node.peer_id))
+
+
+async def test_a_declared_round_count_of_2_62_minus_1_does_not_push_ours_out_of_range(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Peers adopt the largest round count declared (the grid phase). One declaration of
+    2**62 - 1 used to take the count to 2**62 after the next round: beyond what a
+    declaration may carry, so that nobody read the peers' declarations any more (here each
+    saw only the odd peer, and its step raised LayoutMismatchError). Counts now wrap."""
+    with trio.fail_after(60):
+        async with memnet_swarm(3) as (_, nodes):
+            members = make_members(nodes[:2], 3000, fast_config())
+            odd = {
+                "address": nodes[2].address, "weight": 1.0, "epoch": 0, "bandwidth": 1.0,
+                "client_mode": False, "layout": "another", "count": 2**62 - 1,
+            }  # fmt: skip
+            await _declare_in_rounds(nodes[2], odd)
+            for _ in range(4):
+                results = await step_all(members, timeout=20.0)
+                infos = [info for info, _ in results]
+                verify_round(members, infos)  # type: ignore[arg-type]
+                for info in infos:
+                    assert info is not None and info.outcome is Outcome.AVERAGED, info
+                for m in members:
+                    assert 0 <= m.averager._count < 2**62
+                    m.data = m.array.copy()
+
+
+async def test_an_unexpected_joiner_cannot_take_the_place_of_an_expected_member(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A leader accepts joiners it did not expect while it has room; that room no longer
+    includes the places of the members it expects. Here the group is full (3 of 3) and the
+    members' joins are a little slow: an intruder (a peer without an averager, copying the
+    layout) used to get the place of one of them, leaving it out of the round. Now the
+    intruder is told ``full``."""
+    with trio.fail_after(60):
+        async with memnet_swarm(4) as (_, nodes):
+            members = make_members(nodes[:3], 3000, fast_config(group_size=3))
+            intruder = nodes[3]
+            for m in members:  # connected beforehand: its join arrives at once
+                await intruder.rpc.connect(Address.parse(m.averager.node.address))
+            for m in members:  # (the leader calls no join)
+                rpc = m.averager.node.rpc
+
+                async def slow_join(
+                    address: Address, method: str, body: object = None, payload: bytes = b"",
+                    call: Callable[..., Awaitable[object]] = rpc.call,
+                ) -> object:  # fmt: skip
+                    if method.endswith(".join"):
+                        await trio.sleep(0.3)  # within the leader's join_timeout (0.5 s)
+                    return await call(address, method, body, payload)
+
+                rpc.call = slow_join  # type: ignore[assignment,method-assign]
+            replies: list[object] = []
+
+            async def intrude() -> None:
+                while True:
+                    for m in members:
+                        state = m.averager._matchmaker.current
+                        if state is not None and state.is_leader:
+                            assert state.me.address is not None
+                            body = {
+                                "round": state.number,
+                                "decl": dict(state.me.to_wire(), address=intruder.address),
+                            }
+                            method = f"{method_prefix('t/x')}.join"
+                            reply = await intruder.rpc.call(
+                                Address.parse(state.me.address), method, body
+                            )
+                            replies.append(reply.body)
+                            return
+                    await trio.sleep(0.001)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(intrude)
+                results = await step_all(members, timeout=20.0)
+            assert replies == [{"status": "full"}]
+            infos = [info for info, _ in results]
+            verify_round(members, infos)  # type: ignore[arg-type]
+            for info, elapsed in results:
+                assert info is not None and info.outcome is Outcome.AVERAGED, info
+                assert elapsed < 2.0

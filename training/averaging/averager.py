@@ -353,7 +353,9 @@ class Averager:
             )  # fmt: skip
         conf = match.confirmation
         plan = Plan.of(conf, me.peer_id, self.config)
-        self._count = max(self._count, max(m.count for m in conf.members) + 1)
+        # wraps within what a declaration carries: a peer that declared 2**62 - 1 (which we
+        # adopt) must not push our own declarations out of range, where nobody reads them
+        self._count = max(self._count, max(m.count for m in conf.members) + 1) % MAX_EPOCH
         feedback = self.feedback
         if feedback is not None:  # topk: flat = tensors + residual, sparsified as sent
             feedback.begin(self.flat)
@@ -403,6 +405,15 @@ class Averager:
     # -- RPC handlers --------------------------------------------------------------------
 
     async def _on_ping(self, request: Request) -> Reply:
+        """``{}``: alive. ``{round}``: alive *and* in that round, else ``not_found``: a peer
+        whose step ended (or was cancelled) answers pings, but will not send or serve."""
+        round_no = request.body.get("round")
+        if round_no is not None:
+            if type(round_no) is not int:
+                raise RemoteProtocolError("a ping names a round (an int) or nothing")
+            active = self._active
+            if active is None or active.round != round_no:
+                raise RemoteError("not_found", f"not in round {round_no}")
         return Reply({})
 
     async def _on_join(self, request: Request) -> Reply:

@@ -321,7 +321,34 @@ class Butterfly:
         return True
 
     def _check_header(self, header: ResultHeader, expected_chunks: int) -> None:
+        """What a member can check of a result header: it names group members only, each
+        once, nobody both counted and dropped, no stale contributor; a result (weight > 0)
+        has contributors, their weight from the plan, and every chunk; no result (weight 0,
+        e.g. every sender was dropped or their weights underflowed), no chunks.
+
+        Raises:
+            RemoteProtocolError: when it does not hold (the reducer sent garbage).
+        """
         group = set(self.plan.group)
-        named = set(header.contributors) | {p for p, _ in header.dropped}
-        if not named <= group or header.chunks not in (0, expected_chunks):
+        contributors = set(header.contributors)
+        dropped = [p for p, _ in header.dropped]
+        if (
+            not contributors | set(dropped) <= group
+            or len(contributors) != len(header.contributors)
+            or len(set(dropped)) != len(dropped)
+            or contributors & set(dropped)
+            or header.chunks not in (0, expected_chunks)
+        ):
             raise RemoteProtocolError("the result header does not match the group")
+        weights = [self.plan.weights[p] for p in header.contributors]
+        if any(w is None for w in weights):
+            raise RemoteProtocolError("the result header counts a stale member")
+        if header.weight > 0:
+            if not contributors:
+                raise RemoteProtocolError("the result header has a weight but no contributors")
+            if header.weight != math.fsum(w for w in weights if w is not None):
+                raise RemoteProtocolError("the result header's weight is not its contributors'")
+            if header.chunks != expected_chunks:
+                raise RemoteProtocolError("the result header announces too few chunks")
+        elif header.chunks:
+            raise RemoteProtocolError("the result header announces chunks but no weight")

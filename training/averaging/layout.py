@@ -220,7 +220,9 @@ def split_spans(total: int, bandwidths: Sequence[float], align: int = ALIGN) -> 
     """Cut ``[0, total)`` into one span per bandwidth, sizes in proportion to it.
 
     Boundaries are multiples of ``align`` when every part can hold a few aligned blocks,
-    else of 1. Parts may be empty (a zero share). The last span ends at ``total``.
+    else of 1. Parts may be empty (a zero share). The last span ends at ``total``. Any
+    finite bandwidths (a joiner may declare 1e308): they are scaled by the largest first,
+    so that their sum cannot overflow.
 
     Raises:
         ValueError: if there are no bandwidths, or one is negative or not finite, or all zero.
@@ -229,9 +231,11 @@ def split_spans(total: int, bandwidths: Sequence[float], align: int = ALIGN) -> 
         raise ValueError("need at least one bandwidth")
     if any(not math.isfinite(b) or b < 0 for b in bandwidths):
         raise ValueError("bandwidths must be finite and non-negative")
-    weight = math.fsum(bandwidths)
-    if weight <= 0:
+    top = max(bandwidths)
+    if top <= 0:
         raise ValueError("at least one bandwidth must be positive")
+    bandwidths = [bandwidth / top for bandwidth in bandwidths]
+    weight = math.fsum(bandwidths)
     unit = align if total >= align * len(bandwidths) * 4 else 1
     units = -(-total // unit)
     spans: list[Span] = []

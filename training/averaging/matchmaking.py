@@ -394,10 +394,14 @@ class Matchmaker:
             return Reply({"status": "not_leader", "leader": str(leader), "address": address})
         if state.answered.is_set():
             return Reply({"status": "closed"})
-        if join.declaration.peer_id not in state.joined:
-            if len(state.joined) >= self.config.group_size:
+        joiner = join.declaration.peer_id
+        if joiner not in state.joined:
+            # room for those we expect first: a caller we did not expect (another view of
+            # the round, or an intruder) must not take the place of a member on its way
+            missing = state.expected - state.joined.keys() - {joiner}
+            if len(state.joined) + len(missing) >= self.config.group_size:
                 return Reply({"status": "full"})
-            state.joined[join.declaration.peer_id] = join.declaration
+            state.joined[joiner] = join.declaration
             state.notify()
         await state.answered.wait()
         conf = state.confirmation

@@ -5,7 +5,7 @@ Methods (``{m}`` = ``avg.<hash of the prefix>``, so several averagers share a no
     {m}.join     member -> leader    {round, decl}  ->  GroupConfirmation | refusal
     {m}.chunk    sender -> reducer   ChunkHeader + payload (one codec blob)  ->  {}
     {m}.result   member -> reducer   {round, part}  =>  ResultHeader, then {chunk} + payload
-    {m}.ping     anyone -> anyone    {}  ->  {}
+    {m}.ping     anyone -> anyone    {} or {round}  ->  {} (not_found: not in that round)
 
 With the ``none`` codec a payload may be *raw* (``"raw": true`` in the chunk's body or the
 result item's): the chunk's float32 values, little-endian, without the codec blob header,

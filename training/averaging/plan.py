@@ -83,7 +83,8 @@ class Liveness:
             self.changed = trio.Event()
 
     async def probe(self, peer_id: PeerID) -> DropReason | None:
-        """Ping a peer that went quiet: None when it answers, else dead or frozen."""
+        """Ping a peer that went quiet: None when it answers that it is in the round; dead
+        when its host refuses, or it is no longer in the round; frozen when it is silent."""
         if peer_id in self.bad:
             return self.bad[peer_id]
         address = self.plan.address(peer_id)
@@ -94,12 +95,16 @@ class Liveness:
             return reason
         with trio.move_on_after(self.timeout):
             try:
-                await self.node.rpc.call(address, self.ping_method, {})
+                await self.node.rpc.call(address, self.ping_method, {"round": self.plan.round})
             except PeerUnavailableError:
                 self.mark(peer_id, DropReason.DEAD)
                 return DropReason.DEAD
-            except RemoteError:
-                pass  # it answered: alive
+            except RemoteError as exc:
+                # alive, but its step has ended (or its averager is closed): gone from the
+                # round, it will neither send nor serve any more
+                if exc.code in ("not_found", "unknown_method"):
+                    self.mark(peer_id, DropReason.DEAD)
+                    return DropReason.DEAD
             return None
         self.mark(peer_id, DropReason.FROZEN)
         return DropReason.FROZEN
