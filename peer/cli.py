@@ -34,6 +34,8 @@ if TYPE_CHECKING:
 logger = logging.getLogger("peer.cli")
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+BOOTSTRAP_STORED_BYTES = 8 << 20
+BOOTSTRAP_POOL_BYTES = 4 << 20
 _WILDCARD_HOSTS = {"0.0.0.0": "127.0.0.1", "::": "::1"}  # listen on all -> announce loopback
 
 
@@ -288,8 +290,15 @@ async def _bootstrap(args: argparse.Namespace, stop: _SignalStop) -> int:
     from protocol.errors import SwarmError
     from protocol.identity import Identity
 
-    from .node import open_peer
+    from .dht import DHTConfig
+    from .node import PeerConfig, open_peer
+    from .wire import FRAME_POOL
 
+    # A bootstrap node stays small whatever peers send it (under 60 MiB): it keeps at most
+    # 8 MiB of others' records (about 16k small ones, counting each entry's overhead) and
+    # 4 MiB of large frame buffers for reuse, where a volunteer keeps 256 MiB and 96 MiB.
+    FRAME_POOL.limit = BOOTSTRAP_POOL_BYTES
+    config = PeerConfig(dht=DHTConfig(max_stored_bytes=BOOTSTRAP_STORED_BYTES))
     try:
         listen = Address(args.host, args.port).hostport  # brackets an IPv6 host
         identity = None if args.identity is None else Identity.load_or_create(args.identity)
@@ -308,6 +317,7 @@ async def _bootstrap(args: argparse.Namespace, stop: _SignalStop) -> int:
                 initial_peers=args.initial_peers,
                 identity=identity,
                 announce_host=announce,
+                config=config,
                 ensure_bootstrap_success=False,  # a backup of bootstrap nodes that are down
             ) as node:
                 up = True

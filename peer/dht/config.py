@@ -36,7 +36,9 @@ class DHTConfig:
     max_republished_records: int = 10_000  # bounds the owner's republish list
     client_mode: bool = False  # query and store, never store for others nor enter tables
     max_stored_keys: int = 100_000  # keys this node stores for others; new keys refused beyond
-    max_stored_bytes: int = 256 << 20  # and bytes of values; new entries refused beyond
+    # and bytes of values, each entry counting 512 more (storage.ENTRY_OVERHEAD: its memory
+    # cost); new entries refused beyond
+    max_stored_bytes: int = 256 << 20
     # Failed RPCs in a row after which a contact leaves its bucket even when no replacement
     # waits; with a replacement it leaves at the first failure that is not a timeout.
     max_failures: int = 3

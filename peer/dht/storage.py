@@ -30,6 +30,13 @@ from protocol.records import MAX_SUBKEYS_PER_KEY, validate_entry
 
 logger = logging.getLogger(__name__)
 
+ENTRY_OVERHEAD = 512
+"""Bytes each entry counts toward ``max_bytes`` on top of its value: what holding it costs
+in memory (its subkey, signature and objects: ~420 bytes measured for a 128-byte subkey),
+so that many tiny values cannot hold far more memory than the budget says."""
+_HEAP_SLACK = 1024
+"""Stale expiry items tolerated on top of one per entry held, before a rebuild."""
+
 Subkey = None | str | int | bytes
 Record = dict[Subkey, Entry]
 
@@ -56,8 +63,12 @@ def merge_entry(record: Record, entry: Entry, max_subkeys: int = MAX_SUBKEYS_PER
     return True
 
 
+def _cost(entry: Entry) -> int:
+    return len(entry.value) + ENTRY_OVERHEAD
+
+
 def _size(record: Record) -> int:
-    return sum(len(entry.value) for entry in record.values())
+    return sum(_cost(entry) for entry in record.values())
 
 
 class DHTStorage:
@@ -77,8 +88,12 @@ class DHTStorage:
         self.max_subkeys_per_key = max_subkeys_per_key
         self._records: dict[DHTID, Record] = {}
         self._names: dict[DHTID, str] = {}  # key text, when a STORE told it (handover)
-        self.num_bytes = 0  # serialized values held, the part a peer controls
-        # (expiration, tiebreak, key, subkey); stale items are skipped when popped
+        self.num_bytes = 0  # values held plus ENTRY_OVERHEAD per entry: what peers control
+        self.num_entries = 0  # live and not yet expired entries, over every key
+        # (expiration, tiebreak, key, subkey); stale items (an entry replaced by a newer
+        # version, or dropped from a full dictionary) are skipped when popped, and the heap
+        # is rebuilt once they outnumber the entries held (a peer that keeps re-storing
+        # one subkey with a later expiration must not grow it until the old ones expire)
         self._expiry: list[tuple[float, int, DHTID, Subkey]] = []
         self._counter = itertools.count()
 
@@ -93,7 +108,7 @@ class DHTStorage:
 
         Returns:
             True when the entry is held, False when a newer one wins or storage is full
-            (``max_keys`` keys, or ``max_bytes`` of values).
+            (``max_keys`` keys, or ``max_bytes`` of values and their overhead).
 
         Raises:
             RecordError: the entry is invalid (oversized, expired, bad or missing signature).
@@ -101,7 +116,7 @@ class DHTStorage:
         now = self._clock()
         validate_entry(key, entry, now=now, key_owner=key_owner)
         self.expire()
-        if self.num_bytes + len(entry.value) > self.max_bytes:
+        if self.num_bytes + _cost(entry) > self.max_bytes:
             logger.debug("storage full (%d bytes): refused an entry", self.max_bytes)
             return False
         record = self._records.get(key)
@@ -110,14 +125,19 @@ class DHTStorage:
                 logger.debug("storage full (%d keys): refused a new key", self.max_keys)
                 return False
             record = self._records[key] = {}
-        before = _size(record)
+        before, held = _size(record), len(record)
+        again = record.get(entry.subkey) == entry  # a republish: already in the heap
         accepted = merge_entry(record, entry, self.max_subkeys_per_key)
         if accepted:
             if name is not None:
                 self._names[key] = name
             self.num_bytes += _size(record) - before
-            item = (entry.expiration, next(self._counter), key, entry.subkey)
-            heapq.heappush(self._expiry, item)
+            self.num_entries += len(record) - held
+            if not again:
+                item = (entry.expiration, next(self._counter), key, entry.subkey)
+                heapq.heappush(self._expiry, item)
+                if len(self._expiry) > 2 * self.num_entries + _HEAP_SLACK:
+                    self._rebuild_expiry()
         elif not record:
             del self._records[key]
         return accepted
@@ -142,12 +162,22 @@ class DHTStorage:
             entry = record.get(subkey)
             if entry is not None and entry.expiration == expiration:
                 del record[subkey]
-                self.num_bytes -= len(entry.value)
+                self.num_bytes -= _cost(entry)
+                self.num_entries -= 1
                 dropped += 1
                 if not record:
                     del self._records[key]
                     self._names.pop(key, None)
         return dropped
+
+    def _rebuild_expiry(self) -> None:
+        """One heap item per entry held: drops the stale ones."""
+        self._expiry = [
+            (entry.expiration, next(self._counter), key, subkey)
+            for key, record in self._records.items()
+            for subkey, entry in record.items()
+        ]
+        heapq.heapify(self._expiry)
 
     def name_of(self, key: DHTID) -> str | None:
         """The text of ``key``, if a store told it and the key still lives here."""

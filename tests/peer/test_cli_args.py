@@ -2,9 +2,15 @@
 
 from __future__ import annotations
 
+import errno
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from typing import Any
+
 import pytest
 
-from peer.cli import _parser
+from peer.cli import BOOTSTRAP_POOL_BYTES, BOOTSTRAP_STORED_BYTES, _parser, main
+from peer.wire import FRAME_POOL
 
 
 @pytest.mark.parametrize(
@@ -116,3 +122,26 @@ def test_bootstrap_refuses_a_host_with_a_port_in_one_line(
         )
     else:
         assert last.endswith("the host is empty")
+
+
+def test_a_bootstrap_node_keeps_small_budgets(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A bootstrap node stays under 60 MiB whatever peers send it: 8 MiB of others' records
+    and 4 MiB of pooled frame buffers (a flood of tiny entries, then frames of 64 KiB to
+    4 MiB, peaked at 59 MiB of RSS; with a volunteer's budgets it reached 119 MiB)."""
+    seen: dict[str, Any] = {}
+
+    @asynccontextmanager
+    async def fake_open_peer(**kwargs: Any) -> AsyncIterator[None]:
+        seen.update(kwargs)
+        raise OSError(errno.EADDRINUSE, "Address already in use")
+        yield
+
+    monkeypatch.setattr("peer.node.open_peer", fake_open_peer)
+    monkeypatch.setattr("peer.cli._configure_logging", lambda *args: None)  # other tests' levels
+    monkeypatch.setattr(FRAME_POOL, "limit", FRAME_POOL.limit)  # restored afterwards
+    assert main(["bootstrap", "--host", "127.0.0.1"]) == 1
+    assert "Address already in use" in capsys.readouterr().err
+    assert seen["config"].dht.max_stored_bytes == BOOTSTRAP_STORED_BYTES == 8 << 20
+    assert FRAME_POOL.limit == BOOTSTRAP_POOL_BYTES == 4 << 20

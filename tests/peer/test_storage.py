@@ -5,7 +5,7 @@ from __future__ import annotations
 import msgpack
 import pytest
 
-from peer.dht.storage import DHTStorage, merge_entry
+from peer.dht.storage import ENTRY_OVERHEAD, DHTStorage, merge_entry
 from protocol.dhtid import DHTID
 from protocol.identity import Identity
 from protocol.messages import Entry
@@ -98,15 +98,46 @@ def test_storage_refuses_new_keys_when_full(clock: Clock) -> None:
 
 
 def test_storage_refuses_entries_beyond_its_byte_budget(clock: Clock) -> None:
-    storage = DHTStorage(clock=clock, max_bytes=100)
+    storage = DHTStorage(clock=clock, max_bytes=2 * ENTRY_OVERHEAD + 100)
     assert storage.store(KEY, Entry("a", v(bytes(58)), clock.now + 5))
     assert not storage.store(KEY, Entry("b", v(bytes(58)), clock.now + 5))
     assert storage.store(KEY, Entry("a", v(bytes(28)), clock.now + 6))  # replaces: 30 bytes held
-    assert storage.num_bytes == 30
+    assert storage.num_bytes == ENTRY_OVERHEAD + 30
     assert storage.store(KEY, Entry("b", v(bytes(58)), clock.now + 5))
     clock.now += 5.5
     storage.expire()
-    assert storage.num_bytes == 30 and set(storage.get(KEY)) == {"a"}
+    assert storage.num_bytes == ENTRY_OVERHEAD + 30 and set(storage.get(KEY)) == {"a"}
+
+
+def test_tiny_values_count_their_overhead_toward_the_byte_budget(clock: Clock) -> None:
+    """Regression: only value bytes counted, so 1-byte values under long subkeys held ~400
+    times the budget (192,000 entries: +81 MiB RSS for 0.2 MB of "values")."""
+    storage = DHTStorage(clock=clock, max_bytes=100 * (ENTRY_OVERHEAD + 1))
+    subkeys = [f"{i:03d}".ljust(128, "x") for i in range(150)]
+    accepted = [storage.store(KEY, Entry(s, v(0), clock.now + 60)) for s in subkeys]
+    assert accepted == [True] * 100 + [False] * 50
+    assert storage.num_bytes == storage.max_bytes and storage.num_entries == 100
+
+
+def test_re_stores_and_updates_keep_the_expiry_heap_bounded(
+    storage: DHTStorage, clock: Clock
+) -> None:
+    """Regression: each accepted store pushed an expiry item that stayed until its
+    expiration (up to 7 days), so a peer re-storing one record grew the node without bound."""
+    republished = Entry("a", v(1), clock.now + 86400)
+    for _ in range(5000):  # what owners' republishes send: the identical entry
+        assert storage.store(KEY, republished)
+    for i in range(5000):  # updates, each with a later expiration
+        assert storage.store(KEY, Entry("b", v(i), clock.now + 86400 + i))
+    assert len(storage._expiry) <= 2 * 2 + 1024  # 10,000 before the fix
+    assert storage.num_entries == 2
+    clock.now += 86400 + 4998.5  # "a" and every version of "b" but the last expire
+    assert storage.expire() == 1
+    assert storage.get(KEY) == {"b": Entry("b", v(4999), clock.now + 0.5)}
+    assert storage.num_entries == 1
+    clock.now += 1
+    assert storage.expire() == 1 and len(storage) == 0 and storage.num_entries == 0
+    assert storage._expiry == []
 
 
 def test_owner_bound_subkeys_need_the_owners_signature(storage: DHTStorage, clock: Clock) -> None:
