@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import gc
 import hashlib
+import itertools
+import logging
 import math
+import weakref
 from collections.abc import Awaitable, Callable
 
 import numpy as np
@@ -22,8 +26,9 @@ from test_averaging_support import (
 from peer import Peer
 from protocol.address import Address
 from training import Averager, AveragerConfig, AveragingInfo, LayoutMismatchError, Outcome
-from training.averaging.averager import _check_prefix
-from training.averaging.grouping import rank_key, round_closing_after, round_key
+from training.averaging.averager import _check_prefix, wall_clock
+from training.averaging.grouping import Declaration, rank_key, round_closing_after, round_key
+from training.averaging.matchmaking import MAX_FOREIGN_LAYOUTS
 from training.averaging.messages import method_prefix
 
 
@@ -263,6 +268,27 @@ def test_a_prefix_that_no_step_could_use_is_refused_at_once() -> None:
     assert _check_prefix("p" * 400) == "p" * 400
 
 
+def test_the_wall_clock_follows_each_run_and_keeps_nothing_after_it() -> None:
+    """The default rendezvous clock: unix time moving with trio's (virtual) clock, its offset
+    fixed per run; nothing of a finished run is kept (every run's clock used to be)."""
+    readings: list[float] = []
+
+    async def read() -> None:
+        first = wall_clock()
+        await trio.sleep(1000.0)
+        readings.append(wall_clock() - first)
+
+    clocks = []
+    for _ in range(3):
+        clock = trio.testing.MockClock(autojump_threshold=0)
+        trio.run(read, clock=clock)
+        clocks.append(weakref.ref(clock))
+        del clock
+    gc.collect()
+    assert readings == [pytest.approx(1000.0, abs=1e-3)] * 3
+    assert [ref() for ref in clocks] == [None] * 3
+
+
 async def test_seven_peers_in_pairs_keep_the_group_size(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
@@ -331,6 +357,42 @@ def test_group_size_must_be_an_integer_of_at_least_two(value: object) -> None:
         AveragerConfig(group_size=value)  # type: ignore[arg-type]
     assert AveragerConfig(group_size=np.int64(3)).group_size == 3  # type: ignore[arg-type]
     assert type(AveragerConfig(group_size=np.int64(3)).group_size) is int  # type: ignore[arg-type]
+
+
+async def test_a_peer_declaring_a_new_layout_every_round_is_remembered_boundedly(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Other layouts are warned about once each, and only so many are remembered: a peer
+    that declares another one every round costs neither memory nor a warning per round."""
+    with trio.fail_after(300):
+        async with memnet_swarm(3) as (_, nodes):
+            members = make_members(nodes[:2], 1000, fast_config())
+            odd, declared = nodes[2], itertools.count()
+
+            async def declare_new_layouts() -> None:
+                while True:  # in the round open now and the next, as a stepping peer would
+                    i = next(declared)
+                    decl = Declaration(odd.peer_id, odd.address, 1.0, 0, 1.0, f"x{i}", 0, 1 + i)
+                    now = round_closing_after(
+                        virtual_clock(), members[0].averager.config.gather_window
+                    )
+                    for number in (now, now + 1):
+                        key = round_key("t/x", number)
+                        await odd.dht.store(key, decl.to_wire(), ttl=20.0, subkey=str(odd.peer_id))
+                    await trio.sleep(0.2)
+
+            with caplog.at_level(logging.WARNING, logger="training.averaging.matchmaking"):
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(declare_new_layouts)
+                    for _ in range(40):
+                        for info, _elapsed in await step_all(members, timeout=20.0):
+                            assert info is not None and info.outcome is Outcome.AVERAGED
+                    nursery.cancel_scope.cancel()
+    assert next(declared) > 2 * MAX_FOREIGN_LAYOUTS  # far more than are remembered
+    for m in members:
+        assert len(m.averager._matchmaker._foreign) == MAX_FOREIGN_LAYOUTS
+    warned = [r for r in caplog.records if "another tensor layout" in r.getMessage()]
+    assert 0 < len(warned) <= 2 * MAX_FOREIGN_LAYOUTS
 
 
 async def test_a_peer_with_another_group_size_gets_a_layout_mismatch(

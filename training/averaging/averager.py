@@ -46,7 +46,8 @@ from .report import AveragingInfo, Outcome, merge_dropped, outcome_of
 
 logger = logging.getLogger(__name__)
 
-_CLOCK_OFFSETS: dict[int, tuple[object, float]] = {}
+_CLOCK_OFFSET: trio.lowlevel.RunVar[float] = trio.lowlevel.RunVar("swarm_wall_clock_offset")
+"""Unix time minus trio time, fixed at the first read in a run (dies with the run)."""
 
 MARGIN_SHARE, MIN_MARGIN, MAX_MARGIN = 0.1, 0.05, 1.0
 """Without a ``timeout``, a step under a caller's deadline ``left`` seconds away ends
@@ -56,11 +57,12 @@ so that it returns its report before the caller's cancel scope fires."""
 
 def wall_clock() -> float:
     """Unix time read through trio's clock (virtual under ``MockClock``, real otherwise)."""
-    clock = trio.lowlevel.current_clock()
-    entry = _CLOCK_OFFSETS.get(id(clock))
-    if entry is None or entry[0] is not clock:
-        entry = _CLOCK_OFFSETS[id(clock)] = (clock, time.time() - trio.current_time())
-    return trio.current_time() + entry[1]
+    try:
+        offset = _CLOCK_OFFSET.get()
+    except LookupError:
+        offset = time.time() - trio.current_time()
+        _CLOCK_OFFSET.set(offset)
+    return trio.current_time() + offset
 
 
 def check_step_arguments(weight: float, epoch: int, timeout: float | None) -> None:

@@ -43,6 +43,10 @@ logger = logging.getLogger(__name__)
 
 _DHT_SLACK = 30.0
 
+MAX_FOREIGN_LAYOUTS = 16
+"""Other layouts an averager remembers (and warns about, once each): a peer declaring a new
+one every round costs neither memory nor a warning per round."""
+
 
 class LayoutMismatchError(ProtocolError):
     """Peers under the same prefix average tensors of another layout or codec."""
@@ -104,7 +108,7 @@ class Matchmaker:
         self.clock = clock
         self._views: list[int] = []  # declarations seen in the last rounds
         self.seen_count = 0  # the largest round count the others declared in rounds we read
-        self._foreign: set[str] = set()  # other layouts seen (warned about once)
+        self._foreign: set[str] = set()  # other layouts seen (warned about once; bounded)
         self._subkey = str(node.peer_id)
         self.current: _Round | None = None
 
@@ -247,8 +251,9 @@ class Matchmaker:
                 f"every other peer under {self.prefix!r} has another tensor layout, codec, "
                 f"group_size or staleness rule (ours: {me.describe_layout()}; theirs: {foreign})"
             )
-        if set(foreign) - self._foreign:  # a split swarm averages less: say so, once
-            self._foreign.update(foreign)
+        new = sorted(set(foreign) - self._foreign)[: MAX_FOREIGN_LAYOUTS - len(self._foreign)]
+        if new:  # a split swarm averages less: say so, once
+            self._foreign.update(new)
             logger.warning(
                 "peers under %r average another tensor layout, codec, group_size or staleness "
                 "rule, in groups of their own (ours: %s; theirs: %s)",
