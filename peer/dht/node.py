@@ -442,10 +442,13 @@ class DHT:
         else:
             entry = Entry(subkey, data, expiration)
         validate_entry(key_id, entry, now=self._clock(), key_owner=owner)
-        self._published[key_id, subkey] = (key, entry)
-        self._published.move_to_end((key_id, subkey))
-        while len(self._published) > self.config.max_republished_records:
-            self._published.popitem(last=False)
+        if ttl > self.config.republish_interval:
+            self._published[key_id, subkey] = (key, entry)
+            self._published.move_to_end((key_id, subkey))
+            while len(self._published) > self.config.max_republished_records:
+                self._published.popitem(last=False)
+        else:  # gone, or nearly, by the next pass (e.g. an averaging round's declaration)
+            self._published.pop((key_id, subkey), None)
         return await self._store_entries(key, (entry,))
 
     async def _store_entries(self, key: str, entries: tuple[Entry, ...]) -> bool:

@@ -431,6 +431,27 @@ async def test_client_mode_peers_use_the_dht_but_never_enter_tables(
             nursery.cancel_scope.cancel()
 
 
+async def test_records_shorter_lived_than_a_republish_pass_are_not_republished(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """An averaging round's declaration lives ~40 s: re-storing it at the next pass (every
+    300 s) would only re-send records of rounds long over."""
+    net = MemoryNetwork(latency=LATENCY)
+    with trio.fail_after(600):
+        async with trio.open_nursery() as nursery:
+            owner, _ = await start_swarm(nursery, net, 2, PeerConfig())
+            dht = owner.peer.dht
+            interval = dht.config.republish_interval
+            assert await dht.store("long", 1, ttl=interval + 100.0)
+            assert await dht.store("short", 1, ttl=interval)
+            assert await dht.republish() == 1  # "long" only
+            await trio.sleep(interval / 2)
+            assert await dht.store("long", 2, ttl=interval)  # a later, short-lived version
+            assert await dht.get("long") == 2
+            assert await dht.republish() == 0
+            nursery.cancel_scope.cancel()
+
+
 async def test_owner_republishes_to_the_nodes_closest_now(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
