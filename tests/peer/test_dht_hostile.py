@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from contextlib import AsyncExitStack
 
 import trio
 import trio.testing
 
-from peer import Reply, Request
+from peer import Peer, Reply, Request
 from peer.memnet import MemoryNetwork
 from peer.node import open_peer
 from protocol.dhtid import DHTID
@@ -68,6 +69,32 @@ async def test_a_node_named_at_a_made_up_address_is_not_learnt_over_a_pooled_con
             assert hostile.peer_id in victim.dht.table
 
 
+def answer_every_lookup_with(hostile: Peer, named: Callable[[DHTID], tuple[NodeInfo, ...]]) -> None:
+    """Make ``hostile`` answer FIND_NODE, STORE (accepting) and FIND_VALUE (no value) with
+    the contacts ``named(target)``."""
+
+    def find_node(request: Request) -> Reply:
+        target = FindNodeRequest.from_body(request.body).target
+        return Reply(FindNodeResponse(named(target)).to_body())
+
+    def store(request: Request) -> Reply:
+        message = StoreRequest.from_body(request.body)
+        accepted = tuple(True for _ in message.entries)
+        return Reply(StoreResponse(accepted, named(message.key)).to_body())
+
+    def find_value(request: Request) -> Reply:
+        key = FindValueRequest.from_body(request.body).key
+        return Reply(FindValueResponse(None, named(key)).to_body())
+
+    for method, handler in (
+        ("dht.find_node", find_node),
+        ("dht.store", store),
+        ("dht.find_value", find_value),
+    ):
+        hostile.rpc.unregister(method)
+        hostile.rpc.register_quick(method, handler)
+
+
 async def test_a_reply_naming_many_dead_nodes_costs_a_lookup_round_trips_not_timeouts(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
@@ -83,19 +110,6 @@ async def test_a_reply_naming_many_dead_nodes_costs_a_lookup_round_trips_not_tim
     def made_up(target: DHTID) -> tuple[NodeInfo, ...]:
         ids = (PeerID((int(target) ^ i).to_bytes(32, "big")) for i in range(1, MAX_NODES + 1))
         return tuple(NodeInfo(peer_id, "10.0.0.66:4000") for peer_id in ids)
-
-    def find_node(request: Request) -> Reply:
-        target = FindNodeRequest.from_body(request.body).target
-        return Reply(FindNodeResponse(made_up(target)).to_body())
-
-    def store(request: Request) -> Reply:
-        message = StoreRequest.from_body(request.body)
-        accepted = tuple(True for _ in message.entries)
-        return Reply(StoreResponse(accepted, made_up(message.key)).to_body())
-
-    def find_value(request: Request) -> Reply:
-        key = FindValueRequest.from_body(request.body).key
-        return Reply(FindValueResponse(None, made_up(key)).to_body())
 
     with trio.fail_after(120):
         async with AsyncExitStack() as stack:
@@ -114,13 +128,7 @@ async def test_a_reply_naming_many_dead_nodes_costs_a_lookup_round_trips_not_tim
             hostile = await stack.enter_async_context(
                 open_peer("10.0.0.9:0", [first.address], network=net.interface("10.0.0.9"))
             )
-            for method, handler in (
-                ("dht.find_node", find_node),
-                ("dht.store", store),
-                ("dht.find_value", find_value),
-            ):
-                hostile.rpc.unregister(method)
-                hostile.rpc.register_quick(method, handler)
+            answer_every_lookup_with(hostile, made_up)
             victim = peers[-1]
             assert hostile.peer_id in victim.dht.table
             for operation in (
@@ -177,29 +185,10 @@ async def test_contacts_at_undialable_addresses_are_skipped_not_dialed(
                 )
                 return (*made_up, honest_node)
 
-            def find_node(request: Request) -> Reply:
-                target = FindNodeRequest.from_body(request.body).target
-                return Reply(FindNodeResponse(named(target)).to_body())
-
-            def store(request: Request) -> Reply:
-                message = StoreRequest.from_body(request.body)
-                accepted = tuple(True for _ in message.entries)
-                return Reply(StoreResponse(accepted, named(message.key)).to_body())
-
-            def find_value(request: Request) -> Reply:
-                key = FindValueRequest.from_body(request.body).key
-                return Reply(FindValueResponse(None, named(key)).to_body())
-
             hostile = await stack.enter_async_context(
                 open_peer("10.0.0.2:0", [victim.address], network=net.interface("10.0.0.2"))
             )
-            for method, handler in (
-                ("dht.find_node", find_node),
-                ("dht.store", store),
-                ("dht.find_value", find_value),
-            ):
-                hostile.rpc.unregister(method)
-                hostile.rpc.register_quick(method, handler)
+            answer_every_lookup_with(hostile, named)
             await victim.dht.find_nodes(DHTID.from_key("target"))
             assert victim.dht.table.get(honest.peer_id) == honest_node
             assert await victim.dht.store("key", 1)
