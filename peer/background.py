@@ -9,13 +9,15 @@
 One thread runs ``trio.run``; each call enters that loop through
 ``trio.from_thread.run`` and blocks the calling thread until it returns. Errors raised
 on the loop propagate to the caller. Leaving the ``with`` block stops the peer and
-joins the thread.
+joins the thread; a call still running in another thread then raises PeerStoppedError.
 """
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
+import sys
 import threading
 import time
 from collections.abc import Awaitable, Callable, Iterable, Iterator
@@ -43,6 +45,7 @@ class BackgroundPeer:
     def __init__(self, peer: Peer, token: trio.lowlevel.TrioToken) -> None:
         self._peer = peer
         self._token = token
+        self._pid = os.getpid()  # a forked child has a copy of this object, not the thread
         self.identity: Identity = peer.identity
         self.peer_id: PeerID = peer.peer_id
         self.address: str = peer.address
@@ -62,25 +65,39 @@ class BackgroundPeer:
         """Run ``async_fn(*args)`` on the peer's loop and return its result.
 
         Raises:
-            PeerStoppedError: if the peer is no longer running.
+            PeerStoppedError: if the peer is no longer running, or stops during the call.
+            RuntimeError: if called in a forked child process.
             Exception: whatever ``async_fn`` raises.
         """
+        self._check_process()
         try:
             return trio.from_thread.run(async_fn, *args, trio_token=self._token)
         except trio.RunFinishedError as exc:
             raise PeerStoppedError("the background peer has stopped") from exc
+        except trio.Cancelled as exc:  # the peer stopped while the call ran (its system task)
+            raise PeerStoppedError("the background peer stopped during the call") from exc
 
     def run_sync(self, fn: Callable[..., T], *args: Any) -> T:
         """Run the plain function ``fn(*args)`` on the peer's loop (to read its state safely).
 
         Raises:
             PeerStoppedError: if the peer is no longer running.
+            RuntimeError: if called in a forked child process.
             Exception: whatever ``fn`` raises.
         """
+        self._check_process()
         try:
             return trio.from_thread.run_sync(fn, *args, trio_token=self._token)
         except trio.RunFinishedError as exc:
             raise PeerStoppedError("the background peer has stopped") from exc
+
+    def _check_process(self) -> None:
+        # in a forked child the call would go to the parent's loop and never come back
+        if os.getpid() != self._pid:
+            raise RuntimeError(
+                f"this background peer runs in process {self._pid}, not in this forked child "
+                f"({os.getpid()}): start a peer with run_in_background() in the child"
+            )
 
     def __repr__(self) -> str:
         return f"<BackgroundPeer {self.address}>"
@@ -220,11 +237,22 @@ def run_in_background(
         thread.join()
         raise failure[0]
     node = started[0]
-    try:
-        yield node
-    finally:
+
+    def shut_down() -> None:
+        if os.getpid() != node._pid:  # a forked child exiting: the peer is the parent's
+            return
         with contextlib.suppress(trio.RunFinishedError):
             trio.from_thread.run_sync(stop[0].set, trio_token=node._token)
         thread.join()
+
+    # a script that ends inside the block: stop the peer at exit, while its thread still
+    # runs (once the interpreter finalizes, the thread is frozen and joining it hangs)
+    atexit.register(shut_down)
+    try:
+        yield node
+    finally:
+        atexit.unregister(shut_down)
+        if not sys.is_finalizing():  # else the atexit hook already stopped it
+            shut_down()
     if failure:  # the loop crashed while the block ran
         raise failure[0]

@@ -2,6 +2,14 @@
 
 from __future__ import annotations
 
+import multiprocessing
+import subprocess
+import sys
+import textwrap
+import threading
+from pathlib import Path
+from typing import Any
+
 import pytest
 import trio
 import trio.lowlevel
@@ -75,3 +83,76 @@ def test_no_initial_peer_answering_is_an_error_unless_allowed() -> None:
         pass  # pragma: no cover
     with peer.run_in_background(initial_peers=[dead], ensure_bootstrap_success=False) as alone:
         assert alone.dht.routing_table_peers() == []
+
+
+def test_leaving_the_block_during_a_call_is_peer_stopped_in_that_thread() -> None:
+    """Another thread inside a call when the block ends gets PeerStoppedError, not
+    trio.Cancelled (a BaseException that an ``except Exception`` lets kill the thread)."""
+    inside = threading.Event()
+    caught: list[BaseException] = []
+
+    async def waits_forever() -> None:
+        inside.set()
+        await trio.sleep_forever()
+
+    def worker(node: peer.BackgroundPeer) -> None:
+        try:
+            node.run(waits_forever)
+        except BaseException as exc:
+            caught.append(exc)
+
+    with peer.run_in_background() as node:
+        thread = threading.Thread(target=worker, args=(node,))
+        thread.start()
+        assert inside.wait(10)
+    thread.join(10)
+    assert not thread.is_alive()
+    assert len(caught) == 1 and isinstance(caught[0], peer.PeerStoppedError), caught
+
+
+def test_forked_child_gets_an_error_not_a_hang() -> None:
+    """A forked child (DataLoader workers, multiprocessing) holds a copy of the facade but
+    not its thread: a call would go to the parent's loop and never return."""
+    ctx = multiprocessing.get_context("fork")
+    results = ctx.Queue()
+    with peer.run_in_background() as node:
+        child = ctx.Process(target=_call_in_child, args=(node, results))
+        child.start()
+        child.join(20)
+        assert not child.is_alive(), "the child hung"
+        assert node.dht.get("bg/nothing") is None  # the parent's peer is unharmed
+    assert results.get(timeout=5) == ("RuntimeError", "forked child")
+
+
+def _call_in_child(node: peer.BackgroundPeer, results: Any) -> None:
+    try:
+        node.dht.get("bg/nothing")
+    except Exception as exc:
+        results.put((type(exc).__name__, "forked child" if "forked child" in str(exc) else ""))
+
+
+def test_script_ending_inside_the_block_exits() -> None:
+    """A script that ends (or a forked child that exits) without leaving the block: the
+    peer stops at exit instead of the interpreter hanging on the frozen thread."""
+    script = textwrap.dedent(
+        """
+        import os, sys
+        import peer
+        block = peer.run_in_background()  # entered, never left
+        node = block.__enter__()
+        node.dht.store("k", 1)
+        pid = os.fork()
+        if pid == 0:  # exits normally (atexit hooks run) with the parent's peer copied
+            sys.exit(0)
+        assert os.waitpid(pid, 0)[1] == 0
+        print("done", flush=True)
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert done.returncode == 0 and done.stdout == "done\n", done.stderr
