@@ -12,8 +12,12 @@ Rules:
 - Concurrent calls to a peer we are not connected to share one dial. A dial (connect and
   handshake) is bounded by ``dial_timeout``; with ``address.peer_id`` set, the handshake must
   prove that identity.
-- Inbound: over ``max_connections`` in all or ``max_connections_per_ip`` from one host, a new
-  connection is closed at once; a handshake not done within ``handshake_timeout`` is cut off.
+- Inbound: over ``max_connections_per_ip`` from one host (one /64 for IPv6: a single
+  subscriber holds a whole /64), a new connection is closed at once. Over
+  ``max_connections`` in all, the oldest connection still in its handshake is cut off to make
+  room (connections that send nothing must not lock every other peer out), or, when every
+  slot holds an established connection, the new one is closed at once. A handshake not done
+  within ``handshake_timeout`` is cut off.
 - A peer that stops reading what we send is cut off once a write to it has stalled for
   ``send_timeout`` (checked every quarter of it; the idle timer spares a connection with
   calls in flight, so it would otherwise keep its connection slot, its requests and their
@@ -23,6 +27,7 @@ Rules:
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import math
 from collections import Counter
@@ -73,9 +78,11 @@ class HostConfig:
 
     max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
     max_connections: int = 1024
-    """Inbound connections are refused beyond this many connections in all."""
+    """Connections in all; beyond, a new inbound one takes the slot of the oldest inbound
+    handshake in progress, or is refused when there is none."""
     max_connections_per_ip: int = 128
-    """Inbound connections from one remote host; generous, since NATs share addresses."""
+    """Inbound connections from one remote host (one /64 for IPv6); generous, since NATs
+    share addresses."""
     max_inflight_requests: int = 128
     """Per connection: a peer that exceeds it is dropped; our own calls wait for a slot."""
     handshake_timeout: float = 10.0
@@ -125,8 +132,8 @@ class RpcHost:
         self._by_peer: dict[PeerID, RpcConnection] = {}
         self._by_address: dict[str, PeerID] = {}
         self._dials: dict[tuple[str, PeerID | None], _Dial] = {}
-        self._handshaking = 0
-        self._per_host: Counter[str] = Counter()
+        self._handshakes: dict[trio.CancelScope, str] = {}  # inbound, in progress, oldest first
+        self._per_host: Counter[str] = Counter()  # inbound connections per host (or /64)
         self.connections_opened = 0
         """Connections established so far, both directions (each one a handshake)."""
         self.stopped = False
@@ -134,6 +141,11 @@ class RpcHost:
 
     def __repr__(self) -> str:
         return f"<RpcHost {self.peer_id.short()} at {self.listen_address}>"
+
+    @property
+    def _handshaking(self) -> int:
+        """Inbound handshakes in progress."""
+        return len(self._handshakes)
 
     @property
     def num_connections(self) -> int:
@@ -375,23 +387,29 @@ class RpcHost:
 
     async def _handle_inbound(self, raw: trio.abc.Stream) -> None:
         host = remote_host_of(raw)
+        group = _host_group(host)
         config = self.config
-        if self._handshaking + len(self._connections) >= config.max_connections:
-            logger.debug("%r: refusing %s: %d connections", self, host, config.max_connections)
-            await trio.aclose_forcefully(raw)
-            return
-        if self._per_host[host] >= config.max_connections_per_ip:
+        if self._per_host[group] >= config.max_connections_per_ip:
             logger.debug("%r: refusing %s: too many connections from it", self, host)
             await trio.aclose_forcefully(raw)
             return
-        self._per_host[host] += 1
-        self._handshaking += 1
+        full = len(self._handshakes) + len(self._connections) >= config.max_connections
+        if full and not self._cut_off_oldest_handshake():
+            logger.debug("%r: refusing %s: %d connections", self, host, config.max_connections)
+            await trio.aclose_forcefully(raw)
+            return
+        self._per_host[group] += 1
+        handshake = trio.CancelScope(deadline=trio.current_time() + config.handshake_timeout)
+        self._handshakes[handshake] = host
         try:
             try:
-                with trio.fail_after(config.handshake_timeout):
+                with handshake:
                     secure = await secure_handshake(raw, self.identity, initiator=False)
             finally:
-                self._handshaking -= 1
+                self._handshakes.pop(handshake, None)
+            if handshake.cancelled_caught:  # too slow, or cut off to make room
+                logger.debug("%r: handshake with %s cut off", self, host)
+                return
             if secure.remote_peer_id == self.peer_id:
                 await secure.aclose()
                 return
@@ -399,9 +417,34 @@ class RpcHost:
         except (*_CONNECTION_ERRORS, trio.TooSlowError) as exc:
             logger.debug("%r: inbound connection from %s failed: %r", self, host, exc)
         finally:
-            self._per_host[host] -= 1
-            if not self._per_host[host]:
-                del self._per_host[host]
+            self._per_host[group] -= 1
+            if not self._per_host[group]:
+                del self._per_host[group]
+
+    def _cut_off_oldest_handshake(self) -> bool:
+        """Make room for a new inbound connection: cancel the oldest handshake in progress
+        (a peer that connects and sends nothing holds a slot until ``handshake_timeout``;
+        an honest handshake takes a round trip). False when none is in progress."""
+        if not self._handshakes:
+            return False
+        handshake, host = next(iter(self._handshakes.items()))
+        logger.debug("%r: all slots taken, cutting off the handshake with %s", self, host)
+        del self._handshakes[handshake]
+        handshake.cancel()
+        return True
+
+
+def _host_group(host: str) -> str:
+    """What ``max_connections_per_ip`` counts by: the host, or its /64 for IPv6."""
+    if ":" not in host:
+        return host
+    try:
+        address = ipaddress.IPv6Address(host.split("%", 1)[0])
+    except ValueError:
+        return host
+    if address.ipv4_mapped is not None:
+        return str(address.ipv4_mapped)
+    return str(ipaddress.IPv6Network((address, 64), strict=False))
 
 
 @asynccontextmanager

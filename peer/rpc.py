@@ -20,6 +20,9 @@ Rules (see ``protocol/rpc.py`` for the frames):
 - More than ``max_inflight_requests`` concurrent requests from the peer, an oversized or
   malformed frame, or a frame that breaks the rules: the connection is dropped. Our own calls
   wait for a slot instead, so that two peers with the same limits never trip each other.
+- Quick requests that come while the outbox is full are answered by tasks, one at a time:
+  a large reply waits for room (``QUEUE_BYTES`` of bulk frames), so that a peer that asks
+  for large replies and reads none holds its in-flight slots, not our memory.
 - When the connection ends, every pending call fails at once with ``PeerUnavailableError``.
   A direct write cut off midway (a deadline while the socket is full) ends the connection
   too: the stream cannot be resynchronised after half a sealed frame.
@@ -122,6 +125,7 @@ class RpcConnection:
         self._pending: dict[int, PendingCall | PendingStream] = {}
         self._incoming: dict[int, _Incoming] = {}
         self._served = trio.lowlevel.ParkingLot()  # a request we served was answered
+        self._overflow = trio.Lock()  # quick requests answered off the reader: one at a time
         self._next_id = 0
         self._scope = trio.CancelScope()
         self._cause: BaseException | None = None
@@ -316,7 +320,7 @@ class RpcConnection:
         """
         await trio.lowlevel.checkpoint_if_cancelled()
         if size > _DIRECT_MAX or not self._outbox.try_claim():
-            await self._outbox.put(pieces, urgent=urgent and size <= _DIRECT_MAX)
+            await self._outbox.put(pieces, urgent=urgent and size <= _DIRECT_MAX, size=size)
             return
         # No checkpoint since the one above, so nothing interrupts the write before its
         # first byte; an interruption after it leaves half a frame: the connection ends.
@@ -484,7 +488,7 @@ class RpcConnection:
         except Exception as exc:
             code, message = self._error_reply(frame.method, exc)
             pieces, size = self._encode(_error_frame(frame.request_id, code, message))
-        self._outbox.put_nowait(pieces, urgent=size <= _DIRECT_MAX)  # a large body waits
+        self._outbox.put_nowait(pieces, urgent=size <= _DIRECT_MAX, size=size)  # large: waits
 
     def _error_reply(self, method: str, exc: Exception) -> tuple[str, str]:
         """The error code and message that answer a handler's exception."""
@@ -503,16 +507,14 @@ class RpcConnection:
 
     async def _answer(self, request: Request, request_id: int) -> None:
         method = request.method
-        reply: Reply | None = None
         if (handler := self._handlers.unary.get(method)) is not None:
-            reply = await handler(request)
+            await self._put_reply(request_id, await handler(request))
         elif (quick := self._handlers.quick.get(method)) is not None:  # the outbox was full
-            reply = quick(request)
-        if reply is not None:  # the only frame of a unary answer: no order to keep
-            await self._put(
-                RpcFrame(FrameKind.RESPONSE, request_id, body=reply.body, payload=reply.payload),
-                urgent=True,
-            )
+            # One at a time: a large reply waits here for room in the outbox (a small one
+            # skips the bulk queue), and a peer that asks for many large replies and reads
+            # none must not make each of its requests hold one.
+            async with self._overflow:
+                await self._put_reply(request_id, quick(request))
         elif (stream_handler := self._handlers.streaming.get(method)) is not None:
             items = stream_handler(request)
             try:
@@ -526,6 +528,11 @@ class RpcConnection:
             await self._put(RpcFrame(FrameKind.END, request_id))
         else:
             raise RemoteError("unknown_method", f"no method {method!r}")
+
+    async def _put_reply(self, request_id: int, reply: Reply) -> None:
+        # the only frame of a unary answer: no order to keep
+        frame = RpcFrame(FrameKind.RESPONSE, request_id, body=reply.body, payload=reply.payload)
+        await self._put(frame, urgent=True)
 
     async def _send_error(
         self, request_id: int, code: str, message: str, urgent: bool = False

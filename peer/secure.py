@@ -178,6 +178,33 @@ class SecureStream(trio.abc.Stream):
         finally:
             self._receiving = False
 
+    async def wait_buffered(self, nbytes: int) -> None:
+        """Wait until ``nbytes`` have arrived that no ``receive_into`` took yet (sealed or
+        not; a sealed message counts its 18 bytes of overhead too), or the stream ended.
+        A reader calls it before allocating a large buffer for data announced but not yet
+        sent: memory then follows what the peer actually sent.
+
+        Raises:
+            trio.BrokenResourceError: if the connection failed or ended inside a message.
+            trio.ClosedResourceError: if we closed the stream.
+            trio.BusyResourceError: if another task is receiving.
+        """
+        if self._receiving:
+            raise trio.BusyResourceError("another task is receiving on this stream")
+        self._receiving = True
+        try:
+            while not self._eof and self._buffered < nbytes:
+                if self._closed:
+                    raise trio.ClosedResourceError("stream closed")
+                await self._fill()
+        finally:
+            self._receiving = False
+
+    @property
+    def _buffered(self) -> int:
+        pending = 0 if self._pending is None else len(self._pending)
+        return pending + self._transport.buffered
+
     def _take_pending(self, target: memoryview) -> int:
         assert self._pending is not None
         n = min(len(target), len(self._pending))

@@ -24,6 +24,9 @@ __all__ = ["FramePool", "FrameReader", "Outbox", "Piece", "write_pieces"]
 Piece = bytes | bytearray | memoryview
 BATCH_BYTES = 1 << 20
 """The writer takes queued frames until it holds about this many bytes."""
+QUEUE_BYTES = 4 << 20
+"""Bulk frames queued beyond this many bytes make :meth:`Outbox.put` wait (an empty queue
+takes one frame of any size): what a peer that stops reading can make us hold."""
 _COALESCE_BELOW = 1 << 16
 """Adjacent pieces smaller than this are joined before sealing (one message, not many)."""
 _POOL_MIN = 1 << 16
@@ -48,12 +51,18 @@ class Outbox:
     but never reads our answers fills it, its requests then stay in flight until the
     in-flight limit or the stalled write's send timeout cuts it off (see ``HostConfig``),
     and memory stays bounded.
+
+    The bulk queue is bounded in bytes too (``max_bytes``): a peer that asks for large
+    replies (a FIND_VALUE page is 1 MiB) and never reads them would otherwise make us hold
+    ``capacity`` of them per connection.
     """
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, max_bytes: int = QUEUE_BYTES) -> None:
         self._items: deque[Sequence[Piece]] = deque()
         self._urgent: deque[Sequence[Piece]] = deque()
         self._capacity = capacity
+        self._max_bytes = max_bytes
+        self._queued_bytes = 0  # of the bulk frames in ``_items``
         self._space = trio.lowlevel.ParkingLot()
         self._urgent_space = trio.lowlevel.ParkingLot()
         self._ready = trio.lowlevel.ParkingLot()
@@ -62,33 +71,42 @@ class Outbox:
         self._busy = False  # a task is writing to the stream
         self._batch: list[Sequence[Piece]] = []  # the frames the writer is writing now
 
-    async def put(self, pieces: Sequence[Piece], urgent: bool = False) -> None:
-        """Queue one frame's pieces; either queued or (on cancel/close) not at all.
+    async def put(self, pieces: Sequence[Piece], urgent: bool = False, size: int = -1) -> None:
+        """Queue one frame's pieces (``size``: their bytes, when the caller knows them);
+        either queued or (on cancel/close) not at all.
 
         Raises:
             trio.ClosedResourceError: if the outbox is closed.
         """
         await trio.lowlevel.checkpoint_if_cancelled()
-        queue, space = (self._urgent, self._urgent_space) if urgent else (self._items, self._space)
-        while not self._closed and len(queue) >= self._capacity:
+        space = self._urgent_space if urgent else self._space
+        while not self._closed and not self.has_room(urgent):
             await space.park()
         if self._closed:
             raise trio.ClosedResourceError("the connection is closed")
-        queue.append(pieces)
-        if not self._busy:
-            self._ready.unpark()
+        self._append(pieces, urgent, size)
         await trio.lowlevel.cancel_shielded_checkpoint()
 
-    def put_nowait(self, pieces: Sequence[Piece], urgent: bool = False) -> None:
+    def put_nowait(self, pieces: Sequence[Piece], urgent: bool = False, size: int = -1) -> None:
         """Queue a frame regardless of capacity; dropped when the outbox is closed."""
         if not self._closed:
-            (self._urgent if urgent else self._items).append(pieces)
-            if not self._busy:
-                self._ready.unpark()
+            self._append(pieces, urgent, size)
+
+    def _append(self, pieces: Sequence[Piece], urgent: bool, size: int) -> None:
+        if urgent:
+            self._urgent.append(pieces)
+        else:
+            self._items.append(pieces)
+            self._queued_bytes += size if size >= 0 else _size_of(pieces)
+        if not self._busy:
+            self._ready.unpark()
 
     def has_room(self, urgent: bool = False) -> bool:
-        """True when fewer than ``capacity`` frames are queued (urgent ones, if ``urgent``)."""
-        return len(self._urgent if urgent else self._items) < self._capacity
+        """True when fewer than ``capacity`` frames are queued (urgent ones, if ``urgent``)
+        and, for bulk frames, fewer than ``max_bytes`` bytes."""
+        if urgent:
+            return len(self._urgent) < self._capacity
+        return len(self._items) < self._capacity and self._queued_bytes < self._max_bytes
 
     def try_claim(self) -> bool:
         """Take the stream for a direct write: True when open, idle and nothing is queued
@@ -130,14 +148,16 @@ class Outbox:
             frame = self._urgent.popleft()
             self._batch.append(frame)
             pieces.extend(frame)
-        size = taken = 0
+        size = 0
         while self._items and size < BATCH_BYTES:
             frame = self._items.popleft()
             self._batch.append(frame)
-            taken += 1
             pieces.extend(frame)
-            size += sum(memoryview(p).nbytes for p in frame)
-        self._space.unpark(count=taken)
+            size += _size_of(frame)
+        if size:
+            self._queued_bytes -= size
+            # all of them: bytes, not frames, left; a woken waiter may have been cancelled
+            self._space.unpark_all()
         return pieces
 
     def withdraw(self, frame: Sequence[Piece]) -> bool:
@@ -151,7 +171,8 @@ class Outbox:
         for index, queued in enumerate(self._items):
             if queued is frame:
                 del self._items[index]
-                self._space.unpark()
+                self._queued_bytes -= _size_of(frame)
+                self._space.unpark_all()
                 return True
         return False
 
@@ -163,10 +184,15 @@ class Outbox:
         self._closed = True
         self._items.clear()
         self._urgent.clear()
+        self._queued_bytes = 0
         self._space.unpark_all()
         self._urgent_space.unpark_all()
         self._ready.unpark_all()
         self._idle.unpark_all()
+
+
+def _size_of(frame: Sequence[Piece]) -> int:
+    return sum(memoryview(p).nbytes for p in frame)
 
 
 async def write_pieces(stream: trio.abc.Stream, pieces: Sequence[Piece]) -> None:
@@ -280,6 +306,7 @@ class FrameReader:
             if isinstance(stream, SecureStream)
             else _PlainReceiver(stream).receive_into
         )
+        self._wait_buffered = stream.wait_buffered if isinstance(stream, SecureStream) else None
         self._head = bytearray(HEADER.size)
         self._pool = pool
 
@@ -297,6 +324,10 @@ class FrameReader:
             raise RemoteProtocolError(
                 f"peer sent a frame of {length} bytes; the maximum is {self.max_frame_size}"
             )
+        if length >= _POOL_MIN and self._wait_buffered is not None:
+            # Allocate once half of it is here: a peer that announces 4 MiB frames and
+            # sends nothing more would otherwise make each connection hold 4 MiB.
+            await self._wait_buffered(length // 2)
         frame = self._pool.get(length)
         await self._fill(frame, at_boundary=False)
         return frame

@@ -39,6 +39,7 @@ from .identity import (
     PeerID,
     verify_signature,
 )
+from .rpc import check_whole_msgpack, may_hold_array_bomb
 
 MAX_KEY_BYTES = 512
 """Longest user key string, in UTF-8 bytes (keys travel as 32-byte DHT ids)."""
@@ -302,6 +303,10 @@ def decode_value(data: bytes) -> Any:
             type (a timestamp included): a value must read back as what a store accepts.
     """
     try:
+        # nested array headers claiming more than is there; any: a STORE carries 64 values
+        # and its connection stays up
+        if may_hold_array_bomb(data, tolerated=0):
+            check_whole_msgpack(data)
         value = msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=_refuse_extension)
     except TypeError as exc:  # a map key that Python cannot hash (a list)
         raise ValueError(f"undecodable value: {exc}") from exc

@@ -50,8 +50,10 @@ __all__ = [
     "PROTOCOL_VERSION",
     "FrameKind",
     "RpcFrame",
+    "check_whole_msgpack",
     "decode_rpc_frame",
     "encode_rpc_frame",
+    "may_hold_array_bomb",
 ]
 
 PROTOCOL_VERSION = 1
@@ -197,8 +199,55 @@ def encode_rpc_frame(
     return [prefix + _HEADER_LENGTH.pack(len(packed)) + packed, frame.payload]
 
 
-def _unpack_header(data: memoryview) -> Any:
+_ARRAY16, _ARRAY32 = b"\xdc", b"\xdd"
+_TOLERATED_ARRAY_HEADERS = 15
+_ALWAYS_CHECK_FROM = 1 << 16
+"""Headers this large skip the cheap test below and are always checked whole first."""
+
+
+def check_whole_msgpack(data: bytes | memoryview) -> None:
+    """Check that ``data`` holds one complete msgpack object, without building it.
+
+    The unpacker allocates an array's slots when it reads the array's header, before
+    its elements, so a few bytes of nested headers that each claim 65535 elements
+    (3 bytes apiece, up to 1024 deep) make it allocate ~80 MB and burn ~70 ms before it
+    notices that the data ends: a CPU and memory bomb. Skipping the structure first
+    builds nothing; once it is known to be complete, every slot allocated later holds an
+    element that is really there, so decoding costs what the bytes are worth.
+
+    Raises:
+        ValueError: if ``data`` is truncated, malformed, nested 1024 deep or more, or
+            has bytes after the object.
+    """
+    unpacker = msgpack.Unpacker(max_buffer_size=max(len(data), 1))
+    unpacker.feed(data)
     try:
+        unpacker.skip()
+    except msgpack.OutOfData:
+        raise ValueError("truncated msgpack") from None
+    if unpacker.tell() != len(data):
+        raise ValueError("bytes after the msgpack object")
+
+
+def may_hold_array_bomb(data: bytes, tolerated: int = _TOLERATED_ARRAY_HEADERS) -> bool:
+    """Whether ``data`` holds more than ``tolerated`` type bytes of arrays of 16 or more
+    elements (fixarrays are too small to matter), so that :func:`check_whole_msgpack` must
+    run first. Each one costs at most ~70 us, even opening an empty array that claims
+    2**32 elements; an RPC header that does so is malformed and its connection dropped, and
+    the random bytes of keys and signatures rarely hold more than 15, so most skip the check.
+    """
+    return data.count(_ARRAY16) + data.count(_ARRAY32) > tolerated
+
+
+def _unpack_header(view: memoryview) -> Any:
+    data: bytes | memoryview = view
+    try:
+        if len(view) >= _ALWAYS_CHECK_FROM:
+            check_whole_msgpack(view)
+        else:
+            data = bytes(view)  # small: a copy makes the scan a memchr
+            if may_hold_array_bomb(data):
+                check_whole_msgpack(data)
         return msgpack.unpackb(
             data,
             raw=False,

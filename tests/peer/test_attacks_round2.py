@@ -1,0 +1,230 @@
+"""Attacks built from the wire spec alone (docs/protocol.md), second round: each hostile peer
+must cost the node little memory and CPU, and everyone else keeps being served."""
+
+from __future__ import annotations
+
+import pytest
+import trio
+import trio.testing
+
+from peer.host import HostConfig, open_rpc_host
+from peer.memnet import MemoryNetwork
+from peer.rpc import Reply, Request
+from peer.secure import SecureStream, secure_handshake
+from peer.wire import QUEUE_BYTES, FramePool, FrameReader
+from protocol.address import Address
+from protocol.errors import RemoteProtocolError
+from protocol.framing import DEFAULT_MAX_FRAME_SIZE, NEED_DATA, FrameDecoder, encode_frame_header
+from protocol.identity import Identity
+from protocol.rpc import FrameKind, RpcFrame, decode_rpc_frame, encode_rpc_frame
+
+SERVER = Identity.from_seed(b"s" * 32)
+GOOD = Identity.from_seed(b"g" * 32)
+BAD = Identity.from_seed(b"b" * 32)
+
+MIB = 1 << 20
+LARGE = bytes(MIB)
+
+
+def _requests(method: str, count: int) -> bytes:
+    frames = (
+        encode_rpc_frame(RpcFrame(FrameKind.REQUEST, request_id, method=method))
+        for request_id in range(count)
+    )
+    return b"".join(bytes(piece) for pieces in frames for piece in pieces)
+
+
+async def _dial(net: MemoryNetwork, source: str, identity: Identity) -> SecureStream:
+    raw = await net.interface(source).connect("s", 1)
+    return await secure_handshake(raw, identity, initiator=True)
+
+
+async def _read_replies(stream: SecureStream, count: int) -> int:
+    """Read until ``count`` reply frames came; how many of them were ``res``."""
+    decoder = FrameDecoder()
+    seen = answered = 0
+    while seen < count:
+        decoder.receive_data(await stream.receive_some(MIB))
+        while (frame := decoder.next_frame()) is not NEED_DATA:
+            assert isinstance(frame, bytes)
+            seen += 1
+            answered += decode_rpc_frame(frame).kind is FrameKind.RESPONSE
+    return answered
+
+
+async def test_a_peer_that_never_reads_large_replies_makes_us_build_few_of_them(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A FIND_VALUE page is 1 MiB for a request of ~100 bytes. A peer that asked for 100 of
+    them and read none made the node build and hold all 100 (32 queued, the rest held by
+    tasks waiting for queue room): ~150 MB per connection, measured on real TCP."""
+    net = MemoryNetwork(window=MIB)  # a peer that stops reading stalls our writes, as TCP
+    built = 0
+
+    def page(request: Request) -> Reply:
+        nonlocal built
+        built += 1
+        return Reply({}, LARGE)
+
+    async with (
+        open_rpc_host(SERVER, listen=Address("s", 1), network=net.interface("s")) as server,
+        open_rpc_host(GOOD, listen=None, network=net.interface("good")) as good,
+    ):
+        server.register_quick("page", page)
+        server.register_quick("ping", lambda request: Reply({"ok": True}))
+        assert server.listen_address is not None
+        with trio.fail_after(30):
+            attacker = await _dial(net, "bad", BAD)
+            await attacker.send_all(_requests("page", 100))
+            await trio.sleep(5)  # everything that can happen without the attacker reading
+            # the outbox's byte budget, the batch being written, what the window holds
+            assert built <= QUEUE_BYTES // MIB + 4
+            reply = await good.call(server.listen_address, "ping")
+            assert reply.body == {"ok": True}
+            # once it reads, every request is answered: no waiter was forgotten
+            assert await _read_replies(attacker, 100) == 100
+            assert built == 100
+
+
+async def test_connections_that_never_handshake_do_not_lock_other_peers_out(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Silent TCP connections from a few hosts (no crypto, no bytes) filled every slot, and
+    each new peer was refused for ``handshake_timeout``, renewable forever. The oldest
+    handshake in progress now makes room."""
+    net = MemoryNetwork()
+    config = HostConfig(max_connections=8, max_connections_per_ip=4, handshake_timeout=10.0)
+    silent: list[trio.abc.Stream] = []
+    async with (
+        open_rpc_host(
+            SERVER, listen=Address("s", 1), network=net.interface("s"), config=config
+        ) as server,
+        open_rpc_host(GOOD, listen=None, network=net.interface("good")) as good,
+    ):
+        server.register_quick("ping", lambda request: Reply({"ok": True}))
+        assert server.listen_address is not None
+        with trio.fail_after(5):
+            for host in ("bad1", "bad2"):
+                for _ in range(4):
+                    silent.append(await net.interface(host).connect("s", 1))
+            await trio.testing.wait_all_tasks_blocked()
+            assert server._handshaking == 8
+            for _ in range(3):  # within the handshake timeout, again and again
+                assert (await good.call(server.listen_address, "ping")).body == {"ok": True}
+                await good.disconnect(server.peer_id)
+                await trio.sleep(1)
+            assert server._handshaking < 8  # the oldest silent ones were cut off
+        for stream in silent:
+            await stream.aclose()
+
+
+async def test_the_per_host_limit_counts_an_ipv6_slash_64_as_one_host(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """One IPv6 subscriber holds a whole /64: counting each address apart gave one attacker
+    as many hosts as it liked."""
+    net = MemoryNetwork()
+    config = HostConfig(max_connections=64, max_connections_per_ip=4)
+    async with open_rpc_host(
+        SERVER, listen=Address("s", 1), network=net.interface("s"), config=config
+    ) as server:
+        with trio.fail_after(5):
+            streams = [
+                await net.interface(f"2001:db8:0:7::{i + 1:x}").connect("s", 1) for i in range(6)
+            ]
+            await trio.testing.wait_all_tasks_blocked()
+            assert server._handshaking == 4  # the other two were closed at once
+            other = await net.interface("2001:db8:0:8::1").connect("s", 1)  # another /64
+            await trio.testing.wait_all_tasks_blocked()
+            assert server._handshaking == 5
+        for stream in [*streams, other]:
+            await stream.aclose()
+
+
+async def _secure_pair() -> tuple[SecureStream, SecureStream]:
+    left, right = trio.testing.memory_stream_pair()
+    streams: dict[bool, SecureStream] = {}
+
+    async def shake(raw: trio.abc.Stream, identity: Identity, initiator: bool) -> None:
+        streams[initiator] = await secure_handshake(raw, identity, initiator=initiator)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(shake, left, BAD, True)
+        nursery.start_soon(shake, right, SERVER, False)
+    return streams[True], streams[False]
+
+
+async def test_a_frame_announced_but_not_sent_gets_no_buffer(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Four bytes announcing a 4 MiB frame made the reader allocate (and zero) 4 MiB at
+    once: 120 connections that sent 5 bytes each took 480 MB of a node's memory, for the
+    idle timeout, renewable. The buffer now waits for half of the frame."""
+    pool = FramePool()
+    attacker, server = await _secure_pair()
+    reader = FrameReader(server, DEFAULT_MAX_FRAME_SIZE, pool)
+    content = bytes(range(256)) * (DEFAULT_MAX_FRAME_SIZE // 256)
+    got: list[memoryview | None] = []
+
+    async def read() -> None:
+        got.append(await reader.next_frame())
+
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read)
+            await attacker.send_all(encode_frame_header(len(content)) + content[:1000])
+            await trio.testing.wait_all_tasks_blocked()
+            assert pool.allocated == 0 and not got
+            await attacker.send_all(content[1000 : len(content) // 2])
+            await trio.testing.wait_all_tasks_blocked()
+            assert pool.allocated == 1 and not got  # half of it came: worth a buffer
+            await attacker.send_all(content[len(content) // 2 :])
+    assert got[0] is not None and got[0] == content
+
+
+async def test_a_truncated_large_frame_still_ends_the_connection(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    attacker, server = await _secure_pair()
+    reader = FrameReader(server, DEFAULT_MAX_FRAME_SIZE, FramePool())
+    with trio.fail_after(5):
+        await attacker.send_all(encode_frame_header(1 << 20) + bytes(100))
+        await attacker.aclose()
+        with pytest.raises(RemoteProtocolError, match="truncated"):
+            await reader.next_frame()
+
+
+async def test_a_small_answer_still_skips_our_queued_uploads(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """With our uploads to a peer filling the outbox's byte budget, the peer's DHT-style
+    requests are answered off the reader; their small replies must still go ahead of the
+    megabytes queued (a reply that paces the peer must not wait behind them)."""
+    net = MemoryNetwork(window=MIB)
+    async with open_rpc_host(SERVER, listen=Address("s", 1), network=net.interface("s")) as server:
+        server.register_quick("ping", lambda request: Reply({"ok": True}))
+        with trio.fail_after(30):
+            peer = await _dial(net, "p", GOOD)
+            await trio.testing.wait_all_tasks_blocked()
+            async with trio.open_nursery() as uploads:
+                for _ in range(8):  # never answered: the peer only reads
+                    uploads.start_soon(server.call, Address("p", 9, GOOD.peer_id), "x", {}, LARGE)
+                await trio.testing.wait_all_tasks_blocked()
+                await peer.send_all(_requests("ping", 1))
+                await trio.testing.wait_all_tasks_blocked()
+                decoder = FrameDecoder()
+                uploads_first = 0
+                while True:
+                    decoder.receive_data(await peer.receive_some(MIB))
+                    while (frame := decoder.next_frame()) is not NEED_DATA:
+                        assert isinstance(frame, bytes)
+                        kind = decode_rpc_frame(frame).kind
+                        if kind is FrameKind.RESPONSE:
+                            break
+                        uploads_first += 1
+                    else:
+                        continue
+                    break
+                # only what was already written or being written when the ping came
+                assert uploads_first <= 2, uploads_first
+                uploads.cancel_scope.cancel()
