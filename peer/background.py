@@ -8,14 +8,16 @@
 
 One thread runs ``trio.run``; each call enters that loop through
 ``trio.from_thread.run`` and blocks the calling thread until it returns. Errors raised
-on the loop propagate to the caller. Leaving the ``with`` block stops the peer and
-joins the thread; a call still running in another thread then raises PeerStoppedError.
+on the loop propagate to the caller, and a KeyboardInterrupt (Ctrl-C) in the caller
+cancels its call on the loop. Leaving the ``with`` block stops the peer and joins the
+thread; a call still running in another thread then raises PeerStoppedError.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import inspect
 import os
 import sys
 import threading
@@ -32,7 +34,7 @@ from protocol.records import Subkey
 
 from .errors import PeerStoppedError
 from .network import Network
-from .node import Peer, PeerConfig, open_peer
+from .node import Peer, PeerConfig, as_list, open_peer
 
 __all__ = ["BackgroundDHT", "BackgroundPeer", "PeerStoppedError", "run_in_background"]
 
@@ -64,18 +66,35 @@ class BackgroundPeer:
     def run(self, async_fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         """Run ``async_fn(*args)`` on the peer's loop and return its result.
 
+        A KeyboardInterrupt (SIGINT) while it waits cancels the call on the loop, waits
+        for it to unwind, and is re-raised.
+
         Raises:
             PeerStoppedError: if the peer is no longer running, or stops during the call.
             RuntimeError: if called in a forked child process.
+            TypeError: if ``async_fn`` is not a function (a coroutine object, say).
             Exception: whatever ``async_fn`` raises.
         """
         self._check_process()
+        if not callable(async_fn):  # node.run(fn(x)) instead of node.run(fn, x)
+            if inspect.iscoroutine(async_fn):
+                async_fn.close()  # no "never awaited" warning on top of the error
+            raise TypeError(
+                f"run() takes an async function and its arguments, not a"
+                f" {type(async_fn).__name__}: node.run(fn, arg), not node.run(fn(arg))"
+            )
+        call = _InterruptibleCall()
         try:
-            return trio.from_thread.run(async_fn, *args, trio_token=self._token)
+            return trio.from_thread.run(call.run, async_fn, *args, trio_token=self._token)
         except trio.RunFinishedError as exc:
             raise PeerStoppedError("the background peer has stopped") from exc
         except trio.Cancelled as exc:  # the peer stopped while the call ran (its system task)
             raise PeerStoppedError("the background peer stopped during the call") from exc
+        except KeyboardInterrupt:
+            # Ctrl-C (a notebook's interrupt) must stop the call, not leave it running on
+            # the loop: an averaging step would go on writing into the caller's tensors
+            call.cancel()
+            raise
 
     def run_sync(self, fn: Callable[..., T], *args: Any) -> T:
         """Run the plain function ``fn(*args)`` on the peer's loop (to read its state safely).
@@ -103,6 +122,38 @@ class BackgroundPeer:
         return f"<BackgroundPeer {self.address}>"
 
 
+class _InterruptibleCall:
+    """One call onto the loop, which the thread that waits for it may cancel (it runs in
+    trio's system nursery, or is the loop's main task: out of reach otherwise)."""
+
+    def __init__(self) -> None:
+        self._scope: trio.CancelScope | None = None
+        self._token: trio.lowlevel.TrioToken | None = None
+        self._cancelled = False  # set before the call started: it never enters async_fn
+        self._done = threading.Event()
+
+    async def run(self, async_fn: Callable[..., Awaitable[T]], *args: Any) -> T:
+        try:
+            with trio.CancelScope() as scope:
+                self._token = trio.lowlevel.current_trio_token()
+                self._scope = scope
+                if not self._cancelled:
+                    return await async_fn(*args)
+            raise PeerStoppedError("the call was interrupted")  # its caller has gone
+        finally:
+            self._done.set()
+
+    def cancel(self) -> None:
+        """Cancel the call from another thread and wait until it has unwound."""
+        self._cancelled = True  # before reading _scope, which run() sets before reading this
+        scope, token = self._scope, self._token
+        if scope is None or token is None:
+            return  # not started: it will see _cancelled and never enter async_fn
+        with contextlib.suppress(trio.RunFinishedError):
+            trio.from_thread.run_sync(scope.cancel, trio_token=token)
+        self._done.wait()
+
+
 class BackgroundDHT:
     """The blocking twin of :class:`peer.dht.DHT`: same methods, no ``await``."""
 
@@ -114,7 +165,7 @@ class BackgroundDHT:
 
         Raises:
             RecordTooLargeError: (a ValueError) a key, subkey or value over its limit.
-            RecordError: a subkey bound to another peer.
+            RecordError: a subkey or key bound to another peer; a key that is not a str.
             ValueError: a ttl out of range. TypeError: a value msgpack cannot serialize.
             PeerStoppedError: the peer is no longer running.
         """
@@ -126,6 +177,7 @@ class BackgroundDHT:
 
         Raises:
             RecordTooLargeError: (a ValueError) the key is over its limit.
+            RecordError: the key is not a str.
             PeerStoppedError: the peer is no longer running.
         """
         dht = self._owner.peer.dht
@@ -140,6 +192,7 @@ class BackgroundDHT:
 
         Raises:
             RecordTooLargeError: (a ValueError) the key is over its limit.
+            RecordError: the key is not a str.
             PeerStoppedError: the peer is no longer running.
         """
         dht = self._owner.peer.dht
@@ -169,7 +222,7 @@ class BackgroundDHT:
 @contextmanager
 def run_in_background(
     listen: str | None = "127.0.0.1:0",
-    initial_peers: Iterable[str | Address] = (),
+    initial_peers: Iterable[str | Address] | None = (),
     identity: Identity | str | os.PathLike[str] | None = None,
     client_mode: bool = False,
     network: Network | None = None,
@@ -182,7 +235,9 @@ def run_in_background(
     """Start a peer (see :func:`peer.open_peer` for the arguments) on a background thread.
 
     Returns once the peer is up and bootstrapped; leaving the block stops it and joins
-    the thread.
+    the thread. A KeyboardInterrupt (Ctrl-C) during the start stops the half-started peer
+    before it propagates, as one during a call cancels that call (see
+    :meth:`BackgroundPeer.run`).
 
     Raises:
         ProtocolError, IdentityFileError, OSError, PeerUnavailableError: as
@@ -199,13 +254,17 @@ def run_in_background(
             "run_in_background() blocks the calling thread and cannot run inside trio; "
             "use `async with peer.open_peer(...)` in async code"
         )
-    initial = [initial_peers] if isinstance(initial_peers, str | Address) else list(initial_peers)
+    initial = as_list(initial_peers)
     ready = threading.Event()
     started: list[BackgroundPeer] = []
     failure: list[BaseException] = []
     stop: list[trio.Event] = []
+    startup = _InterruptibleCall()
 
     async def main() -> None:
+        await startup.run(start_and_serve)
+
+    async def start_and_serve() -> None:
         async with open_peer(
             listen,
             initial,
@@ -232,7 +291,12 @@ def run_in_background(
 
     thread = threading.Thread(target=thread_main, name="swarm-peer", daemon=True)
     thread.start()
-    ready.wait()
+    try:
+        ready.wait()
+    except KeyboardInterrupt:  # Ctrl-C during the start: no peer may live on unseen
+        startup.cancel()
+        thread.join()
+        raise
     if not started:
         thread.join()
         raise failure[0]

@@ -259,6 +259,34 @@ class RpcHost:
         peer_id = address.peer_id
         return peer_id is not None and self._by_address.get(address.hostport) == peer_id
 
+    async def prove_address(self, address: Address) -> bool:
+        """Whether a peer holding ``address.peer_id``'s key listens at ``address``: dial it
+        on a connection of its own (never the pool: a pooled connection the peer opened
+        proves its id, not where it listens), complete the handshake, and close it.
+        Bounded by ``dial_timeout``; afterwards :meth:`dialed` knows the answer too."""
+        if address.peer_id is None or address.peer_id == self.peer_id or self.stopped:
+            return False
+        with trio.move_on_after(self.config.dial_timeout):
+            try:
+                raw = await self.network.connect(address.host, address.port)
+            except (*_CONNECTION_ERRORS, trio.TooSlowError) as exc:
+                logger.debug("cannot reach %s to check it: %r", address, exc)
+                return False
+            try:
+                await secure_handshake(
+                    raw, self.identity, initiator=True, expected_peer_id=address.peer_id
+                )
+            except (*_CONNECTION_ERRORS, trio.TooSlowError) as exc:
+                logger.debug("%s did not prove its id: %r", address, exc)
+                return False
+            finally:
+                await trio.aclose_forcefully(raw)
+            if len(self._by_address) >= _MAX_REMEMBERED_ADDRESSES:
+                self._by_address.clear()
+            self._by_address[address.hostport] = address.peer_id
+            return True
+        return False
+
     async def disconnect(self, peer_id: PeerID) -> None:
         """Close every connection to ``peer_id`` (pending calls fail)."""
         for connection in [c for c in self._connections if c.peer_id == peer_id]:

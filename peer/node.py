@@ -6,9 +6,10 @@
         await node.dht.get("run/x")                # {"a": 1}
         node.rpc.register("my.method", handler)   # other services share the host
 
-``open_peer`` returns once the peer is listening and has bootstrapped (or failed to,
-with a warning: it keeps running and retries the initial peers at each refresh).
-Leaving the context stops every task of the peer and closes its connections.
+``open_peer`` returns once the peer is listening and has bootstrapped; when initial peers
+were given and none answered it raises PeerUnavailableError (or, with
+``ensure_bootstrap_success=False``, starts alone with a warning and retries them at each
+refresh). Leaving the context stops every task of the peer and closes its connections.
 """
 
 from __future__ import annotations
@@ -89,6 +90,26 @@ def _check_arguments(listen: object, identity: object, client_mode: object, conf
         )
 
 
+def as_list(initial_peers: Iterable[str | Address] | None) -> list[str | Address]:
+    """The initial peers as a list: one address is not its characters, None is none
+    (hivemind's default).
+
+    Raises:
+        TypeError: if ``initial_peers`` is neither an address nor an iterable of them.
+    """
+    if initial_peers is None:
+        return []
+    if isinstance(initial_peers, str | Address):
+        return [initial_peers]
+    try:
+        return list(initial_peers)
+    except TypeError:
+        raise TypeError(
+            "initial_peers must be a list of 'PEERID@HOST:PORT' strings (or one), not"
+            f" {type(initial_peers).__name__}"
+        ) from None
+
+
 def load_identity(identity: Identity | str | os.PathLike[str] | None) -> Identity:
     """An Identity as given, loaded from (or created at) a key-file path, or a fresh one.
 
@@ -105,7 +126,7 @@ def load_identity(identity: Identity | str | os.PathLike[str] | None) -> Identit
 @asynccontextmanager
 async def open_peer(
     listen: str | None = "127.0.0.1:0",
-    initial_peers: Iterable[str | Address] = (),
+    initial_peers: Iterable[str | Address] | None = (),
     identity: Identity | str | os.PathLike[str] | None = None,
     client_mode: bool = False,
     network: Network | None = None,
@@ -121,7 +142,8 @@ async def open_peer(
         listen: ``HOST:PORT`` to accept connections on (port 0: any free one); None, or
             ``client_mode=True``, makes a client-mode peer that listens nowhere.
         initial_peers: ``PEERID@HOST:PORT`` or ``HOST:PORT`` of peers already in the swarm
-            (a list; a single string is taken as one address).
+            (a list; a single string is taken as one address); empty or None: start a
+            new swarm.
         identity: an Identity, a key-file path (created when missing), or None (fresh).
         network: where connections come from (default: real TCP).
         config: host and DHT tuning.
@@ -139,7 +161,8 @@ async def open_peer(
             ``announce_host`` is one no peer dials (``0.0.0.0``, multicast: they skip it).
         TypeError: if an argument has the wrong type.
         IdentityFileError: if the identity file exists but is not a key file.
-        OSError: if the listen address cannot be bound.
+        OSError: if the listen address cannot be bound, or the identity file cannot be
+            read or created (a missing directory: FileNotFoundError).
         PeerUnavailableError: if no initial peer answered (see ``ensure_bootstrap_success``).
     """
     _check_arguments(listen, identity, client_mode, config)
@@ -152,9 +175,7 @@ async def open_peer(
         raise ValueError(
             f"listen={listen!r} names another peer: give HOST:PORT (the PeerID is the identity's)"
         )
-    if isinstance(initial_peers, str | Address):  # one address, not its characters
-        initial_peers = [initial_peers]
-    peers = [p if isinstance(p, Address) else Address.parse(p) for p in initial_peers]
+    peers = [p if isinstance(p, Address) else Address.parse(p) for p in as_list(initial_peers)]
     body_error: BaseException | None = None
     async with open_rpc_host(
         me, listen=listen_address, network=network, config=config.host

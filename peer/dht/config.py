@@ -11,8 +11,9 @@ class DHTConfig:
 
     k: int = 20  # bucket size, and how many nodes hold each key
     alpha: int = 3  # requests in flight per lookup
-    # A get ends once this many nodes holding the key have answered (their entries
-    # merged, newest version of each subkey); the paper's FIND_VALUE stops at the first.
+    # A get ends once this many of the k closest nodes holding the key have answered
+    # (their entries merged, newest version of each subkey; at most k count); the paper's
+    # FIND_VALUE stops at the first.
     value_quorum: int = 3
     request_timeout: float = 3.0  # seconds for one DHT RPC, connection included
     # A get keeps only as many requests in flight as it still needs holders; after a silence

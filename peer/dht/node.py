@@ -18,6 +18,7 @@ re-store what they stored while it lives (see ``republish``).
 
 from __future__ import annotations
 
+import heapq
 import logging
 import random
 import time
@@ -54,7 +55,7 @@ from .config import DHTConfig
 from .lookup import LookupResult, Query, iterative_lookup
 from .protocol import DHTProtocol
 from .routing import RoutingTable
-from .storage import DHTStorage, Record, merge_entry
+from .storage import DHTStorage, Record, merge_entry, supersedes
 
 logger = logging.getLogger(__name__)
 
@@ -172,7 +173,7 @@ class DHT:
         Raises:
             Nothing for unreachable peers: they count as not answering.
         """
-        self._initial_peers = [a for a in initial_peers]
+        self._initial_peers = list(dict.fromkeys(initial_peers))  # each one contacted once
         reached = await self._contact(self._initial_peers)
         if reached:
             await self.find_nodes(self.node_id)
@@ -207,7 +208,7 @@ class DHT:
                     return
                 if await self.protocol.ping(NodeInfo(peer_id, address.hostport)):
                     reached += 1
-                    del self.contact_errors[key]
+                    self.contact_errors.pop(key, None)  # (the same address given twice)
                 else:
                     self.contact_errors[key] = "no answer to a ping"
 
@@ -361,8 +362,7 @@ class DHT:
         stop: Callable[[], bool] | None = None,
         wanted: Callable[[], int] | None = None,
     ) -> LookupResult:
-        if self.host.stopped:  # the nursery is gone: no lookup could run, none may lie
-            raise PeerStoppedError("this peer has stopped: its open_peer context has ended")
+        self._check_running()
         # Twice k seeds: when some of the closest known are dead, the next ones take
         # their place instead of the lookup running dry.
         seeds = self.table.nearest(target, 2 * self.config.k)
@@ -383,6 +383,10 @@ class DHT:
         self.table.mark_lookup(target, trio.current_time())
         self.stats.record(result)
         return result
+
+    def _check_running(self) -> None:
+        if self.host.stopped:  # the nursery is gone: no lookup could run, none may lie
+            raise PeerStoppedError("this peer has stopped: its open_peer context has ended")
 
     def _given_up(self, node: NodeInfo) -> None:
         # A request outlasted a lookup's hedging: as a timeout (it counts toward
@@ -413,9 +417,9 @@ class DHT:
         Raises:
             RecordTooLargeError: (a ValueError) the key, subkey or serialized value is
                 over its limit (MAX_KEY_BYTES, MAX_SUBKEY_BYTES, MAX_VALUE_BYTES).
-            RecordError: the subkey or the key is bound to another peer, or the subkey
-                is of a wrong type.
-            ValueError: ``ttl`` is not in (0, MAX_TTL].
+            RecordError: the subkey or the key is bound to another peer, or the key (not
+                a str) or the subkey is of a wrong type.
+            ValueError: ``ttl`` is not in (0, MAX_TTL], or too small to move the clock.
             TypeError: ``ttl`` is not a number, or ``value`` cannot be serialized with
                 msgpack (or would not read back: a tuple as a dict key, an extension type).
             PeerStoppedError: this peer's ``open_peer`` context has ended.
@@ -435,21 +439,35 @@ class DHT:
                 f"DHT values must be msgpack-serializable (None, bool, int, float, str, bytes,"
                 f" and lists and dicts of them); {type(value).__name__}: {exc}"
             ) from exc
-        expiration = self._clock() + ttl
+        now = self._clock()
+        expiration = now + ttl
+        if expiration <= now:  # a unix time has ~0.2 us steps: a smaller ttl adds nothing
+            raise ValueError(f"ttl of {ttl} s is below the clock's resolution")
         owner = key_owner(key)
         if owner is not None or owner_of(subkey) is not None:
             entry = sign_entry(self.identity, key_id, subkey, data, expiration, key_owner=owner)
         else:
             entry = Entry(subkey, data, expiration)
-        validate_entry(key_id, entry, now=self._clock(), key_owner=owner)
+        validate_entry(key_id, entry, now=now, key_owner=owner)
+        self._check_running()  # before it joins the republish list
+        self._note_published(key, key_id, entry, ttl)
+        return await self._store_entries(key, (entry,))
+
+    def _note_published(self, key: str, key_id: DHTID, entry: Entry, ttl: float) -> None:
+        """Republish ``entry`` from now on, unless the record we republish outlives it: a
+        store every node refuses (an older version) must not end the republishing of the
+        live one (the owner's record was lost once its first holders left)."""
+        slot = (key_id, entry.subkey)
+        published = self._published.get(slot)
+        if published is not None and not supersedes(entry, published[1]):
+            return
         if ttl > self.config.republish_interval:
-            self._published[key_id, subkey] = (key, entry)
-            self._published.move_to_end((key_id, subkey))
+            self._published[slot] = (key, entry)
+            self._published.move_to_end(slot)
             while len(self._published) > self.config.max_republished_records:
                 self._published.popitem(last=False)
         else:  # gone, or nearly, by the next pass (e.g. an averaging round's declaration)
-            self._published.pop((key_id, subkey), None)
-        return await self._store_entries(key, (entry,))
+            self._published.pop(slot, None)
 
     async def _store_entries(self, key: str, entries: tuple[Entry, ...]) -> bool:
         """Store while looking up: each STORE reply names the callee's closest contacts,
@@ -483,35 +501,40 @@ class DHT:
     ) -> dict[Subkey, tuple[Any, float]]:
         """Every live ``subkey -> (value, expiration)`` under ``key`` (empty when none).
 
-        ``latest=True`` merges what the first ``value_quorum`` nodes that hold the key
-        answer (this node counts when it holds the key; the lookup asks the closest first,
-        and every STORE reached the k closest, so each of them holds every subkey that was
-        stored successfully): the newest version of each subkey among them. When fewer
-        nodes hold the key, the lookup runs until the k closest have answered.
+        ``latest=True`` merges what the first ``value_quorum`` holders of the key among
+        its k closest nodes answer (this node counts when it holds the key; a holder with
+        k nodes known closer to the key does not count: it may be a node a store asked on
+        the way, which holds that store only, while every STORE reached the k closest): the
+        newest version of each subkey among them. When fewer such nodes hold the key, the
+        lookup runs until the k closest have answered.
         ``latest=False`` returns after the first node that holds anything (faster; may
         miss subkeys or newer versions).
 
         Raises:
             RecordTooLargeError: (a ValueError) the key is over MAX_KEY_BYTES.
+            RecordError: the key is not a str.
             PeerStoppedError: this peer's ``open_peer`` context has ended.
         """
         key_id, owner = check_key(key), key_owner(key)
+        self._check_running()  # also when this node's own copy would answer alone
         record: Record = {}
         values: dict[Subkey, Any] = {}
-        holders = 0
-        if self.storage is not None:
-            local = self.storage.get(key_id)
-            holders += bool(local)
-            for entry in local.values():
-                self._merge(key_id, owner, record, values, entry, verified=True)
+        local = self.storage.get(key_id) if self.storage is not None else {}
+        for entry in local.values():
+            self._merge(key_id, owner, record, values, entry, verified=True)
+        quorum = min(self.config.value_quorum, self.config.k) if latest else 1
+        holders = _Holders(key_id, self.config.k, quorum, closest_first=latest)
+        if self.storage is not None:  # a client is no node of the key's k closest
+            holders.answered(self.peer_id, self.node_id, bool(local))
+        holders.learn(self.table.nearest(key_id, 2 * self.config.k))  # the lookup's seeds
 
         async def query(node: NodeInfo) -> Sequence[NodeInfo] | None:
-            nonlocal holders
             response = await self.protocol.find_value(node, key_id)
             if response is None:
+                holders.failed(node)
                 return None
-            holders += bool(response.entries)
             nodes = response.nodes
+            holds = bool(response.entries)
             for _ in range(_MAX_VALUE_PAGES):
                 entries = response.entries or ()
                 for entry in entries:
@@ -524,17 +547,18 @@ class DHT:
                 )
                 if response is None:
                     break
+            holders.learn(nodes)
+            holders.answered(node.peer_id, DHTID.from_peer_id(node.peer_id), holds)
             return nodes
 
-        quorum = self.config.value_quorum if latest else 1
-        if holders < quorum:
+        if not holders.enough():
             # Once some node holds the key, at most as many requests in flight as holders
             # are still missing: the closest nodes are asked first and normally hold it, so
             # a get costs ~quorum RPCs. Before that, a plain lookup (a miss fans out).
             def wanted() -> int:
-                return quorum - holders if holders else self.config.k
+                return holders.missing() if holders.any else self.config.k
 
-            await self._lookup(key_id, query, stop=lambda: holders >= quorum, wanted=wanted)
+            await self._lookup(key_id, query, stop=holders.enough, wanted=wanted)
         return _live(record, values, self._clock())
 
     def _merge(
@@ -548,7 +572,7 @@ class DHT:
         verified: bool,
     ) -> None:
         old = record.get(entry.subkey)
-        if old is not None and old.expiration >= entry.expiration:
+        if old is not None and (old == entry or not supersedes(entry, old)):
             return  # loses anyway (or is the same one): no need to verify it
         try:
             if not verified:
@@ -567,6 +591,7 @@ class DHT:
 
         Raises:
             RecordTooLargeError: (a ValueError) the key is over MAX_KEY_BYTES.
+            RecordError: the key is not a str.
             PeerStoppedError: this peer's ``open_peer`` context has ended.
         """
         entries = await self.get_entries(key, latest=latest)
@@ -590,6 +615,60 @@ class DHT:
         """
         await self.find_nodes(self.node_id)
         return self.routing_table_peers()
+
+
+class _Holders:
+    """Which nodes a get heard from, to end it at ``quorum`` holders of the key.
+
+    With ``closest_first``, a holder counts only while fewer than k nodes are known to be
+    closer to the key (its own reply names its closest contacts): a node asked on the
+    way by a store's lookup keeps a copy of that one store, so a holder outside the k
+    closest may hold a few of a shared key's subkeys, or an old version (a getter far
+    from the key met such nodes first and saw 25 of 40 writers' subkeys); the k closest
+    got every store.
+    """
+
+    def __init__(self, target: DHTID, k: int, quorum: int, *, closest_first: bool) -> None:
+        self._target = target
+        self._k = k
+        self._quorum = quorum
+        self._closest_first = closest_first
+        # peer -> (distance to the key, True/False: answered holding it or not; None: not
+        # yet answered); failed nodes leave
+        self._nodes: dict[PeerID, tuple[int, bool | None]] = {}
+        self._failed: set[PeerID] = set()  # never asked again by the lookup
+        self.any = False  # some node answered holding the key
+
+    def learn(self, nodes: Sequence[NodeInfo]) -> None:
+        """Candidates, as the lookup takes them: the k closest of a reply, dialable ones."""
+        dialable = [n for n in nodes if n.address is not None]
+        for node in heapq.nsmallest(self._k, dialable, key=self._distance):
+            if node.peer_id not in self._nodes and node.peer_id not in self._failed:
+                self._nodes[node.peer_id] = (self._distance(node), None)
+
+    def _distance(self, node: NodeInfo) -> int:
+        return DHTID.from_peer_id(node.peer_id) ^ self._target
+
+    def answered(self, peer_id: PeerID, node_id: DHTID, holds: bool) -> None:
+        self._nodes[peer_id] = (node_id ^ self._target, holds)
+        self.any = self.any or holds
+
+    def failed(self, node: NodeInfo) -> None:
+        self._nodes.pop(node.peer_id, None)
+        self._failed.add(node.peer_id)
+
+    def _counted(self) -> int:
+        if not self._closest_first:
+            return sum(bool(holds) for _, holds in self._nodes.values())
+        # k nodes known closer to the key: not one of its k holders
+        closest = heapq.nsmallest(self._k, self._nodes.values(), key=lambda item: item[0])
+        return sum(bool(holds) for _, holds in closest)
+
+    def enough(self) -> bool:
+        return self._counted() >= self._quorum
+
+    def missing(self) -> int:
+        return max(self._quorum - self._counted(), 1)
 
 
 def _live(record: Record, values: dict[Subkey, Any], now: float) -> dict[Subkey, tuple[Any, float]]:

@@ -3,7 +3,12 @@
 Learning rules (the routing table's only inputs):
 - A request teaches us its sender: the handshake-verified ``request.peer_id`` with the
   ``sender`` address it claims (None: a client, never added; nor is a sender at a host no
-  peer can listen at, such as ``0.0.0.0``: see ``Address.dialable``).
+  peer can listen at, such as ``0.0.0.0``: see ``Address.dialable``). The claim is taken
+  as it is when its host is the one the request came from (or the table holds the sender
+  there already); any other host is checked first, by dialing it on a connection of its own
+  (:meth:`RpcHost.prove_address`, a bounded queue): otherwise anyone could fill our table,
+  and through our FIND_NODE answers everyone's lookups, with an address of its choosing,
+  such as a third party's to flood with dials.
 - A reply teaches us the node we called when we dialed its address and the handshake
   proved its id (or the table holds it at that address already): a reply over a pooled
   connection the peer opened proves its id, not the address a third party named for it.
@@ -61,6 +66,7 @@ logger = logging.getLogger(__name__)
 _MAX_REPLY_VALUE_BYTES = 1 << 20
 _ENTRY_OVERHEAD = 200  # subkey, expiration, signature and msgpack headers, generously
 _PING_QUEUE = 256
+_PROOF_QUEUE = 64  # claimed sender addresses waiting to be dialed; a full queue drops more
 _M = TypeVar("_M", bound=Message)
 
 
@@ -84,6 +90,8 @@ class DHTProtocol:
         self.sender = sender
         self._now = now
         self._ping_send, self._ping_receive = trio.open_memory_channel[NodeInfo](_PING_QUEUE)
+        self._proof_send, self._proof_receive = trio.open_memory_channel[NodeInfo](_PROOF_QUEUE)
+        self._proving: set[PeerID] = set()  # queued or being dialed
         self._addresses: dict[tuple[str, PeerID], Address] = {}
         self._limiter = trio.CapacityLimiter(config.max_concurrent_requests)
         # Called with each contact that enters the routing table (the DHT hands keys over).
@@ -131,16 +139,38 @@ class DHTProtocol:
         with contextlib.suppress(trio.WouldBlock):  # full: a failed request will tell
             self._ping_send.send_nowait(node)
 
-    def _learn_sender(self, peer_id: PeerID, sender: str | None) -> None:
-        if sender is None or not self._address_of(sender, peer_id).dialable:
+    def _learn_sender(self, request: Request, sender: str | None) -> None:
+        peer_id = request.peer_id
+        if sender is None:
+            return
+        address = self._address_of(sender, peer_id)
+        if not address.dialable:
             return
         known = self.table.get(peer_id)
-        if known is None or known.address != sender:
-            known = NodeInfo(peer_id, sender)
-        self.learn(known)
+        if known is not None and known.address == sender:
+            self.learn(known)
+        elif address.host == request.remote_host or self.host.dialed(address):
+            self.learn(NodeInfo(peer_id, sender))
+        elif peer_id not in self._proving:
+            try:
+                self._proof_send.send_nowait(NodeInfo(peer_id, sender))
+            except trio.WouldBlock:
+                return  # busy: it will ask again, or be named by others and answer
+            self._proving.add(peer_id)
+
+    async def _prove_senders(self) -> None:
+        async for node in self._proof_receive:
+            assert node.address is not None
+            try:
+                address = self._address_of(node.address, node.peer_id)
+                if await self.host.prove_address(address):
+                    self.learn(node)
+            finally:
+                self._proving.discard(node.peer_id)
 
     async def run_pings(self) -> None:
-        """Ping least-recently-seen contacts of full buckets, forever (a maintenance task)."""
+        """Ping least-recently-seen contacts of full buckets, and dial the claimed addresses
+        of senders that need checking, forever (a maintenance task)."""
 
         async def worker(receive: trio.MemoryReceiveChannel[NodeInfo]) -> None:
             async for node in receive:
@@ -153,37 +183,44 @@ class DHTProtocol:
         async with trio.open_nursery() as nursery:
             for _ in range(self.config.max_parallel_pings):
                 nursery.start_soon(worker, self._ping_receive.clone())
+            nursery.start_soon(self._prove_senders)
 
     # ---- handlers --------------------------------------------------------------------
 
     def _on_ping(self, request: Request) -> Reply:
         message = PingRequest.from_body(request.body)
-        self._learn_sender(request.peer_id, message.sender)
+        self._learn_sender(request, message.sender)
         return Reply(PingResponse().to_body())
 
     def _on_find_node(self, request: Request) -> Reply:
         message = FindNodeRequest.from_body(request.body)
-        self._learn_sender(request.peer_id, message.sender)
+        self._learn_sender(request, message.sender)
         nodes = self.table.nearest(message.target, self.config.k, exclude=request.peer_id)
         return Reply(FindNodeResponse(tuple(nodes)).to_body())
 
     def _on_find_value(self, request: Request) -> Reply:
         message = FindValueRequest.from_body(request.body)
-        self._learn_sender(request.peer_id, message.sender)
+        self._learn_sender(request, message.sender)
         entries: tuple[Entry, ...] | None = None
         more = False
         if self.storage is not None:
             record = self.storage.get(message.key)
             if record:
                 entries, more = _page(record.values(), message.after)
-        # As in the paper, a holder answers with the value instead of contacts (the caller's
-        # lookup goes on with what the others named, if it needs more holders).
-        nodes = () if entries else self.table.nearest(message.key, self.config.k, request.peer_id)
+        # Unlike the paper, a holder names its closest contacts beside the value (on a first
+        # page): a node a store passed on its way holds a partial copy (that one store), and
+        # a reader must learn of the closer nodes that hold every writer's subkeys. Later
+        # pages of a paged read need none.
+        nodes = (
+            self.table.nearest(message.key, self.config.k, request.peer_id)
+            if message.after is None
+            else ()
+        )
         return Reply(FindValueResponse(entries or None, tuple(nodes), more).to_body())
 
     def _on_store(self, request: Request) -> Reply:
         message = StoreRequest.from_body(request.body)
-        self._learn_sender(request.peer_id, message.sender)
+        self._learn_sender(request, message.sender)
         owner = key_owner(message.name)
         accepted = []
         for entry in message.entries:

@@ -5,7 +5,11 @@ Rules (the same ones merge answers from many nodes in a lookup, see :func:`merge
   among the others (so no store, signed or not, can push another writer's subkey out:
   an unsigned plain value must not erase owner-bound entries).
 - Per subkey, the later expiration wins; an identical entry is accepted again (a
-  republish), an older or equally old different one is refused (a replay).
+  republish), an older one is refused (a replay). Between two different entries that
+  expire at the same time (two peers storing at once on clocks that agree, or one peer
+  twice within its clock's resolution) the smaller serialized value wins (then owner
+  key, then signature): every node then keeps the same one, whatever the arrival order,
+  so every reader gets the same answer (:func:`supersedes`).
 - A full dictionary (``max_subkeys``) drops its soonest-expiring subkey for a newcomer
   that outlives it, and refuses it otherwise.
 - Entries vanish at their expiration (``expiration <= now``); every store is first
@@ -41,6 +45,19 @@ Subkey = None | str | int | bytes
 Record = dict[Subkey, Entry]
 
 
+def _tiebreak(entry: Entry) -> tuple[bytes, bytes, bytes]:
+    return entry.value, entry.owner_key or b"", entry.signature or b""
+
+
+def supersedes(entry: Entry, old: Entry) -> bool:
+    """Whether ``entry`` replaces ``old`` (same key and subkey): it expires later, or at
+    the same time and orders first by (value, owner key, signature). A total order, so
+    that nodes that saw two entries in different orders keep the same one."""
+    if entry.expiration != old.expiration:
+        return entry.expiration > old.expiration
+    return _tiebreak(entry) < _tiebreak(old)
+
+
 def merge_entry(record: Record, entry: Entry, max_subkeys: int = MAX_SUBKEYS_PER_KEY) -> bool:
     """Merge ``entry`` into ``record`` in place under the module rules.
 
@@ -52,7 +69,7 @@ def merge_entry(record: Record, entry: Entry, max_subkeys: int = MAX_SUBKEYS_PER
     if old is not None:
         if old == entry:
             return True
-        if old.expiration >= entry.expiration:
+        if not supersedes(entry, old):
             return False
     elif len(record) >= max_subkeys:
         soonest = min(record, key=lambda s: record[s].expiration)

@@ -12,7 +12,7 @@ from peer import Peer, Reply, Request
 from peer.memnet import MemoryNetwork
 from peer.node import open_peer
 from protocol.dhtid import DHTID
-from protocol.identity import PeerID
+from protocol.identity import Identity, PeerID
 from protocol.messages import (
     MAX_NODES,
     FindNodeRequest,
@@ -224,3 +224,51 @@ async def test_a_sender_at_an_undialable_address_is_answered_but_not_learnt(
             assert caller.peer_id not in victim.dht.table
             await caller.rpc.call(address, "dht.ping", PingRequest("10.0.0.3:4000").to_body())
             assert victim.dht.table.get(caller.peer_id) == NodeInfo(caller.peer_id, "10.0.0.3:4000")
+
+
+async def test_a_sender_claiming_another_host_is_learnt_only_once_that_address_proves_it(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A request's ``sender`` is a claim. Taken as it was, five throwaway identities pinging
+    with a third party's address put it into the table, and every FIND_NODE answer then sent
+    other peers' lookups to dial it. A claim at another host than the request's is now dialed
+    first, on a connection of its own, and learnt only when the handshake there proves the
+    sender's id."""
+    net = MemoryNetwork(latency=0.01)
+    identity = Identity.from_seed(b"t" * 32)
+    with trio.fail_after(60):
+        async with AsyncExitStack() as stack:
+            victim = await stack.enter_async_context(
+                open_peer("10.0.0.1:0", network=net.interface("10.0.0.1"))
+            )
+            address = victim.rpc.listen_address
+            assert address is not None
+            for seed in range(5):  # throwaway identities naming a host nobody listens at
+                liar = await stack.enter_async_context(
+                    open_peer(
+                        None,
+                        client_mode=True,
+                        identity=Identity.from_seed(bytes([seed]) * 32),
+                        network=net.interface("10.0.0.3"),
+                    )
+                )
+                await liar.rpc.call(address, "dht.ping", PingRequest("10.0.0.9:80").to_body())
+                await trio.sleep(5)
+                assert liar.peer_id not in victim.dht.table
+            # the same id listening at the host it claims, asking from another one
+            listening = await stack.enter_async_context(
+                open_peer("10.0.0.5:0", identity=identity, network=net.interface("10.0.0.5"))
+            )
+            claimed = listening.rpc.listen_address
+            assert claimed is not None
+            asking = await stack.enter_async_context(
+                open_peer(
+                    None, client_mode=True, identity=identity, network=net.interface("10.0.0.6")
+                )
+            )
+            await asking.rpc.call(address, "dht.ping", PingRequest(claimed.hostport).to_body())
+            await trio.sleep(5)
+            assert victim.dht.table.get(identity.peer_id) == NodeInfo(
+                identity.peer_id, claimed.hostport
+            )
+            assert {n.address for n in victim.dht.table.nodes()} == {claimed.hostport}
