@@ -37,6 +37,7 @@ from protocol.identity import Identity, PeerID
 from protocol.messages import Entry, NodeInfo
 from protocol.records import (
     MAX_ENTRIES_PER_STORE,
+    MAX_SUBKEYS_PER_KEY,
     MAX_TTL,
     RecordError,
     Subkey,
@@ -535,16 +536,23 @@ class DHT:
                 return None
             nodes = response.nodes
             holds = bool(response.entries)
+            budget = MAX_SUBKEYS_PER_KEY  # entries one holder may make us check
+            cursor: bytes | None = None
             for _ in range(_MAX_VALUE_PAGES):
-                entries = response.entries or ()
+                entries = (response.entries or ())[:budget]
+                budget -= len(entries)
                 for entry in entries:
                     self._merge(key_id, owner, record, values, entry, verified=False)
-                if not (response.more and entries):
+                if not (response.more and entries and budget):
                     break
-                # the rest of a key too large for one reply, page by page, in subkey order
-                response = await self.protocol.find_value(
-                    node, key_id, after=subkey_order(entries[-1].subkey)
-                )
+                # the rest of a key too large for one reply, page by page, in subkey order;
+                # a holder whose pages do not move forward, or that names more entries
+                # than a key holds, is done (each signed entry costs a signature check)
+                after = subkey_order(entries[-1].subkey)
+                if cursor is not None and after <= cursor:
+                    break
+                cursor = after
+                response = await self.protocol.find_value(node, key_id, after=after)
                 if response is None:
                     break
             holders.learn(nodes)

@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from contextlib import AsyncExitStack
 
 import trio
 import trio.testing
+from msgpack import packb
 
 from peer import Peer, Reply, Request
 from peer.memnet import MemoryNetwork
@@ -15,6 +17,7 @@ from protocol.dhtid import DHTID
 from protocol.identity import Identity, PeerID
 from protocol.messages import (
     MAX_NODES,
+    Entry,
     FindNodeRequest,
     FindNodeResponse,
     FindValueRequest,
@@ -272,3 +275,34 @@ async def test_a_sender_claiming_another_host_is_learnt_only_once_that_address_p
                 identity.peer_id, claimed.hostport
             )
             assert {n.address for n in victim.dht.table.nodes()} == {claimed.hostport}
+
+
+async def test_a_holder_whose_pages_never_end_is_asked_for_few_of_them(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A hostile holder answers every FIND_VALUE with the same 600 entries and ``more``:
+    the get followed 32 pages of it (each entry a signature check when signed, ~2 s of
+    CPU for 32 x 1024 of them). Pages must move forward in subkey order, and one holder
+    makes us check at most as many entries as a key holds (1024)."""
+    net = MemoryNetwork(latency=0.01)
+    pages: list[bytes | None] = []
+    with trio.fail_after(60):
+        async with AsyncExitStack() as stack:
+            hostile = await stack.enter_async_context(
+                open_peer("10.0.0.2:0", network=net.interface("10.0.0.2"))
+            )
+            reader = await stack.enter_async_context(
+                open_peer("10.0.0.1:0", [hostile.address], network=net.interface("10.0.0.1"))
+            )
+            expiration = time.time() + 600
+            entries = tuple(Entry(f"s{i:04d}", packb(i), expiration) for i in range(600))
+
+            def endless(request: Request) -> Reply:
+                pages.append(FindValueRequest.from_body(request.body).after)
+                return Reply(FindValueResponse(entries, (), more=True).to_body())
+
+            hostile.rpc.unregister("dht.find_value")
+            hostile.rpc.register_quick("dht.find_value", endless)
+            value = await reader.dht.get("shared")
+            assert isinstance(value, dict) and len(value) == 600
+            assert len(pages) == 2  # the second page did not move on: done
