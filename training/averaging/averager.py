@@ -279,7 +279,8 @@ class Averager:
                 ``numbers.Integral``), a timeout that is not a positive finite number.
             RuntimeError: if another step of this averager is running, or it was closed.
             LayoutMismatchError: the peers of the round average another tensor layout,
-                codec, group size or staleness rule under this prefix.
+                codec, group size or staleness rule under this prefix (once this averager
+                has met a peer of its own layout, such a round is ``alone`` instead).
             PeerStoppedError: the node's ``open_peer`` context has ended.
         """
         check_step_arguments(weight, epoch, timeout)

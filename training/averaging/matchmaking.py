@@ -106,9 +106,14 @@ class Matchmaker:
         self.config = config
         self.total = total
         self.clock = clock
-        self._views: list[int] = []  # declarations seen in the last rounds
+        # declarations of our layout seen in the last rounds (us included): peers of another
+        # layout are no company, so they neither count for closing early nor for following
+        self._views: list[int] = []
         self.seen_count = 0  # the largest round count the others declared in rounds we read
         self._foreign: set[str] = set()  # other layouts seen (warned about once; bounded)
+        # Whether a peer of our own layout ever declared beside us: then a round where only
+        # peers of other layouts showed up is their mistake, not ours (we sit it out)
+        self._own_layout_seen = False
         self._subkey = str(node.peer_id)
         self.current: _Round | None = None
 
@@ -122,8 +127,8 @@ class Matchmaker:
         ``on_round(number)`` is called once the round is chosen, before declaring.
 
         Raises:
-            LayoutMismatchError: every other peer of the round has another layout or codec,
-                or the leader refused ours.
+            LayoutMismatchError: every other peer of the round has another layout or codec
+                and we never met our own (see ``_check_layouts``), or the leader refused ours.
         """
         window = self.config.gather_window
         earliest = 0
@@ -208,7 +213,7 @@ class Matchmaker:
             return self._cut_short(state, close_at - deadline)
         if not any(d.peer_id == state.me.peer_id for d in declared):
             declared.append(state.me)
-        self._views = [*self._views[-2:], len(declared)]
+        self._views = [*self._views[-2:], _same_layout(declared, state.me)]
         groups = make_groups(declared, self.config.group_size, self.prefix)
         others = [d for d in declared if d.peer_id != state.me.peer_id]
         self._check_layouts(state.me, others)
@@ -219,7 +224,11 @@ class Matchmaker:
         state.order = {d.peer_id: i for i, d in enumerate(group)}
         if leader is None or len(group) < 2:
             state.closed.set()
-            return MatchResult(state.number, None, None, len(declared), "no partner", alone=True)
+            note = "no partner"
+            foreign = sum(d.layout != state.me.layout for d in others)
+            if foreign:
+                note += f" of our layout ({foreign} peer(s) of another layout declared)"
+            return MatchResult(state.number, None, None, len(declared), note, alone=True)
         if leader.peer_id == state.me.peer_id:
             state.is_leader = True
             state.expected = {d.peer_id for d in group} - {state.me.peer_id}
@@ -242,11 +251,16 @@ class Matchmaker:
 
     def _check_layouts(self, me: Declaration, others: list[Declaration]) -> None:
         """Peers of another layout (shapes, dtypes, codec, group size, staleness rule) group
-        apart.
+        apart. A peer that has met its own layout before (under this averager) is not the
+        odd one out: a round where only peers of other layouts came is theirs to fail (it
+        is alone there), so that one misconfigured peer cannot raise in correct ones.
 
-        Raises: LayoutMismatchError: every other peer has another layout."""
+        Raises: LayoutMismatchError: every other peer has another layout, and no peer of
+            ours ever declared beside us."""
         foreign = sorted({d.describe_layout() for d in others if d.layout != me.layout})
-        if others and all(d.layout != me.layout for d in others):
+        if any(d.layout == me.layout for d in others):
+            self._own_layout_seen = True
+        if others and not self._own_layout_seen and all(d.layout != me.layout for d in others):
             raise LayoutMismatchError(
                 f"every other peer under {self.prefix!r} has another tensor layout, codec, "
                 f"group_size or staleness rule (ours: {me.describe_layout()}; theirs: {foreign})"
@@ -295,8 +309,10 @@ class Matchmaker:
                 self.seen_count = max([self.seen_count, *others])
                 state.others_seen = max(state.others_seen, len(others))
             # Exactly the peers we expect: close. More (a newcomer, who does not know it
-            # could close early): wait for the close, so that everybody reads the same set.
-            if not early or len(declared) == population:
+            # could close early; or a peer of another layout, which must read us to learn
+            # of the mismatch, not our "done" marker): wait for the close, so that
+            # everybody reads the same set.
+            if not early or len(declared) == _same_layout(declared, state.me) == population:
                 return declared
             with trio.move_on_at(min(close_at, trio.current_time() + poll)):
                 await state.wake.wait()
@@ -416,3 +432,7 @@ class Matchmaker:
 
     def _method(self, name: str) -> str:
         return f"{method_prefix(self.prefix)}.{name}"
+
+
+def _same_layout(declared: list[Declaration], me: Declaration) -> int:
+    return sum(d.layout == me.layout for d in declared)
