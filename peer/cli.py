@@ -121,6 +121,22 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _port(text: str) -> int:
+    try:
+        port = int(text)
+    except ValueError:
+        port = -1
+    if not 0 <= port <= 65535:
+        raise argparse.ArgumentTypeError(f"expected a TCP port from 0 to 65535, got {text!r}")
+    return port
+
+
+def _file_name(text: str) -> str:
+    if not text:  # Path("") is the current directory
+        raise argparse.ArgumentTypeError("the file name is empty")
+    return text
+
+
 def _host(text: str) -> str:
     """A host name or IP address; an IPv6 one with or without brackets (``::1``, ``[::1]``)."""
     host = text[1:-1] if text.startswith("[") and text.endswith("]") else text
@@ -180,7 +196,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     boot.add_argument(
         "--port",
-        type=int,
+        type=_port,
         default=0,
         help="TCP port (default: any free port; pick a fixed one for a public node)",
     )
@@ -194,6 +210,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     boot.add_argument(
         "--identity",
+        type=_file_name,
         default=None,
         metavar="FILE",
         help="Ed25519 key file, created (mode 0600) when missing; keeps the address across "
@@ -253,17 +270,35 @@ def _silence_stdout() -> None:
     os.close(devnull)
 
 
+def _guard_closed_stdio() -> None:
+    """Started with stdout or stderr closed (``>&-``, ``2>&-``): /dev/null takes the
+    descriptor, so that no socket becomes fd 1 or 2, and stderr's lines go nowhere instead
+    of to stdout (``print(file=None)`` writes to stdout: into the JSON, or where the
+    address is read from). A closed stdout stays ``sys.stdout is None``: nowhere to report.
+    """
+    for fd in (1, 2):
+        try:
+            os.fstat(fd)
+        except OSError:
+            null = os.open(os.devnull, os.O_WRONLY)
+            if null != fd:
+                os.dup2(null, fd)
+                os.close(null)
+    if sys.stderr is None:
+        sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - as long as the process
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one `swarm` command; returns the exit code."""
     stop = _SignalStop()  # first: a signal during the imports below must end cleanly too
+    _guard_closed_stdio()
     command = None
     try:
         args = _parser().parse_args(argv)
         command = args.command
-        # a bootstrap node logs peers joining and leaving (INFO); status only its problems
-        _configure_logging(
-            args.verbose, logging.INFO if command == "bootstrap" else logging.WARNING
-        )
+        # a bootstrap node logs peers joining and leaving (INFO); status says what went
+        # wrong in its own last line (the DHT's "no initial peer answered" repeated it)
+        _configure_logging(args.verbose, logging.INFO if command == "bootstrap" else logging.ERROR)
         import trio
 
         if command == "bootstrap":
@@ -301,12 +336,23 @@ async def _bootstrap(args: argparse.Namespace, stop: _SignalStop) -> int:
     config = PeerConfig(dht=DHTConfig(max_stored_bytes=BOOTSTRAP_STORED_BYTES))
     try:
         listen = Address(args.host, args.port).hostport  # brackets an IPv6 host
+        initial_peers = _unique_peers(args.initial_peers)  # each once, however often given
         identity = None if args.identity is None else Identity.load_or_create(args.identity)
     except SwarmError as exc:  # a bad host or port; a key file that holds no key
         return _fail("bootstrap", str(exc))
     except OSError as exc:  # the key file cannot be read or created (it names the file)
         return _fail("bootstrap", f"identity file {args.identity}: {exc.strerror or exc}")
+    if args.identity is not None:
+        _warn_if_others_can_use(args.identity)
     announce = args.announce_host or _WILDCARD_HOSTS.get(args.host, args.host)
+    if args.announce_host is None and args.host in _WILDCARD_HOSTS:
+        # the default --host: the printed address only works on this machine
+        logger.warning(
+            "listening on %s, announcing %s: peers on other machines cannot use this "
+            "address; give --announce-host with this machine's public IP or DNS name",
+            args.host,
+            announce,
+        )
     up = False
     try:
         # a signal while starting cancels the start; once up, it ends only the wait, so
@@ -314,7 +360,7 @@ async def _bootstrap(args: argparse.Namespace, stop: _SignalStop) -> int:
         with trio.CancelScope() as starting, stop.cancelling(starting):
             async with open_peer(
                 listen=listen,
-                initial_peers=args.initial_peers,
+                initial_peers=initial_peers,
                 identity=identity,
                 announce_host=announce,
                 config=config,
@@ -348,40 +394,85 @@ async def _bootstrap(args: argparse.Namespace, stop: _SignalStop) -> int:
     return 0
 
 
+def _warn_if_others_can_use(path: str) -> None:
+    """Whoever reads the key file can impersonate the node: say so when others may."""
+    try:
+        mode = os.stat(path).st_mode & 0o777
+    except OSError:
+        return
+    if mode & 0o077:
+        logger.warning(
+            "identity file %s has mode %04o, open to other users: whoever reads the key "
+            "can impersonate this node (run chmod 600 %s)",
+            path,
+            mode,
+            path,
+        )
+
+
+def _unique_peers(addresses: Sequence[str]) -> list[str]:
+    """The initial peers, each once (as parsed: ``h:01`` is ``h:1``), in the order given.
+
+    Raises:
+        ProtocolError: naming the first address that is malformed.
+    """
+    from protocol.address import Address
+    from protocol.errors import ProtocolError
+
+    unique: dict[str, None] = {}
+    for given in addresses:
+        text = given.strip()  # pasted with a space, or a CR from a file written on Windows
+        if "," in text or len(text.split()) > 1:  # `--initial-peers "A,B"` or `"A B"`
+            raise ProtocolError(
+                f"{given!r} is several addresses: give them separated by spaces, unquoted "
+                "(--initial-peers ADDR ADDR)"
+            )
+        try:
+            unique[str(Address.parse(text))] = None
+        except ProtocolError as exc:
+            if repr(text) in str(exc):
+                raise
+            raise ProtocolError(f"malformed address {given!r}: {exc}") from None
+    return list(unique)
+
+
 def _fail(command: str, message: str) -> int:
     print(f"swarm {command}: {message}", file=sys.stderr)
     return 1
 
 
 async def _status(args: argparse.Namespace, stop: _SignalStop) -> dict[str, Any] | str:
-    """The report, or why there is none."""
+    """The report (what was found by ``--timeout``, if the walk took longer), or why there
+    is none."""
     import trio
 
     from protocol.errors import SwarmError
+    from protocol.identity import PeerID
 
     from .crawl import crawl
     from .node import open_peer
 
-    peers: list[Any] = []
+    answered: dict[PeerID, str] = {}  # filled as the walk goes: kept when it is cut short
     errors: dict[str, str] = {}
     try:
-        with trio.CancelScope() as scope, stop.cancelling(scope), trio.fail_after(args.timeout):
-            async with open_peer(  # nobody answering is a report too: 0 peers, exit 1
-                listen=None,
-                initial_peers=args.initial_peers,
-                client_mode=True,
-                ensure_bootstrap_success=False,
-            ) as node:
-                errors = dict(node.dht.contact_errors)
-                peers = await crawl(node)
-    except trio.TooSlowError:
-        return f"no answer within {args.timeout} s"
+        with trio.CancelScope() as scope, stop.cancelling(scope):
+            with trio.move_on_after(args.timeout) as deadline:
+                async with open_peer(  # nobody answering is a report too: 0 peers, exit 1
+                    listen=None,
+                    initial_peers=_unique_peers(args.initial_peers),
+                    client_mode=True,
+                    ensure_bootstrap_success=False,
+                ) as node:
+                    errors = dict(node.dht.contact_errors)
+                    await crawl(node, answered=answered)
     except (SwarmError, OSError) as exc:
         return str(exc)
+    peers = sorted(answered.items())
     return {
         "num_peers": len(peers),
         "peers": [{"peer_id": str(pid), "address": f"{pid}@{addr}"} for pid, addr in peers],
         "_errors": errors,  # why initial peers did not answer (stderr only)
+        "_timed_out": deadline.cancelled_caught,
     }
 
 
@@ -390,6 +481,7 @@ def _print_status(report: dict[str, Any] | str, args: argparse.Namespace) -> int
         print(f"swarm status: {report}", file=sys.stderr)
         return 1
     errors = report.pop("_errors", {})
+    timed_out = report.pop("_timed_out", False)
     if sys.stdout is None:  # started with stdout closed (`>&-`): nowhere to report
         return 1
     try:
@@ -406,8 +498,18 @@ def _print_status(report: dict[str, Any] | str, args: argparse.Namespace) -> int
     except OSError as exc:  # e.g. `> /dev/full`
         _silence_stdout()
         return _fail("status", f"cannot write the report: {exc.strerror or exc}")
+    if timed_out:  # the same JSON shape, so that scripts can still read what was found
+        found = (
+            f"{report['num_peers']} peer(s) found by then"
+            if report["peers"]
+            else "no peer answered by then"
+        )
+        print(
+            f"swarm status: no complete answer within {args.timeout} s ({found})", file=sys.stderr
+        )
+        return 1
     if not report["peers"]:  # not even an initial peer: the swarm was not reached
-        tried = "; ".join(f"{a}: {errors.get(a, '?')}" for a in args.initial_peers)
+        tried = "; ".join(f"{a}: {errors.get(a, '?')}" for a in _unique_peers(args.initial_peers))
         print(f"swarm status: no peer answered (tried {tried})", file=sys.stderr)
         return 1
     return 0

@@ -27,16 +27,25 @@ _TARGETS_PER_PEER = 8
 
 
 async def crawl(
-    node: Peer, *, request_timeout: float = 3.0, max_parallel: int = 16
+    node: Peer,
+    *,
+    request_timeout: float = 3.0,
+    max_parallel: int = 16,
+    answered: dict[PeerID, str] | None = None,
 ) -> list[tuple[PeerID, str]]:
     """Every peer that answered, with its ``HOST:PORT``, sorted by PeerID.
+
+    Args:
+        answered: filled as peers answer, so a caller whose deadline cuts the walk short
+            keeps the peers found so far.
 
     Raises:
         SwarmError: never for an unreachable peer; those are skipped.
     """
     rng = random.Random(0)
     targets = [DHTID(rng.getrandbits(ID_BITS)) for _ in range(_TARGETS_PER_PEER)]
-    answered: dict[PeerID, str] = {}
+    if answered is None:
+        answered = {}
     seen: set[str] = set()
     frontier: list[Address] = [addr for _, addr in _known(node)]
     limiter = trio.CapacityLimiter(max_parallel)

@@ -9,6 +9,7 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import stat
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -28,6 +29,8 @@ PUBLIC_KEY_LENGTH = 32
 SIGNATURE_LENGTH = 64
 _SEED_LENGTH = 32
 _CREATE_NEW = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_NOFOLLOW", 0)
+# non-blocking: opening a FIFO must not wait for a writer; no tty becomes ours either
+_OPEN_KEY = os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_NOCTTY", 0)
 
 
 @dataclass(frozen=True, slots=True, order=True)
@@ -99,7 +102,7 @@ def verify_signature(public_key: bytes, signature: bytes, data: bytes) -> bool:
 
 
 class IdentityFileError(SwarmError):
-    """A key file exists but does not hold a key (wrong size)."""
+    """A key file exists but does not hold a key (wrong size), or is a dangling link."""
 
 
 class Identity:
@@ -156,15 +159,12 @@ class Identity:
         """Load a key file written by :meth:`save`.
 
         Raises:
-            IdentityFileError: if the file does not hold a 32-byte seed.
-            OSError: if it cannot be read (FileNotFoundError when missing).
+            IdentityFileError: if the file does not hold a 32-byte seed, or is no regular
+                file (a FIFO, a device: never waited on, never read without end).
+            OSError: if it cannot be read (FileNotFoundError when missing,
+                IsADirectoryError for a directory).
         """
-        data = Path(path).read_bytes()
-        if len(data) != _SEED_LENGTH:
-            raise IdentityFileError(
-                f"identity file {path} holds {len(data)} bytes, expected {_SEED_LENGTH}"
-            )
-        return cls.from_seed(data)
+        return cls.from_seed(_read_seed(Path(path)))
 
     @classmethod
     def load_or_create(cls, path: str | os.PathLike[str]) -> Identity:
@@ -175,7 +175,8 @@ class Identity:
         both end with it.
 
         Raises:
-            IdentityFileError: if the file exists but is not a valid key file.
+            IdentityFileError: if the file exists but is not a valid key file, or is a
+                link to a missing file.
             OSError: if it cannot be read or created; it names ``path``.
         """
         path = Path(path)
@@ -188,13 +189,31 @@ class Identity:
         try:
             os.link(tmp, path)  # unlike a rename, fails when ``path`` appeared meanwhile
         except FileExistsError:
-            return cls.load(path)  # another process was first: its key, whole
+            return cls._load_existing(path)  # another process was first: its key, whole
         except OSError as exc:
             raise _naming(exc, path) from exc
         finally:
             _remove(tmp)
         _sync_directory(path)
         return identity
+
+    @classmethod
+    def _load_existing(cls, path: Path) -> Identity:
+        """Load ``path``, which creating it found to exist.
+
+        Raises:
+            IdentityFileError: if it is a link to a missing file (never written through);
+                as :meth:`load` otherwise.
+        """
+        try:
+            return cls.load(path)
+        except FileNotFoundError:
+            if not path.is_symlink():
+                raise  # removed again meanwhile
+            raise IdentityFileError(
+                f"identity file {path} is a link to {os.readlink(path)}, which does not exist"
+                " (a key is never created through a link: give the target's path instead)"
+            ) from None
 
     def _write_temp(self, path: Path) -> Path:
         """The seed in a new file (mode 0600) next to ``path``, fsynced: never an existing
@@ -226,6 +245,33 @@ class Identity:
 
     def __repr__(self) -> str:
         return f"Identity({self.peer_id})"
+
+
+def _read_seed(path: Path) -> bytes:
+    """The 32 bytes of a key file, reading at most one more.
+
+    Raises:
+        IdentityFileError, OSError: as :meth:`Identity.load`.
+    """
+    fd = os.open(path, _OPEN_KEY)
+    try:
+        info = os.fstat(fd)
+        if stat.S_ISDIR(info.st_mode):
+            raise IsADirectoryError(errno.EISDIR, os.strerror(errno.EISDIR), os.fspath(path))
+        if not stat.S_ISREG(info.st_mode):
+            raise IdentityFileError(f"identity file {path} is not a regular file")
+        data = b""
+        while len(data) <= _SEED_LENGTH:
+            chunk = os.read(fd, _SEED_LENGTH + 1 - len(data))
+            if not chunk:
+                break
+            data += chunk
+    finally:
+        os.close(fd)
+    if len(data) != _SEED_LENGTH:
+        size = len(data) if len(data) < _SEED_LENGTH else max(len(data), info.st_size)
+        raise IdentityFileError(f"identity file {path} holds {size} bytes, expected {_SEED_LENGTH}")
+    return data
 
 
 def _naming(exc: OSError, path: Path) -> OSError:

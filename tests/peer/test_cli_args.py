@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import errno
+import logging
+import stat
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
+from pathlib import Path
 from typing import Any
 
 import pytest
 
 from peer.cli import BOOTSTRAP_POOL_BYTES, BOOTSTRAP_STORED_BYTES, _parser, main
 from peer.wire import FRAME_POOL
+from protocol import Identity
 
 
 @pytest.mark.parametrize(
@@ -145,3 +149,161 @@ def test_a_bootstrap_node_keeps_small_budgets(
     assert "Address already in use" in capsys.readouterr().err
     assert seen["config"].dht.max_stored_bytes == BOOTSTRAP_STORED_BYTES == 8 << 20
     assert FRAME_POOL.limit == BOOTSTRAP_POOL_BYTES == 4 << 20
+
+
+@pytest.mark.parametrize("given", ["70000", "65536", "-1", "0x10", "abc"])
+def test_bootstrap_refuses_a_port_out_of_range_as_a_usage_error(
+    given: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Was exit code 1 for 70000 or -1 but 2 for abc: the same mistake, two answers."""
+    with pytest.raises(SystemExit) as exit_:
+        _parser().parse_args(["bootstrap", "--port", given])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1] == (
+        "swarm bootstrap: error: argument --port: "
+        f"expected a TCP port from 0 to 65535, got {given!r}"
+    )
+
+
+@pytest.mark.parametrize("given", ["0", "31337", "65535"])
+def test_bootstrap_takes_any_tcp_port(given: str) -> None:
+    assert _parser().parse_args(["bootstrap", "--port", given]).port == int(given)
+
+
+def test_bootstrap_refuses_an_empty_identity_file_name(capsys: pytest.CaptureFixture[str]) -> None:
+    """Was "identity file : Is a directory" (the empty path is the current directory)."""
+    with pytest.raises(SystemExit) as exit_:
+        _parser().parse_args(["bootstrap", "--identity", ""])
+    assert exit_.value.code == 2
+    assert (
+        capsys.readouterr()
+        .err.splitlines()[-1]
+        .endswith("argument --identity: the file name is empty")
+    )
+
+
+def _bootstrap_until_open_peer(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
+    """Run `swarm bootstrap` in process up to open_peer, which fails; its arguments."""
+    seen: dict[str, Any] = {}
+
+    @asynccontextmanager
+    async def fake_open_peer(**kwargs: Any) -> AsyncIterator[None]:
+        seen.update(kwargs)
+        raise OSError(errno.EADDRINUSE, "Address already in use")
+        yield
+
+    monkeypatch.setattr("peer.node.open_peer", fake_open_peer)
+    monkeypatch.setattr("peer.cli._configure_logging", lambda *args: None)  # other tests' levels
+    monkeypatch.setattr(FRAME_POOL, "limit", FRAME_POOL.limit)  # restored afterwards
+    assert main(["bootstrap", *argv]) == 1
+    return seen
+
+
+def test_bootstrap_warns_that_a_wildcard_host_prints_a_loopback_address(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The default --host 0.0.0.0 prints PEERID@127.0.0.1:PORT, which no other machine can
+    use: said nowhere at run time before."""
+    with caplog.at_level(logging.WARNING, logger="peer.cli"):
+        seen = _bootstrap_until_open_peer([], monkeypatch)
+    assert seen["announce_host"] == "127.0.0.1"
+    warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert warnings == [
+        "listening on 0.0.0.0, announcing 127.0.0.1: peers on other machines cannot use this "
+        "address; give --announce-host with this machine's public IP or DNS name"
+    ]
+
+
+@pytest.mark.parametrize(
+    "argv", [["--host", "127.0.0.1"], ["--announce-host", "203.0.113.7"], ["--host", "::1"]]
+)
+def test_bootstrap_does_not_warn_about_a_host_given_on_purpose(
+    argv: list[str], monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.WARNING, logger="peer.cli"):
+        _bootstrap_until_open_peer(argv, monkeypatch)
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+@pytest.mark.parametrize("mode", [0o644, 0o640, 0o620, 0o604])
+def test_bootstrap_warns_about_a_key_file_open_to_other_users(
+    mode: int,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    key = tmp_path / "node.key"
+    Identity.from_seed(bytes(32)).save(key)
+    key.chmod(mode)
+    with caplog.at_level(logging.WARNING, logger="peer.cli"):
+        seen = _bootstrap_until_open_peer(
+            ["--host", "127.0.0.1", "--identity", str(key)], monkeypatch
+        )
+    assert seen["identity"].peer_id == Identity.from_seed(bytes(32)).peer_id  # still runs
+    assert [r.getMessage() for r in caplog.records] == [
+        f"identity file {key} has mode {mode:04o}, open to other users: whoever reads the key "
+        f"can impersonate this node (run chmod 600 {key})"
+    ]
+
+
+def test_bootstrap_creates_its_key_file_without_a_warning(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    key = tmp_path / "node.key"
+    with caplog.at_level(logging.WARNING, logger="peer.cli"):
+        _bootstrap_until_open_peer(["--host", "127.0.0.1", "--identity", str(key)], monkeypatch)
+    assert stat.S_IMODE(key.stat().st_mode) == 0o600
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+def test_bootstrap_contacts_each_initial_peer_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The same address twice (also spelled differently: port 01) reached open_peer twice,
+    whose DHT join then crashed with a KeyError traceback."""
+    a = "6KKPsmJY8vaenxMPzr674T1cSeZmq4u8pzQcXN7eTAGK@127.0.0.1:1"
+    b = "127.0.0.1:2"
+    seen = _bootstrap_until_open_peer(
+        ["--host", "127.0.0.1", "--initial-peers", a, b, a, a.replace(":1", ":01"), b],
+        monkeypatch,
+    )
+    assert seen["initial_peers"] == [a, b]
+
+
+def test_bootstrap_takes_an_initial_peer_pasted_with_spaces_or_a_carriage_return(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    a = "6KKPsmJY8vaenxMPzr674T1cSeZmq4u8pzQcXN7eTAGK@127.0.0.1:1"
+    seen = _bootstrap_until_open_peer(
+        ["--host", "127.0.0.1", "--initial-peers", f" {a}", f"{a}\r", f"{a}\n"], monkeypatch
+    )
+    assert seen["initial_peers"] == [a]
+
+
+A = "6KKPsmJY8vaenxMPzr674T1cSeZmq4u8pzQcXN7eTAGK@127.0.0.1:1"
+
+
+@pytest.mark.parametrize(
+    ("given", "said"),
+    [
+        (
+            f"{A},{A}",
+            f"{A + ',' + A!r} is several addresses: give them separated by spaces, unquoted "
+            "(--initial-peers ADDR ADDR)",
+        ),
+        (
+            f"{A} 127.0.0.1:2",
+            f"{A + ' 127.0.0.1:2'!r} is several addresses: give them separated by spaces, "
+            "unquoted (--initial-peers ADDR ADDR)",
+        ),
+        ("xyz0@127.0.0.1:1", "malformed address 'xyz0@127.0.0.1:1': invalid base58 character '0'"),
+        (" 127.0.0.1:99999", "malformed address ' 127.0.0.1:99999': port 99999 out of range"),
+    ],
+)
+def test_status_names_a_malformed_initial_peer_in_one_line(
+    given: str, said: str, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Was e.g. "invalid base58 character '0'", naming no address (and for "A,B": "not
+    HOST:PORT", with no hint that several addresses are given apart)."""
+    monkeypatch.setattr("peer.cli._configure_logging", lambda *args: None)  # other tests' levels
+    assert main(["status", "--initial-peers", given]) == 1
+    captured = capsys.readouterr()
+    assert (captured.out, captured.err) == ("", f"swarm status: {said}\n")

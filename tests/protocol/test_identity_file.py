@@ -3,7 +3,10 @@
 from __future__ import annotations
 
 import os
+import resource
 import stat
+import subprocess
+import sys
 import threading
 from pathlib import Path
 
@@ -144,3 +147,88 @@ def test_loading_stays_strict_and_never_rewrites(tmp_path: Path, content: bytes)
     with pytest.raises(IdentityFileError, match="identity file"):
         Identity.load_or_create(path)
     assert path.read_bytes() == content
+
+
+def test_a_link_to_a_missing_file_is_named_not_reported_missing(tmp_path: Path) -> None:
+    """Said before: "No such file or directory" about a path that exists (as a link)."""
+    path = tmp_path / "node.key"
+    target = tmp_path / "elsewhere" / "real.key"
+    path.symlink_to(target)
+    with pytest.raises(IdentityFileError) as error:
+        Identity.load_or_create(path)
+    assert str(error.value).startswith(f"identity file {path} is a link to {target}, which does")
+    assert not target.exists() and path.is_symlink()  # nothing written through the link
+    assert _names(tmp_path) == {"node.key"}
+
+
+def test_a_link_to_an_existing_key_is_loaded(tmp_path: Path) -> None:
+    target = tmp_path / "real.key"
+    Identity.from_seed(SEED).save(target)
+    path = tmp_path / "node.key"
+    path.symlink_to(target)
+    assert Identity.load_or_create(path).peer_id == Identity.from_seed(SEED).peer_id
+
+
+@pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="no FIFOs here")
+def test_a_fifo_is_refused_without_waiting_for_a_writer(tmp_path: Path) -> None:
+    """Was a start-up that hung in open(), deaf to SIGTERM (the read blocks the event loop)."""
+    path = tmp_path / "node.key"
+    os.mkfifo(path)
+    errors: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            Identity.load_or_create(path)
+        except BaseException as exc:  # handed to the test thread
+            errors.append(exc)
+
+    loader = threading.Thread(target=load)
+    loader.start()
+    loader.join(timeout=10)
+    if loader.is_alive():  # the old behaviour: unblock it with a writer, then fail
+        os.close(os.open(path, os.O_WRONLY | os.O_NONBLOCK))
+        loader.join(timeout=10)
+        pytest.fail("loading a FIFO waited for a writer")
+    assert [str(e) for e in errors] == [f"identity file {path} is not a regular file"]
+    assert isinstance(errors[0], IdentityFileError)
+
+
+@pytest.mark.skipif(not os.path.exists("/dev/zero"), reason="no /dev/zero here")
+def test_a_device_is_refused_without_reading_it_to_the_end() -> None:
+    """Was a read of /dev/zero without end: memory until a MemoryError traceback. In a
+    child process with 1 GiB of address space, so that the old behaviour fails, bounded."""
+    code = (
+        "from protocol import Identity, IdentityFileError\n"
+        "try:\n"
+        "    Identity.load_or_create('/dev/zero')\n"
+        "except IdentityFileError as exc:\n"
+        "    print(exc)\n"
+    )
+
+    def limit_memory() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30))
+
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        preexec_fn=limit_memory,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert (out.returncode, out.stdout) == (0, "identity file /dev/zero is not a regular file\n")
+
+
+def test_a_directory_is_reported_as_one(tmp_path: Path) -> None:
+    with pytest.raises(IsADirectoryError) as error:
+        Identity.load_or_create(tmp_path)
+    assert error.value.filename == str(tmp_path)
+
+
+def test_a_large_file_is_refused_by_its_size_without_reading_it_all(tmp_path: Path) -> None:
+    path = tmp_path / "big.key"
+    with path.open("wb") as big:
+        big.truncate(1 << 26)  # sparse: 64 MiB that cost no disk
+    with pytest.raises(IdentityFileError) as error:
+        Identity.load(path)
+    assert str(error.value) == f"identity file {path} holds {1 << 26} bytes, expected 32"
