@@ -156,6 +156,13 @@ class RpcHost:
         """Peers with an open connection."""
         return [peer for peer, conn in self._by_peer.items() if not conn.closed]
 
+    def last_heard(self, peer_id: PeerID) -> float:
+        """trio time bytes from ``peer_id`` last arrived, on any open connection (-inf:
+        none), part of a frame included. A peer whose answer to one call is late but whose
+        bytes keep coming is busy, not frozen."""
+        times = [c.last_received for c in self._connections if c.peer_id == peer_id]
+        return max(times, default=-math.inf)
+
     # -- handlers --------------------------------------------------------------------------
 
     def register(self, method: str, handler: Handler) -> None:

@@ -133,6 +133,7 @@ class RpcConnection:
         self.closed = False
         self.lost = False  # ended by the peer's side (closed, reset, broken), not by us
         self.last_activity = trio.current_time()
+        self._frame_received = -math.inf
 
     def __repr__(self) -> str:
         return f"<RpcConnection {self.peer_id.short()} at {self.remote_host}>"
@@ -171,6 +172,13 @@ class RpcConnection:
         """Close the connection; pending calls fail with ``PeerUnavailableError``."""
         self._shutdown(PeerUnavailableError("connection closed locally"))
         await self._finished.wait()
+
+    @property
+    def last_received(self) -> float:
+        """trio time bytes from the peer last arrived (-inf: none yet): the last frame, or
+        part of one (a ``SecureStream`` tells; a 2 MiB frame can take seconds on a busy
+        host, and its bytes show the peer is alive meanwhile)."""
+        return max(self._frame_received, getattr(self._byte_stream, "last_received", -math.inf))
 
     @property
     def write_started(self) -> float | None:
@@ -390,7 +398,7 @@ class RpcConnection:
     async def _read_loop(self, nursery: trio.Nursery) -> None:
         reader = FrameReader(self._byte_stream, self.max_frame_size)
         while (data := await reader.next_frame()) is not None:
-            self.last_activity = trio.current_time()
+            self.last_activity = self._frame_received = trio.current_time()
             frame = decode_rpc_frame(data)
             del data  # hold no frame buffer while waiting: the reader reuses free ones
             if frame.kind is FrameKind.REQUEST:

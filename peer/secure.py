@@ -17,6 +17,7 @@ Blame: a tampered, replayed or truncated message from the peer closes the stream
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 
 import trio
@@ -61,6 +62,8 @@ class SecureStream(trio.abc.Stream):
         self._closed = False
         self._sending = False
         self._receiving = False
+        self.last_received = -math.inf
+        """trio time ciphertext last arrived (-inf: none yet), whole messages or not."""
         self.write_started: float | None = None
         """trio time the raw write in progress (at most ``SEAL_SLICE`` bytes of data) began;
         None between writes. The host cuts off a peer that lets one stall (see ``HostConfig``):
@@ -260,6 +263,7 @@ class SecureStream(trio.abc.Stream):
         except ProtocolError as exc:
             self._fail(exc)
             raise trio.BrokenResourceError(f"secure channel failed: {exc}") from exc
+        self.last_received = trio.current_time()
         return True
 
     def _fail(self, exc: ProtocolError) -> None:
