@@ -269,30 +269,31 @@ class RpcHost:
     async def prove_address(self, address: Address) -> bool:
         """Whether a peer holding ``address.peer_id``'s key listens at ``address``: dial it
         on a connection of its own (never the pool: a pooled connection the peer opened
-        proves its id, not where it listens), complete the handshake, and close it.
-        Bounded by ``dial_timeout``; afterwards :meth:`dialed` knows the answer too."""
+        proves its id, not where it listens) and complete the handshake. Bounded by
+        ``dial_timeout``; afterwards :meth:`dialed` knows the answer too.
+
+        The proven connection is then served like any other, not closed: the peer cannot
+        tell it from a dial of ours and may pool it at once (the tie-break of simultaneous
+        dials), and its calls over a connection we closed would fail."""
         if address.peer_id is None or address.peer_id == self.peer_id or self.stopped:
             return False
-        with trio.move_on_after(self.config.dial_timeout):
-            try:
+        try:
+            with trio.fail_after(self.config.dial_timeout):
                 raw = await self.network.connect(address.host, address.port)
-            except (*_CONNECTION_ERRORS, trio.TooSlowError) as exc:
-                logger.debug("cannot reach %s to check it: %r", address, exc)
-                return False
-            try:
-                await secure_handshake(
+                secure = await secure_handshake(
                     raw, self.identity, initiator=True, expected_peer_id=address.peer_id
                 )
-            except (*_CONNECTION_ERRORS, trio.TooSlowError) as exc:
-                logger.debug("%s did not prove its id: %r", address, exc)
-                return False
-            finally:
-                await trio.aclose_forcefully(raw)
-            if len(self._by_address) >= _MAX_REMEMBERED_ADDRESSES:
-                self._by_address.clear()
-            self._by_address[address.hostport] = address.peer_id
-            return True
-        return False
+        except (*_CONNECTION_ERRORS, trio.TooSlowError) as exc:
+            logger.debug("%s did not prove its id there: %r", address, exc)
+            return False
+        if self.stopped:  # our nursery may be closed to new tasks
+            await trio.aclose_forcefully(secure)
+            return False
+        if len(self._by_address) >= _MAX_REMEMBERED_ADDRESSES:
+            self._by_address.clear()
+        self._by_address[address.hostport] = address.peer_id
+        await self._nursery.start(self._serve_connection, secure, self.peer_id)
+        return True
 
     async def disconnect(self, peer_id: PeerID) -> None:
         """Close every connection to ``peer_id`` (pending calls fail)."""
@@ -422,7 +423,7 @@ class RpcHost:
 
     async def _handle_inbound(self, raw: trio.abc.Stream) -> None:
         host = remote_host_of(raw)
-        group = _host_group(host)
+        group = host_group(host)
         config = self.config
         if self._per_host[group] >= config.max_connections_per_ip:
             logger.debug("%r: refusing %s: too many connections from it", self, host)
@@ -469,8 +470,9 @@ class RpcHost:
         return True
 
 
-def _host_group(host: str) -> str:
-    """What ``max_connections_per_ip`` counts by: the host, or its /64 for IPv6."""
+def host_group(host: str) -> str:
+    """What ``max_connections_per_ip`` counts by: the host, or its /64 for IPv6 (one
+    subscriber holds a whole /64)."""
     if ":" not in host:
         return host
     try:

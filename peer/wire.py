@@ -148,13 +148,14 @@ class Outbox:
             frame = self._urgent.popleft()
             self._batch.append(frame)
             pieces.extend(frame)
-        size = 0
+        size = taken = 0
         while self._items and size < BATCH_BYTES:
             frame = self._items.popleft()
             self._batch.append(frame)
             pieces.extend(frame)
             size += _size_of(frame)
-        if size:
+            taken += 1
+        if taken:  # frame slots, bytes or both freed
             self._queued_bytes -= size
             # all of them: bytes, not frames, left; a woken waiter may have been cancelled
             self._space.unpark_all()

@@ -6,9 +6,10 @@ Learning rules (the routing table's only inputs):
   peer can listen at, such as ``0.0.0.0``: see ``Address.dialable``). The claim is taken
   as it is when its host is the one the request came from (or the table holds the sender
   there already); any other host is checked first, by dialing it on a connection of its own
-  (:meth:`RpcHost.prove_address`, a bounded queue): otherwise anyone could fill our table,
-  and through our FIND_NODE answers everyone's lookups, with an address of its choosing,
-  such as a third party's to flood with dials.
+  (:meth:`RpcHost.prove_address`; a bounded queue, one claim per requesting host at a
+  time): otherwise anyone could fill our table, and through our FIND_NODE answers
+  everyone's lookups, with an address of its choosing, such as a third party's to flood
+  with dials.
 - A reply teaches us the node we called when we dialed its address and the handshake
   proved its id (or the table holds it at that address already): a reply over a pooled
   connection the peer opened proves its id, not the address a third party named for it.
@@ -52,7 +53,7 @@ from protocol.messages import (
 from protocol.records import RecordError, key_owner, subkey_order
 
 from ..errors import RemoteError
-from ..host import RpcHost
+from ..host import RpcHost, host_group
 from ..rpc import Reply, Request
 from .config import DHTConfig
 from .routing import RoutingTable
@@ -67,6 +68,7 @@ _MAX_REPLY_VALUE_BYTES = 1 << 20
 _ENTRY_OVERHEAD = 200  # subkey, expiration, signature and msgpack headers, generously
 _PING_QUEUE = 256
 _PROOF_QUEUE = 64  # claimed sender addresses waiting to be dialed; a full queue drops more
+_PROVERS = 4  # claimed addresses dialed at once (a dial to a silent host lasts dial_timeout)
 _M = TypeVar("_M", bound=Message)
 
 
@@ -90,8 +92,14 @@ class DHTProtocol:
         self.sender = sender
         self._now = now
         self._ping_send, self._ping_receive = trio.open_memory_channel[NodeInfo](_PING_QUEUE)
-        self._proof_send, self._proof_receive = trio.open_memory_channel[NodeInfo](_PROOF_QUEUE)
-        self._proving: set[PeerID] = set()  # queued or being dialed
+        self._proof_send, self._proof_receive = trio.open_memory_channel[tuple[NodeInfo, str]](
+            _PROOF_QUEUE
+        )
+        # Claims queued or being dialed: one per sender, and one per host the requests come
+        # from (a /64 for IPv6), so that one host's throwaway identities, each claiming an
+        # address that never answers, cannot fill the queue and lock out everyone else's.
+        self._proving: set[PeerID] = set()
+        self._proving_from: set[str] = set()
         self._addresses: dict[tuple[str, PeerID], Address] = {}
         self._limiter = trio.CapacityLimiter(config.max_concurrent_requests)
         # Called with each contact that enters the routing table (the DHT hands keys over).
@@ -152,14 +160,20 @@ class DHTProtocol:
         elif address.host == request.remote_host or self.host.dialed(address):
             self.learn(NodeInfo(peer_id, sender))
         elif peer_id not in self._proving:
+            source = host_group(request.remote_host)
+            if source in self._proving_from:
+                return  # that host's claim waits first: it will ask again
             try:
-                self._proof_send.send_nowait(NodeInfo(peer_id, sender))
+                self._proof_send.send_nowait((NodeInfo(peer_id, sender), source))
             except trio.WouldBlock:
                 return  # busy: it will ask again, or be named by others and answer
             self._proving.add(peer_id)
+            self._proving_from.add(source)
 
-    async def _prove_senders(self) -> None:
-        async for node in self._proof_receive:
+    async def _prove_senders(
+        self, receive: trio.MemoryReceiveChannel[tuple[NodeInfo, str]]
+    ) -> None:
+        async for node, source in receive:
             assert node.address is not None
             try:
                 address = self._address_of(node.address, node.peer_id)
@@ -167,6 +181,7 @@ class DHTProtocol:
                     self.learn(node)
             finally:
                 self._proving.discard(node.peer_id)
+                self._proving_from.discard(source)
 
     async def run_pings(self) -> None:
         """Ping least-recently-seen contacts of full buckets, and dial the claimed addresses
@@ -183,7 +198,8 @@ class DHTProtocol:
         async with trio.open_nursery() as nursery:
             for _ in range(self.config.max_parallel_pings):
                 nursery.start_soon(worker, self._ping_receive.clone())
-            nursery.start_soon(self._prove_senders)
+            for _ in range(_PROVERS):
+                nursery.start_soon(self._prove_senders, self._proof_receive.clone())
 
     # ---- handlers --------------------------------------------------------------------
 
