@@ -38,6 +38,11 @@ class PeerUnavailableError(SwarmError):
     """The peer cannot be reached, failed the handshake, or the connection died mid-call."""
 
 
+class SelfDialError(PeerUnavailableError):
+    """The address reached this peer itself (e.g. its own ``HOST:PORT`` among the initial
+    peers, given without a PeerID)."""
+
+
 class LimitExceededError(SwarmError):
     """A configured limit refused the operation (message size, connections)."""
 

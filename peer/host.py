@@ -43,7 +43,7 @@ from protocol.errors import ProtocolError
 from protocol.framing import DEFAULT_MAX_FRAME_SIZE
 from protocol.identity import Identity, PeerID
 
-from .errors import PeerStoppedError, PeerUnavailableError
+from .errors import PeerStoppedError, PeerUnavailableError, SelfDialError
 from .network import Network, TcpNetwork, remote_host_of
 from .rpc import (
     ConnectionClosedError,
@@ -329,7 +329,7 @@ class RpcHost:
         if self.stopped:
             raise PeerStoppedError(f"{self!r} has stopped: its context has ended")
         if address.peer_id == self.peer_id:
-            raise PeerUnavailableError(f"{address} is this host itself")
+            raise SelfDialError(f"{address} is this host itself")
         if (connection := self._pooled(address)) is not None:
             await trio.lowlevel.checkpoint()
             return connection
@@ -340,7 +340,8 @@ class RpcHost:
             self._nursery.start_soon(self._dial, address, key, dial)
         await dial.done.wait()
         if dial.connection is None:
-            raise PeerUnavailableError(f"cannot reach {address}: {dial.error}") from dial.error
+            error = SelfDialError if isinstance(dial.error, SelfDialError) else PeerUnavailableError
+            raise error(f"cannot reach {address}: {dial.error}") from dial.error
         return dial.connection
 
     async def _dial(self, address: Address, key: tuple[str, PeerID | None], dial: _Dial) -> None:
@@ -352,7 +353,7 @@ class RpcHost:
                 )
             if secure.remote_peer_id == self.peer_id:
                 await secure.aclose()
-                raise PeerUnavailableError(f"{address} is this host itself")
+                raise SelfDialError(f"{address} is this host itself")
             if len(self._by_address) >= _MAX_REMEMBERED_ADDRESSES:
                 self._by_address.clear()
             self._by_address[address.hostport] = secure.remote_peer_id

@@ -50,7 +50,7 @@ from protocol.records import (
     validate_entry,
 )
 
-from ..errors import PeerStoppedError
+from ..errors import PeerStoppedError, SelfDialError
 from ..host import RpcHost
 from .config import DHTConfig
 from .lookup import LookupResult, Query, iterative_lookup
@@ -200,6 +200,9 @@ class DHT:
             with trio.move_on_after(self.config.request_timeout):
                 try:  # (a pooled connection is reused; a new one proves the id)
                     peer_id = await self.host.connect(address)
+                except SelfDialError:  # our own HOST:PORT, given without a PeerID
+                    self.contact_errors[key] = _OWN_ADDRESS
+                    return
                 except (SwarmError, OSError) as exc:
                     logger.debug("initial peer %s: %r", address, exc)
                     self.contact_errors[key] = str(exc) or type(exc).__name__

@@ -216,6 +216,8 @@ class NoiseHandshake:
         if length > MAX_HANDSHAKE_MESSAGE_LENGTH:
             raise RemoteProtocolError(
                 f"handshake message of {length} bytes exceeds {MAX_HANDSHAKE_MESSAGE_LENGTH}"
+                " (not a swarm peer? its first bytes read"
+                f" {bytes(self._in[self._in_pos : self._in_pos + 8])!r})"
             )
         if available < LENGTH_PREFIX.size + length:
             return None

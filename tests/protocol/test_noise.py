@@ -461,3 +461,12 @@ def test_local_misuse() -> None:
         used.write_message()
     with pytest.raises(LocalProtocolError):
         NoiseTransport(CipherState(ChaChaPoly), CipherState(ChaChaPoly), bytes(32))
+
+
+def test_a_server_that_is_no_swarm_peer_is_named_as_such() -> None:
+    """Dialing an HTTP server said only "handshake message of 18516 bytes exceeds 1024";
+    the error now suggests what the address is and shows its first bytes."""
+    initiator = NoiseHandshake(identity(1), initiator=True)
+    initiator.data_to_send()
+    with pytest.raises(RemoteProtocolError, match=r"not a swarm peer\? .*b'HTTP/1.0'"):
+        initiator.receive_data(b"HTTP/1.0 400 Bad Request\r\n\r\n")
