@@ -16,8 +16,9 @@ leader leads nothing is redirected once. Everything is bounded by the step's dea
 from __future__ import annotations
 
 import logging
+from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import trio
 
@@ -46,6 +47,13 @@ _DHT_SLACK = 30.0
 MAX_FOREIGN_LAYOUTS = 16
 """Other layouts an averager remembers (and warns about, once each): a peer declaring a new
 one every round costs neither memory nor a warning per round."""
+
+
+OUTNUMBERED_ROUNDS = 3
+"""Rounds in a row where only peers of other layouts declared, some of them two or more,
+after which a peer that has met its own layout before gets ``LayoutMismatchError`` too: it
+is the one left behind (the swarm changed its model), not a correct peer beside a
+misconfigured newcomer."""
 
 
 class LayoutMismatchError(ProtocolError):
@@ -88,6 +96,7 @@ class MatchResult:
     note: str = ""
     alone: bool = False
     retry: bool = False  # the leader was no longer in the round: worth another round
+    strangers: int = 0  # peers of another layout in the round (when alone)
 
 
 class Matchmaker:
@@ -112,8 +121,11 @@ class Matchmaker:
         self.seen_count = 0  # the largest round count the others declared in rounds we read
         self._foreign: set[str] = set()  # other layouts seen (warned about once; bounded)
         # Whether a peer of our own layout ever declared beside us: then a round where only
-        # peers of other layouts showed up is their mistake, not ours (we sit it out)
+        # peers of other layouts showed up is their mistake, not ours (we sit it out)...
         self._own_layout_seen = False
+        # ... unless such strangers with company keep coming: rounds in a row (since we last
+        # met our own layout) where others declared, none of ours, some layout two or more
+        self._outnumbered = 0
         self._subkey = str(node.peer_id)
         self.current: _Round | None = None
 
@@ -133,6 +145,7 @@ class Matchmaker:
         window = self.config.gather_window
         earliest = 0
         lone_retry = True
+        strangers: MatchResult | None = None  # a lone round with peers of another layout
         while True:
             number = max(await self._choose_round(deadline), earliest)
             earliest = number + 1
@@ -159,8 +172,10 @@ class Matchmaker:
             # after us at a slot boundary and declared in the next round. Follow them, once.
             retry = result.retry or (result.alone and lone_retry and self._others_recently())
             lone_retry = lone_retry and not result.alone
+            if result.strangers and (strangers is None or result.strangers > strangers.strangers):
+                strangers = result
             if not retry or deadline - trio.current_time() < 2 * window:
-                return result
+                return _with_strangers(result, strangers)
             await self.withdraw(number, min(deadline, trio.current_time() + window / 4))
 
     def _others_recently(self) -> bool:
@@ -228,7 +243,9 @@ class Matchmaker:
             foreign = sum(d.layout != state.me.layout for d in others)
             if foreign:
                 note += f" of our layout ({foreign} peer(s) of another layout declared)"
-            return MatchResult(state.number, None, None, len(declared), note, alone=True)
+            return MatchResult(
+                state.number, None, None, len(declared), note, alone=True, strangers=foreign
+            )
         if leader.peer_id == state.me.peer_id:
             state.is_leader = True
             state.expected = {d.peer_id for d in group} - {state.me.peer_id}
@@ -252,19 +269,35 @@ class Matchmaker:
     def _check_layouts(self, me: Declaration, others: list[Declaration]) -> None:
         """Peers of another layout (shapes, dtypes, codec, group size, staleness rule) group
         apart. A peer that has met its own layout before (under this averager) is not the
-        odd one out: a round where only peers of other layouts came is theirs to fail (it
-        is alone there), so that one misconfigured peer cannot raise in correct ones.
+        odd one out at once: a round where only peers of other layouts came is theirs to fail
+        (it is alone there), so that one misconfigured peer cannot raise in correct ones. But
+        when, for ``OUTNUMBERED_ROUNDS`` rounds in a row, only strangers came and some of them
+        had company, they are the swarm (its owner changed the layout, and we were left
+        behind): we are told, not ``alone`` forever.
 
         Raises: LayoutMismatchError: every other peer has another layout, and no peer of
-            ours ever declared beside us."""
+            ours ever declared beside us, or none did for ``OUTNUMBERED_ROUNDS`` rounds in
+            which strangers had company."""
         foreign = sorted({d.describe_layout() for d in others if d.layout != me.layout})
+        kinds = Counter(d.layout for d in others if d.layout != me.layout)
         if any(d.layout == me.layout for d in others):
             self._own_layout_seen = True
-        if others and not self._own_layout_seen and all(d.layout != me.layout for d in others):
-            raise LayoutMismatchError(
-                f"every other peer under {self.prefix!r} has another tensor layout, codec, "
-                f"group_size or staleness rule (ours: {me.describe_layout()}; theirs: {foreign})"
-            )
+            self._outnumbered = 0
+        elif max(kinds.values(), default=0) >= 2:
+            self._outnumbered += 1
+        if others and all(d.layout != me.layout for d in others):
+            if not self._own_layout_seen:
+                raise LayoutMismatchError(
+                    f"every other peer under {self.prefix!r} has another tensor layout, codec, "
+                    f"group_size or staleness rule (ours: {me.describe_layout()}; theirs: "
+                    f"{foreign})"
+                )
+            if self._outnumbered >= OUTNUMBERED_ROUNDS:
+                raise LayoutMismatchError(
+                    f"for {self._outnumbered} rounds only peers of another tensor layout, "
+                    f"codec, group_size or staleness rule averaged under {self.prefix!r} "
+                    f"(ours: {me.describe_layout()}; theirs: {foreign}), none of ours"
+                )
         new = sorted(set(foreign) - self._foreign)[: MAX_FOREIGN_LAYOUTS - len(self._foreign)]
         if new:  # a split swarm averages less: say so, once
             self._foreign.update(new)
@@ -308,11 +341,11 @@ class Matchmaker:
                 others = [d.count for d in declared if d.peer_id != state.me.peer_id]
                 self.seen_count = max([self.seen_count, *others])
                 state.others_seen = max(state.others_seen, len(others))
-            # Exactly the peers we expect: close. More (a newcomer, who does not know it
-            # could close early; or a peer of another layout, which must read us to learn
-            # of the mismatch, not our "done" marker): wait for the close, so that
-            # everybody reads the same set.
-            if not early or len(declared) == _same_layout(declared, state.me) == population:
+            # Exactly the peers of our layout we expect: close (peers of other layouts group
+            # apart). More (a newcomer, who does not know it could close early), or a lone
+            # peer of another layout (which must read us to learn of the mismatch, not our
+            # "done" marker): wait for the close, so that everybody reads the same set.
+            if not early or _may_close_early(declared, state.me, population):
                 return declared
             with trio.move_on_at(min(close_at, trio.current_time() + poll)):
                 await state.wake.wait()
@@ -434,5 +467,25 @@ class Matchmaker:
         return f"{method_prefix(self.prefix)}.{name}"
 
 
+def _with_strangers(result: MatchResult, strangers: MatchResult | None) -> MatchResult:
+    """A step that followed a lone round into the next one still says, when alone, that
+    peers of another layout came in the first (the user's clue to a mismatch)."""
+    if strangers is None or not result.alone or result.strangers >= strangers.strangers:
+        return result
+    note = f"{result.note}; round {strangers.round}: {strangers.note}"
+    return replace(result, note=note, strangers=strangers.strangers)
+
+
 def _same_layout(declared: list[Declaration], me: Declaration) -> int:
     return sum(d.layout == me.layout for d in declared)
+
+
+def _may_close_early(declared: list[Declaration], me: Declaration, population: int) -> bool:
+    """Exactly ``population`` peers of our layout, and no peer of another layout alone with
+    it: a sub-swarm of another layout (two or more) groups apart and needs nothing from us,
+    so two correct kinds under one prefix both close early (a lone stranger may be a
+    misconfigured newcomer, which must see us)."""
+    if _same_layout(declared, me) != population:
+        return False
+    foreign = Counter(d.layout for d in declared if d.layout != me.layout)
+    return all(count >= 2 for count in foreign.values())

@@ -19,6 +19,8 @@ from .reducer import DropReason, Member, effective_weights
 
 logger = logging.getLogger(__name__)
 
+_UNDIALABLE = "client-mode.invalid"  # a host no lookup resolves (RFC 6761)
+
 
 @dataclass(frozen=True, slots=True)
 class Plan:
@@ -85,7 +87,9 @@ class Liveness:
     async def probe(self, peer_id: PeerID) -> DropReason | None:
         """Ping a peer whose part of the round went quiet: None when it answers that it is
         in the round, or its answer is late but its bytes keep coming; dead when its host
-        refuses, or it is no longer in the round; frozen when it is silent.
+        refuses, or it is no longer in the round (even if it still sends us DHT traffic);
+        frozen when it is silent. A client-mode peer is pinged over its connection to us
+        (dead when it has none).
 
         On a CPU-starved host one 2 MiB chunk took 2.4 s to arrive, and a ping's answer
         queues behind it: only a peer that sends nothing at all, from shortly before the
@@ -95,13 +99,14 @@ class Liveness:
             return self.bad[peer_id]
         started = trio.current_time()
         address = self.plan.address(peer_id)
-        if address is None:  # client mode: cannot be pinged, but a dead one's connection is gone
-            if self.node.rpc.last_heard(peer_id) >= started - self.timeout:  # busy
-                return None
-            alive = peer_id in self.node.rpc.connected_peers()
-            reason = DropReason.FROZEN if alive else DropReason.DEAD
-            self.mark(peer_id, reason)
-            return reason
+        if address is None:  # client mode: cannot be dialed, but a dead one's connection is gone
+            if peer_id not in self.node.rpc.connected_peers():
+                self.mark(peer_id, DropReason.DEAD)
+                return DropReason.DEAD
+            # Its connection to us is pooled under its PeerID and serves our calls too (no
+            # scheduler pass in between: never dialed): ping it there, as a member that left
+            # the round may still send us DHT traffic, and its bytes must not keep it in
+            address = Address(_UNDIALABLE, 0, peer_id)
         with trio.move_on_after(self.timeout):
             try:
                 await self.node.rpc.call(address, self.ping_method, {"round": self.plan.round})
