@@ -20,7 +20,9 @@ from training import Averager
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--initial-peers", nargs="*", default=[], help="PEERID@HOST:PORT")
+    parser.add_argument(
+        "--initial-peers", nargs="+", default=[], help="PEERID@HOST:PORT (omit: start a new swarm)"
+    )
     parser.add_argument("--value", type=float, default=random.uniform(0, 100))
     parser.add_argument("--rounds", type=int, default=20)
     parser.add_argument("--codec", default="none", choices=["none", "float16", "int8"])
