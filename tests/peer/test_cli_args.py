@@ -134,18 +134,7 @@ def test_a_bootstrap_node_keeps_small_budgets(
     """A bootstrap node stays under 60 MiB whatever peers send it: 8 MiB of others' records
     and 4 MiB of pooled frame buffers (a flood of tiny entries, then frames of 64 KiB to
     4 MiB, peaked at 59 MiB of RSS; with a volunteer's budgets it reached 119 MiB)."""
-    seen: dict[str, Any] = {}
-
-    @asynccontextmanager
-    async def fake_open_peer(**kwargs: Any) -> AsyncIterator[None]:
-        seen.update(kwargs)
-        raise OSError(errno.EADDRINUSE, "Address already in use")
-        yield
-
-    monkeypatch.setattr("peer.node.open_peer", fake_open_peer)
-    monkeypatch.setattr("peer.cli._configure_logging", lambda *args: None)  # other tests' levels
-    monkeypatch.setattr(FRAME_POOL, "limit", FRAME_POOL.limit)  # restored afterwards
-    assert main(["bootstrap", "--host", "127.0.0.1"]) == 1
+    seen = _bootstrap_until_open_peer(["--host", "127.0.0.1"], monkeypatch)
     assert "Address already in use" in capsys.readouterr().err
     assert seen["config"].dht.max_stored_bytes == BOOTSTRAP_STORED_BYTES == 8 << 20
     assert FRAME_POOL.limit == BOOTSTRAP_POOL_BYTES == 4 << 20
