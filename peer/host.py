@@ -15,9 +15,10 @@ Rules:
 - Inbound: over ``max_connections_per_ip`` from one host (one /64 for IPv6: a single
   subscriber holds a whole /64), a new connection is closed at once. Over
   ``max_connections`` in all, the oldest connection still in its handshake is cut off to make
-  room (connections that send nothing must not lock every other peer out), or, when every
-  slot holds an established connection, the new one is closed at once. A handshake not done
-  within ``handshake_timeout`` is cut off.
+  room (connections that send nothing must not lock every other peer out); when every slot
+  holds an established connection, the inbound one idle the longest (no call in flight,
+  quiet for a second at least) is closed instead; failing both, the new one is closed at
+  once. A handshake not done within ``handshake_timeout`` is cut off.
 - A peer that stops reading what we send is cut off once a write to it has stalled for
   ``send_timeout`` (checked every quarter of it; the idle timer spares a connection with
   calls in flight, so it would otherwise keep its connection slot, its requests and their
@@ -63,6 +64,9 @@ logger = logging.getLogger(__name__)
 
 _MAX_REMEMBERED_ADDRESSES = 4096
 """``HOST:PORT -> PeerID`` learnt by dialing, so later calls without a PeerID reuse the pool."""
+_EVICT_AFTER = 1.0
+"""Seconds an inbound connection must have been idle to be closed for a newcomer when every
+slot is taken (a flood of new connections must not evict each other at once)."""
 _CONNECTION_ERRORS = (
     PeerUnavailableError,
     ProtocolError,
@@ -79,7 +83,8 @@ class HostConfig:
     max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
     max_connections: int = 1024
     """Connections in all; beyond, a new inbound one takes the slot of the oldest inbound
-    handshake in progress, or is refused when there is none."""
+    handshake in progress, else of the inbound connection idle the longest, or is refused
+    when there is neither."""
     max_connections_per_ip: int = 128
     """Inbound connections from one remote host (one /64 for IPv6); generous, since NATs
     share addresses."""
@@ -431,7 +436,7 @@ class RpcHost:
             await trio.aclose_forcefully(raw)
             return
         full = len(self._handshakes) + len(self._connections) >= config.max_connections
-        if full and not self._cut_off_oldest_handshake():
+        if full and not (self._cut_off_oldest_handshake() or self._evict_idle_inbound()):
             logger.debug("%r: refusing %s: %d connections", self, host, config.max_connections)
             await trio.aclose_forcefully(raw)
             return
@@ -468,6 +473,28 @@ class RpcHost:
         logger.debug("%r: all slots taken, cutting off the handshake with %s", self, host)
         del self._handshakes[handshake]
         handshake.cancel()
+        return True
+
+    def _evict_idle_inbound(self) -> bool:
+        """Make room for a new inbound connection when every slot holds an established one:
+        close the inbound connection idle the longest (no call in flight either way, quiet
+        for ``_EVICT_AFTER`` seconds at least). Connections kept open with a ping now and
+        then must not lock every other peer out; an honest peer evicted so dials again
+        when it needs us. False when there is none."""
+        now = trio.current_time()
+        idle = [
+            c
+            for c, initiator in self._connections.items()
+            if initiator != self.peer_id
+            and not c.closed
+            and not c.num_inflight
+            and now - c.last_activity >= _EVICT_AFTER
+        ]
+        if not idle:
+            return False
+        oldest = min(idle, key=lambda c: c.last_activity)
+        logger.debug("%r: all slots taken, closing %r, idle the longest", self, oldest)
+        oldest.close_nowait(PeerUnavailableError("closed to make room for another peer"))
         return True
 
 

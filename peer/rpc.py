@@ -186,6 +186,11 @@ class RpcConnection:
         the stream does not tell: only a ``SecureStream`` does)."""
         return getattr(self._byte_stream, "write_started", None)
 
+    def close_nowait(self, cause: BaseException) -> None:
+        """End the connection now, on our side's initiative (pending calls fail with
+        ``cause``); :meth:`aclose` without waiting for the tasks to finish."""
+        self._shutdown(cause)
+
     def abort(self, cause: BaseException) -> None:
         """End the connection now (pending calls fail with ``cause``), e.g. a peer that
         stopped reading: a write stalled on it is cancelled."""

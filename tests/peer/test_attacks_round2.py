@@ -3,6 +3,8 @@ must cost the node little memory and CPU, and everyone else keeps being served."
 
 from __future__ import annotations
 
+from contextlib import AsyncExitStack
+
 import pytest
 import trio
 import trio.testing
@@ -116,6 +118,57 @@ async def test_connections_that_never_handshake_do_not_lock_other_peers_out(
             assert server._handshaking < 8  # the oldest silent ones were cut off
         for stream in silent:
             await stream.aclose()
+
+
+async def test_established_idle_connections_do_not_lock_other_peers_out(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Completed handshakes from a few hosts, each kept open (a ping now and then keeps the
+    idle timer away), filled every slot and every new peer was refused for as long as the
+    attacker liked. The inbound connection idle the longest now makes room; one serving a
+    call is never closed for it."""
+    net = MemoryNetwork()
+    config = HostConfig(max_connections=4, max_connections_per_ip=2)
+    busy = trio.Event()
+    release = trio.Event()
+
+    async def slow(request: Request) -> Reply:
+        busy.set()
+        await release.wait()
+        return Reply({"slow": True})
+
+    with trio.fail_after(30):
+        async with AsyncExitStack() as stack:
+            server = await stack.enter_async_context(
+                open_rpc_host(
+                    SERVER, listen=Address("s", 1), network=net.interface("s"), config=config
+                )
+            )
+            server.register_quick("ping", lambda request: Reply({"ok": True}))
+            server.register("slow", slow)
+            address = server.listen_address
+            assert address is not None
+            # the first holder keeps a call in flight, the others only held their slot
+            holders = []
+            for index in range(4):
+                identity = Identity.from_seed(bytes([100 + index]) * 32)
+                host = net.interface(f"bad{index // 2}")
+                holder = open_rpc_host(identity, listen=None, network=host)
+                holders.append(await stack.enter_async_context(holder))
+                await holders[-1].call(address, "ping")
+            good = await stack.enter_async_context(
+                open_rpc_host(GOOD, listen=None, network=net.interface("good"))
+            )
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(holders[0].call, address, "slow")
+                await busy.wait()
+                await trio.sleep(5)
+                assert server.num_connections == 4
+                assert (await good.call(address, "ping")).body == {"ok": True}
+                await trio.testing.wait_all_tasks_blocked()
+                assert holders[0].peer_id in server.connected_peers()  # its call still runs
+                assert server.num_connections == 4  # one idle holder made room
+                release.set()
 
 
 async def test_the_per_host_limit_counts_an_ipv6_slash_64_as_one_host(
