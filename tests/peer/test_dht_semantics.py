@@ -28,6 +28,17 @@ def virtual_unix_time() -> float:
     return EPOCH + trio.current_time()
 
 
+async def _start_swarm(
+    nursery: trio.Nursery, net: MemoryNetwork, indices: range, config: PeerConfig
+) -> list[Peer]:
+    """Peers at 10.0.0.{index}, each joining through the first."""
+    first = await nursery.start(_run_peer, net, indices[0], [], config)
+    swarm = [first]
+    for index in indices[1:]:
+        swarm.append(await nursery.start(_run_peer, net, index, [first.address], config))
+    return swarm
+
+
 async def _run_peer(
     net: MemoryNetwork,
     index: int,
@@ -71,10 +82,7 @@ async def test_two_writers_at_the_same_instant_give_every_reader_the_same_value(
     config = PeerConfig(dht=peer.DHTConfig(k=5))
     with trio.fail_after(600):
         async with trio.open_nursery() as nursery:
-            first = await nursery.start(_run_peer, net, 1, [], config)
-            swarm = [first]
-            for index in range(2, 25):
-                swarm.append(await nursery.start(_run_peer, net, index, [first.address], config))
+            swarm = await _start_swarm(nursery, net, range(1, 25), config)
             for trial in range(3):
                 key = f"race/{trial}"
                 async with trio.open_nursery() as writers:
@@ -279,10 +287,7 @@ async def test_every_getter_sees_every_writer_of_a_shared_key(
     config = PeerConfig(dht=peer.DHTConfig(k=5))
     with trio.fail_after(600):
         async with trio.open_nursery() as nursery:
-            first = await nursery.start(_run_peer, net, 0, [], config)
-            swarm = [first]
-            for index in range(1, 40):
-                swarm.append(await nursery.start(_run_peer, net, index, [first.address], config))
+            swarm = await _start_swarm(nursery, net, range(40), config)
             seen = []
             for key in ("shared/0", "shared/1"):  # (shared/1: 15 of 40 getters saw 25)
                 async with trio.open_nursery() as writers:
