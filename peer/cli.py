@@ -8,7 +8,8 @@ client (no inbound connections), crawls the DHT and reports the peers it finds.
 
 Signals: the first SIGINT/SIGTERM stops the command (``bootstrap`` exits 0), whenever
 it comes; later ones, of either kind, are ignored, so a second signal cannot cut the
-shutdown short.
+shutdown short. A SIGINT that was ignored when the command started (a background job of
+a shell script, ``nohup``) stays ignored.
 """
 
 from __future__ import annotations
@@ -63,7 +64,15 @@ class _SignalStop:
         self.signum: int | None = None
         self._raise = True
         self._cancel: Callable[[], object] | None = None
-        self._previous = {s: signal.signal(s, self._handle) for s in _STOP_SIGNALS}
+        # A SIGINT ignored from the start stays ignored: a shell starts background jobs so
+        # (`swarm bootstrap &` in a script, nohup), so that Ctrl-C at the terminal does not
+        # stop them. SIGTERM, what service managers send, always stops.
+        self.signals = tuple(
+            s
+            for s in _STOP_SIGNALS
+            if s != signal.SIGINT or signal.getsignal(s) is not signal.SIG_IGN
+        )
+        self._previous = {s: signal.signal(s, self._handle) for s in self.signals}
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.signum is not None:  # already stopping
@@ -103,9 +112,9 @@ class _SignalStop:
         # Blocked while switching: signal.signal() runs the handlers of signals already
         # caught, then sets SIG_IGN; one caught in between would be "ignored due to race
         # condition". A blocked one stays with the kernel, which drops it at SIG_IGN.
-        mask = signal.pthread_sigmask(signal.SIG_BLOCK, _STOP_SIGNALS)
+        mask = signal.pthread_sigmask(signal.SIG_BLOCK, self.signals)
         try:
-            for s in _STOP_SIGNALS:
+            for s in self.signals:
                 signal.signal(s, signal.SIG_IGN)
         finally:
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)
@@ -367,16 +376,20 @@ async def _bootstrap(args: argparse.Namespace, stop: _SignalStop) -> int:
                 ensure_bootstrap_success=False,  # a backup of bootstrap nodes that are down
             ) as node:
                 up = True
-                try:
-                    print(node.address, flush=True)
-                except BrokenPipeError:
-                    _silence_stdout()
-                    logger.warning("stdout is closed: the address is only in this log")
-                except OSError as exc:  # e.g. `> /dev/full`
-                    _silence_stdout()
-                    return _fail("bootstrap", f"cannot print the address: {exc.strerror or exc}")
-                logger.info("bootstrap node %s is up", node.address)
+                # serving from before the address is out: a signal sent as soon as it is
+                # read ends the wait, not the node's own shutdown
                 with trio.CancelScope() as serving, stop.cancelling(serving):
+                    try:
+                        print(node.address, flush=True)
+                    except BrokenPipeError:
+                        _silence_stdout()
+                        logger.warning("stdout is closed: the address is only in this log")
+                    except OSError as exc:  # e.g. `> /dev/full`
+                        _silence_stdout()
+                        return _fail(
+                            "bootstrap", f"cannot print the address: {exc.strerror or exc}"
+                        )
+                    logger.info("bootstrap node %s is up", node.address)
                     await trio.sleep_forever()
                 if stop.signum is not None:
                     logger.info("received %s, stopping", signal.Signals(stop.signum).name)

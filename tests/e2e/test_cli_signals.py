@@ -235,3 +235,23 @@ def test_a_signal_as_soon_as_the_command_owns_the_signals(sig: int) -> None:
     assert proc.returncode == 0, err
     assert "Traceback" not in err
     assert out == "" or "@127.0.0.1:" in out  # it may or may not have got to print
+
+
+def test_a_sigint_ignored_at_start_stays_ignored() -> None:
+    """`swarm bootstrap &` in a script (or nohup) starts with SIGINT ignored, so that Ctrl-C
+    at the terminal is not for it: the node keeps it so and stops on SIGTERM."""
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)  # inherited by the child
+    try:
+        node = Bootstrap()
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    # Both pending at once are handled by signal number (SIGINT first): had the node taken
+    # SIGINT over, the log would name it.
+    node.proc.send_signal(signal.SIGINT)
+    node.proc.send_signal(signal.SIGTERM)
+    assert node.proc.wait(timeout=15) == 0
+    assert node.proc.stderr is not None
+    err = node.proc.stderr.read()
+    assert "received SIGTERM, stopping" in err, err
+    assert "SIGINT" not in err, err
+    node.stop()
