@@ -3,9 +3,14 @@
 Rules (what a reducer promises):
 
 - A sender's contribution counts only if *all* its chunks for the part arrived, decoded
-  cleanly, were finite, and carried the epoch and weight it declared. Chunks are added to
-  the running sum as they arrive (so reduction overlaps the network) and kept until the
+  cleanly, were finite, were exactly what the round's codec makes of a chunk (its size: no
+  other block size or ``k``), and carried the epoch and weight it declared. Chunks are added
+  to the running sum as they arrive (so reduction overlaps the network) and kept until the
   sender's part is complete; a sender that fails midway is subtracted again chunk by chunk.
+- Subtraction is exact only up to rounding of what was added: a chunk far larger than the
+  contributions settled so far (ours, and complete senders') waits, kept, and is added
+  when its sender completes, so that a hostile sender cannot add huge values, get itself
+  dropped, and leave their rounding error (2**-24 of *its* values) in the others' mean.
 - Staleness: with ``E`` the largest epoch declared in the group, a sender at epoch ``e``
   is dropped as ``stale`` when ``E - e > max_staleness``, else weighted by
   ``weight * decay ** (E - e)``. Everybody derives this from the same member list.
@@ -45,6 +50,12 @@ from .scans import (
     scale_magnitude,
 )
 
+SUBTRACT_FACTOR = 4.0
+"""A pending sender's chunk is added as it arrives only if its scaled values are at most
+this many times the largest scaled contribution settled so far; else when it completes.
+Subtracting a dropped sender then leaves at most a few float32 roundings of the settled
+contributions' magnitude in the sum."""
+
 MIN_SHARE = 2.0**-64
 """Below this share of the senders' total weight, the contributors' sum is too small to be
 scaled back up in float32 (a sender that outweighed them by 2**64 was dropped)."""
@@ -72,7 +83,8 @@ class Member:
 
 class _Sender:
     __slots__ = (
-        "done", "epoch", "reason", "received", "retained", "retained_bytes", "share", "weight"
+        "done", "epoch", "largest", "reason", "received", "retained", "retained_bytes", "share",
+        "waiting", "weight",
     )  # fmt: skip
 
     def __init__(self, weight: float, epoch: int, n_chunks: int) -> None:
@@ -80,8 +92,11 @@ class _Sender:
         self.share = 0.0  # weight / total weight of the senders, a float32 factor in [0, 1]
         self.epoch = epoch
         self.received = bytearray(n_chunks)
-        self.retained: list[tuple[int, bytes | memoryview, bool]] = []  # (chunk, blob, raw)
+        # (chunk, blob, raw, added): kept until complete; ``added`` once in the sum
+        self.retained: list[tuple[int, bytes | memoryview, bool, bool]] = []
         self.retained_bytes = 0
+        self.largest = 0.0  # largest share * |value| among its chunks so far
+        self.waiting: set[int] = set()  # chunks whose calls wait for admission (reducing)
         self.done = False
         self.reason: DropReason | None = None
 
@@ -165,6 +180,8 @@ class PartReducer:
         self._share = 1.0  # the contributors' shares together, once finalized
         self._largest = 0.0  # the largest |value| added (ours included): overflow is possible
         # only when it nears what the codec can send back
+        self._settled = 0.0  # the largest share * |value| of ours and of complete senders
+        self._blob_sizes: dict[int, int] = {}  # elements -> bytes of the round codec's blob
         self._undivided: set[int] = set()  # chunks of the sum not turned into the mean yet
         self._local = local
         self._local_values = local_values
@@ -186,6 +203,11 @@ class PartReducer:
     def reason(self, peer_id: PeerID) -> DropReason | None:
         sender = self.senders.get(peer_id)
         return None if sender is None else sender.reason
+
+    def received_chunks(self, peer_id: PeerID) -> int:
+        """How many chunks of its part ``peer_id`` has delivered (0 for a stranger)."""
+        sender = self.senders.get(peer_id)
+        return 0 if sender is None else sum(sender.received)
 
     def retained_bytes(self) -> int:
         return sum(s.retained_bytes for s in self.senders.values())
@@ -215,6 +237,7 @@ class PartReducer:
                     break
                 if share > 0:  # (with no share, our values do not enter the sum)
                     self._largest = max(self._largest, size / share)
+                    self._settled = max(self._settled, size)
                 if i + step < self.length:
                     yield
             if finite:
@@ -237,9 +260,11 @@ class PartReducer:
     ) -> bool:
         """Decode and add one chunk; True when it completed the sender's part.
 
-        ``blob`` is kept (not copied) until the part is complete: pass an owned buffer.
-        ``raw``: ``blob`` is the chunk's float32 values without a codec header (only with
-        the ``none`` codec).
+        ``blob`` is kept (not copied) until the part is complete: pass an owned buffer. It
+        must be exactly the round codec's blob of the chunk (``raw``: the chunk's float32
+        values without a codec header, only with the ``none`` codec). A chunk whose values
+        dwarf the contributions settled so far is added when its sender completes (see
+        ``SUBTRACT_FACTOR``).
 
         Raises:
             ChunkRejected: the chunk is refused and the sender was dropped for this part
@@ -250,14 +275,8 @@ class PartReducer:
         if not self.loaded:
             raise RuntimeError("add_chunk before our own values were loaded (load_steps)")
         sender = self._expect(peer_id)
-        member = self.members[peer_id]
         try:
-            if epoch != member.epoch or weight != member.weight:
-                raise ChunkRejected(DropReason.GARBAGE, "epoch or weight differ from declared")
-            if not 0 <= index < self.n_chunks:
-                raise ChunkRejected(DropReason.GARBAGE, f"chunk {index} out of range")
-            if sender.received[index]:
-                raise ChunkRejected(DropReason.GARBAGE, f"chunk {index} sent twice")
+            self._check_header(peer_id, sender, index, epoch, weight, blob, raw)
             start, stop = chunk_span(self.length, self.chunk_elements, index)
             values = as_tensor(self._decode(blob, stop - start, raw))
             size = magnitude(values)  # NaN or infinity when it holds any
@@ -267,16 +286,95 @@ class PartReducer:
             self.drop(peer_id, exc.reason)
             raise
         self._largest = max(self._largest, size)
-        self._acc[start:stop].add_(values, alpha=sender.share)
+        scaled = sender.share * size
+        sender.largest = max(sender.largest, scaled)
+        added = scaled <= SUBTRACT_FACTOR * self._settled
+        if added:  # else kept aside until the sender completes (see SUBTRACT_FACTOR)
+            self._acc[start:stop].add_(values, alpha=sender.share)
         sender.received[index] = 1
-        sender.retained.append((index, blob, raw))
-        sender.retained_bytes += len(blob)
+        sender.retained.append((index, blob, raw, added))
+        sender.retained_bytes += memoryview(blob).nbytes
         if all(sender.received):
-            sender.done = True
-            sender.retained.clear()
-            sender.retained_bytes = 0
+            self._complete(sender)
             return True
         return False
+
+    def check_chunk(
+        self,
+        peer_id: PeerID,
+        index: int,
+        epoch: int,
+        weight: float,
+        blob: bytes | memoryview,
+        raw: bool = False,
+    ) -> None:
+        """What :meth:`add_chunk` checks before decoding (a cheap look at the header and the
+        payload's size), e.g. before a call waits for admission; drops the sender on failure.
+        The chunk is then expected (a second one with the same index is refused) until
+        :meth:`add_chunk` or :meth:`forget_chunk`.
+
+        Raises:
+            ChunkRejected: as :meth:`add_chunk` (the sender was dropped for this part).
+            KeyError: ``peer_id`` is not an expected, pending sender (nothing changes).
+        """
+        sender = self._expect(peer_id)
+        try:
+            if index in sender.waiting:
+                raise ChunkRejected(DropReason.GARBAGE, f"chunk {index} sent twice")
+            self._check_header(peer_id, sender, index, epoch, weight, blob, raw)
+        except ChunkRejected as exc:
+            self.drop(peer_id, exc.reason)
+            raise
+        sender.waiting.add(index)
+
+    def forget_chunk(self, peer_id: PeerID, index: int) -> None:
+        """The call that :meth:`check_chunk` let wait is over."""
+        sender = self.senders.get(peer_id)
+        if sender is not None:
+            sender.waiting.discard(index)
+
+    def _check_header(
+        self,
+        peer_id: PeerID,
+        sender: _Sender,
+        index: int,
+        epoch: int,
+        weight: float,
+        blob: bytes | memoryview,
+        raw: bool,
+    ) -> None:
+        member = self.members[peer_id]
+        if epoch != member.epoch or weight != member.weight:
+            raise ChunkRejected(DropReason.GARBAGE, "epoch or weight differ from declared")
+        if not 0 <= index < self.n_chunks:
+            raise ChunkRejected(DropReason.GARBAGE, f"chunk {index} out of range")
+        if sender.received[index]:
+            raise ChunkRejected(DropReason.GARBAGE, f"chunk {index} sent twice")
+        start, stop = chunk_span(self.length, self.chunk_elements, index)
+        expected = 4 * (stop - start) if raw else self._blob_size(stop - start)
+        size = memoryview(blob).nbytes
+        if size != expected:  # (the kept bytes stay what admission counted)
+            raise ChunkRejected(
+                DropReason.GARBAGE, f"chunk {index} of {size} bytes, not {expected}"
+            )
+
+    def _blob_size(self, count: int) -> int:
+        size = self._blob_sizes.get(count)
+        if size is None:
+            size = self._blob_sizes[count] = self.codec.encoded_size(count)
+        return size
+
+    def _complete(self, sender: _Sender) -> None:
+        """The sender's part is all in: add what was kept aside, forget the blobs."""
+        for index, blob, raw, added in sender.retained:
+            if not added:
+                start, stop = chunk_span(self.length, self.chunk_elements, index)
+                values = as_tensor(self._decode(blob, stop - start, raw))
+                self._acc[start:stop].add_(values, alpha=sender.share)
+        self._settled = max(self._settled, sender.largest)
+        sender.done = True
+        sender.retained.clear()
+        sender.retained_bytes = 0
 
     def drop(self, peer_id: PeerID, reason: DropReason) -> None:
         """Exclude a pending sender from the part, subtracting what it already added."""
@@ -284,7 +382,9 @@ class PartReducer:
         if sender is None or sender.done or sender.reason is not None or self.finalized:
             return
         sender.reason = reason
-        for index, blob, raw in sender.retained:
+        for index, blob, raw, added in sender.retained:
+            if not added:  # kept aside: never in the sum
+                continue
             start, stop = chunk_span(self.length, self.chunk_elements, index)
             values = self._decode(blob, stop - start, raw)
             self._acc[start:stop].sub_(as_tensor(values), alpha=sender.share)

@@ -7,13 +7,19 @@
 Senders are admitted while the bytes kept for exact exclusion fit ``retain_budget`` (one
 sender always fits), first come first served. An admitted sender that delivers nothing for
 ``stall_timeout`` is pinged: no answer, dropped as frozen; connection refused, as dead.
+While others wait for admission, an admitted sender must keep the pace that completes its
+part by the cutoff (with a chunk to spare): having ``r`` of ``n`` chunks in, it is dropped
+as ``timeout`` once ``(r + 1) / n`` of the time from its admission to the cutoff has passed.
+One that would miss the cutoff anyway gives its slot up early; one that sent a chunk and
+then only answered pings held the slot until the cutoff, and every sender queued behind it
+was dropped.
 """
 
 from __future__ import annotations
 
 import logging
 import math
-from collections.abc import AsyncGenerator
+from collections.abc import AsyncGenerator, Callable
 
 import numpy as np
 import trio
@@ -97,6 +103,8 @@ class ReducerService:
         self.start = trio.current_time()
         self.progress: dict[PeerID, list[float]] = {}
         self._admitted: set[PeerID] = set()
+        self._admitted_at: dict[PeerID, float] = {}
+        self.cutoff = math.inf  # set by reduce()
         self._released: set[PeerID] = set()
         self._queue: list[PeerID] = []
         self._waiters: dict[PeerID, int] = {}
@@ -146,23 +154,42 @@ class ReducerService:
             self._drop(sender, header.abort)
             return Reply({})
         self._check_pending(sender)
-        await self._admit(sender)
-        await self.loaded.wait()
-        if not reducer.loaded:
-            raise RemoteError("dropped", DropReason.TIMEOUT.value)
-        self._check_pending(sender)
+        # a lying header or a payload of the wrong size is refused before the call waits
+        # (holding its payload) for admission, and so is a second call for the same chunk:
+        # what waits for a sender is at most the encoded part that admission counts
+        self._refuse_if(reducer.check_chunk, sender, header, payload)
         try:
-            complete = reducer.add_chunk(
-                sender, header.chunk, header.epoch, header.weight, payload, header.raw
-            )
+            await self._admit(sender)
+            await self.loaded.wait()
+            if not reducer.loaded:
+                raise RemoteError("dropped", DropReason.TIMEOUT.value)
+            self._check_pending(sender)
+            self._refuse_if(reducer.add_chunk, sender, header, payload)
+        finally:
+            reducer.forget_chunk(sender, header.chunk)
+        self.progress.setdefault(sender, [0.0])[0] = trio.current_time()
+        if not reducer.is_pending(sender):  # that chunk completed its part
+            self._release(sender)
+        return Reply({})
+
+    def _refuse_if(
+        self,
+        check: Callable[[PeerID, int, int, float, bytes | memoryview, bool], object],
+        sender: PeerID,
+        header: ChunkHeader,
+        payload: bytes | memoryview,
+    ) -> None:
+        """Run ``check`` (a chunk's check, or its addition) for ``sender``'s chunk.
+
+        Raises:
+            RemoteError: ``dropped`` with the reason, when it refused the chunk.
+        """
+        try:
+            check(sender, header.chunk, header.epoch, header.weight, payload, header.raw)
         except ChunkRejected as exc:
             logger.debug("round %d: dropping %s: %s", self.plan.round, sender.short(), exc)
             self._after_drop(sender)
             raise RemoteError("dropped", exc.reason.value) from None
-        self.progress.setdefault(sender, [0.0])[0] = trio.current_time()
-        if complete:
-            self._release(sender)
-        return Reply({})
 
     def _check_pending(self, sender: PeerID) -> None:
         if not self.reducer.is_pending(sender):
@@ -174,15 +201,19 @@ class ReducerService:
             return
         if sender not in self._queue:
             self._queue.append(sender)
+            self._notify()  # the holders of admission now have somebody waiting
         self._waiters[sender] = self._waiters.get(sender, 0) + 1
         try:
             while sender not in self._admitted:
+                # dropped while queued (a withdrawal, a failed probe): out of the queue
+                self._check_pending(sender)
                 if self._queue[0] == sender and (
                     self._reserved == 0 or self._reserved + self.part_bytes <= self.budget
                 ):
                     self._queue.pop(0)
                     self._admitted.add(sender)
                     self._reserved += self.part_bytes
+                    self._admitted_at[sender] = trio.current_time()
                     self.progress[sender] = [trio.current_time()]
                     self._notify()
                     break
@@ -214,6 +245,7 @@ class ReducerService:
         """Reduce until every sender is in or out (or ``cutoff``), then publish the mean
         (and write it into our own flat vector). Call :meth:`load` first."""
         await self.loaded.wait()
+        self.cutoff = cutoff
         with trio.move_on_at(cutoff):
             while self.reducer.pending():
                 self._drop_known_bad()
@@ -252,6 +284,12 @@ class ReducerService:
         """Wait for a change; probe senders that stalled (admitted and quiet, or silent)."""
         stall = self.config.stall_timeout
         now = trio.current_time()
+        slot_ends = self._slot_ends()
+        overdue = [p for p, end in slot_ends.items() if end <= now]
+        if overdue:  # others wait for the slot it will not use in time
+            for peer_id in overdue:
+                self._drop(peer_id, DropReason.TIMEOUT)
+            return
         # senders waiting for admission are waiting on us, not stalled
         watched = [p for p in self.reducer.pending() if p not in self._queue]
         deadlines = {p: self.progress.get(p, [self.start])[0] + stall for p in watched}
@@ -261,12 +299,27 @@ class ReducerService:
                 for peer_id in stalled:
                     nursery.start_soon(self._probe, peer_id)
             return
-        next_check = min(deadlines.values(), default=math.inf)
+        next_check = min([*deadlines.values(), *slot_ends.values()], default=math.inf)
         with trio.move_on_at(next_check):
             changed, bad = self._changed, self.liveness.changed
             async with trio.open_nursery() as nursery:
                 for event in (changed, bad):
                     nursery.start_soon(_wait_then_cancel, event, nursery.cancel_scope)
+
+    def _slot_ends(self) -> dict[PeerID, float]:
+        """While senders wait for admission: when each admitted, pending sender falls behind
+        the pace that completes its part by the cutoff (a chunk to spare), see the module's
+        docstring."""
+        if not self._queue:
+            return {}
+        ends = {}
+        chunks = max(1, self.reducer.n_chunks)
+        for peer_id in self.reducer.pending():
+            admitted = self._admitted_at.get(peer_id)
+            if admitted is not None and peer_id not in self._released:
+                pace = min(1.0, (self.reducer.received_chunks(peer_id) + 1) / chunks)
+                ends[peer_id] = admitted + (self.cutoff - admitted) * pace
+        return ends
 
     async def _probe(self, peer_id: PeerID) -> None:
         reason = await self.liveness.probe(peer_id)
