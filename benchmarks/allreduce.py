@@ -8,8 +8,10 @@
 Prints one JSON document. For each peer count: gloo's ``all_reduce`` of the same tensor in
 as many processes (no encryption), then for each link (plain loopback; shaped to 1 Gbit/s
 and 100 Mbit/s per peer and direction) and codec: the median over ``--steps`` rounds (after
-a warmup round) of the slowest peer's butterfly time (``allreduce_s``, matchmaking excluded)
-and of its whole step (``step_s``, matchmaking included), the mean CPU time of a peer's
+a warmup round: every connection is open by then; only the rounds every peer averaged in
+full count, ``steps_timed`` of them, ``all_averaged`` says whether all did) of the slowest
+peer's butterfly time (``allreduce_s``, matchmaking excluded, as gloo's time excludes its
+rendezvous) and of its whole step (``step_s``, matchmaking included), the mean CPU time of a peer's
 step (``cpu_s``; well under ``step_s`` x cores / peers: the peers waited for each other;
 the figure to watch on a loaded machine), and how many large buffers a peer allocated per
 step (``fresh_buffers``: received frames, upload blobs, results; each one page-faults).
@@ -25,8 +27,10 @@ is its own process (one trio loop, one core's worth of Python); the Noise channe
 every byte.
 
 Two floors say what the machine allows, measured in the same run: ``cpu_floor_s`` (each
-result: ``cpu_s`` x peers / cores, the round time if the peers' CPU work overlapped
-perfectly on this machine's cores) and, per peer count, ``aead_floor_s``: AES-GCM sealing
+result: ``allreduce_cpu_s`` x peers / cores, where ``allreduce_cpu_s`` is a peer's CPU from
+the moment its group was matched, the window ``allreduce_s`` times: the round time if the
+peers' CPU work overlapped perfectly on this machine's cores; ``cpu_s`` still includes the
+matchmaking's DHT traffic) and, per peer count, ``aead_floor_s``: AES-GCM sealing
 and opening, in 64 KiB transport messages, of the bytes each peer sends and receives with
 ``none`` (2 (n-1)/n of the vector each way), for all peers, on this machine's cores: what
 encryption alone costs before any socket, copy or sum.
@@ -50,6 +54,8 @@ from _shaping import KERNEL_BURST, LINK_BUFFER, KernelShaper
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+_LOOPBACK = "lo0" if sys.platform == "darwin" else "lo"
+"""The loopback interface's name, for GLOO_SOCKET_IFNAME."""
 CHUNK_BYTES = 2 << 20  # AveragerConfig.chunk_bytes' default
 RATES = {"loopback": 0.0, "1gbit": 1e9, "100mbit": 1e8}
 
@@ -97,6 +103,7 @@ async def swarm_worker(args: argparse.Namespace) -> None:
         )
         for codec in args.codecs:
             averager = Averager(node, f"bench/{codec}", [tensor], codec=codec, config=config)
+            matched = _mark_matched(averager)
             for step in range(args.warmup + args.steps):
                 # Everybody starts each step together: a peer whose step went alone (slow
                 # start, a hiccup) would otherwise stay one round off for the whole run.
@@ -104,8 +111,11 @@ async def swarm_worker(args: argparse.Namespace) -> None:
                 await trio.to_thread.run_sync(sys.stdin.readline)
                 fresh = _fresh_buffers(averager)
                 start, cpu = time.perf_counter(), time.process_time()
+                matched.clear()
                 info = await averager.step(weight=1.0, timeout=args.timeout)
-                cpu = time.process_time() - cpu
+                end_cpu = time.process_time()
+                allreduce_cpu = end_cpu - matched.get("cpu", cpu)
+                cpu = end_cpu - cpu
                 fresh = {k: v - fresh[k] for k, v in _fresh_buffers(averager).items()}
                 _emit(
                     {
@@ -114,6 +124,7 @@ async def swarm_worker(args: argparse.Namespace) -> None:
                         "step_s": time.perf_counter() - start,
                         "allreduce_s": info.allreduce_s,
                         "cpu_s": cpu,
+                        "allreduce_cpu_s": allreduce_cpu,
                         "outcome": str(info.outcome),
                         "fraction": info.averaged_fraction,
                         "group": len(info.group),
@@ -125,6 +136,23 @@ async def swarm_worker(args: argparse.Namespace) -> None:
             averager.close()
         _emit({"done": True})
         await trio.to_thread.run_sync(sys.stdin.readline)  # stop (others may still fetch)
+
+
+def _mark_matched(averager: Any) -> dict[str, float]:
+    """A dict that gets this process's CPU time (``"cpu"``) when each step's matchmaking
+    ends and its all-reduce begins: the all-reduce's own CPU, which ``cpu_floor_s`` compares
+    with ``allreduce_s``, leaves out the CPU of the DHT traffic before it."""
+    marks: dict[str, float] = {}
+    find_group = averager._matchmaker.find_group
+
+    async def marked(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return await find_group(*args, **kwargs)
+        finally:
+            marks["cpu"] = time.process_time()
+
+    averager._matchmaker.find_group = marked
+    return marks
 
 
 def _fresh_buffers(averager: Any) -> dict[str, int]:
@@ -203,36 +231,53 @@ def summarize(
     for codec in args.codecs:
         steps = [[r for r in mine if r["codec"] == codec and r["step"] >= 1] for mine in rows]
         per_step = list(zip(*steps, strict=True))
-        allreduce = [max(r["allreduce_s"] for r in step) for step in per_step]
-        total = [max(r["step_s"] for r in step) for step in per_step]
-        cpu = [statistics.mean(r["cpu_s"] for r in step) for step in per_step]
+        # Times of the rounds every peer averaged in full only: a round that formed no group
+        # (allreduce_s 0) or gave up on a part must not pass for a fast all-reduce.
+        timed = [step for step in per_step if all(_averaged_all(r, n) for r in step)]
+        allreduce = [max(r["allreduce_s"] for r in step) for step in timed]
+        total = [max(r["step_s"] for r in step) for step in timed]
+        cpu = [statistics.mean(r["cpu_s"] for r in step) for step in timed]
+        allreduce_cpu = [statistics.mean(r["allreduce_cpu_s"] for r in step) for step in timed]
         cores = os.cpu_count() or 1
         result: dict[str, Any] = {
-            "allreduce_s": round(statistics.median(allreduce), 4),
-            "step_s": round(statistics.median(total), 4),
-            "cpu_s": round(statistics.median(cpu), 4),  # per peer, matchmaking included
-            "cpu_floor_s": round(statistics.median(cpu) * n / min(n, cores), 4),
+            "allreduce_s": _median(allreduce),
+            "step_s": _median(total),
+            "cpu_s": _median(cpu),  # per peer, matchmaking included
+            "allreduce_cpu_s": _median(allreduce_cpu),  # per peer, from the matched group on
+            # the round time if the peers' all-reduce CPU overlapped perfectly on the cores
+            "cpu_floor_s": _median([c * n / min(n, cores) for c in allreduce_cpu]),
+            "steps_timed": len(timed),  # of ``steps``: the rounds the medians are over
             # large buffers a peer allocated per step (each one page-faults), by use
             "fresh_buffers": {
                 key: round(statistics.mean(r["fresh_buffers"][key] for st in per_step for r in st))
                 for key in per_step[0][0]["fresh_buffers"]
             },
-            "all_averaged": all(
-                r["fraction"] == 1.0 and r["group"] == n for step in per_step for r in step
-            ),
+            "all_averaged": len(timed) == len(per_step),
         }
-        short = [
-            r["info"] for step in per_step for r in step if r["fraction"] < 1 or r["group"] != n
-        ]
+        short = [r["info"] for step in per_step for r in step if not _averaged_all(r, n)]
         if short:  # what the rounds that did not average everything reported
             result["not_averaged"] = short[:4]
         if rate:
             wire = encoded_bytes(codec, args.size, (args.chunk_bytes or CHUNK_BYTES) // 4)
             bound = 2 * (n - 1) / n * wire / (rate / 8)
             result["lower_bound_s"] = round(bound, 4)
-            result["ratio_to_bound"] = round(result["allreduce_s"] / bound, 3)
+            result["ratio_to_bound"] = _ratio(result["allreduce_s"], bound)
         out[codec] = result
     return out
+
+
+def _averaged_all(row: dict[str, Any], n: int) -> bool:
+    """Whether this peer's step averaged the whole vector over all ``n`` peers."""
+    return bool(row["fraction"] == 1.0 and row["group"] == n)
+
+
+def _median(values: list[float]) -> float | None:
+    """The median, rounded; None when no round qualified."""
+    return round(statistics.median(values), 4) if values else None
+
+
+def _ratio(value: float | None, baseline: float) -> float | None:
+    return None if value is None else round(value / baseline, 3)
 
 
 # -- the cost of encryption alone ----------------------------------------------------------
@@ -269,14 +314,17 @@ def aead_floor(n: int, size: int) -> float:
 
 
 def gloo_worker(args: argparse.Namespace) -> None:
+    import datetime
+
     import torch
     import torch.distributed as dist
 
     dist.init_process_group(
         "gloo",
-        init_method=f"tcp://127.0.0.1:{args.port}",
+        init_method=f"file://{args.store}",  # a file, not a TCPStore (which listens on *)
         rank=args.index,
         world_size=args.world,
+        timeout=datetime.timedelta(seconds=args.timeout),
     )
     tensor = torch.randn(args.size)
     times = []
@@ -290,20 +338,35 @@ def gloo_worker(args: argparse.Namespace) -> None:
 
 
 def run_gloo(n: int, args: argparse.Namespace) -> float:
-    import socket
+    """gloo's all_reduce time in ``n`` processes (median over steps of the slowest rank).
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    cmd = [sys.executable, __file__, "--gloo-worker", "--world", str(n), "--port", str(port)]
-    cmd += ["--size", str(args.size), "--steps", str(args.steps)]
-    procs = [
-        subprocess.Popen([*cmd, "--index", str(i)], stdout=subprocess.PIPE, text=True)
-        for i in range(n)
-    ]
-    times = [
-        json.loads(p.communicate(timeout=600)[0].strip().splitlines()[-1])["times"] for p in procs
-    ]
+    The processes meet through a file (no TCP rendezvous) and gloo's own sockets bind the
+    loopback interface, so nothing listens beyond 127.0.0.1 (a TCPStore listens on every
+    address, and gloo otherwise binds the address the host name resolves to).
+    """
+    import tempfile
+
+    env = {**os.environ, "GLOO_SOCKET_IFNAME": os.environ.get("GLOO_SOCKET_IFNAME", _LOOPBACK)}
+    with tempfile.TemporaryDirectory() as folder:
+        cmd = [sys.executable, __file__, "--gloo-worker", "--world", str(n)]
+        cmd += ["--store", str(Path(folder, "store")), "--size", str(args.size)]
+        cmd += ["--steps", str(args.steps), "--timeout", str(args.timeout)]
+        procs: list[subprocess.Popen[str]] = []
+        try:
+            for i in range(n):
+                procs.append(
+                    subprocess.Popen(
+                        [*cmd, "--index", str(i)], stdout=subprocess.PIPE, text=True, env=env
+                    )
+                )
+            times = [_read_json(p)["times"] for p in procs]
+            for p in procs:
+                p.wait(timeout=60)
+        finally:  # one that failed leaves the others waiting for it: end them
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
     return round(statistics.median(max(step) for step in zip(*times, strict=True)), 4)
 
 
@@ -359,7 +422,7 @@ def main() -> None:
     parser.add_argument("--rate", type=float, default=0.0, help=argparse.SUPPRESS)
     parser.add_argument("--warmup", type=int, default=1, help=argparse.SUPPRESS)
     parser.add_argument("--world", type=int, default=2, help=argparse.SUPPRESS)
-    parser.add_argument("--port", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--store", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         import trio
@@ -390,8 +453,8 @@ def main() -> None:
             entry[name] = run_swarm(n, RATES[name], args)
             if name == "loopback":
                 for result in entry[name].values():
-                    result["ratio_to_gloo"] = round(
-                        result["allreduce_s"] / entry["gloo_allreduce_s"], 3
+                    result["ratio_to_gloo"] = _ratio(
+                        result["allreduce_s"], entry["gloo_allreduce_s"]
                     )
         report["runs"][str(n)] = entry
         print(json.dumps({"progress": n, **entry}), file=sys.stderr, flush=True)
