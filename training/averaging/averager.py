@@ -17,6 +17,7 @@ import logging
 import math
 import numbers
 import time
+import warnings
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
@@ -193,6 +194,7 @@ class Averager:
         self._busy = False
         self._closed = False
         self._registered = False
+        self._warned_unreferenced = False
         chunk = config.chunk_elements
         self._scratch: Float32Array = np.empty(chunk, dtype=np.float32)
         self._zeros: Float32Array = np.zeros(chunk, dtype=np.float32)
@@ -303,6 +305,7 @@ class Averager:
             )
         if self._busy or self._closed:
             raise RuntimeError("the averager is closed or already in a step")
+        self._warn_if_unreferenced()
         self._busy = True
         try:
             return await self._step(float(weight), epoch, trio.current_time() + timeout)
@@ -313,6 +316,26 @@ class Averager:
             self._busy = False
             if self._closed:  # closed during the step
                 self._unregister()
+
+    def _warn_if_unreferenced(self) -> None:
+        """Warn (once) when some tensors are held by nothing but this averager: nobody would
+        see their average, while the report says they were averaged. The usual cause is
+        ``optimizer.zero_grad()``, which sets ``.grad`` to None (torch's default), so the next
+        backward writes a new tensor and the one given to the averager is left behind."""
+        if self._warned_unreferenced:
+            return
+        lost = self.flat.unreferenced()
+        if lost:
+            self._warned_unreferenced = True
+            warnings.warn(
+                f"Averager {self.prefix!r}: tensors {lost} are referenced by nothing but this "
+                "averager, so nobody will see their average. Were they parameters' .grad? "
+                "optimizer.zero_grad() sets .grad to None (torch's default) and the next "
+                "backward makes new tensors: call zero_grad(set_to_none=False) so the same "
+                "tensors are reused, or make the Averager with the new tensors",
+                RuntimeWarning,
+                stacklevel=3,
+            )
 
     def step_blocking(
         self, weight: float = 1.0, epoch: int = 0, timeout: float | None = None
@@ -327,6 +350,7 @@ class Averager:
         if self._background is None:
             raise RuntimeError("step_blocking needs a peer from peer.run_in_background")
         check_step_arguments(weight, epoch, timeout)
+        self._warn_if_unreferenced()  # here, so that the warning names the caller's line
         return self._background.run(self.step, weight, epoch, timeout)
 
     async def _step(self, weight: float, epoch: int, deadline: float) -> AveragingInfo:

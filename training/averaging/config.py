@@ -31,7 +31,9 @@ class AveragerConfig:
     """
 
     group_size: int = 16  # most peers in one all-reduce group (Moshpit grid across rounds)
-    codec: str = "none"  # "none", "float16", "int8" or "topk": part of the round metadata
+    # "none", "float16", "int8" or "topk" (gradients or updates only: what is outside every
+    # member's top k comes back as 0, so averaged parameters would be zeroed): part of the layout
+    codec: str = "none"
     codec_params: dict[str, Any] = field(default_factory=dict)  # e.g. {"fraction": 0.01}
     max_staleness: int = 2  # S: contributions older than max_epoch_in_group - S are dropped
     staleness_decay: float = 0.5  # weight x decay**staleness for accepted stale contributions

@@ -15,7 +15,7 @@ import bisect
 import hashlib
 import itertools
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
@@ -25,6 +25,10 @@ import torch
 
 Span: TypeAlias = tuple[int, int]
 Float32Array: TypeAlias = npt.NDArray[np.float32]
+
+_STORAGE_USE_COUNT = getattr(torch._C, "_storage_Use_Count", None)
+"""How many tensors hold a storage (private torch API: without it, no tensor is reported
+unreferenced)."""
 
 ALIGN = 4096
 """Part boundaries fall on multiples of this many elements when the vector is large enough
@@ -66,13 +70,31 @@ def as_tensors(tensors: Sequence[Any]) -> list[torch.Tensor]:
     """Torch views of the user's tensors (numpy arrays are wrapped without copying).
 
     Raises:
-        TypeError: if an item is neither a torch tensor nor a numpy array, or is not floating.
+        TypeError: if ``tensors`` is one tensor or a mapping (a ``state_dict()``) rather than a
+            list, or an item is None (a ``.grad`` before the first backward), neither a torch
+            tensor nor a numpy array, or not floating.
         ValueError: if a tensor is not on the CPU, sparse, not contiguous or read-only, if
             two tensors share memory, or if the list is empty.
     """
+    if isinstance(tensors, torch.Tensor | np.ndarray):  # iterating it would average its rows
+        # (each 0-d for a vector: millions of tensors) or, for numpy, refuse its scalars
+        raise TypeError(
+            f"tensors must be a list of tensors, got one {type(tensors).__name__}: pass [tensor]"
+        )
+    if isinstance(tensors, Mapping):  # iterating it yields the keys
+        raise TypeError(
+            "tensors must be a list of tensors, got a mapping (a state_dict()?): pass "
+            "list(model.parameters()), or list(state_dict.values()) without tied weights"
+        )
     out: list[torch.Tensor] = []
     read_only = _read_only_ranges()
     for i, item in enumerate(tensors):
+        if item is None:
+            raise TypeError(
+                f"tensor {i} is None (a parameter's .grad before the first backward?): run a "
+                "backward first, or give each parameter a gradient to average into, e.g. "
+                "p.grad = torch.zeros_like(p)"
+            )
         if isinstance(item, np.ndarray):
             if not item.flags.writeable:  # averaged in place: writing would be an error (or,
                 # for a memmap opened with mode "r", a segfault)
@@ -93,7 +115,11 @@ def as_tensors(tensors: Sequence[Any]) -> list[torch.Tensor]:
         if tensor.layout != torch.strided:
             raise ValueError(f"tensor {i} is {tensor.layout}: only dense tensors average")
         if not tensor.is_contiguous():
-            raise ValueError(f"tensor {i} is not contiguous")
+            raise ValueError(
+                f"tensor {i} is not contiguous (a transpose or a strided slice?): averaging "
+                "writes in place, and .contiguous() would be a copy that nobody reads; pass "
+                "the contiguous tensor it views (e.g. the parameter itself)"
+            )
         start = tensor.data_ptr()
         stop = start + tensor.numel() * tensor.element_size()
         first = bisect.bisect_right(read_only, start, key=lambda r: r[1])  # first ending later
@@ -159,10 +185,39 @@ class FlatVector:
         self.total = self.offsets[-1]
         self.tensor = torch.empty(self.total, dtype=torch.float32)  # (total,)
         self.array: Float32Array = self.tensor.numpy()
+        # which storages torch allocated, asked before our numpy views make them fixed-size
+        self._storages = [_torch_allocated(t) for t in self.tensors]
         # float32 tensors are read in place (see source); others are converted on load
         self._views: list[Float32Array | None] = [
             t.detach().view(-1).numpy() if t.dtype == torch.float32 else None for t in self.tensors
         ]
+
+    def unreferenced(self) -> list[int]:
+        """Indices of the torch tensors whose memory nothing but this vector holds any more.
+
+        Whatever is averaged into them is never seen: typically a parameter's ``.grad``
+        that ``optimizer.zero_grad()`` (``set_to_none=True``, torch's default) dropped, the
+        next backward allocating a new one. Only memory torch allocated is counted (a
+        tensor over a numpy array or a buffer is held by that, which torch cannot see);
+        a list of the old tensors kept by the caller still counts as a reference.
+        """
+        if _STORAGE_USE_COUNT is None:
+            return []
+        ours: dict[int, int] = {}  # storage address -> tensors of ours holding it
+        candidates: dict[int, list[int]] = {}
+        for i, (key, view) in enumerate(zip(self._storages, self._views, strict=True)):
+            if key is None:
+                continue
+            ours[key] = ours.get(key, 0) + 1 + (view is not None)  # the view: one more
+            candidates.setdefault(key, []).append(i)
+        if not candidates:
+            return []
+        overhead = _storage_uses(torch.empty(1)) - 1  # what asking costs (a temporary)
+        out: list[int] = []
+        for key, indices in candidates.items():
+            if _storage_uses(self.tensors[indices[0]]) - overhead <= ours[key]:
+                out.extend(indices)
+        return sorted(out)
 
     def load(self) -> None:
         """Copy every tensor into the buffer."""
@@ -214,6 +269,21 @@ class FlatVector:
         for i, lo, hi in self._pieces(span):
             t_start = self.offsets[i]
             self.tensors[i].view(-1)[lo - t_start : hi - t_start].copy_(self.tensor[lo:hi])
+
+
+def _torch_allocated(tensor: torch.Tensor) -> int | None:
+    """The address of the tensor's storage when torch allocated it (still resizable: not
+    over a numpy array or a buffer, and with no numpy view yet), else None. (A helper, so
+    that no storage object outlives the question: it would count as a use.)"""
+    storage = tensor.untyped_storage()
+    if tensor.numel() == 0 or not storage.resizable():
+        return None
+    return int(storage.data_ptr())
+
+
+def _storage_uses(tensor: torch.Tensor) -> int:
+    assert _STORAGE_USE_COUNT is not None
+    return int(_STORAGE_USE_COUNT(tensor.untyped_storage()._cdata))
 
 
 def split_spans(total: int, bandwidths: Sequence[float], align: int = ALIGN) -> list[Span]:

@@ -99,6 +99,19 @@ class MatchResult:
     strangers: int = 0  # peers of another layout in the round (when alone)
 
 
+def _left_alone_note(me: Declaration, others: list[Declaration], group_size: int) -> str:
+    """Why no group took us, when the round closed: nobody else came, or the grouping left
+    us out (two client-mode peers cannot average: neither can reduce a part; an odd peer
+    sits out with ``group_size=2``)."""
+    ours = [d for d in others if d.layout == me.layout]
+    if not ours:
+        return "no partner"
+    note = f"no partner: {len(ours)} other peer(s) declared, "
+    if me.client_mode and all(d.client_mode for d in ours):
+        return note + "all client-mode like us (a group needs a peer that accepts connections)"
+    return note + f"and the groups (at most {group_size}) left us out this round"
+
+
 class Matchmaker:
     """Finds a group for each step of one averager."""
 
@@ -239,7 +252,7 @@ class Matchmaker:
         state.order = {d.peer_id: i for i, d in enumerate(group)}
         if leader is None or len(group) < 2:
             state.closed.set()
-            note = "no partner"
+            note = _left_alone_note(state.me, others, self.config.group_size)
             foreign = sum(d.layout != state.me.layout for d in others)
             if foreign:
                 note += f" of our layout ({foreign} peer(s) of another layout declared)"
@@ -408,7 +421,9 @@ class Matchmaker:
                         note = "the leader leads no group"
                     else:
                         note = f"the leader answered {status!r}"
-                        retry = status == "closed"
+                        # closed, or full (its group took others: our view of the round
+                        # differed, as when the group left us out): no place for us here
+                        retry = status in ("closed", "full")
             except RemoteError as exc:
                 if exc.code == "mismatch":
                     raise LayoutMismatchError(exc.message) from None

@@ -31,7 +31,8 @@ class Outcome(StrEnum):
     AVERAGED = "averaged"  # the whole vector is the mean over the whole group
     PARTIAL = "partial"  # some parts averaged over fewer members, or kept local
     FAILED = "failed"  # a group formed but this peer kept every local value
-    ALONE = "alone"  # nobody else (of our layout: the note counts others) declared: untouched
+    ALONE = "alone"  # no group for us (nobody else of our layout came, or the grouping left
+    # us out: the note says which): untouched
     UNCONFIRMED = "unconfirmed"  # no leader confirmed us in time (or we were left out)
 
 
