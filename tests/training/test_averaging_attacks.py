@@ -622,3 +622,76 @@ async def test_result_streams_never_read_cost_the_others_nothing(
             for m in honest:
                 assert m.averager._results.allocated <= 3
             await next_round_among(honest)
+
+
+async def test_a_reducer_cannot_make_us_keep_int8_results_larger_than_the_codec_makes(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """int8 results bound for one float32 tensor are kept until commit(); a reducer that
+    re-encodes them with block_size 1 (5x the bytes, still valid int8) is refused."""
+    from peer import Reply
+    from training.averaging.reducing import ReducerService
+
+    size = 1 << 16
+    fat = get_codec("int8", block_size=1)
+    serve = ReducerService.results
+    attacker: list[PeerID] = []
+
+    async def results(self: ReducerService, member: PeerID) -> Any:
+        async for item in serve(self, member):
+            if self.plan.me in attacker and "chunk" in item.body:
+                values = get_codec("int8").decode(item.payload)
+                yield Reply(item.body, fat.encode(values))
+            else:
+                yield item
+
+    monkeypatch.setattr(ReducerService, "results", results)
+    with trio.fail_after(100):
+        async with memnet_swarm(2) as (_, nodes):
+            members = make_members(nodes, size, fast_config(codec="int8", chunk_bytes=1 << 14))
+            attacker.append(members[1].peer_id)
+            outcome = await step_all(members, timeout=30)
+    info = outcome[0][0]
+    assert info is not None
+    (bad,) = [p for p in info.parts if p.reducer == members[1].peer_id]
+    assert not bad.received  # refused, not kept at 5x
+    (good,) = [p for p in info.parts if p.reducer == members[0].peer_id]
+    assert good.status is PartStatus.ALL
+
+
+MALFORMED: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
+    "raw not a bool": lambda body: reset(body, raw=1),
+    "chunk -1": lambda body: reset(body, chunk=-1),
+    "epoch a string": lambda body: reset(body, epoch="7"),
+}
+
+
+@pytest.mark.parametrize("lie", list(MALFORMED))
+async def test_a_malformed_chunk_header_for_our_part_drops_its_sender_at_once(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch, lie: str
+) -> None:
+    """A header that does not parse but names our round and part is garbage from that
+    sender: left pending, it held every honest member to the cutoff (19.8 s of 30)."""
+    with trio.fail_after(120):
+        async with memnet_swarm(4) as (_, nodes):
+            members = make_members(nodes, SIZE, fast_config())
+            attacker = members[1]
+            answers: list[str] = []
+
+            async def script(b: butterfly.Butterfly, index: int, address: Address) -> None:
+                body, payload, _ = honest_chunks(b, index)[0]
+                answers.append(await send_chunk(b, address, MALFORMED[lie](body), payload))
+
+            attack_uploads(monkeypatch, attacker.peer_id, script)
+            results = await step_all(members, timeout=TIMEOUT)
+            infos = [info for info, _ in results]
+            assert answers == ["bad_request"] * 3, answers  # one per part of the others
+            for member, (info, elapsed) in zip(members, results, strict=True):
+                assert info is not None and elapsed <= TIMEOUT
+                for part in info.parts:
+                    if part.reducer != attacker.peer_id:
+                        assert part.dropped == {attacker.peer_id: DropReason.GARBAGE}
+                if member is not attacker:
+                    assert info.allreduce_s < 2.0, info.allreduce_s
+            verify_round(members, infos)  # type: ignore[arg-type]
+            check_honest(members, infos, attacker)  # type: ignore[arg-type]

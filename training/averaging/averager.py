@@ -42,6 +42,7 @@ from .layout import FlatVector, Float32Array, as_tensors
 from .matchmaking import Matchmaker
 from .messages import ChunkHeader, method_prefix
 from .plan import Liveness, Plan
+from .reducer import DropReason
 from .reducing import ReducerService
 from .report import AveragingInfo, Outcome, merge_dropped, outcome_of
 
@@ -456,9 +457,27 @@ class Averager:
         return active.service
 
     async def _on_chunk(self, request: Request) -> Reply:
-        header = ChunkHeader.from_body(request.body)
+        try:
+            header = ChunkHeader.from_body(request.body)
+        except RemoteProtocolError:
+            await self._drop_for_garbage(request)
+            raise
         service = await self._service(header.round)
         return await service.on_chunk(request.peer_id, header, request.payload)
+
+    async def _drop_for_garbage(self, request: Request) -> None:
+        """A malformed chunk header that names our round and part drops its sender from the
+        part at once (``garbage``): left pending, it would hold the others to the cutoff."""
+        body = request.body
+        round_no, part = body.get("round"), body.get("part")
+        if type(round_no) is not int or type(part) is not int:
+            return
+        try:
+            service = await self._service(round_no)  # (as a well-formed chunk would wait)
+        except RemoteError:
+            return
+        if service.part == part:
+            service.drop_sender(request.peer_id, DropReason.GARBAGE)
 
     async def _on_result(self, request: Request) -> AsyncIterator[Reply]:
         body = request.body

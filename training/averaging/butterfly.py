@@ -265,7 +265,11 @@ class Butterfly:
                             raise RemoteProtocolError("result chunks out of order")
                         a, b = chunk_span(length, self.config.chunk_elements, chunk)
                         if held is not None:
-                            if self.codec.validate(item.payload).n_elements != b - a:
+                            # kept until commit(): exactly the round codec's size, so a
+                            # reducer cannot make us hold more (int8 with block 1 is 5x)
+                            if memoryview(item.payload).nbytes != self.codec.encoded_size(
+                                b - a
+                            ) or (self.codec.validate(item.payload).n_elements != b - a):
                                 raise RemoteProtocolError("a result chunk of the wrong size")
                             held.append(item.payload)
                         else:

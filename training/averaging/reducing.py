@@ -232,6 +232,11 @@ class ReducerService:
             self._queue.remove(sender)
         self._notify()
 
+    def drop_sender(self, sender: PeerID, reason: DropReason) -> None:
+        """Leave a pending sender out of the part (nothing happens for anyone else)."""
+        if self.reducer.is_pending(sender):
+            self._drop(sender, reason)
+
     def _drop(self, sender: PeerID, reason: DropReason) -> None:
         self.reducer.drop(sender, reason)
         self._after_drop(sender)
