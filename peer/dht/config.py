@@ -45,7 +45,9 @@ class DHTConfig:
     max_failures: int = 3
     # A full bucket pings its least-recently-seen contact before choosing between it and a
     # newcomer only when that contact was last heard from this long ago (BEP 5's "good"
-    # nodes); failed RPCs evict dead contacts sooner anyway.
+    # nodes); failed RPCs evict dead contacts sooner anyway. Each refresh also pings every
+    # contact quiet for this long and drops those that do not answer (a peer that went
+    # quiet, then died, meets no failed request otherwise).
     ping_after: float = 60.0
     # Concurrent pings of least-recently-seen contacts of full buckets.
     max_parallel_pings: int = 8

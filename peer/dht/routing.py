@@ -21,6 +21,9 @@ Rules:
   ``max_failures`` failures in a row (a partition should not empty a table). A timeout
   proves less (the peer may be merely slow or overloaded): timeouts only count toward
   ``max_failures``.
+- Contacts not heard from for a while are listed by :meth:`RoutingTable.quiet_contacts`
+  (the DHT's refresh pings them and removes those that do not answer: a peer that went
+  quiet before it died is met by no failed request in a bucket other contacts keep busy).
 """
 
 from __future__ import annotations
@@ -104,6 +107,25 @@ class RoutingTable:
     def replacement_nodes(self, index: int) -> list[NodeInfo]:
         """The replacement cache of bucket ``index``, oldest first."""
         return [c.node for c in self._buckets[index].replacements.values()]
+
+    def quiet_contacts(self, since: float) -> list[NodeInfo]:
+        """Contacts last heard from before ``since``, least recently seen first."""
+        quiet = [
+            contact
+            for index in self._nonempty
+            for contact in self._buckets[index].contacts.values()
+            if contact.last_seen < since
+        ]
+        quiet.sort(key=lambda contact: contact.last_seen)
+        return [contact.node for contact in quiet]
+
+    def heard_from_since(self, since: float) -> bool:
+        """Whether some contact was heard from at ``since`` or later."""
+        return any(
+            contact.last_seen >= since
+            for index in self._nonempty
+            for contact in self._buckets[index].contacts.values()
+        )
 
     def nearest(self, target: int, count: int, exclude: PeerID | None = None) -> list[NodeInfo]:
         """Up to ``count`` contacts closest to ``target`` by XOR distance, closest first."""
