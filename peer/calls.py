@@ -115,12 +115,15 @@ class HandlerRegistry:
 class PendingCall:
     """The caller's side of a plain call: the reader sets ``reply`` or ``error``, then ``done``."""
 
-    __slots__ = ("done", "error", "reply")
+    __slots__ = ("done", "error", "reply", "sent_quiet")
 
     def __init__(self) -> None:
         self.done = trio.Event()
         self.reply: Reply | None = None
         self.error: BaseException | None = None
+        self.sent_quiet: float | None = None
+        """trio time the request went out on a connection quiet for half the idle timeout
+        (the other side's idle timer may close it before reading it); None otherwise."""
 
 
 class PendingStream:

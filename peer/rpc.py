@@ -209,8 +209,9 @@ class RpcConnection:
             error = PeerUnavailableError(f"connection to {self.peer_id.short()} lost: {cause}")
             error.__cause__ = cause
             if isinstance(pending, PendingCall):
-                pending.error = error
-                pending.done.set()
+                if not pending.done.is_set():  # (one already failed keeps its error)
+                    pending.error = error
+                    pending.done.set()
             else:
                 pending.finish(error)
 
@@ -310,6 +311,9 @@ class RpcConnection:
         )
         pieces, size = self._encode(frame)
         self._pending[request_id] = pending
+        now = trio.current_time()
+        if isinstance(pending, PendingCall) and now - self.last_activity >= self.idle_timeout / 2:
+            pending.sent_quiet = now
         try:
             await self._send(pieces, size, urgent=True)
         except trio.ClosedResourceError:
@@ -421,9 +425,25 @@ class RpcConnection:
                 await self._deliver(frame)
             del frame
         # A connection quiet for half the idle timeout was most likely closed by the
-        # peer's idle timer (it is alive); one in use was closed by a peer that left.
-        if not self.closed and trio.current_time() - self.last_activity < self.idle_timeout / 2:
+        # peer's idle timer (it is alive); one in use was closed by a peer that left. So
+        # was one whose only news since it went quiet is requests of ours, unanswered: the
+        # idle timer closed it before they arrived (the peer never read them), so they
+        # fail as never sent, which the host retries on a fresh connection.
+        unread = [
+            p
+            for p in self._pending.values()
+            if isinstance(p, PendingCall)
+            and p.sent_quiet is not None
+            and self._frame_received < p.sent_quiet
+        ]
+        quiet = trio.current_time() - self.last_activity >= self.idle_timeout / 2
+        if not self.closed and not quiet and not unread:
             self.lost = True
+        for pending in unread:
+            pending.error = ConnectionClosedError(
+                f"{self.peer_id.short()} closed the idle connection before reading the request"
+            )
+            pending.done.set()
         self._shutdown(PeerUnavailableError("the peer closed the connection"))
 
     def _start_request(self, frame: RpcFrame, nursery: trio.Nursery) -> None:

@@ -1,0 +1,38 @@
+"""A call sent just as the other side's idle timer closes the pooled connection: the peer
+never read it, so the caller retries on a fresh connection instead of failing (and the
+DHT then does not count a live peer as failed)."""
+
+from __future__ import annotations
+
+import trio
+import trio.testing
+
+from peer import MemoryNetwork, open_peer
+from protocol.messages import NodeInfo
+
+LATENCY = 0.01
+
+
+async def test_a_call_sent_as_the_peer_closes_the_idle_connection_succeeds(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    net = MemoryNetwork(latency=LATENCY)
+    with trio.fail_after(600):
+        async with (
+            open_peer(listen="10.0.0.1:1000", network=net.interface("10.0.0.1")) as a,
+            open_peer(
+                listen="10.0.0.2:1000", network=net.interface("10.0.0.2"), initial_peers=[a.address]
+            ) as b,
+        ):
+            node_a = NodeInfo(a.peer_id, "10.0.0.1:1000")
+            await trio.sleep(5)  # joined, handed over, quiet
+            assert await b.dht.protocol.ping(node_a)
+            (theirs,) = [c for c in a.rpc._connections if c.peer_id == b.peer_id]
+            idle_timeout = theirs.idle_timeout
+            # a's idle timer closes its side at this time; our request lands after it
+            closes_at = theirs.last_activity + idle_timeout
+            await trio.sleep_until(closes_at - LATENCY / 2)
+            failed_before = b.dht.protocol.calls_failed
+            assert await b.dht.protocol.ping(node_a)
+            assert b.dht.protocol.calls_failed == failed_before
+            assert a.peer_id in b.dht.table
