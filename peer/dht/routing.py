@@ -108,6 +108,15 @@ class RoutingTable:
         """The replacement cache of bucket ``index``, oldest first."""
         return [c.node for c in self._buckets[index].replacements.values()]
 
+    def contact_ids(self, exclude: PeerID | None = None) -> list[int]:
+        """The ids of every contact (not the replacements), but ``exclude``'s."""
+        return [
+            contact.id
+            for index in self._nonempty
+            for peer_id, contact in self._buckets[index].contacts.items()
+            if peer_id != exclude
+        ]
+
     def quiet_contacts(self, since: float) -> list[NodeInfo]:
         """Contacts last heard from before ``since``, least recently seen first."""
         quiet = [

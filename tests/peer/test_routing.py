@@ -385,3 +385,26 @@ async def test_no_hedging_while_our_own_requests_queue(
     )
     assert trio.current_time() - start == pytest.approx(2.0)
     assert slow in result.closest and result.queried == 10
+
+
+def test_the_handover_rule_decides_as_among_the_k_plus_1_nearest() -> None:
+    """``should_hand_over`` counts closer contacts over the whole table; it must decide
+    exactly as the rule stated over the k + 1 nearest contacts does."""
+    import random
+
+    from peer.dht.node import _HANDOVER_SENDERS, should_hand_over
+
+    rng = random.Random(7)
+    for trial in range(300):
+        k = rng.choice([1, 2, 3, 5, 20])
+        others = [rng.getrandbits(256) for _ in range(rng.randrange(0, 60))]
+        us, newcomer, key = (rng.getrandbits(256) for _ in range(3))
+        if trial % 3 == 0:  # keys near us or the newcomer, where the decision flips
+            key = us ^ rng.getrandbits(rng.randrange(1, 256))
+        nearest = sorted(others, key=lambda i: i ^ key)[: k + 1]
+        ours, theirs = us ^ key, newcomer ^ key
+        expected = not (
+            sum((i ^ key) < ours for i in nearest) >= _HANDOVER_SENDERS
+            or sum((i ^ key) < theirs for i in nearest) + (ours < theirs) >= k
+        )
+        assert should_hand_over(others, key, us, newcomer, k) == expected, trial
