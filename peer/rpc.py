@@ -220,7 +220,8 @@ class RpcConnection:
             await fn(*args)
         except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
             logger.debug("%r: connection lost: %r", self, exc)
-            if not self.closed:
+            unread = not isinstance(exc, trio.ClosedResourceError) and self._fail_unread()
+            if not self.closed and not unread:
                 self.lost = True
             self._shutdown(exc)
         except ProtocolError as exc:
@@ -320,8 +321,11 @@ class RpcConnection:
             self._pending.pop(request_id, None)
             self._check_open()
             raise
-        except BaseException:
+        except BaseException as exc:
             self._pending.pop(request_id, None)
+            error = pending.error if isinstance(pending, PendingCall) else None
+            if isinstance(error, ConnectionClosedError):  # the write failed on a connection
+                raise error from exc  # the peer closed for idleness: never read, retry
             raise
         return request_id, pieces
 
@@ -346,6 +350,8 @@ class RpcConnection:
         except BaseException as exc:
             cause = exc if isinstance(exc, _WRITE_ERRORS) else None
             logger.debug("%r: write interrupted: %r", self, exc)
+            if isinstance(exc, trio.BrokenResourceError | OSError):
+                self._fail_unread()
             self._shutdown(cause or PeerUnavailableError("a write was interrupted midway"))
             if cause is not None:
                 raise PeerUnavailableError(f"connection lost: {exc}") from exc
@@ -429,22 +435,32 @@ class RpcConnection:
         # was one whose only news since it went quiet is requests of ours, unanswered: the
         # idle timer closed it before they arrived (the peer never read them), so they
         # fail as never sent, which the host retries on a fresh connection.
+        quiet = trio.current_time() - self.last_activity >= self.idle_timeout / 2
+        if not self._fail_unread() and not self.closed and not quiet:
+            self.lost = True
+        self._shutdown(PeerUnavailableError("the peer closed the connection"))
+
+    def _fail_unread(self) -> bool:
+        """The peer closed or broke the connection: fail as never sent (the host retries
+        them) the calls sent after it went quiet for half the idle timeout with nothing
+        heard since, which its idle timer most likely closed before reading them. Whether
+        there were any."""
+        if self.closed:
+            return False
         unread = [
             p
             for p in self._pending.values()
             if isinstance(p, PendingCall)
+            and not p.done.is_set()
             and p.sent_quiet is not None
             and self._frame_received < p.sent_quiet
         ]
-        quiet = trio.current_time() - self.last_activity >= self.idle_timeout / 2
-        if not self.closed and not quiet and not unread:
-            self.lost = True
         for pending in unread:
             pending.error = ConnectionClosedError(
                 f"{self.peer_id.short()} closed the idle connection before reading the request"
             )
             pending.done.set()
-        self._shutdown(PeerUnavailableError("the peer closed the connection"))
+        return bool(unread)
 
     def _start_request(self, frame: RpcFrame, nursery: trio.Nursery) -> None:
         if frame.request_id in self._incoming:

@@ -36,3 +36,24 @@ async def test_a_call_sent_as_the_peer_closes_the_idle_connection_succeeds(
             assert await b.dht.protocol.ping(node_a)
             assert b.dht.protocol.calls_failed == failed_before
             assert a.peer_id in b.dht.table
+
+
+async def test_pings_a_minute_apart_never_fail_against_a_live_peer(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Whether the request meets the closed connection in the write (the peer's close
+    arrived first) or on the read side (it arrived after), the call is retried."""
+    net = MemoryNetwork(latency=LATENCY)
+    with trio.fail_after(900):
+        async with (
+            open_peer(listen="10.0.0.1:1000", network=net.interface("10.0.0.1")) as a,
+            open_peer(
+                listen="10.0.0.2:1000", network=net.interface("10.0.0.2"), initial_peers=[a.address]
+            ) as b,
+        ):
+            node_a = NodeInfo(a.peer_id, "10.0.0.1:1000")
+            results = []
+            for gap in (59.9, 60.0, 60.0, 60.0, 45.0, 60.0, 59.99, 60.01):
+                results.append(await b.dht.protocol.ping(node_a))
+                await trio.sleep(gap)
+            assert all(results), results
