@@ -73,6 +73,7 @@ _HANDOVER_NEWCOMERS = 4  # newcomers served at once
 # saying "more" gets no further than this.
 _MAX_VALUE_PAGES = 32
 _OWN_ADDRESS = "that is this peer's own address"
+_RECONTACTS_PER_REFRESH = 8  # departed contacts a refresh pings (see refresh)
 
 
 @dataclass(slots=True)
@@ -178,6 +179,7 @@ class DHT:
         reached = await self._contact(self._initial_peers)
         if reached:
             await self.find_nodes(self.node_id)
+            await self._refresh_far_buckets()
         else:
             # our own address among them is no failure (the same list on every host)
             others = [
@@ -221,6 +223,33 @@ class DHT:
                 nursery.start_soon(one, address)
         return reached
 
+    async def _recontact_departed(self) -> None:
+        """Ping a few contacts that left the table after failures (our former neighbours
+        first, then some at random): one that answers comes back, and learns us."""
+        departed = sorted(
+            self.table.departed_nodes(),
+            key=lambda n: DHTID.from_peer_id(n.peer_id) ^ self.node_id,
+        )
+        half = _RECONTACTS_PER_REFRESH // 2
+        rest = departed[half:]
+        chosen = departed[:half] + self._rng.sample(rest, min(len(rest), half))
+        async with trio.open_nursery() as nursery:
+            for node in chosen:
+                nursery.start_soon(self.protocol.ping, node)
+
+    async def _refresh_far_buckets(self) -> None:
+        """After joining, look up a random id in every bucket farther than our closest
+        neighbour (the Kademlia paper's join, section 2.3): the lookup of our own id fills
+        the near buckets only, and a far bucket left empty until the first refresh pass
+        (10 minutes) keeps every lookup of a key in that range inside our half of the
+        network (1,000 peers: 2 of 300 keys stored there, and not found)."""
+        now = trio.current_time()
+        stale = self.table.stale_buckets(now, self.config.refresh_interval)
+        async with trio.open_nursery() as nursery:
+            for index in stale:
+                target = self.table.random_id_in_bucket(index, self._rng)
+                nursery.start_soon(self.find_nodes, target)
+
     async def refresh(self) -> None:
         """One maintenance round: drop expired records, re-contact initial peers missing
         from the table (heals partitions), ping quiet contacts and drop those that do not
@@ -234,6 +263,7 @@ class DHT:
         missing = [a for a in self._initial_peers if a.peer_id not in self.table]
         if missing:
             await self._contact(missing)
+        await self._recontact_departed()
         await self.drop_silent_contacts()
         await self.find_nodes(self.node_id)
         now = trio.current_time()

@@ -38,6 +38,11 @@ from protocol.dhtid import DHTID, ID_BITS
 from protocol.identity import PeerID
 from protocol.messages import NodeInfo
 
+DEPARTED_MEMORY = 256
+"""Contacts that left the table after failures, remembered (most recent kept) so that a
+refresh can try a few again: after a long partition heals they are the only peers on the
+other side this node knows, when its initial peers are gone."""
+
 
 @dataclass(slots=True)
 class _Contact:
@@ -77,6 +82,7 @@ class RoutingTable:
         self._buckets: defaultdict[int, _Bucket] = defaultdict(_Bucket)  # made on first use
         self._index: dict[PeerID, int] = {}  # peer -> bucket index, for contacts only
         self._nonempty: list[int] = []  # indices of buckets with contacts, ascending
+        self._departed: OrderedDict[PeerID, NodeInfo] = OrderedDict()  # oldest first
         self.on_promoted: Callable[[NodeInfo], None] | None = None
         """Called with a replacement that took an evicted contact's place."""
 
@@ -116,6 +122,10 @@ class RoutingTable:
             for peer_id, contact in self._buckets[index].contacts.items()
             if peer_id != exclude
         ]
+
+    def departed_nodes(self) -> list[NodeInfo]:
+        """Contacts that left the table after failures (not since seen again), oldest first."""
+        return list(self._departed.values())
 
     def quiet_contacts(self, since: float) -> list[NodeInfo]:
         """Contacts last heard from before ``since``, least recently seen first."""
@@ -233,8 +243,12 @@ class RoutingTable:
 
     def _evict(self, index: int, peer_id: PeerID) -> None:
         bucket = self._buckets[index]
-        del bucket.contacts[peer_id]
+        contact = bucket.contacts.pop(peer_id)
         del self._index[peer_id]
+        self._departed.pop(peer_id, None)
+        self._departed[peer_id] = contact.node
+        if len(self._departed) > DEPARTED_MEMORY:
+            self._departed.popitem(last=False)
         if bucket.pending_ping == peer_id:
             bucket.pending_ping = None
         if bucket.replacements:
@@ -251,6 +265,7 @@ class RoutingTable:
             bisect.insort(self._nonempty, index)
         contacts[contact.node.peer_id] = contact
         self._index[contact.node.peer_id] = index
+        self._departed.pop(contact.node.peer_id, None)
 
     def _bucket_of(self, peer_id: PeerID) -> int:
         index = self._index.get(peer_id)
