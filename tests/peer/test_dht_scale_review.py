@@ -799,6 +799,16 @@ async def scenario_clients(seed: int, n: int, n_clients: int, n_keys: int) -> di
 # ---- the tests (CI sizes; the figures print with -s) ----------------------------------------
 
 
+def assert_one_consistent_network(figures: dict[str, Any]) -> None:
+    """After a heal: every peer reaches every server, lookups cross the old cut, and every
+    key reads the same (the latest expiration) from every peer, expired ones nowhere."""
+    assert _ratio(figures["connected"]) == 1.0
+    assert _ratio(figures["find_node_across"]) == 1.0
+    for name in ("before", "short_gone", "one_side", "conflict"):
+        assert _ratio(figures[name]) == 1.0, (name, figures[f"{name}_misses"])
+    assert _ratio(figures["conflict_from_every_peer"]) == 1.0
+
+
 def _ratio(text: str) -> float:
     found, total = text.split("/")
     return int(found) / int(total) if int(total) else 1.0
@@ -921,11 +931,7 @@ async def test_a_partition_into_three_groups_heals_into_one_consistent_network(
     the short records are gone everywhere."""
     figures = await scenario_partition(1, 16, 18, groups=3, duration=600.0)
     report("3-way partition", figures)
-    assert _ratio(figures["connected"]) == 1.0
-    assert _ratio(figures["find_node_across"]) == 1.0
-    for name in ("before", "short_gone", "one_side", "conflict"):
-        assert _ratio(figures[name]) == 1.0, (name, figures[f"{name}_misses"])
-    assert _ratio(figures["conflict_from_every_peer"]) == 1.0
+    assert_one_consistent_network(figures)
 
 
 @pytest.mark.slow
@@ -939,11 +945,7 @@ async def test_a_partition_longer_than_every_ttl_heals_through_the_bootstrap_nod
         4, 12, 12, groups=2, duration=1200.0, short_ttl=300.0, refresh=120.0
     )
     report("long partition", figures)
-    assert _ratio(figures["connected"]) == 1.0
-    assert _ratio(figures["find_node_across"]) == 1.0
-    for name in ("before", "short_gone", "one_side", "conflict"):
-        assert _ratio(figures[name]) == 1.0, (name, figures[f"{name}_misses"])
-    assert _ratio(figures["conflict_from_every_peer"]) == 1.0
+    assert_one_consistent_network(figures)
 
 
 @pytest.mark.slow

@@ -4,27 +4,36 @@ DHT then does not count a live peer as failed)."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
 import trio
 import trio.testing
 
-from peer import MemoryNetwork, open_peer
+from peer import MemoryNetwork, Peer, open_peer
 from protocol.messages import NodeInfo
 
 LATENCY = 0.01
 
 
+@asynccontextmanager
+async def _pair() -> AsyncIterator[tuple[Peer, Peer, NodeInfo]]:
+    """Peers a and b (b joined through a) on a memory network, and a as b's contact."""
+    net = MemoryNetwork(latency=LATENCY)
+    async with (
+        open_peer(listen="10.0.0.1:1000", network=net.interface("10.0.0.1")) as a,
+        open_peer(
+            listen="10.0.0.2:1000", network=net.interface("10.0.0.2"), initial_peers=[a.address]
+        ) as b,
+    ):
+        yield a, b, NodeInfo(a.peer_id, "10.0.0.1:1000")
+
+
 async def test_a_call_sent_as_the_peer_closes_the_idle_connection_succeeds(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    net = MemoryNetwork(latency=LATENCY)
     with trio.fail_after(600):
-        async with (
-            open_peer(listen="10.0.0.1:1000", network=net.interface("10.0.0.1")) as a,
-            open_peer(
-                listen="10.0.0.2:1000", network=net.interface("10.0.0.2"), initial_peers=[a.address]
-            ) as b,
-        ):
-            node_a = NodeInfo(a.peer_id, "10.0.0.1:1000")
+        async with _pair() as (a, b, node_a):
             await trio.sleep(5)  # joined, handed over, quiet
             assert await b.dht.protocol.ping(node_a)
             (theirs,) = [c for c in a.rpc._connections if c.peer_id == b.peer_id]
@@ -43,15 +52,8 @@ async def test_pings_a_minute_apart_never_fail_against_a_live_peer(
 ) -> None:
     """Whether the request meets the closed connection in the write (the peer's close
     arrived first) or on the read side (it arrived after), the call is retried."""
-    net = MemoryNetwork(latency=LATENCY)
     with trio.fail_after(900):
-        async with (
-            open_peer(listen="10.0.0.1:1000", network=net.interface("10.0.0.1")) as a,
-            open_peer(
-                listen="10.0.0.2:1000", network=net.interface("10.0.0.2"), initial_peers=[a.address]
-            ) as b,
-        ):
-            node_a = NodeInfo(a.peer_id, "10.0.0.1:1000")
+        async with _pair() as (_, b, node_a):
             results = []
             for gap in (59.9, 60.0, 60.0, 60.0, 45.0, 60.0, 59.99, 60.01):
                 results.append(await b.dht.protocol.ping(node_a))
