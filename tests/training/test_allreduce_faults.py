@@ -19,6 +19,7 @@ from test_averaging_support import (
     host_of,
     make_members,
     memnet_swarm,
+    next_round_among,
     step_all,
     verify_round,
 )
@@ -86,15 +87,7 @@ def check_survivors(
 
 
 async def next_round_without(members: list[Member], victim: int) -> None:
-    survivors = [m for i, m in enumerate(members) if i != victim]
-    for m in survivors:
-        m.data = m.array.copy()
-    results = await step_all(survivors, timeout=TIMEOUT)
-    infos = [info for info, _ in results]
-    verify_round(survivors, infos)  # type: ignore[arg-type]
-    for info, elapsed in results:
-        assert info is not None and elapsed <= TIMEOUT
-        assert info.outcome is Outcome.AVERAGED and len(info.group) == len(survivors)
+    await next_round_among([m for i, m in enumerate(members) if i != victim], TIMEOUT)
 
 
 def non_leader(members: list[Member], prefix: str = "t/x") -> int:

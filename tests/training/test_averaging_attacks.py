@@ -23,6 +23,7 @@ from test_averaging_support import (
     fast_config,
     make_members,
     memnet_swarm,
+    next_round_among,
     step_all,
     verify_round,
 )
@@ -122,17 +123,6 @@ def check_honest(
             assert err <= tolerance, f"part {part.index}: error {err} ({part.status})"
 
 
-async def next_round_among(honest: list[Member]) -> None:
-    for m in honest:
-        m.data = m.array.copy()
-    results = await step_all(honest, timeout=TIMEOUT)
-    infos = [info for info, _ in results]
-    verify_round(honest, infos)  # type: ignore[arg-type]
-    for info, elapsed in results:
-        assert info is not None and elapsed <= TIMEOUT
-        assert info.outcome is Outcome.AVERAGED and len(info.group) == len(honest)
-
-
 def reset(body: dict[str, Any], **changes: Any) -> dict[str, Any]:
     return {**body, **changes}
 
@@ -182,7 +172,7 @@ async def test_a_lying_chunk_header_drops_the_liar_from_that_part_only(
                     assert info.allreduce_s < 2.0, info.allreduce_s
             verify_round(members, infos)  # type: ignore[arg-type]
             check_honest(members, infos, attacker)  # type: ignore[arg-type]
-            await next_round_among([m for m in members if m is not attacker])
+            await next_round_among([m for m in members if m is not attacker], TIMEOUT)
 
 
 @pytest.mark.parametrize("big", [1e10, 1e30])
@@ -216,7 +206,7 @@ async def test_huge_values_then_garbage_leave_no_trace_in_the_others_mean(
                         assert part.status is PartStatus.SOME
                         assert part.dropped == {attacker.peer_id: DropReason.GARBAGE}
             check_honest(members, infos, attacker, tolerance=1e-5)  # type: ignore[arg-type]
-            await next_round_among([m for m in members if m is not attacker])
+            await next_round_among([m for m in members if m is not attacker], TIMEOUT)
 
 
 async def test_chunks_and_withdrawals_after_the_part_is_final_change_nothing(
@@ -547,7 +537,7 @@ async def test_the_largest_part_never_served_is_reported_none_by_the_deadline(
                 assert info.outcome in (Outcome.PARTIAL, Outcome.FAILED)
                 assert info.averaged_fraction == pytest.approx(1 - big.size / SIZE)
             verify_round(members, infos)  # type: ignore[arg-type]
-            await next_round_among(members[:3])
+            await next_round_among(members[:3], TIMEOUT)
 
 
 async def test_a_member_holding_the_only_admission_slot_cannot_starve_the_others(
@@ -621,7 +611,7 @@ async def test_result_streams_never_read_cost_the_others_nothing(
                 await trio.sleep(1.0)
             for m in honest:
                 assert m.averager._results.allocated <= 3
-            await next_round_among(honest)
+            await next_round_among(honest, TIMEOUT)
 
 
 async def test_a_reducer_cannot_make_us_keep_int8_results_larger_than_the_codec_makes(

@@ -12,7 +12,7 @@ import trio
 
 from peer import MemoryNetwork, Peer, open_peer
 from protocol.identity import PeerID
-from training import Averager, AveragerConfig, AveragingInfo, PartStatus
+from training import Averager, AveragerConfig, AveragingInfo, Outcome, PartStatus
 
 T0 = 1_700_000_000.0
 
@@ -104,6 +104,22 @@ async def step_all(
         for i in range(len(members)):
             nursery.start_soon(one, i)
     return results
+
+
+async def next_round_among(
+    members: Sequence[Member],
+    timeout: float,  # noqa: ASYNC109 - passed on to step()
+) -> None:
+    """A further round among ``members`` only (their averaged arrays as the new data): it
+    averages the whole vector over all of them, as the report and the tensors agree."""
+    for m in members:
+        m.data = m.array.copy()
+    results = await step_all(members, timeout=timeout)
+    infos = [info for info, _ in results]
+    verify_round(members, infos)  # type: ignore[arg-type]
+    for info, elapsed in results:
+        assert info is not None and elapsed <= timeout
+        assert info.outcome is Outcome.AVERAGED and len(info.group) == len(members)
 
 
 def tolerance(codec: str, scale: float) -> float:
