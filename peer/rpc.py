@@ -431,10 +431,10 @@ class RpcConnection:
                 await self._deliver(frame)
             del frame
         # A connection quiet for half the idle timeout was most likely closed by the
-        # peer's idle timer (it is alive); one in use was closed by a peer that left. So
-        # was one whose only news since it went quiet is requests of ours, unanswered: the
-        # idle timer closed it before they arrived (the peer never read them), so they
-        # fail as never sent, which the host retries on a fresh connection.
+        # peer's idle timer (it is alive); one in use was closed by a peer that left. The
+        # idle timer's work too: a connection whose only news since it went quiet is calls
+        # of ours, unanswered. The peer never read them: they fail as never sent, and the
+        # host retries them on a fresh connection.
         quiet = trio.current_time() - self.last_activity >= self.idle_timeout / 2
         if not self._fail_unread() and not self.closed and not quiet:
             self.lost = True
