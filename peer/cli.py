@@ -73,6 +73,15 @@ class _SignalStop:
             if s != signal.SIGINT or signal.getsignal(s) is not signal.SIG_IGN
         )
         self._previous = {s: signal.signal(s, self._handle) for s in self.signals}
+        # The _Interrupted a handler raises where Python cannot propagate it (a weakref
+        # callback during an import) is printed as "Exception ignored"; start-up then goes
+        # on and stops where it next looks at ``signum``. No traceback for that.
+        self._unraisable = sys.unraisablehook
+        sys.unraisablehook = self._quiet_if_interrupted
+
+    def _quiet_if_interrupted(self, unraisable: Any) -> None:
+        if not isinstance(unraisable.exc_value, _Interrupted):
+            self._unraisable(unraisable)
 
     def _handle(self, signum: int, frame: FrameType | None) -> None:
         if self.signum is not None:  # already stopping
@@ -104,6 +113,7 @@ class _SignalStop:
     def restore(self) -> None:
         """Put the previous handlers back, unless a signal arrived (then ignore them for good)."""
         self._raise = False  # main() is returning: a signal now must not raise past it
+        sys.unraisablehook = self._unraisable
         if self.signum is None:
             for s, handler in self._previous.items():
                 if handler is not None:  # None: not set from Python, nothing to put back
