@@ -67,6 +67,7 @@ _HANDOVER_MAX_KEYS = 10_000  # a handover scans every key we hold, once per new 
 # closest may not know the newcomer, or may not hold the key yet (its own handover is
 # still on the way when the newcomer meets it).
 _HANDOVER_SENDERS = 3
+_BACKGROUND_STORES = 32  # stores re-sent after their lookup gave up on them, at once
 _HANDOVER_PARALLEL = 8  # STOREs in flight to one newcomer (a round trip each, one key each)
 _HANDOVER_NEWCOMERS = 4  # newcomers served at once
 # A key holds at most 1024 subkeys of 16 KiB: 17 replies of 1 MiB; a node that keeps
@@ -140,6 +141,8 @@ class DHT:
         self.contact_errors: dict[str, str] = {}
         # (key id, subkey) -> (key text, entry) of what this node stored, to republish
         self._published: OrderedDict[tuple[DHTID, Subkey], tuple[str, Entry]] = OrderedDict()
+        self._service: trio.Nursery | None = None  # serve()'s nursery, while it runs
+        self._background_stores = 0
 
     def now(self) -> float:
         """The unix time this node stamps expirations with (its injected clock)."""
@@ -151,12 +154,16 @@ class DHT:
         """Run the maintenance tasks until cancelled: pings of full buckets' oldest
         contacts, bucket refresh every ``refresh_interval``, republish every
         ``republish_interval``."""
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(self.protocol.run_pings)
-            nursery.start_soon(self._every, self.config.refresh_interval, self.refresh)
-            nursery.start_soon(self._every, self.config.republish_interval, self.republish)
-            nursery.start_soon(self._hand_over_to_newcomers)
-            task_status.started()
+        try:
+            async with trio.open_nursery() as nursery:
+                self._service = nursery
+                nursery.start_soon(self.protocol.run_pings)
+                nursery.start_soon(self._every, self.config.refresh_interval, self.refresh)
+                nursery.start_soon(self._every, self.config.republish_interval, self.republish)
+                nursery.start_soon(self._hand_over_to_newcomers)
+                task_status.started()
+        finally:
+            self._service = None
 
     async def _every(self, interval: float, job: Callable[[], Any]) -> None:
         while True:
@@ -446,6 +453,7 @@ class DHT:
         query: Query,
         stop: Callable[[], bool] | None = None,
         wanted: Callable[[], int] | None = None,
+        on_given_up: Callable[[NodeInfo], None] | None = None,
     ) -> LookupResult:
         self._check_running()
         # Twice k seeds: when some of the closest known are dead, the next ones take
@@ -462,7 +470,7 @@ class DHT:
             wanted=wanted,
             hedge_after=self.config.hedge_after,
             may_hedge=self.protocol.has_free_slot,
-            on_given_up=self._given_up,
+            on_given_up=on_given_up or self._given_up,
             max_in_flight=self.config.max_concurrent_requests,
         )
         self.table.mark_lookup(target, trio.current_time())
@@ -572,7 +580,11 @@ class DHT:
             stored = stored or any(response.accepted)
             return response.nodes
 
-        result = await self._lookup(key_id, query)
+        def given_up(node: NodeInfo) -> None:
+            self._given_up(node)
+            self._store_in_background(node, key_id, key, entries)
+
+        result = await self._lookup(key_id, query, on_given_up=given_up)
         if self.storage is not None and self._among_closest(key_id, result.closest):
             for entry in entries:
                 try:
@@ -580,6 +592,27 @@ class DHT:
                 except RecordError as exc:
                     logger.debug("local store refused: %s", exc)
         return stored
+
+    def _store_in_background(
+        self, node: NodeInfo, key_id: DHTID, key: str, entries: tuple[Entry, ...]
+    ) -> None:
+        """Send again, in the service nursery and within the request timeout, a STORE that
+        its lookup gave up on (too slow, then cancelled when the lookup ended): a slow node
+        among the k closest, whose connection had idled out, missed most stores (its dial
+        outlasted the lookup).
+        Outside the request slots (they bound this node's CPU, and these mostly wait on
+        the network), at most _BACKGROUND_STORES at once; beyond, republish covers it."""
+        if self._service is None or self._background_stores >= _BACKGROUND_STORES:
+            return
+
+        async def send() -> None:
+            try:
+                await self.protocol.store(node, key_id, key, entries, take_slot=False)
+            finally:
+                self._background_stores -= 1
+
+        self._background_stores += 1
+        self._service.start_soon(send)
 
     async def get_entries(
         self, key: str, *, latest: bool = True

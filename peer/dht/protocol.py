@@ -285,22 +285,27 @@ class DHTProtocol:
         entries: tuple[Entry, ...],
         *,
         want_nodes: bool = True,
+        take_slot: bool = True,
     ) -> StoreResponse | None:
         """Ask ``node`` to store ``entries`` (the reply also names its closest contacts to
-        ``key`` when ``want_nodes``); None when it failed."""
+        ``key`` when ``want_nodes``); None when it failed. ``take_slot=False``: outside the
+        request slots (the caller bounds such calls itself)."""
         request = StoreRequest(self.sender, key, name, entries, want_nodes)
-        return await self._call(node, request, StoreResponse)
+        return await self._call(node, request, StoreResponse, take_slot=take_slot)
 
-    async def _call(self, node: NodeInfo, request: Message, response_type: type[_M]) -> _M | None:
+    async def _call(
+        self, node: NodeInfo, request: Message, response_type: type[_M], *, take_slot: bool = True
+    ) -> _M | None:
         assert node.address is not None
         address = self._address_of(node.address, node.peer_id)
         method: str = getattr(request, "METHOD")  # noqa: B009 - a ClassVar of request types
         # Waiting for a slot is not the peer's fault: no deadline. A free slot is taken
         # without a scheduler pass (the call checkpoints when it sends).
-        try:
-            self._limiter.acquire_nowait()
-        except trio.WouldBlock:
-            await self._limiter.acquire()
+        if take_slot:
+            try:
+                self._limiter.acquire_nowait()
+            except trio.WouldBlock:
+                await self._limiter.acquire()
         try:
             self.calls_sent += 1
             maybe_alive = True  # a timeout, or an error answer: slow or busy, not dead
@@ -316,7 +321,8 @@ class DHTProtocol:
                         self.learn(node)
                     return response
         finally:
-            self._limiter.release()
+            if take_slot:
+                self._limiter.release()
         self.calls_failed += 1
         self.record_failure(node, timed_out=maybe_alive)
         return None
