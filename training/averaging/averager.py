@@ -38,7 +38,7 @@ from .casts import TORCH_CASTS
 from .config import AveragerConfig
 from .feedback import ErrorFeedback
 from .grouping import MAX_EPOCH, Declaration, round_key
-from .layout import FlatVector, Float32Array, as_tensors
+from .layout import FlatVector, Float32Array
 from .matchmaking import Matchmaker
 from .messages import ChunkHeader, method_prefix
 from .plan import Liveness, Plan
@@ -106,6 +106,11 @@ def _check_prefix(prefix: object) -> str:
     return prefix
 
 
+def _shorten(indices: Sequence[int], most: int = 8) -> str:
+    """``[0, 1, ...]``: the first ``most`` indices of a list."""
+    return str(indices[:most])[:-1] + (", ...]" if len(indices) > most else "]")
+
+
 def _real(value: object, name: str) -> float:
     """``value`` as a float (numpy and 0-d torch numbers too); bools and text are refused."""
     try:
@@ -136,13 +141,15 @@ class Averager:
         prefix: names the averaged quantity; peers with the same prefix average together
             (their tensor shapes, dtypes and codec must match).
         tensors: CPU, contiguous, floating, writable torch tensors or numpy arrays;
-            averaged in place.
+            averaged in place (in float32), from when the group is confirmed until the
+            step returns: change them only between steps.
         codec, group_size, max_staleness: shortcuts for the same ``AveragerConfig`` fields.
         config: everything else.
 
     Raises:
-        TypeError, ValueError: for unusable tensors (read-only, sparse, or sharing memory
-            with another one), config, or prefix (a non-empty str of at most ~480 bytes).
+        TypeError, ValueError: for unusable tensors (not floating, read-only, sparse,
+            inference tensors, or sharing memory with another one), config, or prefix (a
+            non-empty str of at most ~480 bytes).
         ValueError: if an averager for ``prefix`` is already open on this node.
     """
 
@@ -170,7 +177,7 @@ class Averager:
         self.node = node
         self.prefix = _check_prefix(prefix)
         self.config = config
-        self.flat = FlatVector(as_tensors(tensors))
+        self.flat = FlatVector.of(tensors)
         self.codec = get_codec(config.codec, **config.codec_params)
         self.codec.casts = TORCH_CASTS  # same values as numpy's, many times faster
         self.layout = self.flat.layout
@@ -280,7 +287,9 @@ class Averager:
             ValueError: for a weight that is not a positive finite number, an epoch that is
                 not an integer in ``[0, 2**62)`` (``int``, numpy integer or other
                 ``numbers.Integral``), a timeout that is not a positive finite number.
-            RuntimeError: if another step of this averager is running, or it was closed.
+            RuntimeError: if another step of this averager is running, or it was closed; or
+                if a tensor object now holds other memory than when the averager was made
+                (``p.data = ...``, ``model.to(dtype)``): the averager would average the old.
             LayoutMismatchError: the peers of the round average another tensor layout,
                 codec, group size or staleness rule under this prefix (once this averager
                 has met a peer of its own layout, such a round is ``alone`` instead).
@@ -306,6 +315,7 @@ class Averager:
             )
         if self._busy or self._closed:
             raise RuntimeError("the averager is closed or already in a step")
+        self.flat.check_memory()
         self._warn_if_unreferenced()
         self._busy = True
         try:
@@ -338,6 +348,21 @@ class Averager:
                 stacklevel=3,
             )
 
+    def _warn_if_changed(self, versions: Sequence[int]) -> None:
+        """Warn when torch changed tensors in place while the all-reduce read and wrote them
+        (another task, or another thread while :meth:`step_blocking` waits): some of the
+        change may have been sent, and the parts received overwrite it."""
+        changed = self.flat.changed_since(versions)
+        if changed:
+            warnings.warn(
+                f"Averager {self.prefix!r}: tensors {_shorten(changed)} were changed in "
+                "place during the all-reduce (by another task or thread): part of the change "
+                "may have been averaged, and the received parts overwrote the rest. Change "
+                "the tensors only between steps",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+
     def step_blocking(
         self, weight: float = 1.0, epoch: int = 0, timeout: float | None = None
     ) -> AveragingInfo:
@@ -351,6 +376,7 @@ class Averager:
         if self._background is None:
             raise RuntimeError("step_blocking needs a peer from peer.run_in_background")
         check_step_arguments(weight, epoch, timeout)
+        self.flat.check_memory()
         self._warn_if_unreferenced()  # here, so that the warning names the caller's line
         return self._background.run(self.step, weight, epoch, timeout)
 
@@ -381,6 +407,7 @@ class Averager:
             )  # fmt: skip
         conf = match.confirmation
         plan = Plan.of(conf, me.peer_id, self.config)
+        versions = self.flat.versions()  # read and written from here on: see _warn_if_changed
         # wraps within what a declaration carries: a peer that declared 2**62 - 1 (which we
         # adopt) must not push our own declarations out of range, where nobody reads them
         self._count = max(self._count, max(m.count for m in conf.members) + 1) % MAX_EPOCH
@@ -412,10 +439,12 @@ class Averager:
         async with trio.open_nursery() as nursery:  # the DHT store runs beside the butterfly
             nursery.start_soon(self._matchmaker.withdraw, match.round, max(withdraw_by, cutoff))
             parts = await butterfly.run(cutoff, deadline)
+            self._warn_if_changed(versions)
             in_place = service.part if service is not None and service.in_place else None
             for part in parts:  # the received parts into the tensors (unless already there)
                 if part.received and part.index != in_place and not butterfly.commit(part.index):
                     self.flat.store(part.span)
+            self.flat.mark_written(part.span for part in parts if part.received)
             if feedback is not None:
                 feedback.finish(butterfly.counted)
             allreduce_s = trio.current_time() - t1  # not the DHT store's wait, if longer

@@ -15,7 +15,8 @@ import bisect
 import hashlib
 import itertools
 import math
-from collections.abc import Mapping, Sequence
+import weakref
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, TypeAlias
 
@@ -66,15 +67,18 @@ class TensorLayout:
         return f"{len(self.shapes)} tensors, {self.total} elements"
 
 
-def as_tensors(tensors: Sequence[Any]) -> list[torch.Tensor]:
-    """Torch views of the user's tensors (numpy arrays are wrapped without copying).
+_INTEGER_HINT = (
+    " (leave integer buffers such as BatchNorm's num_batches_tracked out, e.g. "
+    "[b for b in model.buffers() if b.is_floating_point()])"
+)
+
+
+def as_list(tensors: Iterable[Any]) -> list[Any]:
+    """The user's tensors as a list (a generator such as ``model.parameters()`` too).
 
     Raises:
-        TypeError: if ``tensors`` is one tensor or a mapping (a ``state_dict()``) rather than a
-            list, or an item is None (a ``.grad`` before the first backward), neither a torch
-            tensor nor a numpy array, or not floating.
-        ValueError: if a tensor is not on the CPU, sparse, not contiguous or read-only, if
-            two tensors share memory, or if the list is empty.
+        TypeError: if ``tensors`` is one tensor or a mapping (a ``state_dict()``) rather than
+            a list of tensors.
     """
     if isinstance(tensors, torch.Tensor | np.ndarray):  # iterating it would average its rows
         # (each 0-d for a vector: millions of tensors) or, for numpy, refuse its scalars
@@ -86,6 +90,21 @@ def as_tensors(tensors: Sequence[Any]) -> list[torch.Tensor]:
             "tensors must be a list of tensors, got a mapping (a state_dict()?): pass "
             "list(model.parameters()), or list(state_dict.values()) without tied weights"
         )
+    return list(tensors)
+
+
+def as_tensors(tensors: Iterable[Any]) -> list[torch.Tensor]:
+    """Torch views of the user's tensors (numpy arrays are wrapped without copying).
+
+    Raises:
+        TypeError: if ``tensors`` is one tensor or a mapping (a ``state_dict()``) rather than a
+            list, or an item is None (a ``.grad`` before the first backward), neither a torch
+            tensor nor a numpy array (or one torch cannot view), or not floating.
+        ValueError: if a tensor is not on the CPU, sparse, not contiguous, read-only, an
+            inference tensor or a negative view, if two tensors share memory, or if the list
+            is empty.
+    """
+    tensors = as_list(tensors)
     out: list[torch.Tensor] = []
     read_only = _read_only_ranges()
     for i, item in enumerate(tensors):
@@ -103,22 +122,38 @@ def as_tensors(tensors: Sequence[Any]) -> list[torch.Tensor]:
                     "memmap opened with mode 'r'): averaging writes in place; pass a writable "
                     "array (np.array(x) copies it)"
                 )
-            tensor = torch.from_numpy(item)
+            tensor = _from_numpy(i, item)
         elif isinstance(item, torch.Tensor):
             tensor = item.detach()
         else:
             raise TypeError(f"tensor {i} is a {type(item).__name__}, not a torch tensor or array")
         if not tensor.is_floating_point():
-            raise TypeError(f"tensor {i} has dtype {tensor.dtype}: only floating tensors average")
+            hint = "" if tensor.is_complex() else _INTEGER_HINT
+            raise TypeError(
+                f"tensor {i} has dtype {tensor.dtype}: only floating tensors average{hint}"
+            )
+        if tensor.is_inference():  # its first in-place write would raise, mid-round
+            raise ValueError(
+                f"tensor {i} is an inference tensor (made under torch.inference_mode()): it "
+                "cannot be written in place outside inference mode; make it under "
+                "torch.no_grad() instead, or pass a clone()"
+            )
         if tensor.device.type != "cpu":
             raise ValueError(f"tensor {i} is on {tensor.device}: move it to the CPU")
         if tensor.layout != torch.strided:
             raise ValueError(f"tensor {i} is {tensor.layout}: only dense tensors average")
         if not tensor.is_contiguous():
             raise ValueError(
-                f"tensor {i} is not contiguous (a transpose or a strided slice?): averaging "
-                "writes in place, and .contiguous() would be a copy that nobody reads; pass "
-                "the contiguous tensor it views (e.g. the parameter itself)"
+                f"tensor {i} is not contiguous (a transpose, a strided slice, channels_last?): "
+                "averaging writes in place, and .contiguous() would be a copy that nobody "
+                "reads; pass the contiguous tensor it views (e.g. the parameter itself), or "
+                "make the parameter contiguous first (p.data = p.data.contiguous(), or "
+                "model.to(memory_format=torch.contiguous_format))"
+            )
+        if tensor.is_neg():  # a lazily negated view (e.g. of a complex tensor's .imag)
+            raise ValueError(
+                f"tensor {i} is a negative view (is_neg()): its memory holds the opposite "
+                "values; pass the tensor it views"
             )
         start = tensor.data_ptr()
         stop = start + tensor.numel() * tensor.element_size()
@@ -156,6 +191,24 @@ def _check_disjoint(tensors: Sequence[torch.Tensor]) -> None:
             )
 
 
+def _from_numpy(index: int, array: np.ndarray[Any, Any]) -> torch.Tensor:
+    """``torch.from_numpy``, its refusals naming the tensor.
+
+    Raises:
+        TypeError: for a dtype torch has no match for (e.g. ``np.longdouble``).
+        ValueError: for a byte order other than the machine's, or negative strides.
+    """
+    try:
+        return torch.from_numpy(array)
+    except TypeError as exc:
+        raise TypeError(f"tensor {index} (a numpy array of {array.dtype}): {exc}") from None
+    except ValueError as exc:  # a copy would be averaged, not the caller's array
+        raise ValueError(
+            f"tensor {index} (a numpy array of {array.dtype}, strides {array.strides}) cannot "
+            f"be averaged in place: {exc}"
+        ) from None
+
+
 def _read_only_ranges() -> list[Span]:
     """Address ranges ``[lo, hi)``, in order, that this process may not write (from Linux's
     ``/proc/self/maps``; elsewhere none are known): a torch tensor over a read-only memmap
@@ -177,7 +230,11 @@ def _read_only_ranges() -> list[Span]:
 class FlatVector:
     """A reused float32 buffer holding every tensor end to end, with copy in and out."""
 
-    def __init__(self, tensors: Sequence[torch.Tensor]) -> None:
+    def __init__(
+        self, tensors: Sequence[torch.Tensor], originals: Sequence[object] | None = None
+    ) -> None:
+        """``tensors``: what :func:`as_tensors` made of ``originals``, the caller's objects
+        (when given, :meth:`check_memory` tells when one of them got other memory)."""
         self.tensors = list(tensors)
         self.layout = TensorLayout.of(self.tensors)
         sizes = self.layout.sizes
@@ -185,12 +242,86 @@ class FlatVector:
         self.total = self.offsets[-1]
         self.tensor = torch.empty(self.total, dtype=torch.float32)  # (total,)
         self.array: Float32Array = self.tensor.numpy()
+        # the caller's torch tensors, weakly: a parameter whose .data is replaced keeps its
+        # object, and we would average the old memory (numpy arrays cannot be replaced so)
+        self._originals: list[weakref.ref[torch.Tensor] | None] = [
+            weakref.ref(item) if isinstance(item, torch.Tensor) else None
+            for item in (originals if originals is not None else ())
+        ]
+        self._addresses = [t.data_ptr() for t in self.tensors]
         # which storages torch allocated, asked before our numpy views make them fixed-size
         self._storages = [_torch_allocated(t) for t in self.tensors]
         # float32 tensors are read in place (see source); others are converted on load
-        self._views: list[Float32Array | None] = [
-            t.detach().view(-1).numpy() if t.dtype == torch.float32 else None for t in self.tensors
+        self._views: list[Float32Array | None] = [_float32_view(t) for t in self.tensors]
+
+    @classmethod
+    def of(cls, tensors: Iterable[Any]) -> FlatVector:
+        """The flat vector of the caller's tensors (checked as by :func:`as_tensors`).
+
+        Raises:
+            TypeError, ValueError: as :func:`as_tensors`.
+        """
+        originals = as_list(tensors)
+        return cls(as_tensors(originals), originals)
+
+    def check_memory(self) -> None:
+        """Before a step: follow memory that moved under the same tensor, and refuse a
+        tensor object that now holds other memory than the one averaged.
+
+        ``share_memory_()`` (``model.share_memory()``) moves a storage to shared memory in
+        place: our tensors follow it, but a numpy view made before would read and write the
+        freed memory, so views are made again. ``p.data = x`` (``model.to(dtype)``,
+        ``model.double()``, ``vector_to_parameters``), ``set_()`` or ``resize_()`` give the
+        caller's object other memory, while we hold the old one: averaging it would go
+        unseen.
+
+        Raises:
+            RuntimeError: naming the first tensor whose object holds other memory.
+        """
+        for i, (tensor, address) in enumerate(zip(self.tensors, self._addresses, strict=True)):
+            if tensor.data_ptr() != address:  # moved in place (shared memory)
+                if tensor.untyped_storage().nbytes() < _bytes_used(tensor):
+                    raise RuntimeError(
+                        f"tensor {i}'s storage was freed or shrunk (untyped_storage()."
+                        "resize_()): make a new Averager with the current tensors"
+                    )
+                self._addresses[i] = tensor.data_ptr()
+                self._storages[i] = None  # (not torch's any more, or not resizable)
+                self._views[i] = _float32_view(tensor)
+        for i, ref in enumerate(self._originals):
+            original = ref() if ref is not None else None
+            if original is not None and not _same_memory(original, self.tensors[i]):
+                raise RuntimeError(
+                    f"tensor {i} now holds other memory than when the Averager was made "
+                    f"({tuple(original.shape)} {original.dtype} on {original.device}, was "
+                    f"{tuple(self.tensors[i].shape)} {self.tensors[i].dtype}): its .data was "
+                    "replaced (model.to(dtype), model.double(), p.data = ..., "
+                    "vector_to_parameters) or it was resized; averaging would write into the "
+                    "old memory, which it no longer reads: make a new Averager with the "
+                    "current tensors (close() this one first)"
+                )
+
+    def versions(self) -> tuple[int, ...]:
+        """Each tensor's autograd version counter: torch's in-place operations (an
+        optimizer step, a backward accumulating into ``.grad``) increase it."""
+        return tuple(t._version for t in self.tensors)
+
+    def changed_since(self, versions: Sequence[int]) -> list[int]:
+        """Indices of the tensors changed in place through torch since :meth:`versions`."""
+        return [
+            i
+            for i, (t, v) in enumerate(zip(self.tensors, versions, strict=True))
+            if t._version != v
         ]
+
+    def mark_written(self, spans: Iterable[Span]) -> None:
+        """Tell autograd that the tensors overlapping ``spans`` were written in place (some
+        results are written through numpy, which torch does not see): a backward through a
+        graph that saved one of them then raises, as after ``optimizer.step()``, instead of
+        using the averaged values as if they were the saved ones."""
+        written = {i for span in spans for i, _, _ in self._pieces(span)}
+        if written:
+            torch.autograd.graph.increment_version([self.tensors[i] for i in sorted(written)])
 
     def unreferenced(self) -> list[int]:
         """Indices of the torch tensors whose memory nothing but this vector holds any more.
@@ -254,7 +385,7 @@ class FlatVector:
         out: list[tuple[int, int, int]] = []
         if start >= stop:
             return out
-        first = int(np.searchsorted(self.offsets, start, side="right")) - 1
+        first = bisect.bisect_right(self.offsets, start) - 1
         for i in range(max(first, 0), len(self.tensors)):
             t_start, t_stop = self.offsets[i], self.offsets[i + 1]
             if t_start >= stop:
@@ -269,6 +400,24 @@ class FlatVector:
         for i, lo, hi in self._pieces(span):
             t_start = self.offsets[i]
             self.tensors[i].view(-1)[lo - t_start : hi - t_start].copy_(self.tensor[lo:hi])
+
+
+def _float32_view(tensor: torch.Tensor) -> Float32Array | None:
+    """A numpy view of a float32 tensor's memory (read and written in place), else None."""
+    return tensor.detach().view(-1).numpy() if tensor.dtype == torch.float32 else None
+
+
+def _bytes_used(tensor: torch.Tensor) -> int:
+    """Bytes of its storage that a contiguous tensor reaches."""
+    return int((tensor.storage_offset() + tensor.numel()) * tensor.element_size())
+
+
+def _same_memory(original: torch.Tensor, ours: torch.Tensor) -> bool:
+    """Whether the caller's tensor still is the memory we average (``ours``); other memory
+    (another device, a sparse tensor too) has another address, and empty tensors none."""
+    if original.dtype != ours.dtype or original.shape != ours.shape:
+        return False
+    return original.data_ptr() == ours.data_ptr() or ours.numel() == 0
 
 
 def _torch_allocated(tensor: torch.Tensor) -> int | None:
