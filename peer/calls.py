@@ -129,12 +129,14 @@ class PendingCall:
 class PendingStream:
     """The caller's side of a streaming call: items arrive on ``send``; ``finish`` ends it."""
 
-    __slots__ = ("error", "finished", "receive", "send")
+    __slots__ = ("error", "finished", "receive", "send", "sent_quiet")
 
     def __init__(self) -> None:
         self.send, self.receive = trio.open_memory_channel[Reply](STREAM_BUFFER_ITEMS)
         self.error: BaseException | None = None
         self.finished = False
+        self.sent_quiet: float | None = None
+        """As :attr:`PendingCall.sent_quiet`."""
 
     def finish(self, error: BaseException | None) -> None:
         """End the stream, cleanly (``error`` None) or with ``error`` raised to the reader."""

@@ -28,11 +28,12 @@ Rules:
 
 from __future__ import annotations
 
+import contextlib
 import ipaddress
 import logging
 import math
 from collections import Counter
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
 from typing import Any
@@ -239,7 +240,9 @@ class RpcHost:
     ) -> AbstractAsyncContextManager[AsyncIterator[Reply]]:
         """Call a streaming ``method``; iterate the context's value for the items.
 
-        Iteration raises what :meth:`call` raises; leaving early cancels the call.
+        Iteration raises what :meth:`call` raises; leaving early cancels the call. Like a
+        call, a request the peer closed the (idle) connection on before reading it is sent
+        again on a fresh connection, once: the peer never saw it, and no item came.
         """
         return self._stream(address, method, body, payload)
 
@@ -251,10 +254,17 @@ class RpcHost:
         body: dict[str, Any] | None,
         payload: bytes | memoryview,
     ) -> AsyncIterator[AsyncIterator[Reply]]:
-        connection = await self._connection(address)
-        items: ReplyStream
-        async with connection.stream(method, body, payload) as items:
-            yield items
+        async with contextlib.AsyncExitStack() as calls:
+
+            async def start() -> ReplyStream:
+                connection = await self._connection(address)
+                return await calls.enter_async_context(connection.stream(method, body, payload))
+
+            try:
+                items = await start()
+            except ConnectionClosedError:  # closed (idle) just before we sent: never sent
+                items = await start()
+            yield _RetriedOnce(items, start)
 
     async def connect(self, address: Address) -> PeerID:
         """Dial ``address`` (or reuse a connection) and return the proven remote PeerID.
@@ -496,6 +506,31 @@ class RpcHost:
         logger.debug("%r: all slots taken, closing %r, idle the longest", self, oldest)
         oldest.close_nowait(PeerUnavailableError("closed to make room for another peer"))
         return True
+
+
+class _RetriedOnce:
+    """The items of a stream whose request may turn out unread by the peer (its idle timer
+    closed the connection first: the first item raises ``ConnectionClosedError``): then
+    the items of the same request started again by ``start``, once."""
+
+    def __init__(self, items: ReplyStream, start: Callable[[], Awaitable[ReplyStream]]) -> None:
+        self._items = items
+        self._start: Callable[[], Awaitable[ReplyStream]] | None = start
+
+    def __aiter__(self) -> _RetriedOnce:
+        return self
+
+    async def __anext__(self) -> Reply:
+        try:
+            item = await self._items.__anext__()
+        except ConnectionClosedError:
+            if self._start is None:
+                raise
+            start, self._start = self._start, None
+            self._items = await start()
+            return await self._items.__anext__()
+        self._start = None  # an item came: the peer read the request
+        return item
 
 
 def host_group(host: str) -> str:

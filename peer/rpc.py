@@ -25,7 +25,10 @@ Rules (see ``protocol/rpc.py`` for the frames):
   for large replies and reads none holds its in-flight slots, not our memory.
 - When the connection ends, every pending call fails at once with ``PeerUnavailableError``.
   A direct write cut off midway (a deadline while the socket is full) ends the connection
-  too: the stream cannot be resynchronised after half a sealed frame.
+  too: the stream cannot be resynchronised after half a sealed frame. So such writes are
+  kept from harm's way: none right after a large write (the socket may be full: see
+  ``Outbox``), and a handler's frames are queued while the caller's cancel or deadline may
+  still cut in (its last one is written directly outside that scope).
 - With no call in flight either way and no frame read or written for ``idle_timeout``
   seconds, the connection closes itself.
 - A streaming reply is buffered up to ``STREAM_BUFFER_ITEMS`` items; beyond that the reader
@@ -212,7 +215,7 @@ class RpcConnection:
                 if not pending.done.is_set():  # (one already failed keeps its error)
                     pending.error = error
                     pending.done.set()
-            else:
+            elif not pending.finished:
                 pending.finish(error)
 
     async def _guard(self, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
@@ -313,7 +316,7 @@ class RpcConnection:
         pieces, size = self._encode(frame)
         self._pending[request_id] = pending
         now = trio.current_time()
-        if isinstance(pending, PendingCall) and now - self.last_activity >= self.idle_timeout / 2:
+        if now - self.last_activity >= self.idle_timeout / 2:
             pending.sent_quiet = now
         try:
             await self._send(pieces, size, urgent=True)
@@ -323,9 +326,8 @@ class RpcConnection:
             raise
         except BaseException as exc:
             self._pending.pop(request_id, None)
-            error = pending.error if isinstance(pending, PendingCall) else None
-            if isinstance(error, ConnectionClosedError):  # the write failed on a connection
-                raise error from exc  # the peer closed for idleness: never read, retry
+            if isinstance(pending.error, ConnectionClosedError):  # the write failed on a
+                raise pending.error from exc  # connection the peer closed for idleness: retry
             raise
         return request_id, pieces
 
@@ -340,11 +342,24 @@ class RpcConnection:
             PeerUnavailableError: if the direct write failed (the connection is gone).
         """
         await trio.lowlevel.checkpoint_if_cancelled()
-        if size > _DIRECT_MAX or not self._outbox.try_claim():
+        if not self._claim_direct(size):
             await self._outbox.put(pieces, urgent=urgent and size <= _DIRECT_MAX, size=size)
             return
         # No checkpoint since the one above, so nothing interrupts the write before its
         # first byte; an interruption after it leaves half a frame: the connection ends.
+        await self._write_claimed(pieces)
+
+    def _claim_direct(self, size: int) -> bool:
+        """Whether a frame of ``size`` bytes may be written directly, the stream claimed
+        for it (then :meth:`_write_claimed` it, with no checkpoint in between)."""
+        return size <= _DIRECT_MAX and self._outbox.try_claim(size)
+
+    async def _write_claimed(self, pieces: list[bytes | memoryview]) -> None:
+        """Write a frame on the stream claimed by :meth:`_claim_direct`.
+
+        Raises:
+            PeerUnavailableError: if the write failed (the connection is gone).
+        """
         try:
             await write_pieces(self._byte_stream, pieces)
         except BaseException as exc:
@@ -450,16 +465,17 @@ class RpcConnection:
         unread = [
             p
             for p in self._pending.values()
-            if isinstance(p, PendingCall)
-            and not p.done.is_set()
-            and p.sent_quiet is not None
-            and self._frame_received < p.sent_quiet
+            if p.sent_quiet is not None
+            and self._frame_received < p.sent_quiet  # nothing came: no reply, no item
+            and not (p.done.is_set() if isinstance(p, PendingCall) else p.finished)
         ]
+        message = f"{self.peer_id.short()} closed the idle connection before reading the request"
         for pending in unread:
-            pending.error = ConnectionClosedError(
-                f"{self.peer_id.short()} closed the idle connection before reading the request"
-            )
-            pending.done.set()
+            if isinstance(pending, PendingCall):
+                pending.error = ConnectionClosedError(message)
+                pending.done.set()
+            else:
+                pending.finish(ConnectionClosedError(message))
         return bool(unread)
 
     def _start_request(self, frame: RpcFrame, nursery: trio.Nursery) -> None:
@@ -509,13 +525,20 @@ class RpcConnection:
         request = Request(self.peer_id, frame.method, frame.body, frame.payload, self.remote_host)
         unary = frame.method not in self._handlers.streaming  # its error may skip the queue
         try:
-            with incoming.scope:
+            direct = None
+            with incoming.scope:  # the caller's deadline, and its cancel
                 try:
-                    await self._answer(request, request_id)
+                    last = await self._answer(request, request_id)
                 except Exception as exc:
                     code, message = self._error_reply(frame.method, exc)
-                    await self._send_error(request_id, code, message, unary)
-            if incoming.scope.cancelled_caught and not incoming.by_caller and not self.closed:
+                    last = self._encode(_error_frame(request_id, code, message)), unary
+                if last is not None:
+                    direct = await self._queue_or_claim(*last)
+            if direct is not None:
+                # Outside the scope: the caller's cancel (or deadline) coming now must not
+                # cut the write off midway, which would end the connection for every call.
+                await self._write_claimed(direct)
+            elif incoming.scope.cancelled_caught and not incoming.by_caller and not self.closed:
                 await self._send_error(request_id, "timeout", "the deadline passed", unary)
         except PeerUnavailableError:
             pass  # the connection closed under us
@@ -523,6 +546,22 @@ class RpcConnection:
             if self._incoming.get(request_id) is incoming:
                 del self._incoming[request_id]
             self._served.unpark_all()
+
+    async def _queue_or_claim(
+        self, frame: tuple[list[bytes | memoryview], int], urgent: bool
+    ) -> list[bytes | memoryview] | None:
+        """Queue a frame (waiting for room, cancellable), or claim the stream to write it
+        directly: then its pieces, to write with :meth:`_write_claimed` at once.
+
+        Raises:
+            PeerUnavailableError: if the connection is closed.
+        """
+        pieces, size = frame
+        await trio.lowlevel.checkpoint_if_cancelled()
+        if self._claim_direct(size):
+            return pieces
+        await self._queue(pieces, size, urgent=urgent and size <= _DIRECT_MAX)
+        return None
 
     def _answer_quick(self, frame: RpcFrame, handler: QuickHandler) -> None:
         """Answer on the reader, no task: the reply is queued for the writer."""
@@ -554,34 +593,56 @@ class RpcConnection:
         logger.debug("%r: handler %s failed", self, method, exc_info=True)
         return "internal", type(exc).__name__  # its text may hold local details
 
-    async def _answer(self, request: Request, request_id: int) -> None:
+    async def _answer(
+        self, request: Request, request_id: int
+    ) -> tuple[tuple[list[bytes | memoryview], int], bool] | None:
+        """Run the handler and queue the frames of its answer, but the last: returned
+        (encoded, and whether it may skip the bulk queue) for the caller to write, or None
+        when every frame was queued."""
         method = request.method
         if (handler := self._handlers.unary.get(method)) is not None:
-            await self._put_reply(request_id, await handler(request))
-        elif (quick := self._handlers.quick.get(method)) is not None:  # the outbox was full
+            return self._encode_reply(request_id, await handler(request)), True
+        if (quick := self._handlers.quick.get(method)) is not None:  # the outbox was full
             # One at a time: a large reply waits here for room in the outbox (a small one
             # skips the bulk queue), and a peer that asks for many large replies and reads
             # none must not make each of its requests hold one.
             async with self._overflow:
-                await self._put_reply(request_id, quick(request))
-        elif (stream_handler := self._handlers.streaming.get(method)) is not None:
+                pieces, size = self._encode_reply(request_id, quick(request))
+                await self._queue(pieces, size, urgent=size <= _DIRECT_MAX)
+            return None
+        if (stream_handler := self._handlers.streaming.get(method)) is not None:
             items = stream_handler(request)
             try:
                 async for item in items:
-                    await self._put(
-                        RpcFrame(FrameKind.ITEM, request_id, body=item.body, payload=item.payload)
+                    # queued, never written here: this task's scope may be cancelled
+                    # any time, and must not cut a write off midway
+                    item_frame = RpcFrame(
+                        FrameKind.ITEM, request_id, body=item.body, payload=item.payload
                     )
+                    await self._queue(*self._encode(item_frame))
             finally:
                 if (aclose := getattr(items, "aclose", None)) is not None:
                     await aclose()  # an async generator: run its finally blocks now
-            await self._put(RpcFrame(FrameKind.END, request_id))
-        else:
-            raise RemoteError("unknown_method", f"no method {method!r}")
+            return self._encode(RpcFrame(FrameKind.END, request_id)), False
+        raise RemoteError("unknown_method", f"no method {method!r}")
 
-    async def _put_reply(self, request_id: int, reply: Reply) -> None:
-        # the only frame of a unary answer: no order to keep
-        frame = RpcFrame(FrameKind.RESPONSE, request_id, body=reply.body, payload=reply.payload)
-        await self._put(frame, urgent=True)
+    def _encode_reply(self, request_id: int, reply: Reply) -> tuple[list[bytes | memoryview], int]:
+        return self._encode(
+            RpcFrame(FrameKind.RESPONSE, request_id, body=reply.body, payload=reply.payload)
+        )
+
+    async def _queue(
+        self, pieces: list[bytes | memoryview], size: int, urgent: bool = False
+    ) -> None:
+        """Queue a frame for the writer (all of it, or nothing when cancelled).
+
+        Raises:
+            PeerUnavailableError: if the connection is closed.
+        """
+        try:
+            await self._outbox.put(pieces, urgent=urgent, size=size)
+        except trio.ClosedResourceError:
+            raise PeerUnavailableError("connection closed") from None
 
     async def _send_error(
         self, request_id: int, code: str, message: str, urgent: bool = False

@@ -27,6 +27,9 @@ BATCH_BYTES = 1 << 20
 QUEUE_BYTES = 4 << 20
 """Bulk frames queued beyond this many bytes make :meth:`Outbox.put` wait (an empty queue
 takes one frame of any size): what a peer that stops reading can make us hold."""
+FILLING_WRITE = 1 << 15
+"""A write of this many bytes or more may leave the stream's buffers full (the kernel's,
+or the peer's window): the next frames go through the writer (see :meth:`Outbox.try_claim`)."""
 _COALESCE_BELOW = 1 << 16
 """Adjacent pieces smaller than this are joined before sealing (one message, not many)."""
 _POOL_MIN = 1 << 16
@@ -42,6 +45,12 @@ class Outbox:
     frames) never waits. A task may instead write a frame itself when nobody is writing and
     nothing is queued (:meth:`try_claim`, then :meth:`release`): one scheduler hop less
     than handing it to the writer. Closing wakes everyone.
+
+    A direct write blocked on a full stream would be at the mercy of its task's cancel
+    scope (a deadline, a lookup that no longer needs the answer), and a write cut off
+    midway ends the connection for every call on it. The stream is full only after large
+    writes, so none is allowed right after one (of ``FILLING_WRITE`` bytes or more): the
+    writer, whom no caller cancels, writes the next frames until one of its writes is small.
 
     ``urgent`` frames (small requests and unary replies, whose order relative to other
     requests' frames does not matter) skip the queue: the writer takes them before any bulk
@@ -70,6 +79,8 @@ class Outbox:
         self._closed = False
         self._busy = False  # a task is writing to the stream
         self._batch: list[Sequence[Piece]] = []  # the frames the writer is writing now
+        self._writing_bytes = 0  # the size of the write in progress
+        self._after_large_write = False  # the last write may have filled the stream
 
     async def put(self, pieces: Sequence[Piece], urgent: bool = False, size: int = -1) -> None:
         """Queue one frame's pieces (``size``: their bytes, when the caller knows them);
@@ -108,18 +119,21 @@ class Outbox:
             return len(self._urgent) < self._capacity
         return len(self._items) < self._capacity and self._queued_bytes < self._max_bytes
 
-    def try_claim(self) -> bool:
-        """Take the stream for a direct write: True when open, idle and nothing is queued
-        (then call :meth:`release` after writing)."""
-        if self._busy or self._items or self._urgent or self._closed:
+    def try_claim(self, size: int = 0) -> bool:
+        """Take the stream for a direct write of ``size`` bytes: True when open, idle,
+        nothing is queued and the last write was small (then call :meth:`release` after
+        writing)."""
+        if self._busy or self._items or self._urgent or self._closed or self._after_large_write:
             return False
         self._busy = True
+        self._writing_bytes = size
         return True
 
     def release(self) -> None:
         """The stream is free again; the writer takes over what was queued meanwhile."""
         self._busy = False
         self._batch.clear()
+        self._after_large_write = self._writing_bytes >= FILLING_WRITE
         if self._items or self._urgent:
             self._ready.unpark()
         else:
@@ -144,10 +158,12 @@ class Outbox:
         self._busy = True
         pieces: list[Piece] = []
         self._urgent_space.unpark(count=len(self._urgent))
+        urgent_size = 0
         while self._urgent:
             frame = self._urgent.popleft()
             self._batch.append(frame)
             pieces.extend(frame)
+            urgent_size += _size_of(frame)
         size = taken = 0
         while self._items and size < BATCH_BYTES:
             frame = self._items.popleft()
@@ -159,6 +175,7 @@ class Outbox:
             self._queued_bytes -= size
             # all of them: bytes, not frames, left; a woken waiter may have been cancelled
             self._space.unpark_all()
+        self._writing_bytes = urgent_size + size
         return pieces
 
     def withdraw(self, frame: Sequence[Piece]) -> bool:

@@ -1,0 +1,226 @@
+"""Cancellation and timing at unlucky moments on the RPC layer (in-memory network, virtual
+time): a call or stream given up on must cost only itself, never the connection that other
+calls share, and a request the peer never read is retried like a plain call."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import trio
+import trio.testing
+
+from peer.host import HostConfig, RpcHost, open_rpc_host
+from peer.memnet import MemoryNetwork
+from peer.rpc import Reply, Request
+from protocol.address import Address
+from protocol.identity import Identity
+
+ID_A = Identity.from_seed(b"a" * 32)
+ID_B = Identity.from_seed(b"b" * 32)
+LATENCY = 0.01
+WINDOW = 1 << 16
+"""Bytes unread in one direction before a write waits (like a socket's buffers)."""
+
+
+@asynccontextmanager
+async def two_hosts(
+    net: MemoryNetwork, config: HostConfig | None = None
+) -> AsyncIterator[tuple[RpcHost, RpcHost, Address]]:
+    """Hosts a (10.0.0.1) and b (10.0.0.2); yields them and b's full address."""
+    config = config or HostConfig()
+    async with (
+        open_rpc_host(
+            ID_A, listen=Address("10.0.0.1", 4000), network=net.interface("10.0.0.1"), config=config
+        ) as a,
+        open_rpc_host(
+            ID_B, listen=Address("10.0.0.2", 4000), network=net.interface("10.0.0.2"), config=config
+        ) as b,
+    ):
+        assert b.listen_address is not None
+        yield a, b, b.listen_address
+
+
+async def echo(request: Request) -> Reply:
+    return Reply(request.body, request.payload)
+
+
+async def slow_echo(request: Request) -> Reply:
+    await trio.sleep(request.body["delay"])
+    return Reply(request.body, request.payload)
+
+
+async def endless(request: Request) -> AsyncIterator[Reply]:
+    """Items of ``size`` bytes until the caller leaves."""
+    i = 0
+    while True:
+        yield Reply({"i": i}, bytes(request.body["size"]))
+        i += 1
+
+
+async def other_call(a: RpcHost, address: Address, replies: list[Reply]) -> None:
+    """A call in flight on the same connection meanwhile (answered after 0.2 s)."""
+    replies.append(await a.call(address, "slow_echo", {"delay": 0.2}))
+
+
+def assert_settled(*hosts: RpcHost) -> None:
+    """No call in flight either way, and every call slot free."""
+    for host in hosts:
+        for connection in host._connections:
+            assert not connection._pending, (host, connection._pending)
+            assert not connection._incoming, (host, connection._incoming)
+            assert connection._call_slots.value == connection.max_inflight_requests
+
+
+async def test_leaving_a_stream_early_keeps_the_connection_for_other_calls(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The callee cancels the handler of a stream its caller left (or whose deadline
+    passed); an item it was writing straight to a congested stream must not be cut off
+    midway: that ends the connection, and every other call on it fails."""
+    net = MemoryNetwork(latency=LATENCY, window=WINDOW)
+    async with two_hosts(net) as (a, b, address):
+        b.register("slow_echo", slow_echo)
+        b.register_stream("endless", endless)
+        with trio.fail_after(60):
+            await a.call(address, "slow_echo", {"delay": 0})
+            opened = a.connections_opened
+            for step in range(6):
+                for size in (1000, 60_000):
+                    replies: list[Reply] = []
+                    async with trio.open_nursery() as nursery:
+                        nursery.start_soon(other_call, a, address, replies)
+                        with trio.move_on_after(0.05 + step * 0.003):
+                            async with a.stream(address, "endless", {"size": size}) as items:
+                                async for _ in items:
+                                    pass
+                    assert len(replies) == 1
+            await trio.sleep(1)
+            assert a.connections_opened == opened, "a connection was closed and dialled again"
+            assert_settled(a, b)
+
+
+async def blob(request: Request) -> Reply:
+    return Reply({}, bytes(request.body["size"]))
+
+
+async def test_a_deadline_passing_as_the_reply_is_written_keeps_the_connection(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A handler that answers just before the caller's deadline, on a connection busy with
+    a large download: its reply's write must not be cut off by the deadline midway."""
+    net = MemoryNetwork(latency=LATENCY, window=WINDOW)
+    async with two_hosts(net) as (a, b, address):
+        b.register("slow_echo", slow_echo)
+        b.register("blob", blob)
+        with trio.fail_after(60):
+            await a.call(address, "slow_echo", {"delay": 0})
+            opened = a.connections_opened
+            for step in range(20):
+                downloads: list[Reply] = []
+
+                async def download(downloads: list[Reply] = downloads) -> None:
+                    downloads.append(await a.call(address, "blob", {"size": 3 << 20}))
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(download)
+                    await trio.sleep(LATENCY)
+                    delay = step * 0.005
+                    with trio.move_on_after(delay + 0.005):
+                        await a.call(address, "slow_echo", {"delay": delay})
+                assert len(downloads) == 1
+            await trio.sleep(1)
+            assert a.connections_opened == opened, "a connection was closed and dialled again"
+            assert_settled(a, b)
+
+
+async def counted(request: Request) -> AsyncIterator[Reply]:
+    for i in range(request.body["n"]):
+        yield Reply({"i": i})
+
+
+async def test_a_stream_opened_as_the_peer_closes_the_idle_connection_succeeds(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A stream's request that meets the connection just closed by the peer's idle timer
+    (in the write, or unread by the peer) was never served: it is retried on a fresh
+    connection, like a plain call, instead of failing."""
+    async with two_hosts(MemoryNetwork(latency=LATENCY)) as (a, b, address):
+        b.register_stream("counted", counted)
+        b.register("slow_echo", slow_echo)
+        with trio.fail_after(1200):
+            for offset in (-LATENCY / 2, -LATENCY / 10, 0, LATENCY / 10, LATENCY / 2):
+                await a.call(address, "slow_echo", {"delay": 0})
+                (theirs,) = b._connections
+                closes_at = theirs.last_activity + theirs.idle_timeout  # b's idle timer
+                await trio.sleep_until(closes_at + offset)
+                async with a.stream(address, "counted", {"n": 3}) as items:
+                    got = [item.body["i"] async for item in items]
+                assert got == [0, 1, 2], offset
+                await trio.sleep(100)  # every connection idles out
+
+
+async def sink(request: Request) -> Reply:
+    return Reply({"n": memoryview(request.payload).nbytes})
+
+
+async def test_a_call_given_up_on_a_congested_connection_keeps_it_for_the_upload(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Just after a large upload, the connection's buffers are full: a small call made
+    then (a lookup's request, say) whose caller gives up soon after must not have its
+    request's write cut off midway, which ends the connection and fails the upload."""
+    net = MemoryNetwork(latency=LATENCY, window=WINDOW)
+    async with two_hosts(net) as (a, b, address):
+        b.register("slow_echo", slow_echo)
+        b.register("sink", sink)
+        with trio.fail_after(60):
+            await a.call(address, "slow_echo", {"delay": 0})
+            opened = a.connections_opened
+            for step in range(60):
+                uploads: list[Reply] = []
+
+                async def upload(uploads: list[Reply] = uploads) -> None:
+                    uploads.append(await a.call(address, "sink", {}, bytes(3 << 20)))
+
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(upload)
+                    await trio.sleep(step * 0.0007)
+                    with trio.move_on_after(0.005):
+                        await a.call(address, "slow_echo", {"delay": 0})
+                assert uploads[0].body == {"n": 3 << 20}
+            await a.call(address, "slow_echo", {"delay": 0})
+            assert a.connections_opened == opened, "a connection was closed and dialled again"
+            assert_settled(a, b)
+
+
+async def test_a_deadline_at_any_moment_of_a_call_or_stream_costs_only_that_call(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A sweep of caller deadlines over the life of a call and of a stream (payloads that
+    fill the connection's window): each one given up on leaves no call in flight either
+    way, no slot taken, the connection up, and the next call gets its own reply."""
+    net = MemoryNetwork(latency=LATENCY, window=WINDOW)
+    async with two_hosts(net) as (a, b, address):
+        b.register("slow_echo", slow_echo)
+        b.register_stream("counted_blobs", counted_blobs)
+        with trio.fail_after(60):
+            await a.call(address, "slow_echo", {"delay": 0})
+            opened = a.connections_opened
+            for step in range(40):
+                with trio.move_on_after(step * 0.002):
+                    await a.call(address, "slow_echo", {"delay": 0.01}, bytes(30_000))
+                with trio.move_on_after(step * 0.002):
+                    async with a.stream(address, "counted_blobs", {"n": 4}) as items:
+                        async for _ in items:
+                            pass
+                reply = await a.call(address, "slow_echo", {"delay": 0, "step": step})
+                assert reply.body == {"delay": 0, "step": step}
+                await trio.sleep(LATENCY * 3)  # the cancels have arrived
+                assert_settled(a, b)
+            assert a.connections_opened == opened, "a connection was closed and dialled again"
+
+
+async def counted_blobs(request: Request) -> AsyncIterator[Reply]:
+    for i in range(request.body["n"]):
+        yield Reply({"i": i}, bytes(30_000))
