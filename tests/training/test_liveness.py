@@ -33,6 +33,9 @@ class _SlowHost:
     def connected_peers(self) -> list[PeerID]:
         return [OTHER]
 
+    async def disconnect(self, peer_id: PeerID) -> None:
+        pass  # (a probe closes a silent connection before pinging over a fresh one)
+
 
 class _Node:
     def __init__(self) -> None:

@@ -167,16 +167,23 @@ class Butterfly:
         ) -> None:  # fmt: skip
             answered = False
             try:
-                await self.node.rpc.call(address, f"{self.methods}.chunk", body, payload)
-                answered = True
-                progress[0] = trio.current_time()
-            except RemoteError as exc:
-                answered = True
-                logger.debug("round %d: part %d refused: %s", self.plan.round, index, exc)
-                scope.cancel()
-            except PeerUnavailableError:
-                self.liveness.mark(reducer, DropReason.DEAD)
-                scope.cancel()
+                while True:  # again after a reset connection (the same bytes: see reducer)
+                    try:
+                        await self.node.rpc.call(address, f"{self.methods}.chunk", body, payload)
+                    except PeerUnavailableError:
+                        if await self.liveness.reconnect(reducer):
+                            body = {**body, "retry": True}
+                            continue
+                        scope.cancel()
+                        break
+                    except RemoteError as exc:
+                        answered = True
+                        logger.debug("round %d: part %d refused: %s", self.plan.round, index, exc)
+                        scope.cancel()
+                        break
+                    answered = True
+                    progress[0] = trio.current_time()
+                    break
             finally:
                 if answered and buffer is not None:  # the peer read it all: free again
                     pool.give(buffer)
@@ -227,19 +234,12 @@ class Butterfly:
     async def _download(
         self, index: int, address: Address, encoded: trio.Event
     ) -> tuple[ResultHeader | None, bool, str]:
-        """Fetch the mean of part ``index`` into the flat vector (once ``encoded``)."""
+        """Fetch the mean of part ``index`` into the flat vector (once ``encoded``); from
+        the start again after a reset connection (see ``Liveness.reconnect``)."""
         reducer = self.plan.reducers[index].peer_id
-        start, stop = self.plan.spans[index]
-        length = stop - start
-        expected_chunks = chunk_count(length, self.config.chunk_elements)
         progress = [trio.current_time()]
-        header: ResultHeader | None = None
+        fetched: list[ResultHeader] = []  # the header, once it came
         received = False
-        # int8 results that one float32 tensor will hold are checked now, kept (a quarter
-        # of the floats' size) and decoded straight into the tensor by commit(): no pass
-        # through the flat vector
-        defer = isinstance(self.codec, Int8Codec) and self.flat.view(start, stop) is not None
-        held: list[bytes | memoryview] | None = [] if defer else None
         note = "the reducer did not answer in time"
         async with self._downloads, trio.open_nursery() as nursery:
             nursery.start_soon(
@@ -249,49 +249,86 @@ class Butterfly:
                 self.config.stall_timeout,
                 nursery.cancel_scope,
             )
-            try:
-                body = {"round": self.plan.round, "part": index}
-                async with self.node.rpc.stream(address, f"{self.methods}.result", body) as items:
-                    chunk = -1
-                    async for item in items:
-                        progress[0] = trio.current_time()
-                        if header is None:
-                            header = ResultHeader.from_body(item.body)
-                            self._check_header(header, expected_chunks)
-                            continue
-                        await encoded.wait()
-                        chunk += 1
-                        if item.body.get("chunk") != chunk or chunk >= header.chunks:
-                            raise RemoteProtocolError("result chunks out of order")
-                        a, b = chunk_span(length, self.config.chunk_elements, chunk)
-                        if held is not None:
-                            # kept until commit(): exactly the round codec's size, so a
-                            # reducer cannot make us hold more (int8 with block 1 is 5x)
-                            if memoryview(item.payload).nbytes != self.codec.encoded_size(
-                                b - a
-                            ) or (self.codec.validate(item.payload).n_elements != b - a):
-                                raise RemoteProtocolError("a result chunk of the wrong size")
-                            held.append(item.payload)
-                        else:
-                            self._take(item.body, item.payload, start + a, start + b)
-                    if header is None:
-                        raise RemoteProtocolError("empty result stream")
-                    received = header.weight > 0 and chunk + 1 == header.chunks
-                    note = "" if received else header.note or "the reducer had no contributions"
-                    if received and held is not None:
-                        self.held[index] = held
-            except RemoteError as exc:
-                note = f"the reducer refused: {exc}"
-            except PeerUnavailableError as exc:
-                self.liveness.mark(reducer, DropReason.DEAD)
-                note = f"the reducer is unreachable: {exc}"
-            except ProtocolError as exc:
-                note = f"the reducer sent garbage: {exc}"
-                self.liveness.mark(reducer, DropReason.GARBAGE)
+            while True:
+                try:
+                    received, note = await self._fetch(index, address, encoded, progress, fetched)
+                except RemoteError as exc:
+                    note = f"the reducer refused: {exc}"
+                    if exc.code in ("not_found", "unknown_method"):
+                        # its step ended (or its averager is closed): gone from the round,
+                        # as a ping would find (Liveness.probe), and dropped as such
+                        self.liveness.mark(reducer, DropReason.DEAD)
+                except PeerUnavailableError as exc:
+                    if await self.liveness.reconnect(reducer):
+                        continue
+                    note = f"the reducer is unreachable: {exc}"
+                except ProtocolError as exc:
+                    note = f"the reducer sent garbage: {exc}"
+                    self.liveness.mark(reducer, DropReason.GARBAGE)
+                break
             nursery.cancel_scope.cancel()
         if not received and reducer in self.liveness.bad:
             note = f"the reducer is {self.liveness.bad[reducer]}"
-        return header, received, note
+        return (fetched[0] if fetched else None), received, note
+
+    async def _fetch(
+        self,
+        index: int,
+        address: Address,
+        encoded: trio.Event,
+        progress: list[float],
+        fetched: list[ResultHeader],
+    ) -> tuple[bool, str]:
+        """One result stream of part ``index``: (received, note). The header goes into
+        ``fetched``; a stream started again must announce the same one.
+
+        Raises:
+            RemoteError, PeerUnavailableError: as the stream's call.
+            ProtocolError: the reducer sent garbage.
+        """
+        start, stop = self.plan.spans[index]
+        length = stop - start
+        expected_chunks = chunk_count(length, self.config.chunk_elements)
+        # int8 results that one float32 tensor will hold are checked now, kept (a quarter
+        # of the floats' size) and decoded straight into the tensor by commit(): no pass
+        # through the flat vector
+        defer = isinstance(self.codec, Int8Codec) and self.flat.view(start, stop) is not None
+        held: list[bytes | memoryview] | None = [] if defer else None
+        header: ResultHeader | None = None
+        body = {"round": self.plan.round, "part": index}
+        async with self.node.rpc.stream(address, f"{self.methods}.result", body) as items:
+            chunk = -1
+            async for item in items:
+                progress[0] = trio.current_time()
+                if header is None:
+                    header = ResultHeader.from_body(item.body)
+                    if fetched and header != fetched[0]:
+                        raise RemoteProtocolError("the result header changed")
+                    self._check_header(header, expected_chunks)
+                    fetched[:] = [header]
+                    continue
+                await encoded.wait()
+                chunk += 1
+                if item.body.get("chunk") != chunk or chunk >= header.chunks:
+                    raise RemoteProtocolError("result chunks out of order")
+                a, b = chunk_span(length, self.config.chunk_elements, chunk)
+                if held is not None:
+                    # kept until commit(): exactly the round codec's size, so a
+                    # reducer cannot make us hold more (int8 with block 1 is 5x)
+                    if memoryview(item.payload).nbytes != self.codec.encoded_size(b - a) or (
+                        self.codec.validate(item.payload).n_elements != b - a
+                    ):
+                        raise RemoteProtocolError("a result chunk of the wrong size")
+                    held.append(item.payload)
+                else:
+                    self._take(item.body, item.payload, start + a, start + b)
+            if header is None:
+                raise RemoteProtocolError("empty result stream")
+            received = header.weight > 0 and chunk + 1 == header.chunks
+            note = "" if received else header.note or "the reducer had no contributions"
+            if received and held is not None:
+                self.held[index] = held
+            return received, note
 
     def _take(
         self, body: dict[str, object], payload: bytes | memoryview, start: int, stop: int

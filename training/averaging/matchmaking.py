@@ -79,6 +79,8 @@ class _Round:
     answered: trio.Event = field(default_factory=trio.Event)
     budget: float = 0.0
     others_seen: int = 0  # the most other declarations a read of the round found
+    others_done: int = 0  # the most "done" markers of others a read found (see withdraw)
+    store_s: float = 0.0  # how long storing our declaration took
 
     def notify(self) -> None:
         self.changed.set()
@@ -97,6 +99,7 @@ class MatchResult:
     alone: bool = False
     retry: bool = False  # the leader was no longer in the round: worth another round
     strangers: int = 0  # peers of another layout in the round (when alone)
+    late: str = ""  # when alone: others of the round had their groups before we read it
 
 
 def _left_alone_note(me: Declaration, others: list[Declaration], group_size: int) -> str:
@@ -110,6 +113,19 @@ def _left_alone_note(me: Declaration, others: list[Declaration], group_size: int
     if me.client_mode and all(d.client_mode for d in ours):
         return note + "all client-mode like us (a group needs a peer that accepts connections)"
     return note + f"and the groups (at most {group_size}) left us out this round"
+
+
+def _late_note(state: _Round, window: float) -> str:
+    """When peers of the round had their groups already as we read it (their "done"
+    markers): they did not wait for us, so say so, and how slow our own store was (a
+    peer whose DHT store or read takes a good part of the window never meets anyone, and
+    "no partner" alone sent its owner looking for a missing swarm)."""
+    if not state.others_done:
+        return ""
+    note = f"{state.others_done} other peer(s) had formed their groups when we read the round"
+    if state.store_s > window / 4:
+        note += f" (storing our declaration took {state.store_s:.2f} s: a slow link or DHT?)"
+    return note
 
 
 class Matchmaker:
@@ -159,6 +175,7 @@ class Matchmaker:
         earliest = 0
         lone_retry = True
         strangers: MatchResult | None = None  # a lone round with peers of another layout
+        missed: MatchResult | None = None  # a lone round whose others had not waited for us
         while True:
             number = max(await self._choose_round(deadline), earliest)
             earliest = number + 1
@@ -187,8 +204,10 @@ class Matchmaker:
             lone_retry = lone_retry and not result.alone
             if result.strangers and (strangers is None or result.strangers > strangers.strangers):
                 strangers = result
+            if result.late:
+                missed = result
             if not retry or deadline - trio.current_time() < 2 * window:
-                return _with_strangers(result, strangers)
+                return _with_missed(_with_strangers(result, strangers), missed)
             await self.withdraw(number, min(deadline, trio.current_time() + window / 4))
 
     def _others_recently(self) -> bool:
@@ -229,8 +248,10 @@ class Matchmaker:
         window, key = self.config.gather_window, round_key(self.prefix, state.number)
         close_in = state.number * window - self.clock()
         close_at = trio.current_time() + close_in
+        started = trio.current_time()
         with trio.move_on_at(deadline):
             await self.node.dht.store(key, state.me.to_wire(), ttl=self._ttl(), subkey=self._subkey)
+        state.store_s = trio.current_time() - started
         # A slow store (an unresponsive DHT node) means the others' stores are slow too:
         # give them a moment to land before reading.
         settle = window / 4
@@ -253,12 +274,16 @@ class Matchmaker:
         if leader is None or len(group) < 2:
             state.closed.set()
             note = _left_alone_note(state.me, others, self.config.group_size)
+            late = _late_note(state, window)
             foreign = sum(d.layout != state.me.layout for d in others)
             if foreign:
                 note += f" of our layout ({foreign} peer(s) of another layout declared)"
+            if late:
+                note += f"; {late}"
             return MatchResult(
-                state.number, None, None, len(declared), note, alone=True, strangers=foreign
-            )
+                state.number, None, None, len(declared), note, alone=True, strangers=foreign,
+                late=late,
+            )  # fmt: skip
         if leader.peer_id == state.me.peer_id:
             state.is_leader = True
             state.expected = {d.peer_id for d in group} - {state.me.peer_id}
@@ -354,6 +379,8 @@ class Matchmaker:
                 others = [d.count for d in declared if d.peer_id != state.me.peer_id]
                 self.seen_count = max([self.seen_count, *others])
                 state.others_seen = max(state.others_seen, len(others))
+                done = sum(_is_done(v) for s, (v, _) in entries.items() if s != self._subkey)
+                state.others_done = max(state.others_done, done)
             # Exactly the peers of our layout we expect: close (peers of other layouts group
             # apart). More (a newcomer, who does not know it could close early), or a lone
             # peer of another layout (which must read us to learn of the mismatch, not our
@@ -489,6 +516,19 @@ def _with_strangers(result: MatchResult, strangers: MatchResult | None) -> Match
         return result
     note = f"{result.note}; round {strangers.round}: {strangers.note}"
     return replace(result, note=note, strangers=strangers.strangers)
+
+
+def _with_missed(result: MatchResult, missed: MatchResult | None) -> MatchResult:
+    """A step that followed a lone round into the next one, alone again, still says that
+    the others of the first had formed their groups before our read got through."""
+    if missed is None or missed is result or not result.alone:
+        return result
+    return replace(result, note=f"{result.note}; round {missed.round}: {missed.late}")
+
+
+def _is_done(value: object) -> bool:
+    """A "done" marker (see ``Matchmaker.withdraw``): a peer whose round was decided."""
+    return isinstance(value, dict) and value.get("done") is True
 
 
 def _same_layout(declared: list[Declaration], me: Declaration) -> int:

@@ -156,6 +156,9 @@ class ChunkHeader:
     weight: float
     abort: DropReason | None = None
     raw: bool = False  # the payload is raw float32 values (codec none), not a codec blob
+    # sent again after the connection broke before the answer came: the same bytes are
+    # acknowledged again (any other repeat of a chunk is garbage)
+    retry: bool = False
 
     def to_body(self) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -169,6 +172,8 @@ class ChunkHeader:
             body["abort"] = self.abort.value
         if self.raw:
             body["raw"] = True
+        if self.retry:
+            body["retry"] = True
         return body
 
     @classmethod
@@ -193,6 +198,7 @@ class ChunkHeader:
             float(weight),
             reason,
             raw_flag(body),
+            body.get("retry") is True,
         )
 
 

@@ -21,6 +21,11 @@ logger = logging.getLogger(__name__)
 
 _UNDIALABLE = "client-mode.invalid"  # a host no lookup resolves (RFC 6761)
 
+MAX_RECONNECTS = 2
+"""Broken connections to one peer that a round survives: a call that fails on a reset
+connection is retried once a ping (over a fresh dial) finds the peer still in the round. A
+link that keeps breaking is given up on: the peer is then dead for the rest of the round."""
+
 
 @dataclass(frozen=True, slots=True)
 class Plan:
@@ -76,6 +81,9 @@ class Liveness:
         self.timeout = timeout
         self.bad: dict[PeerID, DropReason] = {}
         self.changed = trio.Event()
+        self._reconnects: dict[PeerID, int] = {}
+        self._reconnecting: dict[PeerID, trio.Event] = {}
+        self._probing: dict[PeerID, trio.Event] = {}
 
     def mark(self, peer_id: PeerID, reason: DropReason) -> None:
         if peer_id not in self.bad:
@@ -88,8 +96,9 @@ class Liveness:
         """Ping a peer whose part of the round went quiet: None when it answers that it is
         in the round, or its answer is late but its bytes keep coming; dead when its host
         refuses, or it is no longer in the round (even if it still sends us DHT traffic);
-        frozen when it is silent. A client-mode peer is pinged over its connection to us
-        (dead when it has none).
+        frozen when it is silent, also over a fresh dial (its pooled connection, closed
+        first, may be the silent one). A client-mode peer is pinged over its connection to
+        us (dead when it has none).
 
         On a CPU-starved host one 2 MiB chunk took 2.4 s to arrive, and a ping's answer
         queues behind it: only a peer that sends nothing at all, from shortly before the
@@ -97,6 +106,21 @@ class Liveness:
         1.5 s under load before; none since)."""
         if peer_id in self.bad:
             return self.bad[peer_id]
+        # one probe per peer at a time, the others share its answer: the upload, the
+        # download and our reducer all watch the same peer, and each probe of a silent
+        # connection closes the peer's connections (see below)
+        running = self._probing.get(peer_id)
+        if running is not None:
+            await running.wait()
+            return self.bad.get(peer_id)
+        done = self._probing[peer_id] = trio.Event()
+        try:
+            return await self._probe(peer_id)
+        finally:
+            del self._probing[peer_id]
+            done.set()
+
+    async def _probe(self, peer_id: PeerID) -> DropReason | None:
         started = trio.current_time()
         address = self.plan.address(peer_id)
         if address is None:  # client mode: cannot be dialed, but a dead one's connection is gone
@@ -107,9 +131,41 @@ class Liveness:
             # scheduler pass in between: never dialed): ping it there, as a member that left
             # the round may still send us DHT traffic, and its bytes must not keep it in
             address = Address(_UNDIALABLE, 0, peer_id)
+        answer = await self._ping(peer_id, address)
+        if answer is not DropReason.FROZEN:
+            return answer
+        if self.node.rpc.last_heard(peer_id) >= started - self.timeout:  # busy, not frozen
+            return None
+        if address.host != _UNDIALABLE:
+            # Silence on the pooled connection may be the connection's, not the peer's: a
+            # NAT or middlebox that dropped it loses what is written, with no reset, and
+            # every round used it again (two honest peers "frozen" to each other until the
+            # host's send_timeout). Its calls fail now (and are retried, see reconnect);
+            # a peer that answers over a fresh dial is alive.
+            # (The peer may be doing the same at this moment, closing our fresh connection
+            # as its old one: a ping that fails so is tried once more.)
+            await self.node.rpc.disconnect(peer_id)
+            answer = await self._ping(peer_id, address, once_more=True)
+            if answer is not DropReason.FROZEN:
+                return answer
+        self.mark(peer_id, DropReason.FROZEN)
+        return DropReason.FROZEN
+
+    async def _ping(
+        self, peer_id: PeerID, address: Address, once_more: bool = False
+    ) -> DropReason | None:
+        """One ping naming the round (``once_more``: again if the connection breaks): None
+        when the peer answers that it is in it; dead (marked) when it cannot be reached or
+        is no longer in the round; frozen (not marked: the caller decides) when no answer
+        came within ``timeout``."""
         with trio.move_on_after(self.timeout):
             try:
-                await self.node.rpc.call(address, self.ping_method, {"round": self.plan.round})
+                try:
+                    await self.node.rpc.call(address, self.ping_method, {"round": self.plan.round})
+                except PeerUnavailableError:
+                    if not once_more:
+                        raise
+                    await self.node.rpc.call(address, self.ping_method, {"round": self.plan.round})
             except PeerUnavailableError:
                 self.mark(peer_id, DropReason.DEAD)
                 return DropReason.DEAD
@@ -120,10 +176,37 @@ class Liveness:
                     self.mark(peer_id, DropReason.DEAD)
                     return DropReason.DEAD
             return None
-        if self.node.rpc.last_heard(peer_id) >= started - self.timeout:  # busy, not frozen
-            return None
-        self.mark(peer_id, DropReason.FROZEN)
         return DropReason.FROZEN
+
+    async def reconnect(self, peer_id: PeerID) -> bool:
+        """A call to ``peer_id`` failed because its connection broke (or could not be
+        made): whether to retry it. Yes when a ping, dialing again, finds the peer still in
+        the round: the connection was reset (a NAT or a middlebox dropped it, or the peer
+        could not be dialed only until its own connection to us came up), not the peer.
+        Calls that failed together (one connection) share one ping; after
+        ``MAX_RECONNECTS`` such episodes in a round the peer is marked dead, as are peers
+        whose ping fails (see :meth:`probe`)."""
+        if peer_id in self.bad:
+            return False
+        pending = self._reconnecting.get(peer_id)
+        if pending is not None:
+            await pending.wait()
+            return peer_id not in self.bad
+        if self._reconnects.get(peer_id, 0) >= MAX_RECONNECTS:
+            self.mark(peer_id, DropReason.DEAD)
+            return False
+        self._reconnects[peer_id] = self._reconnects.get(peer_id, 0) + 1
+        done = self._reconnecting[peer_id] = trio.Event()
+        try:
+            alive = await self.probe(peer_id) is None
+        finally:
+            del self._reconnecting[peer_id]
+            done.set()
+        logger.debug(
+            "round %d: connection to %s broke; %s",
+            self.plan.round, peer_id.short(), "retrying" if alive else "giving up",
+        )  # fmt: skip
+        return alive
 
     async def watch(
         self, peer_id: PeerID, last_progress: list[float], stall: float, scope: trio.CancelScope

@@ -299,6 +299,23 @@ class PartReducer:
             return True
         return False
 
+    def is_resend(
+        self, peer_id: PeerID, index: int, blob: bytes | memoryview, raw: bool = False
+    ) -> bool:
+        """Whether a pending sender's chunk ``index`` already arrived with exactly these
+        bytes. For a call the sender marks as retried (its connection broke before the
+        answer came back) that chunk is acknowledged again and changes nothing; any other
+        repeat of a chunk is garbage."""
+        sender = self.senders.get(peer_id)
+        if sender is None or sender.done or sender.reason is not None or self.finalized:
+            return False
+        if not 0 <= index < self.n_chunks or not sender.received[index]:
+            return False
+        for kept_index, kept, kept_raw, _added in sender.retained:
+            if kept_index == index:
+                return kept_raw == raw and memoryview(kept).cast("B") == memoryview(blob).cast("B")
+        return False
+
     def check_chunk(
         self,
         peer_id: PeerID,
@@ -348,7 +365,7 @@ class PartReducer:
             raise ChunkRejected(DropReason.GARBAGE, "epoch or weight differ from declared")
         if not 0 <= index < self.n_chunks:
             raise ChunkRejected(DropReason.GARBAGE, f"chunk {index} out of range")
-        if sender.received[index]:
+        if sender.received[index]:  # (the same bytes again are a retry: see is_resend)
             raise ChunkRejected(DropReason.GARBAGE, f"chunk {index} sent twice")
         start, stop = chunk_span(self.length, self.chunk_elements, index)
         expected = 4 * (stop - start) if raw else self._blob_size(stop - start)

@@ -154,6 +154,8 @@ class ReducerService:
             self._drop(sender, header.abort)
             return Reply({})
         self._check_pending(sender)
+        if header.retry and reducer.is_resend(sender, header.chunk, payload, header.raw):
+            return Reply({})  # its first answer was lost with a reset connection
         # a lying header or a payload of the wrong size is refused before the call waits
         # (holding its payload) for admission, and so is a second call for the same chunk:
         # what waits for a sender is at most the encoded part that admission counts
