@@ -20,11 +20,13 @@ from __future__ import annotations
 
 import heapq
 import logging
+import math
 import random
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import msgpack
@@ -55,7 +57,7 @@ from ..host import RpcHost
 from .config import DHTConfig
 from .lookup import LookupResult, Query, iterative_lookup
 from .protocol import DHTProtocol
-from .routing import RoutingTable
+from .routing import DEPARTED_MEMORY, RoutingTable
 from .storage import DHTStorage, Record, merge_entry, supersedes
 
 logger = logging.getLogger(__name__)
@@ -75,6 +77,12 @@ _HANDOVER_NEWCOMERS = 4  # newcomers served at once
 _MAX_VALUE_PAGES = 32
 _OWN_ADDRESS = "that is this peer's own address"
 _RECONTACTS_PER_REFRESH = 8  # departed contacts a refresh pings (see refresh)
+# A contact that left the table is pinged again this long after, then 4x as long after
+# each silence, until the next delay would pass refresh_interval (refreshes take over):
+# 5 pings in 10 minutes (see DHT._recontact_soon)
+_RECONTACT_FIRST = 2.0
+_RECONTACT_GROWTH = 4.0
+_RECONTACTS_AT_ONCE = 8
 
 
 @dataclass(slots=True)
@@ -143,6 +151,11 @@ class DHT:
         self._published: OrderedDict[tuple[DHTID, Subkey], tuple[str, Entry]] = OrderedDict()
         self._service: trio.Nursery | None = None  # serve()'s nursery, while it runs
         self._background_stores = 0
+        # departed contact -> (when to ping it next, the delay after that); see
+        # _recontact_soon
+        self._recontacts: dict[PeerID, tuple[float, float, NodeInfo]] = {}
+        self._recontact_added = trio.Event()
+        self.table.on_departed = self._on_departed
 
     def now(self) -> float:
         """The unix time this node stamps expirations with (its injected clock)."""
@@ -161,6 +174,7 @@ class DHT:
                 nursery.start_soon(self._every, self.config.refresh_interval, self.refresh)
                 nursery.start_soon(self._every, self.config.republish_interval, self.republish)
                 nursery.start_soon(self._hand_over_to_newcomers)
+                nursery.start_soon(self._recontact_soon)
                 task_status.started()
         finally:
             self._service = None
@@ -243,6 +257,37 @@ class DHT:
         async with trio.open_nursery() as nursery:
             for node in chosen:
                 nursery.start_soon(self.protocol.ping, node)
+
+    def _on_departed(self, node: NodeInfo) -> None:
+        self._recontacts.pop(node.peer_id, None)  # (newest last: the oldest go first)
+        due = trio.current_time() + _RECONTACT_FIRST
+        self._recontacts[node.peer_id] = (due, _RECONTACT_FIRST * _RECONTACT_GROWTH, node)
+        while len(self._recontacts) > DEPARTED_MEMORY:
+            del self._recontacts[next(iter(self._recontacts))]
+        self._recontact_added.set()
+
+    async def _recontact_soon(self) -> None:
+        """Ping contacts that left the table 2 s, 8 s, 32 s, ... after they left, while the
+        delay stays within ``refresh_interval``: one that answers comes back (and learns
+        us). After a partition heals, both sides had dropped each other and met again
+        only at the next refresh, up to 10 minutes later: averaging stayed split that long
+        (tests/training/test_averaging_network_review.py). A peer that is really gone
+        costs 5 failed pings (a refused dial, or a timeout outside the request slots)."""
+        while True:
+            first = min((due for due, _, _ in self._recontacts.values()), default=math.inf)
+            with trio.move_on_at(first):
+                await self._recontact_added.wait()
+            self._recontact_added = trio.Event()
+            now = trio.current_time()
+            due = [p for p, (when, _, _) in self._recontacts.items() if when <= now]
+            async with trio.open_nursery() as nursery:
+                for peer_id in due[:_RECONTACTS_AT_ONCE]:
+                    _, delay, node = self._recontacts.pop(peer_id)
+                    if not self.table.has_departed(peer_id):
+                        continue  # back already, or forgotten
+                    if delay <= self.config.refresh_interval:
+                        self._recontacts[peer_id] = (now + delay, delay * _RECONTACT_GROWTH, node)
+                    nursery.start_soon(partial(self.protocol.ping, take_slot=False), node)
 
     async def _refresh_far_buckets(self) -> None:
         """After joining, look up a random id in every bucket farther than our closest

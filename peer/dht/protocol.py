@@ -261,9 +261,10 @@ class DHTProtocol:
         """Whether no call of ours waits for a slot (a call made now may have to)."""
         return not self._limiter.statistics().tasks_waiting
 
-    async def ping(self, node: NodeInfo) -> bool:
-        """True when ``node`` answered a ping in time."""
-        return await self._call(node, PingRequest(self.sender), PingResponse) is not None
+    async def ping(self, node: NodeInfo, *, take_slot: bool = True) -> bool:
+        """True when ``node`` answered a ping in time (``take_slot``: as :meth:`store`)."""
+        request = PingRequest(self.sender)
+        return await self._call(node, request, PingResponse, take_slot=take_slot) is not None
 
     async def find_node(self, node: NodeInfo, target: DHTID) -> FindNodeResponse | None:
         """``node``'s closest contacts to ``target``; None when it failed."""

@@ -85,6 +85,8 @@ class RoutingTable:
         self._departed: OrderedDict[PeerID, NodeInfo] = OrderedDict()  # oldest first
         self.on_promoted: Callable[[NodeInfo], None] | None = None
         """Called with a replacement that took an evicted contact's place."""
+        self.on_departed: Callable[[NodeInfo], None] | None = None
+        """Called with a contact that left the table (after failures, or removed)."""
 
     # ---- queries ---------------------------------------------------------------------
 
@@ -126,6 +128,10 @@ class RoutingTable:
     def departed_nodes(self) -> list[NodeInfo]:
         """Contacts that left the table after failures (not since seen again), oldest first."""
         return list(self._departed.values())
+
+    def has_departed(self, peer_id: PeerID) -> bool:
+        """Whether ``peer_id`` left the table after failures and was not seen since."""
+        return peer_id in self._departed
 
     def quiet_contacts(self, since: float) -> list[NodeInfo]:
         """Contacts last heard from before ``since``, least recently seen first."""
@@ -249,6 +255,8 @@ class RoutingTable:
         self._departed[peer_id] = contact.node
         if len(self._departed) > DEPARTED_MEMORY:
             self._departed.popitem(last=False)
+        if self.on_departed is not None:
+            self.on_departed(contact.node)
         if bucket.pending_ping == peer_id:
             bucket.pending_ping = None
         if bucket.replacements:
