@@ -390,8 +390,19 @@ class Matchmaker:
             with trio.move_on_at(min(close_at, trio.current_time() + poll)):
                 await state.wake.wait()
 
+    def _after_slot_close(self, state: _Round, seconds: float) -> float:
+        """``seconds`` after the round's slot closes, or after now once it has closed (in
+        trio time)."""
+        close_in = max(state.number * self.config.gather_window - self.clock(), 0.0)
+        return trio.current_time() + close_in + seconds
+
     async def _lead(self, state: _Round, deadline: float, declared: int) -> MatchResult:
-        with trio.move_on_at(min(deadline, trio.current_time() + self.config.join_timeout)):
+        # Until join_timeout after the slot's close, even when we closed early: a member
+        # with no history of the swarm (it just restarted) reads the round only at the
+        # close, and a leader that had given up on it by then left it alone round after
+        # round (7 to 13 rounds in the averaging soak), while the others remembered it.
+        until = self._after_slot_close(state, self.config.join_timeout)
+        with trio.move_on_at(min(deadline, until)):
             while not state.expected <= state.joined.keys():
                 await state.changed.wait()
         last = len(state.order)
@@ -417,10 +428,11 @@ class Matchmaker:
         target, address = leader.peer_id, leader.address
         note = "the leader did not confirm in time"
         retry = False
-        # The leader answers within join_timeout of closing; a leader that does not (frozen,
-        # or its DHT lookups hang) is given up on well before the step's deadline.
+        # The leader answers within join_timeout of the slot's close; a leader that does not
+        # (frozen, or its DHT lookups hang) is given up on well before the step's deadline.
         give_up = min(
-            deadline, trio.current_time() + self.config.join_timeout + self.config.stall_timeout
+            deadline,
+            self._after_slot_close(state, self.config.join_timeout + self.config.stall_timeout),
         )
         for _attempt in range(2):  # the leader, then at most one redirect
             if address is None:
