@@ -55,6 +55,32 @@ async def test_topk_error_feedback_sends_everything_eventually(
     assert max(float(np.abs(r).max()) for r in owed) < 8 * ROUNDS
 
 
+async def test_a_mean_denser_than_half_a_chunk_comes_back_whole(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """With fraction 0.75 of two peers, most result elements are non-zero: those chunks
+    travel dense (raw float32). A reducer that kept only the largest half of each lost the
+    rest of the mean while both senders' error feedback counted it delivered (fraction
+    1.0: 511 of 1024 values wrong, the part reported ``all``, nothing owed)."""
+    config = fast_config(codec="topk", codec_params={"fraction": 0.75})
+    rng = np.random.default_rng(5)
+    with trio.fail_after(120):
+        async with memnet_swarm(2) as (_, nodes):
+            members = make_members(nodes, SIZE, config)
+            for m in members:
+                m.weight = 1.0
+                m.data[:] = rng.integers(1, 9, SIZE).astype(np.float32)  # no zeros
+                m.array[:] = m.data
+            results = await step_all(members, timeout=30.0)
+            for info, _ in results:
+                assert info is not None and info.outcome is Outcome.AVERAGED
+            owed = [m.averager.feedback.residual for m in members]  # type: ignore[union-attr]
+            counted = sum(m.data.astype(np.float64) - r for m, r in zip(members, owed, strict=True))
+            np.testing.assert_array_equal(members[0].array, members[1].array)
+            np.testing.assert_array_equal(members[0].array, counted / 2)
+            assert np.count_nonzero(members[0].array) > SIZE // 2
+
+
 def test_a_part_not_counted_stays_owed() -> None:
     codec = get_codec("topk", fraction=0.25)
     tensor = torch.arange(16, dtype=torch.float32) - 8.0

@@ -339,7 +339,7 @@ class Butterfly:
             RemoteProtocolError: undecodable, of the wrong size, or not finite.
         """
         target = self.flat.array[start:stop]
-        if raw_flag(body) and self.codec.name == "none":
+        if raw_flag(body) and self.codec.name in ("none", "topk"):  # (topk: a dense chunk)
             finite = copy_finite(target, decode_raw(payload, stop - start), self._zeros)
         else:
             self.codec.decode_into(payload, target)
