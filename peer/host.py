@@ -98,6 +98,12 @@ class HostConfig:
     """A write of up to 1 MiB to a peer that has not finished after this long (the peer
     stopped reading, or reads under ~17 KiB/s) closes the connection (found within a
     quarter of it more)."""
+    silence_timeout: float = 10.0
+    """A connection on which calls that waited a second or more went unanswered, with
+    nothing at all from the peer since the first of them was sent, for this long, is
+    closed (the DHT then pings the peer over a fresh dial): a NAT or middlebox that drops
+    a connection loses what is written without a reset, and the kernel keeps retrying
+    for about 15 minutes, every call meanwhile timing out."""
     dial_timeout: float = 10.0
     """Connect plus handshake, for outbound connections."""
     drain_timeout: float = 3.0
@@ -107,6 +113,10 @@ class HostConfig:
     def __post_init__(self) -> None:
         if not self.send_timeout > 0:  # math.inf turns the check off
             raise ValueError(f"HostConfig.send_timeout must be positive, got {self.send_timeout}")
+        if not self.silence_timeout > 0:  # math.inf turns the check off
+            raise ValueError(
+                f"HostConfig.silence_timeout must be positive, got {self.silence_timeout}"
+            )
 
 
 class _Dial:
@@ -411,6 +421,7 @@ class RpcHost:
             max_frame_size=config.max_frame_size,
             max_inflight_requests=config.max_inflight_requests,
             idle_timeout=config.idle_timeout,
+            silence_timeout=config.silence_timeout,
         )
         peer_id = connection.peer_id
         self.connections_opened += 1

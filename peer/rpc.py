@@ -115,6 +115,7 @@ class RpcConnection:
         max_frame_size: int = DEFAULT_MAX_FRAME_SIZE,
         max_inflight_requests: int = 128,
         idle_timeout: float = math.inf,
+        silence_timeout: float = math.inf,
     ) -> None:
         self._byte_stream = stream
         self.peer_id = peer_id
@@ -122,6 +123,8 @@ class RpcConnection:
         self.max_frame_size = max_frame_size
         self.max_inflight_requests = max_inflight_requests
         self.idle_timeout = idle_timeout
+        self.silence_timeout = silence_timeout
+        self._unanswered_since: float | None = None  # see _note_unanswered
         self._handlers = handlers
         self._outbox = Outbox(capacity=max(8, max_inflight_requests // 4))
         self._call_slots = trio.Semaphore(max_inflight_requests)
@@ -246,11 +249,13 @@ class RpcConnection:
         await self._acquire_slot()
         try:
             pending = PendingCall()
+            sent_at = trio.current_time()
             request_id, request = await self._send_request(method, body, payload, pending)
             try:
                 await pending.done.wait()
             except BaseException:
                 self._cancel_remote(request_id, pending, request)
+                self._note_unanswered(sent_at)
                 raise
             finally:
                 self._pending.pop(request_id, None)
@@ -260,6 +265,29 @@ class RpcConnection:
             raise pending.error from pending.error.__cause__
         assert pending.reply is not None
         return pending.reply
+
+    def _note_unanswered(self, sent_at: float) -> None:
+        """A call sent at ``sent_at`` ended unanswered (its deadline passed, or it was
+        cancelled). When calls that waited long enough to expect an answer (a second, or
+        a quarter of ``silence_timeout``) got none, and nothing at all came from the peer
+        since the first of them was sent, for ``silence_timeout``, the connection is taken
+        for dead and closed: a NAT or middlebox that dropped it loses what we write without
+        a reset, and every call would time out on it for ~15 minutes (an averaging member
+        was alone round after round). A call cancelled sooner (a hedged lookup's) proves
+        nothing: the peer does not answer what we cancelled."""
+        now, received = trio.current_time(), self.last_received
+        if self._unanswered_since is not None and received > self._unanswered_since:
+            self._unanswered_since = None  # the peer spoke since: slow, not gone
+        if received > sent_at or now - sent_at < min(1.0, self.silence_timeout / 4):
+            return
+        if self._unanswered_since is None:
+            self._unanswered_since = sent_at
+        silent = now - self._unanswered_since
+        if silent >= self.silence_timeout:
+            logger.debug("%r: nothing from the peer for %.1f s while calls waited", self, silent)
+            self.abort(
+                PeerUnavailableError(f"nothing from the peer for {silent:.1f} s while calls waited")
+            )
 
     def stream(
         self, method: str, body: dict[str, Any] | None = None, payload: bytes | memoryview = b""

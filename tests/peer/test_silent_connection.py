@@ -1,0 +1,90 @@
+"""A connection that goes silent (a NAT or middlebox dropped it: what is written is lost,
+nobody gets a reset) is closed once calls that waited went unanswered with nothing at all
+from the peer for ``HostConfig.silence_timeout``; the next call dials anew. A peer that
+is slow to answer one method but talks otherwise keeps its connection, and so does one
+whose calls were cancelled early (a hedged lookup's: the peer never answers those)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+import trio
+import trio.testing
+
+from peer.host import HostConfig, RpcHost, open_rpc_host
+from peer.memnet import MemoryNetwork
+from peer.rpc import Reply, Request
+from protocol.address import Address
+from protocol.identity import Identity
+
+ID_A = Identity.from_seed(b"s" * 32)
+ID_B = Identity.from_seed(b"t" * 32)
+
+
+async def _never(request: Request) -> Reply:
+    await trio.sleep_forever()
+    raise AssertionError("unreachable")
+
+
+async def _echo(request: Request) -> Reply:
+    return Reply(request.body)
+
+
+@asynccontextmanager
+async def _pair() -> AsyncIterator[tuple[MemoryNetwork, RpcHost, Address]]:
+    """Host b, and the address of host a, whose ``never`` method does not answer and whose
+    ``echo`` answers; freezing a's host on the network silences the connection."""
+    net = MemoryNetwork(latency=0.01)
+    config = HostConfig(silence_timeout=10.0)
+    async with (
+        open_rpc_host(ID_A, listen=Address("a", 1), network=net.interface("a"), config=config) as a,
+        open_rpc_host(ID_B, listen=None, network=net.interface("b"), config=config) as b,
+    ):
+        a.register("never", _never)
+        a.register("echo", _echo)
+        address = a.listen_address
+        assert address is not None
+        yield net, b, address
+
+
+async def _unanswered(b: RpcHost, address: Address, wait: float, method: str = "never") -> None:
+    with trio.move_on_after(wait):
+        await b.call(address, method)
+        raise AssertionError("no answer expected")
+
+
+async def test_calls_unanswered_through_the_silence_timeout_close_the_connection(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    with trio.fail_after(120):
+        async with _pair() as (net, b, address):
+            await b.call(address, "echo", {"x": 1})
+            opened = b.connections_opened
+            net.freeze_host("a")  # the connection stays open; nothing arrives either way
+            for _ in range(2):  # sent at 0 and 4 s: silent for 7 s when the second ends
+                await _unanswered(b, address, 3.0, "echo")
+                await trio.sleep(1.0)
+            assert b.connections_opened == opened and b.num_connections == 1
+            await _unanswered(b, address, 3.0, "echo")  # 11 s of silence: closed
+            await trio.sleep(0.1)
+            assert b.num_connections == 0
+            net.unfreeze_host("a")
+            assert (await b.call(address, "echo", {"x": 2})).body == {"x": 2}
+            assert b.connections_opened == opened + 1
+
+
+async def test_a_peer_that_talks_or_calls_cancelled_early_keep_the_connection(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    with trio.fail_after(120):
+        async with _pair() as (_, b, address):
+            await b.call(address, "echo", {})
+            opened = b.connections_opened
+            for _ in range(6):  # slow to answer one method, but answering another
+                await _unanswered(b, address, 3.0)
+                assert (await b.call(address, "echo", {"y": 1})).body == {"y": 1}
+            for _ in range(30):  # hedged calls given up on after 0.2 s, for 30 s
+                await _unanswered(b, address, 0.2)
+                await trio.sleep(0.8)
+            assert b.connections_opened == opened and b.num_connections == 1
