@@ -44,7 +44,7 @@ LATENCY = 0.01  # one way, seconds (virtual)
 N_PEERS = int(os.environ.get("DHT_MEMNET_PEERS", "120"))
 N_KEYS = int(os.environ.get("DHT_MEMNET_KEYS", "150"))
 KILL_FRACTION = 0.3
-N_PARTITION_PEERS = int(os.environ.get("DHT_MEMNET_PARTITION_PEERS", "48"))
+N_PARTITION_PEERS = int(os.environ.get("DHT_MEMNET_PARTITION_PEERS", "32"))
 N_PARTITION_KEYS = 48
 PARALLEL_OPS = 8  # workload operations in flight at once
 
@@ -609,22 +609,24 @@ async def test_stores_reach_slow_peers_among_the_k_closest(
 async def test_keys_survive_their_first_holders_after_the_network_grew(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    """Three peers store keys, 25 join, then the first three (holders and owners: no
-    republish) die: every newcomer among a key's k closest was handed the key."""
+    """Three peers store keys, 15 join, then the first three (holders and owners: no
+    republish) die: every newcomer among a key's k closest was handed the key. (k = 8, so
+    that a key's k closest are about half of the newcomers, as with k = 20 among many.)"""
     net = MemoryNetwork(latency=LATENCY)
+    config = PeerConfig(dht=DHTConfig(k=8))
     with trio.fail_after(600):
         async with trio.open_nursery() as nursery:
-            first = await start_swarm(nursery, net, 3, PeerConfig())
+            first = await start_swarm(nursery, net, 3, config)
             for i in range(50):
                 assert await first[i % 3].peer.dht.store(f"grown/{i}", i, ttl=3600.0)
             newcomers = [
-                await nursery.start(_run_peer, net, index, [first[0].peer.address], PeerConfig())
-                for index in range(3, 28)
+                await nursery.start(_run_peer, net, index, [first[0].peer.address], config)
+                for index in range(3, 18)
             ]
             await trio.sleep(2.0)  # far less than republish_interval
             for sim in first:
                 kill(net, sim)
-            found = [await newcomers[i % 25].peer.dht.get(f"grown/{i}") == i for i in range(50)]
+            found = [await newcomers[i % 15].peer.dht.get(f"grown/{i}") == i for i in range(50)]
             print(f"\nfound {sum(found)}/50 after the first holders died")
             assert all(found)
             nursery.cancel_scope.cancel()

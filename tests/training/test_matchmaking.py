@@ -384,7 +384,9 @@ async def test_a_peer_declaring_a_new_layout_every_round_is_remembered_boundedly
             with caplog.at_level(logging.WARNING, logger="training.averaging.matchmaking"):
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(declare_new_layouts)
-                    for _ in range(40):
+                    # a new layout each round: the bound fills in MAX_FOREIGN_LAYOUTS
+                    # rounds, then 8 more rounds must add nothing (unbounded: 24 each)
+                    for _ in range(MAX_FOREIGN_LAYOUTS + 8):
                         for info, _elapsed in await step_all(members, timeout=20.0):
                             assert info is not None and info.outcome is Outcome.AVERAGED
                     nursery.cancel_scope.cancel()
