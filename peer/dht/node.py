@@ -626,8 +626,9 @@ class DHT:
             return response.nodes
 
         def given_up(node: NodeInfo) -> None:
-            self._given_up(node)
-            self._store_in_background(node, key_id, key, entries)
+            # sent again: its outcome counts for or against the node, not the give-up
+            if not self._store_in_background(node, key_id, key, entries):
+                self._given_up(node)
 
         result = await self._lookup(key_id, query, on_given_up=given_up)
         if self.storage is not None and self._among_closest(key_id, result.closest):
@@ -640,15 +641,18 @@ class DHT:
 
     def _store_in_background(
         self, node: NodeInfo, key_id: DHTID, key: str, entries: tuple[Entry, ...]
-    ) -> None:
+    ) -> bool:
         """Send again, in the service nursery and within the request timeout, a STORE that
         its lookup gave up on (too slow, then cancelled when the lookup ended): a slow node
         among the k closest, whose connection had idled out, missed most stores (its dial
         outlasted the lookup).
         Outside the request slots (they bound this node's CPU, and these mostly wait on
-        the network), at most _BACKGROUND_STORES at once; beyond, republish covers it."""
+        the network), at most _BACKGROUND_STORES at once; beyond, republish covers it.
+
+        Returns:
+            Whether it was sent (its outcome then counts for or against the node)."""
         if self._service is None or self._background_stores >= _BACKGROUND_STORES:
-            return
+            return False
 
         async def send() -> None:
             try:
@@ -658,6 +662,7 @@ class DHT:
 
         self._background_stores += 1
         self._service.start_soon(send)
+        return True
 
     async def get_entries(
         self, key: str, *, latest: bool = True

