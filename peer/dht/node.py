@@ -267,12 +267,13 @@ class DHT:
         self._recontact_added.set()
 
     async def _recontact_soon(self) -> None:
-        """Ping contacts that left the table 2 s, 8 s, 32 s, ... after they left, while the
-        delay stays within ``refresh_interval``: one that answers comes back (and learns
-        us). After a partition heals, both sides had dropped each other and met again
-        only at the next refresh, up to 10 minutes later: averaging stayed split that long
-        (tests/training/test_averaging_network_review.py). A peer that is really gone
-        costs 5 failed pings (a refused dial, or a timeout outside the request slots)."""
+        """Ping each contact that left the table 2 s after it left, then 8, 32, 128 and
+        512 s after each silence (while the delay stays within ``refresh_interval``): one
+        that answers comes back (and learns us). After a partition heals, both sides had
+        dropped each other and met again only at the next refresh, up to 10 minutes later:
+        averaging stayed split that long (tests/training/test_averaging_network_review.py).
+        A peer that is really gone costs 5 failed pings (a refused dial, or a timeout
+        outside the request slots)."""
         while True:
             first = min((due for due, _, _ in self._recontacts.values()), default=math.inf)
             with trio.move_on_at(first):
