@@ -9,7 +9,7 @@ the contacts it dropped 2 s after, not at its next refresh 10 minutes later)."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Callable
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import asynccontextmanager
 from typing import Any
 
 import numpy as np
@@ -21,12 +21,13 @@ from test_averaging_support import (
     fast_config,
     host_of,
     make_members,
+    memnet_swarm,
     step_all,
     verify_round,
     virtual_clock,
 )
 
-from peer import MemoryNetwork, Peer, open_peer
+from peer import MemoryNetwork, Peer
 from protocol.codecs import get_codec
 from protocol.identity import Identity, PeerID
 from training import AveragingInfo, DropReason, Outcome, PartStatus
@@ -138,19 +139,7 @@ class BadNetwork(MemoryNetwork):
 @asynccontextmanager
 async def bad_swarm(n: int, latency: float = 0.005) -> AsyncIterator[tuple[BadNetwork, list[Peer]]]:
     net = BadNetwork(latency)
-    async with AsyncExitStack() as stack:
-        nodes: list[Peer] = []
-        for i in range(n):
-            node = await stack.enter_async_context(
-                open_peer(
-                    listen=f"{host_of(i)}:1000",
-                    initial_peers=[nodes[0].address] if nodes else [],
-                    network=net.interface(host_of(i)),
-                    clock=virtual_clock,
-                    identity=Identity.from_seed(bytes([i + 1]) * 32),  # the same runs
-                )
-            )
-            nodes.append(node)
+    async with memnet_swarm(n, network=net, first_seed=1) as (_, nodes):  # the same runs
         yield net, nodes
 
 

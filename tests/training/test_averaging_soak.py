@@ -10,17 +10,21 @@ import math
 import subprocess
 import sys
 from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager
+from contextlib import asynccontextmanager
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import pytest
 import trio
-from test_averaging_support import Member, fast_config, host_of, step_all, virtual_clock
+from test_averaging_support import (
+    Member,
+    fast_config,
+    memnet_swarm,
+    step_all,
+)
 
-from peer import MemoryNetwork, Peer, open_peer
-from protocol.identity import Identity
+from peer import Peer
 from training import Averager
 
 pytestmark = pytest.mark.slow
@@ -75,20 +79,7 @@ def test_a_short_soak_averages_every_round_exactly_and_holds_steady() -> None:
 async def seeded_swarm(n: int, first_seed: int) -> AsyncIterator[list[Peer]]:
     """``n`` peers on the memory network with identities from fixed seeds: the groups and
     leaders of every round are the same from run to run."""
-    net = MemoryNetwork(latency=0.005)
-    async with AsyncExitStack() as stack:
-        nodes: list[Peer] = []
-        for i in range(n):
-            node = await stack.enter_async_context(
-                open_peer(
-                    listen=f"{host_of(i)}:1000",
-                    initial_peers=[nodes[0].address] if nodes else [],
-                    network=net.interface(host_of(i)),
-                    clock=virtual_clock,
-                    identity=Identity.from_seed(bytes([first_seed + i]) * 32),
-                )
-            )
-            nodes.append(node)
+    async with memnet_swarm(n, first_seed=first_seed) as (_, nodes):
         yield nodes
 
 

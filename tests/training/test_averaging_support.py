@@ -11,7 +11,7 @@ import numpy as np
 import trio
 
 from peer import MemoryNetwork, Peer, open_peer
-from protocol.identity import PeerID
+from protocol.identity import Identity, PeerID
 from training import Averager, AveragerConfig, AveragingInfo, Outcome, PartStatus
 
 T0 = 1_700_000_000.0
@@ -40,18 +40,27 @@ def host_of(i: int) -> str:
 
 @asynccontextmanager
 async def memnet_swarm(
-    n: int, latency: float = 0.005
+    n: int,
+    latency: float = 0.005,
+    *,
+    network: MemoryNetwork | None = None,
+    first_seed: int | None = None,
 ) -> AsyncIterator[tuple[MemoryNetwork, list[Peer]]]:
-    net = MemoryNetwork(latency=latency)
+    """``n`` peers on ``network`` (a new memory network by default), each joining through
+    the first; with ``first_seed``, identities from fixed seeds (``first_seed + i``): the
+    groups and leaders of every round are then the same from run to run."""
+    net = network if network is not None else MemoryNetwork(latency=latency)
     async with AsyncExitStack() as stack:
         nodes: list[Peer] = []
         for i in range(n):
+            seed = None if first_seed is None else bytes([first_seed + i]) * 32
             node = await stack.enter_async_context(
                 open_peer(
                     listen=f"{host_of(i)}:1000",
                     initial_peers=[nodes[0].address] if nodes else [],
                     network=net.interface(host_of(i)),
                     clock=virtual_clock,
+                    identity=None if seed is None else Identity.from_seed(seed),
                 )
             )
             nodes.append(node)
