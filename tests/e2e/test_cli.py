@@ -48,6 +48,15 @@ class Bootstrap:
         shown = host if host.startswith("[") or ":" not in host else f"[{host}]"
         assert f"@{shown}:" in self.address, self.proc.stderr.read() if not self.address else ""
 
+    def __enter__(self) -> Bootstrap:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Killed if still running (a failed assertion must not leave it behind)."""
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.stop()
+
     def stop(self, sig: int = signal.SIGTERM) -> int:
         if self.proc.poll() is None:
             self.proc.send_signal(sig)
@@ -107,8 +116,9 @@ def test_three_bootstraps_find_each_other_and_survive_the_first(
     bootstraps.append(first)
     assert oct(key.stat().st_mode & 0o777) == "0o600"
     second = Bootstrap("--initial-peers", first.address)
+    bootstraps.append(second)
     third = Bootstrap("--initial-peers", first.address)
-    bootstraps += [second, third]
+    bootstraps.append(third)
     everyone = {first.address, second.address, third.address}
 
     for node in bootstraps:
@@ -135,6 +145,7 @@ def test_bootstrap_keeps_its_address_across_restarts(
 ) -> None:
     key = tmp_path / "boot.key"
     node = Bootstrap("--identity", str(key))
+    bootstraps.append(node)
     first_id = node.address.split("@")[0]
     assert node.stop() == 0
     again = Bootstrap("--identity", str(key))

@@ -52,14 +52,13 @@ PAIRS = [
 
 @pytest.mark.parametrize(("sig", "then"), PAIRS)
 def test_a_second_signal_right_after_the_first_is_ignored(sig: int, then: int) -> None:
-    node = Bootstrap()
-    node.proc.send_signal(sig)
-    node.proc.send_signal(then)
-    assert node.proc.wait(timeout=15) == 0
-    assert node.proc.stderr is not None
-    err = node.proc.stderr.read()
-    assert "Traceback" not in err and "Error" not in err, err
-    node.stop()
+    with Bootstrap() as node:
+        node.proc.send_signal(sig)
+        node.proc.send_signal(then)
+        assert node.proc.wait(timeout=15) == 0
+        assert node.proc.stderr is not None
+        err = node.proc.stderr.read()
+        assert "Traceback" not in err and "Error" not in err, err
 
 
 # Both signals caught before Python runs either handler: it then runs them one after the
@@ -247,14 +246,14 @@ def test_a_sigint_ignored_at_start_stays_ignored() -> None:
         signal.signal(signal.SIGINT, previous)
     # Both pending at once are handled by signal number (SIGINT first): had the node taken
     # SIGINT over, the log would name it.
-    node.proc.send_signal(signal.SIGINT)
-    node.proc.send_signal(signal.SIGTERM)
-    assert node.proc.wait(timeout=15) == 0
-    assert node.proc.stderr is not None
-    err = node.proc.stderr.read()
-    assert "received SIGTERM, stopping" in err, err
-    assert "SIGINT" not in err, err
-    node.stop()
+    with node:
+        node.proc.send_signal(signal.SIGINT)
+        node.proc.send_signal(signal.SIGTERM)
+        assert node.proc.wait(timeout=15) == 0
+        assert node.proc.stderr is not None
+        err = node.proc.stderr.read()
+        assert "received SIGTERM, stopping" in err, err
+        assert "SIGINT" not in err, err
 
 
 def test_an_interruption_python_cannot_propagate_prints_no_traceback() -> None:
