@@ -5,40 +5,19 @@ calls share, and a request the peer never read is retried like a plain call."""
 from __future__ import annotations
 
 from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 
 import trio
 import trio.testing
+from test_rpc import two_hosts
 
-from peer.host import HostConfig, RpcHost, open_rpc_host
+from peer.host import RpcHost
 from peer.memnet import MemoryNetwork
 from peer.rpc import Reply, Request
 from protocol.address import Address
-from protocol.identity import Identity
 
-ID_A = Identity.from_seed(b"a" * 32)
-ID_B = Identity.from_seed(b"b" * 32)
 LATENCY = 0.01
 WINDOW = 1 << 16
 """Bytes unread in one direction before a write waits (like a socket's buffers)."""
-
-
-@asynccontextmanager
-async def two_hosts(
-    net: MemoryNetwork, config: HostConfig | None = None
-) -> AsyncIterator[tuple[RpcHost, RpcHost, Address]]:
-    """Hosts a (10.0.0.1) and b (10.0.0.2); yields them and b's full address."""
-    config = config or HostConfig()
-    async with (
-        open_rpc_host(
-            ID_A, listen=Address("10.0.0.1", 4000), network=net.interface("10.0.0.1"), config=config
-        ) as a,
-        open_rpc_host(
-            ID_B, listen=Address("10.0.0.2", 4000), network=net.interface("10.0.0.2"), config=config
-        ) as b,
-    ):
-        assert b.listen_address is not None
-        yield a, b, b.listen_address
 
 
 async def echo(request: Request) -> Reply:
