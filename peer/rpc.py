@@ -14,7 +14,8 @@ Rules (see ``protocol/rpc.py`` for the frames):
 - A caller cancelled mid-call sends ``cancel``; the callee cancels that handler. Late frames
   for finished calls are ignored. A call never reads its payload after it returned: a
   cancelled request still queued is withdrawn (nothing sent, no ``cancel``), and one whose
-  large payload is being written ends the connection (zero-copy tensor uploads rely on it).
+  payload is being written is finished from a copy (zero-copy tensor uploads rely on it;
+  cutting the frame short would end the connection for every call on it).
 - A handler's ``RemoteError`` keeps its code, a ``ProtocolError`` is ``bad_request``, anything
   else ``internal``; an unregistered method is ``unknown_method``.
 - More than ``max_inflight_requests`` concurrent requests from the peer, an oversized or
@@ -71,7 +72,7 @@ from .calls import ReplyStream as ReplyStream
 from .calls import Request as Request
 from .calls import StreamHandler as StreamHandler
 from .errors import LimitExceededError, PeerUnavailableError, RemoteError
-from .wire import FrameReader, Outbox, write_pieces
+from .wire import FrameReader, Outbox, send_coalesced, write_pieces
 
 __all__ = [
     "ConnectionClosedError",
@@ -416,11 +417,9 @@ class RpcConnection:
             return
         if self._outbox.withdraw(request):
             return  # never sent: the peer knows nothing of it
-        if memoryview(request[1]).nbytes >= _DIRECT_MAX and self._outbox.writing(request):
-            # The writer is sealing this payload slice by slice, from the caller's buffer:
-            # only ending the connection stops it (smaller payloads were copied already).
-            self._shutdown(PeerUnavailableError("a cancelled call's payload was being written"))
-            return
+        # The writer may be sealing this payload slice by slice from the caller's buffer:
+        # it finishes from a copy (the peer then gets the request, and the cancel).
+        self._outbox.detach(request)
         self._outbox.put_nowait(self._encode(RpcFrame(FrameKind.CANCEL, request_id))[0])
 
     def _check_open(self) -> None:
@@ -689,7 +688,7 @@ class RpcConnection:
     async def _write_loop(self) -> None:
         while True:
             pieces = await self._outbox.get_batch()
-            await write_pieces(self._byte_stream, pieces)
+            await send_coalesced(self._byte_stream, pieces)
             del pieces
             self._outbox.release()
             self.last_activity = trio.current_time()

@@ -86,6 +86,7 @@ class SecureStream(trio.abc.Stream):
 
     async def send_pieces(self, pieces: Sequence[Buffer]) -> None:
         """Seal and send several buffers back to back, in as few writes as possible.
+        ``pieces`` is read again after every await (an item may be replaced meanwhile).
 
         Raises:
             trio.BrokenResourceError: if the connection failed.
@@ -99,14 +100,21 @@ class SecureStream(trio.abc.Stream):
             if self._closed:
                 raise trio.ClosedResourceError("stream closed")
             used = 0
-            for piece in pieces:
-                view = memoryview(piece).cast("B")
-                for start in range(0, len(view), SEAL_SLICE):
-                    part = view[start : start + SEAL_SLICE]
-                    if used and used + len(part) > SEAL_SLICE:
+            for index in range(len(pieces)):
+                size = memoryview(pieces[index]).nbytes
+                for start in range(0, size, SEAL_SLICE):
+                    take = min(SEAL_SLICE, size - start)
+                    if used and used + take > SEAL_SLICE:
                         await self._write(used)
                         used = 0
-                    used += self._seal(part, used)
+                    # The piece is read again after every await: its owner may have
+                    # swapped it for a copy meanwhile (a cancelled call's payload).
+                    with (
+                        memoryview(pieces[index]) as view,
+                        view.cast("B") as flat,
+                        flat[start : start + take] as part,
+                    ):
+                        used += self._seal(part, used)
             if used:
                 await self._write(used)
             else:

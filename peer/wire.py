@@ -17,9 +17,17 @@ import trio
 from protocol.errors import RemoteProtocolError
 from protocol.framing import HEADER
 
-from .secure import RECEIVE_SIZE, SecureStream
+from .secure import RECEIVE_SIZE, SEAL_SLICE, SecureStream
 
-__all__ = ["FramePool", "FrameReader", "Outbox", "Piece", "write_pieces"]
+__all__ = [
+    "FramePool",
+    "FrameReader",
+    "Outbox",
+    "Piece",
+    "coalesce",
+    "send_coalesced",
+    "write_pieces",
+]
 
 Piece = bytes | bytearray | memoryview
 BATCH_BYTES = 1 << 20
@@ -79,6 +87,7 @@ class Outbox:
         self._closed = False
         self._busy = False  # a task is writing to the stream
         self._batch: list[Sequence[Piece]] = []  # the frames the writer is writing now
+        self._sending: list[Piece] = []  # their pieces, coalesced, as the writer reads them
         self._writing_bytes = 0  # the size of the write in progress
         self._after_large_write = False  # the last write may have filled the stream
 
@@ -133,6 +142,7 @@ class Outbox:
         """The stream is free again; the writer takes over what was queued meanwhile."""
         self._busy = False
         self._batch.clear()
+        self._sending = []
         self._after_large_write = self._writing_bytes >= FILLING_WRITE
         if self._items or self._urgent:
             self._ready.unpark()
@@ -145,8 +155,10 @@ class Outbox:
             await self._idle.park()
 
     async def get_batch(self) -> list[Piece]:
-        """The pieces of one or more queued frames, in order (waits for at least one, and
-        for the stream to be free); holds the stream until :meth:`release`.
+        """The pieces of one or more queued frames, in order and coalesced (waits for at
+        least one, and for the stream to be free); holds the stream until :meth:`release`.
+        Write them with :func:`send_coalesced`, which reads the list again after every
+        await (see :meth:`detach`).
 
         Raises:
             trio.ClosedResourceError: if the outbox is closed.
@@ -176,7 +188,8 @@ class Outbox:
             # all of them: bytes, not frames, left; a woken waiter may have been cancelled
             self._space.unpark_all()
         self._writing_bytes = urgent_size + size
-        return pieces
+        self._sending = coalesce(pieces)
+        return self._sending
 
     def withdraw(self, frame: Sequence[Piece]) -> bool:
         """Take ``frame`` (the very object put) out of the queue: True if it was still
@@ -198,6 +211,19 @@ class Outbox:
         """True while the writer's current batch holds ``frame`` (it may still read it)."""
         return any(taken is frame for taken in self._batch)
 
+    def detach(self, frame: Sequence[Piece]) -> None:
+        """Let the writer finish ``frame`` (in the batch being written) from a copy of its
+        large pieces, so that their owner may reuse its buffers at once: a call cancelled
+        midway through its upload. The frame still goes out whole (cutting it short would
+        end the connection for every call on it); the copy costs one pass over it, and
+        only on cancellation (small pieces were joined into copies already)."""
+        if not self.writing(frame):
+            return
+        for piece in frame:
+            for index, sending in enumerate(self._sending):
+                if sending is piece:
+                    self._sending[index] = bytes(piece)
+
     def close(self) -> None:
         self._closed = True
         self._items.clear()
@@ -213,13 +239,9 @@ def _size_of(frame: Sequence[Piece]) -> int:
     return sum(memoryview(p).nbytes for p in frame)
 
 
-async def write_pieces(stream: trio.abc.Stream, pieces: Sequence[Piece]) -> None:
-    """Write ``pieces`` in order: small neighbours joined, large ones passed through uncopied.
-
-    Raises:
-        trio.BrokenResourceError: if the stream failed.
-        trio.ClosedResourceError: if the stream was closed.
-    """
+def coalesce(pieces: Sequence[Piece]) -> list[Piece]:
+    """``pieces`` with small neighbours joined (sealed as one message, not many); large
+    ones kept as they are, uncopied."""
     merged: list[Piece] = []
     small: list[Piece] = []
     for piece in pieces:
@@ -233,11 +255,38 @@ async def write_pieces(stream: trio.abc.Stream, pieces: Sequence[Piece]) -> None
             small.append(piece)
     if small:
         merged.append(b"".join(small))
+    return merged
+
+
+async def send_coalesced(stream: trio.abc.Stream, pieces: list[Piece]) -> None:
+    """Write ``pieces`` (from :func:`coalesce`) in order. The list is read again after
+    every await, so that its owner may swap a piece for a copy meanwhile
+    (:meth:`Outbox.detach`); no view of a swapped-out piece is read after that.
+
+    Raises:
+        trio.BrokenResourceError: if the stream failed.
+        trio.ClosedResourceError: if the stream was closed.
+    """
     if isinstance(stream, SecureStream):
-        await stream.send_pieces(merged)
-    else:
-        for piece in merged:
-            await stream.send_all(piece)
+        await stream.send_pieces(pieces)
+        return
+    for index in range(len(pieces)):
+        size = memoryview(pieces[index]).nbytes
+        for start in range(0, size, SEAL_SLICE):
+            with memoryview(pieces[index]) as view, view.cast("B") as flat:
+                data = bytes(flat[start : start + SEAL_SLICE])  # send_all may read it later
+            await stream.send_all(data)
+
+
+async def write_pieces(stream: trio.abc.Stream, pieces: Sequence[Piece]) -> None:
+    """Write ``pieces`` in order: small neighbours joined, large ones passed through uncopied
+    (on a :class:`~peer.secure.SecureStream`).
+
+    Raises:
+        trio.BrokenResourceError: if the stream failed.
+        trio.ClosedResourceError: if the stream was closed.
+    """
+    await send_coalesced(stream, coalesce(pieces))
 
 
 class _PlainReceiver:

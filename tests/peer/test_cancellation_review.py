@@ -173,6 +173,43 @@ async def test_a_call_given_up_on_a_congested_connection_keeps_it_for_the_upload
             assert_settled(a, b)
 
 
+async def test_an_upload_cancelled_midway_is_finished_from_a_copy(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A call given up on while its large payload is being written (an averaging upload
+    whose step timed out) must not end the connection that other calls share, and the
+    caller may overwrite its buffer at once: the peer still reads the original bytes."""
+    net = MemoryNetwork(latency=LATENCY, window=WINDOW)
+    received: list[bytes] = []
+
+    async def keep(request: Request) -> Reply:
+        received.append(bytes(request.payload))
+        return Reply({})
+
+    async with two_hosts(net) as (a, b, address):
+        b.register("slow_echo", slow_echo)
+        b.register("keep", keep)
+        with trio.fail_after(60):
+            await a.call(address, "slow_echo", {"delay": 0})
+            opened = a.connections_opened
+            answered = 0
+            for step in range(40):
+                payload = bytearray(b"u" * (3 << 20))
+                replies: list[Reply] = []
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(other_call, a, address, replies)
+                    with trio.move_on_after(step * 0.002):
+                        await a.call(address, "keep", {}, payload)
+                        answered += 1
+                    payload[:] = b"X" * len(payload)  # reused as soon as the call returned
+                assert len(replies) == 1  # the call beside it was answered
+                await trio.sleep(1)
+            assert a.connections_opened == opened, "a connection was closed and dialled again"
+            assert len(received) > answered, "no call was cancelled midway through its upload"
+            assert all(data == b"u" * (3 << 20) for data in received), "read after return"
+            assert_settled(a, b)
+
+
 async def test_a_deadline_at_any_moment_of_a_call_or_stream_costs_only_that_call(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
@@ -186,6 +223,7 @@ async def test_a_deadline_at_any_moment_of_a_call_or_stream_costs_only_that_call
         with trio.fail_after(60):
             await a.call(address, "slow_echo", {"delay": 0})
             opened = a.connections_opened
+            answered = 0
             for step in range(40):
                 with trio.move_on_after(step * 0.002):
                     await a.call(address, "slow_echo", {"delay": 0.01}, bytes(30_000))

@@ -17,7 +17,7 @@ async def test_urgent_frames_go_before_queued_bulk_frames() -> None:
     with trio.fail_after(1):
         await outbox.put(reply, urgent=True)  # a queue of its own: room, though bulk is full
     assert not outbox.has_room() and outbox.has_room(urgent=True)
-    assert await outbox.get_batch() == [b"reply", b"bulk0", b"bulk1"]
+    assert await outbox.get_batch() == [b"replybulk0bulk1"]  # small frames joined, in order
     assert outbox.writing(reply)
     outbox.release()
 
@@ -62,7 +62,7 @@ async def test_a_full_urgent_queue_waits_for_the_writer() -> None:
             nursery.start_soon(answer)
             await trio.testing.wait_all_tasks_blocked()
             assert not queued.is_set()  # parked until the writer takes a batch
-            assert await outbox.get_batch() == [b"answer0", b"answer1"]
+            assert await outbox.get_batch() == [b"answer0answer1"]
             outbox.release()
             await queued.wait()
         assert await outbox.get_batch() == [b"answer2"]

@@ -415,6 +415,17 @@ class FrameWire:
         return decode_rpc_frame(data)
 
 
+def decode_frames(data: bytes) -> list[RpcFrame]:
+    decoder = FrameDecoder(max_frame_size=1 << 22)
+    decoder.receive_data(data)
+    frames = []
+    while (frame := decoder.next_frame()) is not NEED_DATA:
+        assert isinstance(frame, bytes)
+        frames.append(decode_rpc_frame(frame))
+    assert not decoder.buffered, "a frame was cut short"
+    return frames
+
+
 @asynccontextmanager
 async def wired_connection(
     max_inflight_requests: int = 8, lockstep: bool = False
@@ -525,8 +536,9 @@ async def test_a_cancelled_call_never_sends_its_payload_later(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     """A call cancelled while its request waits in the outbox is withdrawn (never sent); one
-    cancelled while its large payload is being written ends the connection. Either way the
-    caller may reuse its buffer as soon as the call returned."""
+    cancelled while its large payload is being written is finished from a copy (the
+    connection and the other calls on it live on). Either way the caller may reuse its
+    buffer as soon as the call returned."""
     ours, theirs = trio.testing.lockstep_stream_pair()  # a write waits for the reader
     connection = RpcConnection(ours, ID_B.peer_id, HandlerRegistry())
     first, second = bytearray(b"1" * 200_000), bytearray(b"2" * 200_000)
@@ -554,11 +566,22 @@ async def test_a_cancelled_call_never_sends_its_payload_later(
             assert not connection.closed
 
             scopes[1] = trio.CancelScope()
+            second[:] = b"2" * len(second)
             nursery.start_soon(call, 1, second)  # the writer takes it, waits for a reader
             await trio.testing.wait_all_tasks_blocked()
+            first_bytes = await theirs.receive_some(1000)  # the writer is midway through it
             scopes[1].cancel()
             await trio.testing.wait_all_tasks_blocked()
-            assert connection.closed  # the first call, still waiting, failed with it
+            second[:] = b"X" * len(second)  # reused at once, while the frame is unfinished
+            received = bytearray(first_bytes)
+            with trio.move_on_after(5):
+                while chunk := await theirs.receive_some():
+                    received += chunk
+            assert b"2" * 200_000 in received and b"X" not in received
+            frames = decode_frames(bytes(received))
+            assert [frame.kind for frame in frames] == [FrameKind.REQUEST, FrameKind.CANCEL]
+            assert frames[1].request_id == frames[0].request_id
+            assert not connection.closed  # the first call, still waiting, is unharmed
             nursery.cancel_scope.cancel()
 
 
