@@ -111,12 +111,13 @@ class ShapedNetwork:
         port: int,
         handler: Callable[[trio.abc.Stream], Awaitable[None]],
         *,
+        admit: Callable[[str], bool] | None = None,
         task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         async def wrapped(stream: trio.abc.Stream) -> None:
             await handler(ShapedStream(stream, self.up, self.down))
 
-        await self.inner.serve(host, port, wrapped, task_status=task_status)
+        await self.inner.serve(host, port, wrapped, admit=admit, task_status=task_status)
 
 
 # -- kernel shaping --------------------------------------------------------------------------

@@ -18,7 +18,10 @@ Rules:
   room (connections that send nothing must not lock every other peer out); when every slot
   holds an established connection, the inbound one idle the longest (no call in flight,
   quiet for a second at least) is closed instead; failing both, the new one is closed at
-  once. A handshake not done within ``handshake_timeout`` is cut off.
+  once. A handshake not done within ``handshake_timeout`` is cut off. A host that opens
+  connections faster than ``handshake_rate_per_ip`` per second (beyond a burst of
+  ``handshake_burst_per_ip``) has the new ones closed at once, before the handshake's CPU
+  is spent on them.
 - A peer that stops reading what we send is cut off once a write to it has stalled for
   ``send_timeout`` (checked every quarter of it; the idle timer spares a connection with
   calls in flight, so it would otherwise keep its connection slot, its requests and their
@@ -36,6 +39,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import trio
@@ -47,6 +51,7 @@ from protocol.identity import Identity, PeerID
 
 from .errors import PeerStoppedError, PeerUnavailableError, SelfDialError
 from .network import Network, TcpNetwork, remote_host_of
+from .ratelimit import HostRateLimiter
 from .rpc import (
     ConnectionClosedError,
     Handler,
@@ -91,6 +96,14 @@ class HostConfig:
     share addresses."""
     max_inflight_requests: int = 128
     """Per connection: a peer that exceeds it is dropped; our own calls wait for a slot."""
+    handshake_rate_per_ip: float = 16.0
+    """New inbound connections per second one host (or /64) may open on average, in
+    bursts of ``handshake_burst_per_ip``; beyond, a new one is closed at once, before its
+    handshake: that costs us ~2 ms of CPU and the opener nothing (it may replay a recorded
+    first message), so one host opening connections in a loop would keep a core busy (see
+    ``peer.ratelimit``). ``math.inf`` turns it off."""
+    handshake_burst_per_ip: int = 64
+    """Enough for a crowd of peers behind one NAT joining at once."""
     handshake_timeout: float = 10.0
     idle_timeout: float = 60.0
     """A connection with no call in flight and no traffic for this long is closed."""
@@ -113,6 +126,16 @@ class HostConfig:
     def __post_init__(self) -> None:
         if not self.send_timeout > 0:  # math.inf turns the check off
             raise ValueError(f"HostConfig.send_timeout must be positive, got {self.send_timeout}")
+        if not self.handshake_rate_per_ip > 0:  # math.inf turns the limit off
+            raise ValueError(
+                "HostConfig.handshake_rate_per_ip must be positive, "
+                f"got {self.handshake_rate_per_ip}"
+            )
+        if self.handshake_burst_per_ip < 1:
+            raise ValueError(
+                "HostConfig.handshake_burst_per_ip must be at least 1, "
+                f"got {self.handshake_burst_per_ip}"
+            )
         if not self.silence_timeout > 0:  # math.inf turns the check off
             raise ValueError(
                 f"HostConfig.silence_timeout must be positive, got {self.silence_timeout}"
@@ -150,6 +173,9 @@ class RpcHost:
         self._dials: dict[tuple[str, PeerID | None], _Dial] = {}
         self._handshakes: dict[trio.CancelScope, str] = {}  # inbound, in progress, oldest first
         self._per_host: Counter[str] = Counter()  # inbound connections per host (or /64)
+        self._handshake_rate = HostRateLimiter(
+            config.handshake_rate_per_ip, config.handshake_burst_per_ip
+        )
         self.connections_opened = 0
         """Connections established so far, both directions (each one a handshake)."""
         self.stopped = False
@@ -162,6 +188,11 @@ class RpcHost:
     def _handshaking(self) -> int:
         """Inbound handshakes in progress."""
         return len(self._handshakes)
+
+    @property
+    def handshakes_refused(self) -> int:
+        """Inbound connections closed unanswered because their host opened them too fast."""
+        return self._handshake_rate.refused
 
     @property
     def num_connections(self) -> int:
@@ -448,6 +479,20 @@ class RpcHost:
         if others:
             self._by_peer[peer_id] = min(others)[2]
 
+    def _admit(self, host: str) -> bool:
+        """Whether to take an inbound connection from ``host`` at all (before any object
+        or task is made for it): not when the host already holds
+        ``max_connections_per_ip`` of them, nor when it opens them faster than
+        ``handshake_rate_per_ip`` (see ``HostConfig``)."""
+        group = host_group(host)
+        if self._per_host[group] >= self.config.max_connections_per_ip:
+            logger.debug("%r: refusing %s: too many connections from it", self, host)
+            return False
+        if not self._handshake_rate.allow(group, trio.current_time()):
+            logger.debug("%r: refusing %s: it opens connections too fast", self, host)
+            return False
+        return True
+
     async def _handle_inbound(self, raw: trio.abc.Stream) -> None:
         host = remote_host_of(raw)
         group = host_group(host)
@@ -585,7 +630,10 @@ async def open_rpc_host(
         try:
             if listen is not None:
                 port = await nursery.start(
-                    network.serve, listen.host, listen.port, host._handle_inbound
+                    partial(network.serve, admit=host._admit),
+                    listen.host,
+                    listen.port,
+                    host._handle_inbound,
                 )
                 host.listen_address = Address(listen.host, port, identity.peer_id)
             yield host

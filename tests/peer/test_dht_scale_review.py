@@ -99,9 +99,11 @@ class _OneWayNetwork:
             raise ConnectionRefusedError(111, f"{host} filtered")
         return await self.inner.connect(host, port)
 
-    async def serve(self, host: str, port: int, handler: Any, *, task_status: Any = None) -> None:
+    async def serve(
+        self, host: str, port: int, handler: Any, *, admit: Any = None, task_status: Any = None
+    ) -> None:
         kwargs = {} if task_status is None else {"task_status": task_status}
-        await self.inner.serve(host, port, handler, **kwargs)
+        await self.inner.serve(host, port, handler, admit=admit, **kwargs)
 
 
 class _Union:

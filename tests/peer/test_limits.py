@@ -249,3 +249,77 @@ async def test_tcp_flood_and_garbage_do_not_stop_service() -> None:
             finally:
                 for sock in flood:
                     sock.close()
+
+
+async def test_a_host_opening_connections_in_a_loop_is_refused_before_the_handshake(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A responder's handshake costs it CPU and the opener nothing (it may replay one
+    recorded first message), so a host that opens and closes connections in a loop is
+    held to ``handshake_rate_per_ip`` beyond a burst: the others are closed before their
+    handshake, while every other host is served, and the flooder is welcome again later."""
+    net = MemoryNetwork()
+    config = HostConfig(handshake_rate_per_ip=10.0, handshake_burst_per_ip=20)
+    async with open_rpc_host(
+        SERVER, listen=Address("s", 1), network=net.interface("s"), config=config
+    ) as s:
+        s.register("echo", echo)
+        assert s.listen_address is not None
+        evil = net.interface("evil")
+        with trio.fail_after(30):
+            refused = 0
+            for _ in range(100):  # 100 connections in 1 s of virtual time, each closed
+                stream = await evil.connect("s", 1)
+                refused += await _is_closed_at_once(stream)
+                await stream.aclose()
+                await trio.sleep(0.01)
+            # 20 of burst, then ~10 per second: about 30 of 100 got a handshake
+            assert 65 <= refused <= 75, refused
+            assert s.handshakes_refused == refused
+            async with open_rpc_host(GOOD, listen=None, network=net.interface("good")) as good:
+                for i in range(3):
+                    assert (await good.call(s.listen_address, "echo", {"i": i})).body == {"i": i}
+            await trio.sleep(2.0)  # the bucket refills
+            async with open_rpc_host(BAD, listen=None, network=evil) as again:
+                assert (await again.call(s.listen_address, "echo", {"x": 1})).body == {"x": 1}
+
+
+async def test_tcp_connection_flood_is_refused_at_accept() -> None:
+    """Over real TCP, connections from a host over its rate are closed as they are
+    accepted (no handshake, no task), and a peer with a live connection is unaffected."""
+    config = HostConfig(handshake_rate_per_ip=0.1, handshake_burst_per_ip=5)
+    async with (
+        open_rpc_host(SERVER, listen=Address("127.0.0.1", 0), config=config) as s,
+        open_rpc_host(GOOD, listen=None) as good,
+    ):
+        s.register("echo", echo)
+        address = s.listen_address
+        assert address is not None
+        with trio.fail_after(30):
+            await good.call(address, "echo")  # one token of 127.0.0.1's burst
+            opened = s.connections_opened
+            ended = 0
+            for _ in range(40):
+                stream = await trio.open_tcp_stream("127.0.0.1", address.port)
+                try:
+                    with trio.move_on_after(0.2):
+                        try:
+                            ended += await stream.receive_some() == b""
+                        except trio.BrokenResourceError:
+                            ended += 1
+                finally:
+                    await stream.aclose()
+            # 4 tokens were left for the handshakes of the first connections (the client
+            # sends nothing, so those wait out move_on_after instead of ending)
+            assert ended >= 35, ended
+            assert s.handshakes_refused >= 35
+            assert s.connections_opened == opened
+            assert (await good.call(address, "echo", {"end": 1})).body == {"end": 1}
+
+
+def test_handshake_rate_settings_are_checked() -> None:
+    with pytest.raises(ValueError, match="handshake_rate_per_ip"):
+        HostConfig(handshake_rate_per_ip=0.0)
+    with pytest.raises(ValueError, match="handshake_burst_per_ip"):
+        HostConfig(handshake_burst_per_ip=0)
+    HostConfig(handshake_rate_per_ip=float("inf"))  # turns the limit off

@@ -73,12 +73,13 @@ class FreezableNetwork:
         port: int,
         handler: Callable[[trio.abc.Stream], Awaitable[None]],
         *,
+        admit: Callable[[str], bool] | None = None,
         task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         async def wrapped(stream: trio.abc.Stream) -> None:
             await handler(FreezableStream(self, stream))
 
-        await self.inner.serve(host, port, wrapped, task_status=task_status)
+        await self.inner.serve(host, port, wrapped, admit=admit, task_status=task_status)
 
 
 def make_member(node: Peer, rng: np.random.Generator, size: int, weight: float) -> Member:

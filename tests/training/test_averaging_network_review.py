@@ -128,12 +128,17 @@ class BadNetwork(MemoryNetwork):
         return self._shape(source, await super()._connect(source, host, port))
 
     async def _serve(
-        self, host: str, port: int, handler: Any, task_status: trio.TaskStatus[int]
+        self,
+        host: str,
+        port: int,
+        handler: Any,
+        task_status: trio.TaskStatus[int],
+        admit: Any = None,
     ) -> None:
         async def shaped(stream: trio.abc.Stream) -> None:
             await handler(self._shape(host, stream))
 
-        await super()._serve(host, port, shaped, task_status)
+        await super()._serve(host, port, shaped, task_status, admit)
 
 
 @asynccontextmanager
