@@ -223,7 +223,6 @@ async def test_a_deadline_at_any_moment_of_a_call_or_stream_costs_only_that_call
         with trio.fail_after(60):
             await a.call(address, "slow_echo", {"delay": 0})
             opened = a.connections_opened
-            answered = 0
             for step in range(40):
                 with trio.move_on_after(step * 0.002):
                     await a.call(address, "slow_echo", {"delay": 0.01}, bytes(30_000))
