@@ -108,6 +108,9 @@ class ReducerService:
         self._released: set[PeerID] = set()
         self._queue: list[PeerID] = []
         self._waiters: dict[PeerID, int] = {}
+        # a chunk's call while it waits (admission, our load): its scope, and an event set
+        # when it is over (see _supersede)
+        self._waiting_calls: dict[tuple[PeerID, int], tuple[trio.CancelScope, trio.Event]] = {}
         self._reserved = 0
         self._changed = trio.Event()
         self.outcome: PartOutcome | None = None
@@ -155,25 +158,49 @@ class ReducerService:
             self._drop(sender, header.abort)
             return Reply({})
         self._check_pending(sender)
-        if header.retry and reducer.is_resend(sender, header.chunk, payload, header.raw):
-            return Reply({})  # its first answer was lost with a reset connection
+        if header.retry:
+            if reducer.is_resend(sender, header.chunk, payload, header.raw):
+                return Reply({})  # its first answer was lost with a reset connection
+            await self._supersede(sender, header.chunk)
+            self._check_pending(sender)
         # a lying header or a payload of the wrong size is refused before the call waits
         # (holding its payload) for admission, and so is a second call for the same chunk:
         # what waits for a sender is at most the encoded part that admission counts
         self._refuse_if(reducer.check_chunk, sender, header, payload)
+        key = (sender, header.chunk)
+        scope, over = self._waiting_calls[key] = (trio.CancelScope(), trio.Event())
         try:
-            await self._admit(sender)
-            await self.loaded.wait()
+            with scope:
+                await self._admit(sender)
+                await self.loaded.wait()
+            if scope.cancelled_caught:
+                raise RemoteError("bad_request", f"chunk {header.chunk} was sent again")
             if not reducer.loaded:
                 raise RemoteError("dropped", DropReason.TIMEOUT.value)
             self._check_pending(sender)
             self._refuse_if(reducer.add_chunk, sender, header, payload)
         finally:
             reducer.forget_chunk(sender, header.chunk)
+            if self._waiting_calls.get(key) == (scope, over):  # (not superseded)
+                del self._waiting_calls[key]
+            over.set()
         self.progress.setdefault(sender, [0.0])[0] = trio.current_time()
         if not reducer.is_pending(sender):  # that chunk completed its part
             self._release(sender)
         return Reply({})
+
+    async def _supersede(self, sender: PeerID, index: int) -> None:
+        """A retried chunk whose first call still waits here (for admission, or for our
+        own values): that call's connection broke, silently for us (a NAT dropped it), and
+        its answer could not reach the sender anyway. The retry takes its place (one
+        payload held, as before), rather than being refused as a second copy, which
+        dropped an honest sender as garbage."""
+        waiting = self._waiting_calls.get((sender, index))
+        if waiting is None:
+            return
+        scope, over = waiting
+        scope.cancel()
+        await over.wait()
 
     def _refuse_if(
         self,
