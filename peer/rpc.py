@@ -141,6 +141,7 @@ class RpcConnection:
         self.lost = False  # ended by the peer's side (closed, reset, broken), not by us
         self.last_activity = trio.current_time()
         self._frame_received = -math.inf
+        self._reader_paused = False  # waiting for a stream's consumer, not reading
 
     def __repr__(self) -> str:
         return f"<RpcConnection {self.peer_id.short()} at {self.remote_host}>"
@@ -276,6 +277,8 @@ class RpcConnection:
         a reset, and every call would time out on it for ~15 minutes (an averaging member
         was alone round after round). A call cancelled sooner (a hedged lookup's) proves
         nothing: the peer does not answer what we cancelled."""
+        if self._reader_paused:
+            return  # we are not reading (a stream's consumer lags): the peer may be talking
         now, received = trio.current_time(), self.last_received
         if self._unanswered_since is not None and received > self._unanswered_since:
             self._unanswered_since = None  # the peer spoke since: slow, not gone
@@ -538,12 +541,28 @@ class RpcConnection:
         if kind is FrameKind.ITEM:
             # the consumer may have left (it sent a cancel): drop the item
             with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-                await pending.send.send(Reply(frame.body, frame.payload))
+                await self._hand_over(pending, Reply(frame.body, frame.payload))
             return
         if kind is FrameKind.RESPONSE:
             raise RemoteProtocolError("'res' frame for a streaming call")
         del self._pending[frame.request_id]
         pending.finish(error)
+
+    async def _hand_over(self, pending: PendingStream, item: Reply) -> None:
+        """Hand ``item`` to a stream's consumer. When its buffer is full, our reader stops
+        until the consumer takes one (the backpressure that bounds what a stream holds):
+        nothing is read from the peer meanwhile, which is our pause, not the peer's silence
+        (see ``_note_unanswered``)."""
+        stats = pending.send.statistics()
+        if stats.current_buffer_used < stats.max_buffer_size:
+            await pending.send.send(item)
+            return
+        self._reader_paused = True
+        try:
+            await pending.send.send(item)
+        finally:
+            self._reader_paused = False
+            self._frame_received = trio.current_time()
 
     # -- serving ---------------------------------------------------------------------------
 
