@@ -9,11 +9,17 @@ STAMP := $(VENV)/.installed-stamp
 
 venv: $(STAMP)
 
-# torch is installed first and pinned: an unpinned torch would pull a multi-GB CUDA build.
+# torch is installed first, pinned to the CPU build: an unpinned torch, or torch==2.13.0 from
+# PyPI on Linux, is a multi-GB CUDA build. A local +cpu wheel (pip's find-links) is taken when
+# there is one, else PyTorch's CPU index is asked; where neither has a +cpu build (macOS, whose
+# wheels are CPU-only anyway), the plain pin.
 $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/python -m pip install --quiet --upgrade pip
-	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet torch==2.13.0+cpu 2>/dev/null \
+	  || $(BIN)/python -m pip install --quiet torch==2.13.0+cpu \
+	       --index-url https://download.pytorch.org/whl/cpu 2>/dev/null \
+	  || $(BIN)/python -m pip install --quiet torch==2.13.0
 	$(BIN)/python -m pip install --quiet -e '.[dev]'
 	touch $(STAMP)
 
