@@ -14,6 +14,7 @@ refresh). Leaving the context stops every task of the peer and closes its connec
 
 from __future__ import annotations
 
+import ipaddress
 import logging
 import os
 import time
@@ -123,6 +124,32 @@ def load_identity(identity: Identity | str | os.PathLike[str] | None) -> Identit
     return Identity.load_or_create(identity)
 
 
+def _warn_if_unreachable(public: Address, peers: list[Address]) -> None:
+    """Warn when we announce a loopback address but join peers elsewhere: they learn an
+    address of ours that none of them can dial (the default listen host is 127.0.0.1),
+    and averaging rounds with us would lose our part."""
+    if not _is_loopback(public.host):
+        return
+    remote = [p for p in peers if not _is_loopback(p.host)]
+    if remote:
+        logger.warning(
+            "announcing %s, which only this machine can dial, while joining %s: peers there "
+            "cannot reach us; pass listen='0.0.0.0:PORT' and announce_host='PUBLIC_IP' "
+            "(or client_mode=True behind a NAT)",
+            public.hostport,
+            remote[0].hostport,
+        )
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False  # a DNS name: it may be anything
+
+
 @asynccontextmanager
 async def open_peer(
     listen: str | None = "127.0.0.1:0",
@@ -195,6 +222,7 @@ async def open_peer(
                     " skip it): give this machine's public IP or DNS name"
                 )
             sender, address = public.hostport, str(public)
+            _warn_if_unreachable(public, peers)
         dht = DHT(host, me, dht_config, sender=sender, clock=clock)
         async with trio.open_nursery() as nursery:
             await nursery.start(dht.serve)

@@ -88,3 +88,33 @@ async def test_a_lone_start_warns_with_addresses_but_not_about_itself(
         warnings = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
         assert any(dead in w for w in warnings) == warned, warnings
         assert not any("10.0.0.1:4000:" in w for w in warnings), warnings
+
+
+async def test_a_loopback_peer_joining_peers_elsewhere_is_warned(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The default listen host is 127.0.0.1: a volunteer that joins a swarm on other
+    machines with it announces an address none of them can dial, and is told how to fix it;
+    peers that are all on this machine are not warned."""
+    net = MemoryNetwork()
+    with trio.fail_after(30):
+        async with open_peer(listen="10.0.0.1:4000", network=net.interface("10.0.0.1")) as far:
+            async with open_peer(
+                listen="127.0.0.1:0",
+                network=net.interface("127.0.0.1"),
+                initial_peers=[far.address],
+            ):
+                pass
+            assert "only this machine can dial" in caplog.text
+            assert "announce_host" in caplog.text
+            caplog.clear()
+            async with (
+                open_peer(listen="127.0.0.2:0", network=net.interface("127.0.0.2")) as near,
+                open_peer(
+                    listen="127.0.0.1:0",
+                    network=net.interface("127.0.0.1"),
+                    initial_peers=[near.address],
+                ),
+            ):
+                pass
+            assert "only this machine can dial" not in caplog.text
