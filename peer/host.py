@@ -246,12 +246,13 @@ class RpcHost:
 
     async def call(
         self,
-        address: Address,
+        address: Address | str,
         method: str,
         body: dict[str, Any] | None = None,
         payload: bytes | memoryview = b"",
     ) -> Reply:
-        """Call ``method`` on the peer at ``address`` (dialing it if needed).
+        """Call ``method`` on the peer at ``address`` (an Address, or its text form
+        ``PEERID@HOST:PORT`` such as ``node.address``; dialing it if needed).
 
         Bound it with a cancel scope: the time left is sent along as the call's deadline.
 
@@ -259,7 +260,9 @@ class RpcHost:
             RemoteError: the peer's handler failed or refused (``code`` says how).
             PeerUnavailableError: cannot connect, wrong identity, or the connection died.
             LimitExceededError: the request exceeds the maximum frame size.
+            ProtocolError: ``address`` is text that is not a valid address.
         """
+        address = _as_address(address)
         if self.stopped:
             raise PeerStoppedError(f"{self!r} has stopped: its context has ended")
         # A pooled connection is used without a scheduler pass: the call checkpoints.
@@ -274,18 +277,19 @@ class RpcHost:
 
     def stream(
         self,
-        address: Address,
+        address: Address | str,
         method: str,
         body: dict[str, Any] | None = None,
         payload: bytes | memoryview = b"",
     ) -> AbstractAsyncContextManager[AsyncIterator[Reply]]:
-        """Call a streaming ``method``; iterate the context's value for the items.
+        """Call a streaming ``method`` (``address`` as in :meth:`call`); iterate the
+        context's value for the items.
 
         Iteration raises what :meth:`call` raises; leaving early cancels the call. Like a
         call, a request the peer closed the (idle) connection on before reading it is sent
         again on a fresh connection, once: the peer never saw it, and no item came.
         """
-        return self._stream(address, method, body, payload)
+        return self._stream(_as_address(address), method, body, payload)
 
     @asynccontextmanager
     async def _stream(
@@ -587,6 +591,18 @@ class _RetriedOnce:
             return await self._items.__anext__()
         self._start = None  # an item came: the peer read the request
         return item
+
+
+def _as_address(address: Address | str) -> Address:
+    """``address``, parsed when it is text (raises ProtocolError if malformed, TypeError
+    for anything else)."""
+    if isinstance(address, Address):
+        return address
+    if isinstance(address, str):
+        return Address.parse(address)
+    raise TypeError(
+        f"address must be an Address or 'PEERID@HOST:PORT' text, not {type(address).__name__}"
+    )
 
 
 def host_group(host: str) -> str:

@@ -7,12 +7,14 @@ from collections.abc import AsyncIterator
 import pytest
 import trio
 import trio.testing
+from test_rpc import echo, two_hosts
 
 from peer.errors import PeerUnavailableError
 from peer.host import HostConfig, open_rpc_host
 from peer.memnet import MemoryNetwork
 from peer.rpc import Reply, Request
 from protocol.address import Address
+from protocol.errors import ProtocolError
 from protocol.identity import Identity
 
 ID_A = Identity.from_seed(b"a" * 32)
@@ -225,3 +227,24 @@ async def test_a_clean_exit_first_writes_what_it_queued(
                     got.append(item.body["i"])
                     assert len(item.payload) == len(chunk)
     assert got == list(range(8))
+
+
+async def test_an_address_may_be_given_as_text(autojump_clock: trio.testing.MockClock) -> None:
+    """``node.address`` is a string; passing it straight to ``rpc.call`` or ``rpc.stream``
+    works, and anything else that is not an Address is a clear error."""
+    net = MemoryNetwork(latency=0.01)
+    async with two_hosts(net) as (a, b, address):
+        b.register("echo", echo)
+
+        async def items(request: Request) -> AsyncIterator[Reply]:
+            yield Reply({"i": 0})
+
+        b.register_stream("items", items)
+        with trio.fail_after(10):
+            assert (await a.call(str(address), "echo", {"x": 1})).body["body"] == {"x": 1}
+            async with a.stream(str(address), "items") as replies:
+                assert [r.body async for r in replies] == [{"i": 0}]
+            with pytest.raises(ProtocolError):
+                await a.call("not an address", "echo")
+            with pytest.raises(TypeError, match="PEERID@HOST:PORT"):
+                await a.call(42, "echo")  # type: ignore[arg-type]
