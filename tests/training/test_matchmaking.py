@@ -565,3 +565,40 @@ async def test_an_unexpected_joiner_cannot_take_the_place_of_an_expected_member(
             for info, elapsed in results:
                 assert info is not None and info.outcome is Outcome.AVERAGED, info
                 assert elapsed < 2.0
+
+
+async def test_client_mode_peers_alone_together_are_told_so_even_after_a_group(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Two client-mode peers cannot average (neither can reduce a part). One that averaged
+    with a server-mode peer before must not close the round early with the other client
+    (then follow into the next round): its "done" marker told the other it had found a
+    group. Both wait for the close and say why they are alone (docs audit)."""
+    async with memnet_swarm(3) as (_, nodes):
+        server = Averager(nodes[0], "t/x", [np.zeros(8, np.float32)], config=fast_config())
+        clients = [
+            Averager(node, "t/x", [np.ones(8, np.float32)], config=fast_config(client_mode=True))
+            for node in nodes[1:]
+        ]
+        with trio.fail_after(60):
+            first = await step_averagers([server, clients[0]], timeout=10.0)
+            assert [info.outcome for info in first] == [Outcome.AVERAGED] * 2, first
+            server.close()
+            second = await step_averagers(clients, timeout=10.0)
+        for info in second:
+            assert info.outcome is Outcome.ALONE
+            assert "all client-mode like us" in info.note, info.note
+            assert "formed their groups" not in info.note, info.note
+        assert second[0].round == second[1].round
+
+
+async def step_averagers(averagers: list[Averager], timeout: float) -> list[AveragingInfo]:  # noqa: ASYNC109
+    infos: dict[int, AveragingInfo] = {}
+
+    async def one(i: int) -> None:
+        infos[i] = await averagers[i].step(timeout=timeout)
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(averagers)):
+            nursery.start_soon(one, i)
+    return [infos[i] for i in range(len(averagers))]

@@ -100,6 +100,7 @@ class MatchResult:
     retry: bool = False  # the leader was no longer in the round: worth another round
     strangers: int = 0  # peers of another layout in the round (when alone)
     late: str = ""  # when alone: others of the round had their groups before we read it
+    clients_only: bool = False  # alone because every peer of our layout is client-mode
 
 
 def _left_alone_note(me: Declaration, others: list[Declaration], group_size: int) -> str:
@@ -199,8 +200,12 @@ class Matchmaker:
                 ", retrying" if result.retry else "",
             )
             # Alone although others were in our last rounds: most likely they arrived just
-            # after us at a slot boundary and declared in the next round. Follow them, once.
-            retry = result.retry or (result.alone and lone_retry and self._others_recently())
+            # after us at a slot boundary and declared in the next round. Follow them, once
+            # (not when only client-mode peers came: the next round cannot be better, and our
+            # "done" marker would tell them we had found a group).
+            retry = result.retry or (
+                result.alone and not result.clients_only and lone_retry and self._others_recently()
+            )
             lone_retry = lone_retry and not result.alone
             if result.strangers and (strangers is None or result.strangers > strangers.strangers):
                 strangers = result
@@ -280,9 +285,11 @@ class Matchmaker:
                 note += f" of our layout ({foreign} peer(s) of another layout declared)"
             if late:
                 note += f"; {late}"
+            ours = [d for d in others if d.layout == state.me.layout]
+            clients_only = bool(ours) and all(d.client_mode for d in [state.me, *ours])
             return MatchResult(
                 state.number, None, None, len(declared), note, alone=True, strangers=foreign,
-                late=late,
+                late=late, clients_only=clients_only,
             )  # fmt: skip
         if leader.peer_id == state.me.peer_id:
             state.is_leader = True
@@ -551,8 +558,13 @@ def _may_close_early(declared: list[Declaration], me: Declaration, population: i
     """Exactly ``population`` peers of our layout, and no peer of another layout alone with
     it: a sub-swarm of another layout (two or more) groups apart and needs nothing from us,
     so two correct kinds under one prefix both close early (a lone stranger may be a
-    misconfigured newcomer, which must see us)."""
+    misconfigured newcomer, which must see us). Nor when every peer of our layout is in
+    client mode: they cannot form a group, and a peer that can may still come before the
+    close (closing then would leave a "done" marker that tells the others we had a group)."""
     if _same_layout(declared, me) != population:
+        return False
+    ours = [d for d in declared if d.layout == me.layout and d.peer_id != me.peer_id]
+    if all(d.client_mode for d in [me, *ours]):
         return False
     foreign = Counter(d.layout for d in declared if d.layout != me.layout)
     return all(count >= 2 for count in foreign.values())
