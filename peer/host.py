@@ -21,7 +21,7 @@ Rules:
   once. A handshake not done within ``handshake_timeout`` is cut off. A host that opens
   connections faster than ``handshake_rate_per_ip`` per second (beyond a burst of
   ``handshake_burst_per_ip``) has the new ones closed at once, before the handshake's CPU
-  is spent on them.
+  is spent on them (loopback addresses only with ``rate_limit_loopback``).
 - A peer that stops reading what we send is cut off once a write to it has stalled for
   ``send_timeout`` (checked every quarter of it; the idle timer spares a connection with
   calls in flight, so it would otherwise keep its connection slot, its requests and their
@@ -104,6 +104,10 @@ class HostConfig:
     ``peer.ratelimit``). ``math.inf`` turns it off."""
     handshake_burst_per_ip: int = 64
     """Enough for a crowd of peers behind one NAT joining at once."""
+    rate_limit_loopback: bool = False
+    """Apply ``handshake_rate_per_ip`` to loopback addresses too. Off by default: those are
+    this machine's own processes, where local experiments start peers by the hundred, and
+    a process on the same machine can take our CPU by other means anyway."""
     handshake_timeout: float = 10.0
     idle_timeout: float = 60.0
     """A connection with no call in flight and no traffic for this long is closed."""
@@ -487,12 +491,13 @@ class RpcHost:
         """Whether to take an inbound connection from ``host`` at all (before any object
         or task is made for it): not when the host already holds
         ``max_connections_per_ip`` of them, nor when it opens them faster than
-        ``handshake_rate_per_ip`` (see ``HostConfig``)."""
+        ``handshake_rate_per_ip`` (loopback excepted, see ``HostConfig``)."""
         group = host_group(host)
         if self._per_host[group] >= self.config.max_connections_per_ip:
             logger.debug("%r: refusing %s: too many connections from it", self, host)
             return False
-        if not self._handshake_rate.allow(group, trio.current_time()):
+        limited = self.config.rate_limit_loopback or not _is_loopback(group)
+        if limited and not self._handshake_rate.allow(group, trio.current_time()):
             logger.debug("%r: refusing %s: it opens connections too fast", self, host)
             return False
         return True
@@ -591,6 +596,13 @@ class _RetriedOnce:
             return await self._items.__anext__()
         self._start = None  # an item came: the peer read the request
         return item
+
+
+def _is_loopback(host: str) -> bool:
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a /64 group, or a memory network's host name
 
 
 def _as_address(address: Address | str) -> Address:

@@ -286,8 +286,11 @@ async def test_a_host_opening_connections_in_a_loop_is_refused_before_the_handsh
 
 async def test_tcp_connection_flood_is_refused_at_accept() -> None:
     """Over real TCP, connections from a host over its rate are closed as they are
-    accepted (no handshake, no task), and a peer with a live connection is unaffected."""
-    config = HostConfig(handshake_rate_per_ip=0.1, handshake_burst_per_ip=5)
+    accepted (no handshake, no task), and a peer with a live connection is unaffected.
+    (Loopback is exempt by default: this test turns the limit on for it.)"""
+    config = HostConfig(
+        handshake_rate_per_ip=0.1, handshake_burst_per_ip=5, rate_limit_loopback=True
+    )
     async with (
         open_rpc_host(SERVER, listen=Address("127.0.0.1", 0), config=config) as s,
         open_rpc_host(GOOD, listen=None) as good,
@@ -323,3 +326,18 @@ def test_handshake_rate_settings_are_checked() -> None:
     with pytest.raises(ValueError, match="handshake_burst_per_ip"):
         HostConfig(handshake_burst_per_ip=0)
     HostConfig(handshake_rate_per_ip=float("inf"))  # turns the limit off
+
+
+async def test_loopback_is_not_rate_limited_by_default() -> None:
+    """A local experiment starts many peers on this machine at once: they must not be
+    refused (the limit is for floods from elsewhere)."""
+    config = HostConfig(handshake_rate_per_ip=0.1, handshake_burst_per_ip=1)
+    async with open_rpc_host(SERVER, listen=Address("127.0.0.1", 0), config=config) as s:
+        s.register("echo", echo)
+        address = s.listen_address
+        assert address is not None
+        with trio.fail_after(30):
+            for i in range(5):
+                async with open_rpc_host(Identity.generate(), listen=None) as client:
+                    assert (await client.call(address, "echo", {"i": i})).body == {"i": i}
+        assert s.handshakes_refused == 0
