@@ -158,20 +158,27 @@ class ReducerService:
             self._drop(sender, header.abort)
             return Reply({})
         self._check_pending(sender)
-        if header.retry:
-            if reducer.is_resend(sender, header.chunk, payload, header.raw):
-                return Reply({})  # its first answer was lost with a reset connection
-            await self._supersede(sender, header.chunk)
-            self._check_pending(sender)
-        # a lying header or a payload of the wrong size is refused before the call waits
-        # (holding its payload) for admission, and so is a second call for the same chunk:
-        # what waits for a sender is at most the encoded part that admission counts
-        self._refuse_if(reducer.check_chunk, sender, header, payload)
+        placed = False  # holds the sender's place in the admission queue (see _supersede)
+        try:
+            if header.retry:
+                if reducer.is_resend(sender, header.chunk, payload, header.raw):
+                    return Reply({})  # its first answer was lost with a reset connection
+                placed = await self._supersede(sender, header.chunk)
+                self._check_pending(sender)
+            # a lying header or a payload of the wrong size is refused before the call
+            # waits (holding its payload) for admission, and so is a second call for the
+            # same chunk: what waits for a sender is at most the encoded part that
+            # admission counts
+            self._refuse_if(reducer.check_chunk, sender, header, payload)
+        except BaseException:
+            if placed:
+                self._stop_waiting(sender)
+            raise
         key = (sender, header.chunk)
         scope, over = self._waiting_calls[key] = (trio.CancelScope(), trio.Event())
         try:
             with scope:
-                await self._admit(sender)
+                await self._admit(sender, placed)
                 await self.loaded.wait()
             if scope.cancelled_caught:
                 raise RemoteError("bad_request", f"chunk {header.chunk} was sent again")
@@ -189,18 +196,29 @@ class ReducerService:
             self._release(sender)
         return Reply({})
 
-    async def _supersede(self, sender: PeerID, index: int) -> None:
+    async def _supersede(self, sender: PeerID, index: int) -> bool:
         """A retried chunk whose first call still waits here (for admission, or for our
         own values): that call's connection broke, silently for us (a NAT dropped it), and
         its answer could not reach the sender anyway. The retry takes its place (one
         payload held, as before), rather than being refused as a second copy, which
-        dropped an honest sender as garbage."""
+        dropped an honest sender as garbage.
+
+        It takes the sender's place in the admission queue too: the sender is counted as
+        waiting (for the retry) before the first call leaves, which would otherwise take
+        it out of the queue, to the back of the line. Returns whether it was counted so:
+        pass that on to :meth:`_admit`, or undo it with :meth:`_stop_waiting`."""
         waiting = self._waiting_calls.get((sender, index))
         if waiting is None:
-            return
+            return False
         scope, over = waiting
-        scope.cancel()
-        await over.wait()
+        self._waiters[sender] = self._waiters.get(sender, 0) + 1
+        try:
+            scope.cancel()
+            await over.wait()
+        except BaseException:
+            self._stop_waiting(sender)
+            raise
+        return True
 
     def _refuse_if(
         self,
@@ -226,13 +244,18 @@ class ReducerService:
             reason = self.reducer.reason(sender)
             raise RemoteError("dropped", "complete" if reason is None else reason.value)
 
-    async def _admit(self, sender: PeerID) -> None:
+    async def _admit(self, sender: PeerID, placed: bool = False) -> None:
+        """Wait until ``sender`` is admitted (``placed``: already counted as waiting, see
+        :meth:`_supersede`)."""
         if sender in self._admitted:
+            if placed:
+                self._stop_waiting(sender)
             return
         if sender not in self._queue:
             self._queue.append(sender)
             self._notify()  # the holders of admission now have somebody waiting
-        self._waiters[sender] = self._waiters.get(sender, 0) + 1
+        if not placed:
+            self._waiters[sender] = self._waiters.get(sender, 0) + 1
         try:
             while sender not in self._admitted:
                 # dropped while queued (a withdrawal, a failed probe): out of the queue
@@ -249,10 +272,15 @@ class ReducerService:
                     break
                 await self._changed.wait()
         finally:
-            self._waiters[sender] -= 1
-            if not self._waiters[sender] and sender in self._queue:
-                self._queue.remove(sender)  # its calls gave up while queued
-                self._notify()
+            self._stop_waiting(sender)
+
+    def _stop_waiting(self, sender: PeerID) -> None:
+        """One call of ``sender`` no longer waits for admission; with none left waiting,
+        the sender leaves the queue (its calls gave up while queued)."""
+        self._waiters[sender] -= 1
+        if not self._waiters[sender] and sender in self._queue:
+            self._queue.remove(sender)
+            self._notify()
 
     def _release(self, sender: PeerID) -> None:
         if sender in self._admitted and sender not in self._released:
