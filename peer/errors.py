@@ -13,7 +13,13 @@ from __future__ import annotations
 
 from protocol.errors import SwarmError
 
-__all__ = ["LimitExceededError", "PeerStoppedError", "PeerUnavailableError", "RemoteError"]
+__all__ = [
+    "LimitExceededError",
+    "PeerBusyError",
+    "PeerStoppedError",
+    "PeerUnavailableError",
+    "RemoteError",
+]
 
 
 class RemoteError(SwarmError):
@@ -36,6 +42,12 @@ class RemoteError(SwarmError):
 
 class PeerUnavailableError(SwarmError):
     """The peer cannot be reached, failed the handshake, or the connection died mid-call."""
+
+
+class PeerBusyError(PeerUnavailableError):
+    """The peer accepted the connection and closed it before a byte of its handshake: it is
+    up, but turned us away for now (its connection limits for our address, which a flood
+    from a neighbour behind the same NAT can use up); dial again a little later."""
 
 
 class SelfDialError(PeerUnavailableError):

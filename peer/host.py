@@ -49,7 +49,7 @@ from protocol.errors import ProtocolError
 from protocol.framing import DEFAULT_MAX_FRAME_SIZE
 from protocol.identity import Identity, PeerID
 
-from .errors import PeerStoppedError, PeerUnavailableError, SelfDialError
+from .errors import PeerBusyError, PeerStoppedError, PeerUnavailableError, SelfDialError
 from .network import Network, TcpNetwork, remote_host_of
 from .ratelimit import HostRateLimiter
 from .rpc import (
@@ -102,8 +102,9 @@ class HostConfig:
     handshake: that costs us ~2 ms of CPU and the opener nothing (it may replay a recorded
     first message), so one host opening connections in a loop would keep a core busy (see
     ``peer.ratelimit``). ``math.inf`` turns it off."""
-    handshake_burst_per_ip: int = 64
-    """Enough for a crowd of peers behind one NAT joining at once."""
+    handshake_burst_per_ip: int = 128
+    """Enough for a crowd of peers behind one NAT joining at once (as many as
+    ``max_connections_per_ip`` lets in)."""
     rate_limit_loopback: bool = False
     """Apply ``handshake_rate_per_ip`` to loopback addresses too. Off by default: those are
     this machine's own processes, where local experiments start peers by the hundred, and
@@ -404,7 +405,9 @@ class RpcHost:
             self._nursery.start_soon(self._dial, address, key, dial)
         await dial.done.wait()
         if dial.connection is None:
-            error = SelfDialError if isinstance(dial.error, SelfDialError) else PeerUnavailableError
+            error = PeerUnavailableError  # the kind is kept: a busy peer is no dead one
+            if isinstance(dial.error, SelfDialError | PeerBusyError):
+                error = type(dial.error)
             raise error(f"cannot reach {address}: {dial.error}") from dial.error
         return dial.connection
 
@@ -496,7 +499,7 @@ class RpcHost:
         if self._per_host[group] >= self.config.max_connections_per_ip:
             logger.debug("%r: refusing %s: too many connections from it", self, host)
             return False
-        limited = self.config.rate_limit_loopback or not _is_loopback(group)
+        limited = self.config.rate_limit_loopback or not _is_loopback(host)
         if limited and not self._handshake_rate.allow(group, trio.current_time()):
             logger.debug("%r: refusing %s: it opens connections too fast", self, host)
             return False
@@ -600,9 +603,9 @@ class _RetriedOnce:
 
 def _is_loopback(host: str) -> bool:
     try:
-        return ipaddress.ip_address(host).is_loopback
+        return ipaddress.ip_address(host.split("%", 1)[0]).is_loopback
     except ValueError:
-        return False  # a /64 group, or a memory network's host name
+        return False  # a memory network's host name
 
 
 def _as_address(address: Address | str) -> Address:

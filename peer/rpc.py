@@ -15,7 +15,8 @@ Rules (see ``protocol/rpc.py`` for the frames):
   for finished calls are ignored. A call never reads its payload after it returned: a
   cancelled request still queued is withdrawn (nothing sent, no ``cancel``), and one whose
   payload is being written is finished from a copy (zero-copy tensor uploads rely on it;
-  cutting the frame short would end the connection for every call on it).
+  cutting the frame short would end the connection for every call on it), and so is one
+  answered before the peer read all of it.
 - A handler's ``RemoteError`` keeps its code, a ``ProtocolError`` is ``bad_request``, anything
   else ``internal``; an unregistered method is ``unknown_method``.
 - More than ``max_inflight_requests`` concurrent requests from the peer, an oversized or
@@ -261,6 +262,9 @@ class RpcConnection:
                 raise
             finally:
                 self._pending.pop(request_id, None)
+                # a peer may answer before it read the whole request (a hostile one knows
+                # the ids: they count up): the rest goes out from a copy
+                self._outbox.detach(request)
         finally:
             self._call_slots.release()
         if pending.error is not None:
@@ -316,6 +320,7 @@ class RpcConnection:
             finally:
                 self._cancel_remote(request_id, pending, request)
                 self._pending.pop(request_id, None)
+                self._outbox.detach(request)  # (see call)
                 pending.receive.close()
         finally:
             self._call_slots.release()
@@ -413,8 +418,10 @@ class RpcConnection:
         pending: PendingCall | PendingStream,
         request: list[bytes | memoryview],
     ) -> None:
-        """Tell the peer a call was given up, and never read its payload again: the caller
-        may reuse the buffer once the call returned."""
+        """Tell the peer a call was given up (nothing when the request was still queued:
+        withdrawn). The caller then detaches the request from the writer, given up or not
+        (a peer may answer before it read all of it), so that its payload is never read
+        after the call returned."""
         finished = pending.done.is_set() if isinstance(pending, PendingCall) else pending.finished
         if finished or self.closed:
             return
@@ -422,7 +429,6 @@ class RpcConnection:
             return  # never sent: the peer knows nothing of it
         # The writer may be sealing this payload slice by slice from the caller's buffer:
         # it finishes from a copy (the peer then gets the request, and the cancel).
-        self._outbox.detach(request)
         self._outbox.put_nowait(self._encode(RpcFrame(FrameKind.CANCEL, request_id))[0])
 
     def _check_open(self) -> None:

@@ -26,7 +26,7 @@ from protocol.errors import LocalProtocolError, ProtocolError
 from protocol.identity import Identity, PeerID
 from protocol.noise import MAX_PLAINTEXT_PER_MESSAGE, NEED_DATA, NoiseHandshake, NoiseTransport
 
-from .errors import PeerUnavailableError
+from .errors import PeerBusyError, PeerUnavailableError
 from .network import remote_host_of
 
 __all__ = ["SecureStream", "secure_handshake"]
@@ -304,6 +304,7 @@ async def secure_handshake(
         PeerUnavailableError: the peer closed the stream, sent something invalid, or proved
             an identity other than ``expected_peer_id`` (``__cause__`` says which).
     """
+    heard = False  # a byte of the peer's handshake came
     try:
         handshake = NoiseHandshake(identity, initiator=initiator, expected_peer_id=expected_peer_id)
         while not handshake.complete:
@@ -311,7 +312,10 @@ async def secure_handshake(
                 await stream.send_all(out)
             data = await stream.receive_some(_HANDSHAKE_READ)
             if not data:
+                if initiator and not heard:
+                    raise PeerBusyError(_TURNED_AWAY)
                 raise PeerUnavailableError("connection closed during the handshake")
+            heard = True
             handshake.receive_data(data)
         if out := handshake.data_to_send():
             await stream.send_all(out)
@@ -322,5 +326,13 @@ async def secure_handshake(
         if isinstance(exc, ProtocolError):
             raise PeerUnavailableError(f"handshake failed: {exc}") from exc
         if isinstance(exc, trio.BrokenResourceError | trio.ClosedResourceError | OSError):
+            if initiator and not heard and not isinstance(exc, trio.ClosedResourceError):
+                raise PeerBusyError(f"{_TURNED_AWAY} ({exc})") from exc
             raise PeerUnavailableError(f"connection lost during the handshake: {exc}") from exc
         raise
+
+
+_TURNED_AWAY = (
+    "the peer closed the connection before its handshake: busy, or at its limit of "
+    "connections from our address; try again later"
+)

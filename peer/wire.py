@@ -214,10 +214,12 @@ class Outbox:
     def detach(self, frame: Sequence[Piece]) -> None:
         """Let the writer finish ``frame`` (in the batch being written) from a copy of its
         large pieces, so that their owner may reuse its buffers at once: a call cancelled
-        midway through its upload. The frame still goes out whole (cutting it short would
-        end the connection for every call on it); the copy costs one pass over it, and
-        only on cancellation (small pieces were joined into copies already)."""
-        if not self.writing(frame):
+        midway through its upload, or answered before the peer read all of it. The frame
+        still goes out whole (cutting it short would end the connection for every call on
+        it); the copy costs one pass over it, and only then (small pieces were joined into
+        copies already). Nothing to do once closed: the writer is cancelled, and sends
+        nothing more."""
+        if self._closed or not self.writing(frame):
             return
         for piece in frame:
             for index, sending in enumerate(self._sending):

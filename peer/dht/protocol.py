@@ -52,7 +52,7 @@ from protocol.messages import (
 )
 from protocol.records import RecordError, key_owner, subkey_order
 
-from ..errors import RemoteError
+from ..errors import PeerBusyError, RemoteError
 from ..host import RpcHost, host_group
 from ..rpc import Reply, Request
 from .config import DHTConfig
@@ -310,6 +310,7 @@ class DHTProtocol:
         try:
             self.calls_sent += 1
             maybe_alive = True  # a timeout, or an error answer: slow or busy, not dead
+            turned_away = False
             with trio.move_on_after(self.config.request_timeout):
                 try:
                     reply = await self.host.call(address, method, request.to_body())
@@ -317,6 +318,9 @@ class DHTProtocol:
                 except (SwarmError, OSError) as exc:
                     logger.debug("%s to %s failed: %r", method, node.peer_id.short(), exc)
                     maybe_alive = isinstance(exc, RemoteError)
+                    # up, but at its limits for our address (which a neighbour behind our
+                    # NAT may have used up by flooding it): no sign that it left
+                    turned_away = isinstance(exc, PeerBusyError)
                 else:
                     if self._address_proven(node, address):
                         self.learn(node)
@@ -325,7 +329,8 @@ class DHTProtocol:
             if take_slot:
                 self._limiter.release()
         self.calls_failed += 1
-        self.record_failure(node, timed_out=maybe_alive)
+        if not turned_away:
+            self.record_failure(node, timed_out=maybe_alive)
         return None
 
     def _address_proven(self, node: NodeInfo, address: Address) -> bool:
