@@ -32,6 +32,7 @@ Rules:
 from __future__ import annotations
 
 import contextlib
+import inspect
 import ipaddress
 import logging
 import math
@@ -181,6 +182,7 @@ class RpcHost:
         self._handshake_rate = HostRateLimiter(
             config.handshake_rate_per_ip, config.handshake_burst_per_ip
         )
+        self._admit_in_handler = False  # the network's serve() takes no ``admit`` filter
         self.connections_opened = 0
         """Connections established so far, both directions (each one a handshake)."""
         self.stopped = False
@@ -509,6 +511,9 @@ class RpcHost:
         host = remote_host_of(raw)
         group = host_group(host)
         config = self.config
+        if self._admit_in_handler and not self._admit(host):
+            await trio.aclose_forcefully(raw)
+            return
         if self._per_host[group] >= config.max_connections_per_ip:
             logger.debug("%r: refusing %s: too many connections from it", self, host)
             await trio.aclose_forcefully(raw)
@@ -660,12 +665,12 @@ async def open_rpc_host(
             nursery.start_soon(host._cut_off_stalled_readers)
         try:
             if listen is not None:
-                port = await nursery.start(
-                    partial(network.serve, admit=host._admit),
-                    listen.host,
-                    listen.port,
-                    host._handle_inbound,
-                )
+                serve: Callable[..., Awaitable[None]] = network.serve
+                if "admit" in inspect.signature(serve).parameters:
+                    serve = partial(serve, admit=host._admit)
+                else:  # a Network of the user's own, written before ``admit``
+                    host._admit_in_handler = True
+                port = await nursery.start(serve, listen.host, listen.port, host._handle_inbound)
                 host.listen_address = Address(listen.host, port, identity.peer_id)
             yield host
             # a clean exit: others get what we were sending them (bounded)

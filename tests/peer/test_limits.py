@@ -341,3 +341,44 @@ async def test_loopback_is_not_rate_limited_by_default() -> None:
                 async with open_rpc_host(Identity.generate(), listen=None) as client:
                     assert (await client.call(address, "echo", {"i": i})).body == {"i": i}
         assert s.handshakes_refused == 0
+
+
+class _OldStyleNetwork:
+    """A Network written before ``serve`` took an ``admit`` filter (a user's own wrapper)."""
+
+    def __init__(self, inner: object) -> None:
+        self.inner = inner
+
+    async def connect(self, host: str, port: int) -> trio.abc.Stream:
+        return await self.inner.connect(host, port)  # type: ignore[attr-defined,no-any-return]
+
+    async def serve(
+        self,
+        host: str,
+        port: int,
+        handler: object,
+        *,
+        task_status: trio.TaskStatus[int] = trio.TASK_STATUS_IGNORED,
+    ) -> None:
+        await self.inner.serve(host, port, handler, task_status=task_status)  # type: ignore[attr-defined]
+
+
+async def test_a_network_without_admit_still_serves_and_limits(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    net = MemoryNetwork()
+    config = HostConfig(handshake_rate_per_ip=1.0, handshake_burst_per_ip=2)
+    old = _OldStyleNetwork(net.interface("s"))
+    async with open_rpc_host(SERVER, listen=Address("s", 1), network=old, config=config) as s:  # type: ignore[arg-type]
+        s.register("echo", echo)
+        assert s.listen_address is not None
+        with trio.fail_after(30):
+            async with open_rpc_host(GOOD, listen=None, network=net.interface("good")) as good:
+                assert (await good.call(s.listen_address, "echo", {"x": 1})).body == {"x": 1}
+            evil = net.interface("evil")
+            refused = 0
+            for _ in range(10):
+                stream = await evil.connect("s", 1)
+                refused += await _is_closed_at_once(stream)
+                await stream.aclose()
+            assert refused == 8 and s.handshakes_refused == 8
