@@ -8,9 +8,14 @@
 
 One thread runs ``trio.run``; each call enters that loop through
 ``trio.from_thread.run`` and blocks the calling thread until it returns. Errors raised
-on the loop propagate to the caller, and a KeyboardInterrupt (Ctrl-C) in the caller
-cancels its call on the loop. Leaving the ``with`` block stops the peer and joins the
-thread; a call still running in another thread then raises PeerStoppedError.
+on the loop propagate to the caller, and a KeyboardInterrupt (Ctrl-C), or another
+exception a signal handler raises in the caller, cancels its call on the loop. Leaving the
+``with`` block stops the peer and joins the thread; a call still running in another thread
+then raises PeerStoppedError.
+
+A process forked while the peer runs (a ``DataLoader`` worker, ``multiprocessing`` with
+``fork``) cannot use it, and lets go of its sockets at once (see ``peer.network``: the
+child's copies would keep the peer's connections open after the parent closed them).
 """
 
 from __future__ import annotations
@@ -22,8 +27,8 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Awaitable, Callable, Iterable, Iterator
-from contextlib import contextmanager
+from collections.abc import Awaitable, Callable, Iterable
+from functools import partial
 from typing import Any, TypeVar
 
 import trio
@@ -36,7 +41,13 @@ from .errors import PeerStoppedError
 from .network import Network
 from .node import Peer, PeerConfig, as_list, open_peer
 
-__all__ = ["BackgroundDHT", "BackgroundPeer", "PeerStoppedError", "run_in_background"]
+__all__ = [
+    "BackgroundContext",
+    "BackgroundDHT",
+    "BackgroundPeer",
+    "PeerStoppedError",
+    "run_in_background",
+]
 
 T = TypeVar("T")
 
@@ -66,8 +77,8 @@ class BackgroundPeer:
     def run(self, async_fn: Callable[..., Awaitable[T]], *args: Any) -> T:
         """Run ``async_fn(*args)`` on the peer's loop and return its result.
 
-        A KeyboardInterrupt (SIGINT) while it waits cancels the call on the loop, waits
-        for it to unwind, and is re-raised.
+        A KeyboardInterrupt (SIGINT), or any exception a signal handler raises while it
+        waits, cancels the call on the loop, waits for it to unwind, and is re-raised.
 
         Raises:
             PeerStoppedError: if the peer is no longer running, or stops during the call.
@@ -90,10 +101,14 @@ class BackgroundPeer:
             raise PeerStoppedError("the background peer has stopped") from exc
         except trio.Cancelled as exc:  # the peer stopped while the call ran (its system task)
             raise PeerStoppedError("the background peer stopped during the call") from exc
-        except KeyboardInterrupt:
-            # Ctrl-C (a notebook's interrupt) must stop the call, not leave it running on
-            # the loop: an averaging step would go on writing into the caller's tensors
-            call.cancel()
+        except BaseException:
+            # raised in this thread while the call still runs: Ctrl-C (a notebook's
+            # interrupt), or a signal handler's exception (SystemExit on SIGTERM, a
+            # "preempted" error on SIGUSR1). It must stop the call, not leave it running
+            # on the loop: an averaging step would go on writing into the caller's
+            # tensors (while the caller saves a checkpoint), and refuse the next step
+            if not call.finished:
+                call.cancel()
             raise
 
     def run_sync(self, fn: Callable[..., T], *args: Any) -> T:
@@ -121,6 +136,14 @@ class BackgroundPeer:
     def __repr__(self) -> str:
         return f"<BackgroundPeer {self.address}>"
 
+    def __reduce__(self) -> Any:
+        # sent to a spawned process (a DataLoader worker's dataset holding it, a Pool
+        # argument): say so, rather than "cannot pickle ... Ed25519PrivateKey"
+        raise TypeError(
+            "a background peer cannot be sent to another process (it lives on this "
+            "process's thread): start one with run_in_background() in that process"
+        )
+
 
 class _InterruptibleCall:
     """One call onto the loop, which the thread that waits for it may cancel (it runs in
@@ -142,6 +165,12 @@ class _InterruptibleCall:
             raise PeerStoppedError("the call was interrupted")  # its caller has gone
         finally:
             self._done.set()
+
+    @property
+    def finished(self) -> bool:
+        """Whether the call has returned or raised (what the waiting thread then gets is
+        its outcome, not an interruption)."""
+        return self._done.is_set()
 
     def cancel(self) -> None:
         """Cancel the call from another thread and wait until it has unwound."""
@@ -219,7 +248,6 @@ class BackgroundDHT:
         return self._owner.run_sync(self._owner.peer.dht.routing_table_peers)
 
 
-@contextmanager
 def run_in_background(
     listen: str | None = "127.0.0.1:0",
     initial_peers: Iterable[str | Address] | None = (),
@@ -231,19 +259,97 @@ def run_in_background(
     announce_host: str | None = None,
     clock: Callable[[], float] = time.time,
     ensure_bootstrap_success: bool = True,
-) -> Iterator[BackgroundPeer]:
+) -> BackgroundContext:
     """Start a peer (see :func:`peer.open_peer` for the arguments) on a background thread.
 
-    Returns once the peer is up and bootstrapped; leaving the block stops it and joins
-    the thread. A KeyboardInterrupt (Ctrl-C) during the start stops the half-started peer
-    before it propagates, as one during a call cancels that call (see
-    :meth:`BackgroundPeer.run`).
+    Use it as ``with run_in_background(...) as node:``: entering returns once the peer is
+    up and bootstrapped; leaving the block stops it and joins the thread. A
+    KeyboardInterrupt (Ctrl-C), or another exception a signal handler raises, during the
+    start stops the half-started peer before it propagates, as one during a call cancels
+    that call (see :meth:`BackgroundPeer.run`). A process forked meanwhile (DataLoader
+    workers) lets go of the peer's sockets (see the module's docstring).
+    ``node = run_in_background(...).__enter__()`` (a notebook) keeps the peer running until
+    ``__exit__`` or the interpreter's exit, even once the context object is garbage.
 
     Raises:
         ProtocolError, IdentityFileError, OSError, PeerUnavailableError: as
-            :func:`peer.open_peer`, at startup.
-        RuntimeError: if called from inside a trio run (it would block that loop: use
+            :func:`peer.open_peer`, when entered.
+        RuntimeError: if entered inside a trio run (it would block that loop: use
             ``async with peer.open_peer(...)`` there).
+    """
+    start = partial(
+        _start_in_background,
+        listen,
+        initial_peers,
+        identity,
+        client_mode,
+        network,
+        config,
+        announce_host=announce_host,
+        clock=clock,
+        ensure_bootstrap_success=ensure_bootstrap_success,
+    )
+    return BackgroundContext(start)
+
+
+class BackgroundContext:
+    """What :func:`run_in_background` returns: a context manager whose ``__enter__`` starts
+    the peer. A class, not a generator, so that the peer does not stop when this object is
+    garbage collected (``node = run_in_background().__enter__()`` stopped at once, and the
+    first call said "the background peer has stopped")."""
+
+    def __init__(self, start: Callable[[], tuple[BackgroundPeer, Callable[[bool], None]]]) -> None:
+        self._start = start
+        self._stop: Callable[[bool], None] | None = None
+
+    def __enter__(self) -> BackgroundPeer:
+        """Start the peer and return it.
+
+        Raises:
+            RuntimeError: if entered twice, or inside a trio run.
+            Exception: what :func:`peer.open_peer` raises at startup.
+        """
+        if self._stop is not None:
+            raise RuntimeError("this run_in_background() block is already entered")
+        node, self._stop = self._start()
+        return node
+
+    def __exit__(self, exc_type: type[BaseException] | None, *exc_info: object) -> None:
+        """Stop the peer and join its thread.
+
+        Raises:
+            Exception: what crashed the peer's loop while the block ran (when the block
+                itself raised nothing).
+        """
+        stop, self._stop = self._stop, None
+        if stop is not None:
+            stop(exc_type is None)
+
+    def __getattr__(self, name: str) -> Any:
+        # node = run_in_background(...); node.dht.store(...): the `with` was forgotten
+        raise AttributeError(
+            f"run_in_background() returns a context manager, which has no {name!r}: use "
+            "`with peer.run_in_background(...) as node:` and call node's methods inside"
+        )
+
+
+def _start_in_background(
+    listen: str | None,
+    initial_peers: Iterable[str | Address] | None,
+    identity: Identity | str | os.PathLike[str] | None,
+    client_mode: bool,
+    network: Network | None,
+    config: PeerConfig | None,
+    *,
+    announce_host: str | None,
+    clock: Callable[[], float],
+    ensure_bootstrap_success: bool,
+) -> tuple[BackgroundPeer, Callable[[bool], None]]:
+    """Start the peer's thread; returns the peer, and what stops it (and re-raises a crash
+    of its loop when told to).
+
+    Raises:
+        RuntimeError: inside a trio run. Exception: what open_peer raises at startup.
     """
     try:
         trio.lowlevel.current_trio_token()
@@ -293,8 +399,8 @@ def run_in_background(
     thread.start()
     try:
         ready.wait()
-    except KeyboardInterrupt:  # Ctrl-C during the start: no peer may live on unseen
-        startup.cancel()
+    except BaseException:  # Ctrl-C (or a signal handler's error) during the start: no
+        startup.cancel()  # peer may live on unseen
         thread.join()
         raise
     if not started:
@@ -309,14 +415,14 @@ def run_in_background(
             trio.from_thread.run_sync(stop[0].set, trio_token=node._token)
         thread.join()
 
-    # a script that ends inside the block: stop the peer at exit, while its thread still
-    # runs (once the interpreter finalizes, the thread is frozen and joining it hangs)
-    atexit.register(shut_down)
-    try:
-        yield node
-    finally:
+    def leave(raise_failure: bool) -> None:
         atexit.unregister(shut_down)
         if not sys.is_finalizing():  # else the atexit hook already stopped it
             shut_down()
-    if failure:  # the loop crashed while the block ran
-        raise failure[0]
+        if failure and raise_failure:  # the loop crashed while the block ran
+            raise failure[0]
+
+    # a script that ends inside the block: stop the peer at exit, while its thread still
+    # runs (once the interpreter finalizes, the thread is frozen and joining it hangs)
+    atexit.register(shut_down)
+    return node, leave

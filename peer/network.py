@@ -6,9 +6,12 @@ switchboard with latency, partitions and crashes for tests. Both implement :clas
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import logging
+import os
 import socket
+import weakref
 from collections.abc import Awaitable, Callable
 from typing import Protocol, runtime_checkable
 
@@ -68,6 +71,7 @@ class TcpNetwork:
         """
         stream = await trio.open_tcp_stream(host, port)
         _set_nodelay(stream)
+        _OPEN_SOCKETS.add(stream.socket)
         return stream
 
     async def serve(
@@ -92,6 +96,7 @@ class TcpNetwork:
             _set_nodelay(stream)
             await handler(stream)
 
+        _OPEN_SOCKETS.update(listener.socket for listener in listeners)
         task_status.started(bound_port)
         try:
             async with trio.open_nursery() as nursery:
@@ -133,7 +138,37 @@ async def _accept_loop(
         if admit is not None and not admit(_host_of(address)):
             conn.close()
             continue
+        _OPEN_SOCKETS.add(conn)
         nursery.start_soon(accepted, trio.SocketStream(conn))
+
+
+_OPEN_SOCKETS: weakref.WeakSet[trio.socket.SocketType] = weakref.WeakSet()
+"""Every socket TcpNetwork made (connected, accepted, listening) that is still alive."""
+
+
+def _release_sockets_in_child() -> None:
+    """After ``os.fork()`` (a DataLoader worker, multiprocessing's "fork"), in the child:
+    point the descriptors of the parent's peer sockets at /dev/null. The child cannot use
+    its peers (their trio loop is not in it), and its copies of their sockets would keep
+    the connections open after the parent closed them (no FIN: the other side kept calling
+    a peer that left) and the listeners accepting dials that nobody answers (a dial waited
+    for the handshake timeout instead of being refused). The parent's sockets stay as they
+    are; the child's socket objects, if ever closed, close /dev/null."""
+    descriptors = {fd for sock in list(_OPEN_SOCKETS) if (fd := sock.fileno()) >= 0}
+    _OPEN_SOCKETS.clear()  # a grandchild must not touch these numbers again
+    if not descriptors:
+        return
+    null = os.open(os.devnull, os.O_RDWR)
+    try:
+        for fd in descriptors - {null}:
+            with contextlib.suppress(OSError):
+                os.dup2(null, fd, inheritable=False)
+    finally:
+        os.close(null)
+
+
+if hasattr(os, "register_at_fork"):  # (subprocess's fork+exec runs no such handler)
+    os.register_at_fork(after_in_child=_release_sockets_in_child)
 
 
 def _host_of(address: object) -> str:

@@ -106,6 +106,21 @@ def _check_prefix(prefix: object) -> str:
     return prefix
 
 
+def _check_node(node: object) -> None:
+    """Raises: TypeError for a node that is not a running peer (the usual one: the context
+    manager of ``run_in_background``, the ``with`` forgotten)."""
+    if isinstance(node, Peer | BackgroundPeer):
+        return
+    hint = ""
+    if hasattr(type(node), "__enter__") or hasattr(type(node), "__aenter__"):
+        hint = (
+            ": this is a context manager; the peer is what entering it gives "
+            "(`with peer.run_in_background(...) as node:`, or "
+            "`async with peer.open_peer(...) as node:`)"
+        )
+    raise TypeError(f"node must be a running peer, got {type(node).__name__}{hint}")
+
+
 def _shorten(indices: Sequence[int], most: int = 8) -> str:
     """``[0, 1, ...]``: the first ``most`` indices of a list."""
     return str(indices[:most])[:-1] + (", ...]" if len(indices) > most else "]")
@@ -147,6 +162,8 @@ class Averager:
         config: everything else.
 
     Raises:
+        TypeError: if ``node`` is not a peer (``run_in_background(...)`` itself, not the
+            ``node`` its ``with`` block gives).
         TypeError, ValueError: for unusable tensors (not floating, read-only, sparse,
             inference tensors, or sharing memory with another one), config, or prefix (a
             non-empty str of at most ~480 bytes).
@@ -171,6 +188,7 @@ class Averager:
             "max_staleness": max_staleness,
         }
         config = replace(config, **{k: v for k, v in overrides.items() if v is not None})
+        _check_node(node)
         self._background = node if isinstance(node, BackgroundPeer) else None
         if isinstance(node, BackgroundPeer):
             node = node.peer
@@ -240,6 +258,13 @@ class Averager:
 
     def __repr__(self) -> str:
         return f"<Averager {self.prefix!r}: {self.layout.describe()}, codec {self.codec.name}>"
+
+    def __reduce__(self) -> Any:
+        # sent to another process (a spawned DataLoader worker, a Pool argument)
+        raise TypeError(
+            "an Averager cannot be sent to another process (it serves its peer's RPCs "
+            "here); step it in this process, or make one on a peer of that process"
+        )
 
     def close(self) -> None:
         """Stop serving this averager's RPCs (requests for them answer ``unknown_method``
@@ -313,8 +338,13 @@ class Averager:
                 "this Averager is on a background peer (run_in_background): call "
                 "step_blocking() from a thread, or build it on open_peer()'s peer in async code"
             )
-        if self._busy or self._closed:
-            raise RuntimeError("the averager is closed or already in a step")
+        if self._closed:
+            raise RuntimeError(f"the averager {self.prefix!r} is closed: make a new one")
+        if self._busy:  # e.g. step_blocking from two threads: one step at a time
+            raise RuntimeError(
+                f"the averager {self.prefix!r} is already in a step (from another task or "
+                "thread): its steps run one at a time"
+            )
         self.flat.check_memory()
         self._warn_if_unreferenced()
         self._busy = True
@@ -343,7 +373,9 @@ class Averager:
                 "averager, so nobody will see their average. Were they parameters' .grad? "
                 "optimizer.zero_grad() sets .grad to None (torch's default) and the next "
                 "backward makes new tensors: call zero_grad(set_to_none=False) so the same "
-                "tensors are reused, or make the Averager with the new tensors",
+                "tensors are reused. Or were they p.data of parameters that got other memory "
+                "(model.to(dtype), model.half(), load_state_dict(assign=True), p.data = ...)? "
+                "Make the Averager with the new tensors",
                 RuntimeWarning,
                 stacklevel=3,
             )
