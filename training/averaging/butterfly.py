@@ -5,7 +5,10 @@
         download: member j's result stream -> decoded straight into flat[span j]
     our own part: a ReducerService (see reducing) runs beside them
 
-A part whose upload failed is still downloaded (the reducer averaged the others). A part
+A part whose upload failed is still downloaded (the reducer averaged the others). Its
+result header stops the encoding of our remaining chunks of the part (it is final), so
+that the results are read while our last calls wait for their answers: both ways share
+one connection, whose reader stops behind 32 unread result items. A part
 whose download did not complete keeps our local values: ``FlatVector.store`` copies back
 into the tensors only the spans that were fully received, so the tensors are exactly what
 the report says. Everything ends by the round's deadline.
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import math
+from dataclasses import replace
 
 import numpy as np
 import trio
@@ -69,6 +73,8 @@ class Butterfly:
         self.reports: dict[int, PartReport] = {}
         self.counted: set[int] = set()  # parts whose result header lists us (error feedback)
         self.held: dict[int, list[bytes | memoryview]] = {}  # see _download and commit
+        # per part: cancelled by the result header, it ends the encoding of our chunks
+        self._encoding: dict[int, trio.CancelScope] = {}
         remote = max(1, len(plan.reducers) - (service is not None))
         self.per_part_inflight = max(1, math.ceil(config.max_inflight / remote))
         self._downloads = trio.Semaphore(config.max_downloads)
@@ -133,6 +139,7 @@ class Butterfly:
         assert reducer.address is not None
         address = Address.parse(reducer.address)
         encoded = trio.Event()  # our values of the part are all encoded: results may land
+        self._encoding[index] = trio.CancelScope()
         async with trio.open_nursery() as nursery:
             if self.plan.weights[self.plan.me] is not None:
                 nursery.start_soon(self._upload, index, address, encoded)
@@ -143,8 +150,9 @@ class Butterfly:
 
     async def _upload(self, index: int, address: Address, encoded: trio.Event) -> None:
         """Send our values of part ``index``; stops early when the reducer is gone or has
-        dropped us (what it did with them, its result header will say). Sets ``encoded``
-        once the flat vector's span is no longer read (blobs are copies, or views of tensors)."""
+        dropped us (what it did with them, its result header will say), and encodes no
+        more chunks once the header came. Sets ``encoded`` once the flat vector's span is
+        no longer read (blobs are copies, or views of tensors)."""
         try:
             await self._send_part(index, address, encoded)
         finally:
@@ -193,41 +201,42 @@ class Butterfly:
             stall = self.config.stall_timeout
             outer.start_soon(self.liveness.watch, reducer, progress, stall, outer.cancel_scope)
             async with trio.open_nursery() as senders:
-                for chunk in range(chunk_count(length, self.config.chunk_elements)):
-                    a, b = chunk_span(length, self.config.chunk_elements, chunk)
-                    if self.feedback is None:
-                        values = self.flat.source(start + a, start + b)
-                    else:
-                        values = self.flat.array[start + a : start + b]
-                    # the none codec sends a tensor's values as they are (no copy), unless
-                    # they sit in the flat vector, which results overwrite. NaN/Inf: int8
-                    # and topk refuse to encode them (we withdraw); none and float16 carry
-                    # them, and the reducer, which checks every chunk anyway, drops us.
-                    raw = zero_copy and not np.may_share_memory(values, self.flat.array)
-                    header = ChunkHeader(
-                        self.plan.round, index, chunk, me.epoch, me.weight, raw=raw
-                    )
-                    await slots.acquire()  # released by send() when its call is over
-                    buffer = None if raw else pool.take(self.codec.encoded_size(b - a))
-                    try:
-                        if buffer is None:
-                            payload = memoryview(values).cast("B")  # type: ignore[arg-type]
+                with self._encoding[index]:  # cancelled by the result header
+                    for chunk in range(chunk_count(length, self.config.chunk_elements)):
+                        a, b = chunk_span(length, self.config.chunk_elements, chunk)
+                        if self.feedback is None:
+                            values = self.flat.source(start + a, start + b)
                         else:
-                            payload = memoryview(buffer)[: self.codec.encode_into(values, buffer)]
-                    except NonFiniteError:  # withdraw from the part instead
-                        if buffer is not None:
-                            pool.give(buffer)
-                        abort = ChunkHeader(
-                            self.plan.round, index, chunk, me.epoch, me.weight, DropReason.NONFINITE
+                            values = self.flat.array[start + a : start + b]
+                        # the none codec sends a tensor's values as they are (no copy), unless
+                        # they sit in the flat vector, which results overwrite. NaN/Inf: int8
+                        # and topk refuse to encode them (we withdraw); none and float16 carry
+                        # them, and the reducer, which checks every chunk anyway, drops us.
+                        raw = zero_copy and not np.may_share_memory(values, self.flat.array)
+                        header = ChunkHeader(
+                            self.plan.round, index, chunk, me.epoch, me.weight, raw=raw
                         )
-                        body = abort.to_body()
-                        senders.start_soon(send, body, None, memoryview(b""), senders.cancel_scope)
-                        break
-                    if self.feedback is not None:
-                        self.feedback.record(index, start + a, bytes(payload))
-                    senders.start_soon(
-                        send, header.to_body(), buffer, payload, senders.cancel_scope
-                    )
+                        await slots.acquire()  # released by send() when its call is over
+                        buffer = None if raw else pool.take(self.codec.encoded_size(b - a))
+                        try:
+                            if buffer is None:
+                                payload = memoryview(values).cast("B")  # type: ignore[arg-type]
+                            else:
+                                size = self.codec.encode_into(values, buffer)
+                                payload = memoryview(buffer)[:size]
+                        except NonFiniteError:  # withdraw from the part instead
+                            if buffer is not None:
+                                pool.give(buffer)
+                            body = replace(header, abort=DropReason.NONFINITE).to_body()
+                            senders.start_soon(
+                                send, body, None, memoryview(b""), senders.cancel_scope
+                            )
+                            break
+                        if self.feedback is not None:
+                            self.feedback.record(index, start + a, bytes(payload))
+                        senders.start_soon(
+                            send, header.to_body(), buffer, payload, senders.cancel_scope
+                        )
                 encoded.set()
             outer.cancel_scope.cancel()
 
@@ -280,7 +289,11 @@ class Butterfly:
         fetched: list[ResultHeader],
     ) -> tuple[bool, str]:
         """One result stream of part ``index``: (received, note). The header goes into
-        ``fetched``; a stream started again must announce the same one.
+        ``fetched``; a stream started again must announce the same one. The header ends
+        the encoding of our chunks of the part (see the module's docstring): the result
+        chunks wait for ``encoded``, unread, and the connection stops reading behind 32
+        of them, the answers to our chunk calls too, which the encoding waits for (a
+        member dropped at the cutoff then found its reducer dead, the part lost).
 
         Raises:
             RemoteError, PeerUnavailableError: as the stream's call.
@@ -306,6 +319,9 @@ class Butterfly:
                         raise RemoteProtocolError("the result header changed")
                     self._check_header(header, expected_chunks)
                     fetched[:] = [header]
+                    # the part is final: chunks not sent yet would be refused (a sender
+                    # it lists had sent them all); the calls under way end as they will
+                    self._encoding[index].cancel()
                     continue
                 await encoded.wait()
                 chunk += 1
