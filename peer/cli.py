@@ -310,9 +310,9 @@ def _guard_closed_stdio() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one `swarm` command; returns the exit code."""
     stop = _SignalStop()  # first: a signal during the imports below must end cleanly too
-    _guard_closed_stdio()
     command = None
     try:
+        _guard_closed_stdio()  # (inside: a signal may come as soon as the handlers are in)
         args = _parser().parse_args(argv)
         command = args.command
         # a bootstrap node logs peers joining and leaving (INFO); status says what went

@@ -7,6 +7,7 @@ right after a condition the test observes (the printed address, the handler bein
 
 from __future__ import annotations
 
+import os
 import signal
 import subprocess
 import sys
@@ -283,3 +284,23 @@ def test_an_interruption_python_cannot_propagate_prints_no_traceback() -> None:
     assert out.returncode == 0, out.stderr
     assert "_Interrupted" not in out.stderr, out.stderr
     assert "other errors still show" in out.stderr
+
+
+def test_a_signal_while_the_command_checks_its_stdio_ends_it_cleanly(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The handlers are in before main() checks for closed stdout/stderr: a signal there
+    (seen once in a full suite run: SIGINT sent the moment the handler was in) raised the
+    handler's exception past main(), a traceback and exit code 1."""
+    from peer import cli
+
+    def signalled_meanwhile() -> None:
+        os.kill(os.getpid(), signal.SIGTERM)  # its handler runs at once, in this thread
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    monkeypatch.setattr(cli, "_guard_closed_stdio", signalled_meanwhile)
+    try:
+        assert cli.main(["bootstrap", "--host", "127.0.0.1"]) == 0
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
