@@ -97,6 +97,20 @@ async def test_a_reply_that_comes_before_the_upload_is_written_stops_reading_the
 # -- the per-host rate limit on inbound connections -------------------------------------
 
 
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+needs_ipv6_loopback = pytest.mark.skipif(
+    not _ipv6_loopback(), reason="no IPv6 loopback (::1) on this machine (e.g. a container)"
+)
+
+
 def _client_identity(index: int) -> Identity:
     return Identity.from_seed((9_000 + index).to_bytes(32, "big"))
 
@@ -136,6 +150,7 @@ async def test_a_crowd_behind_one_nat_joining_at_once_is_served(
         assert bootstrap.handshakes_refused == 0
 
 
+@needs_ipv6_loopback
 async def test_tcp_accept_loop_names_the_ipv6_host_as_the_stream_does() -> None:
     """The accept loop's ``admit`` sees the host that the per-host limits count by
     (``remote_host_of`` on the stream): the same string, over IPv6 too."""
@@ -251,6 +266,7 @@ async def test_refusals_by_the_rate_limit_do_not_evict_an_honest_contact(
             assert x.peer_id in table, "an honest contact evicted for the rate limit's refusals"
 
 
+@needs_ipv6_loopback
 async def test_ipv6_loopback_is_exempt_from_the_rate_limit_like_ipv4_loopback() -> None:
     """HostConfig.rate_limit_loopback (off by default): local experiments start peers by
     the hundred on this machine's loopback, and each refused one fails its ``open_peer``.
