@@ -98,6 +98,39 @@ def answer_every_lookup_with(hostile: Peer, named: Callable[[DHTID], tuple[NodeI
         hostile.rpc.register_quick(method, handler)
 
 
+FROZEN_HOST = "10.0.0.66"
+"""Where the made-up nodes live: a host that swallows connections (frozen)."""
+
+
+def made_up_nodes(target: DHTID) -> tuple[NodeInfo, ...]:
+    """MAX_NODES nodes closer to ``target`` than anyone, at the frozen host."""
+    ids = (PeerID((int(target) ^ i).to_bytes(32, "big")) for i in range(1, MAX_NODES + 1))
+    return tuple(NodeInfo(peer_id, f"{FROZEN_HOST}:4000") for peer_id in ids)
+
+
+async def honest_peers_and_one_naming_made_up_nodes(
+    stack: AsyncExitStack, net: MemoryNetwork, honest: int
+) -> tuple[list[Peer], Peer]:
+    """``honest`` peers at 10.0.0.1.. (all joined through the first), and a hostile one at
+    10.0.0.9 that answers every lookup with :func:`made_up_nodes` (the host frozen)."""
+    net.freeze_host(FROZEN_HOST)
+    first = await stack.enter_async_context(
+        open_peer("10.0.0.1:0", network=net.interface("10.0.0.1"))
+    )
+    peers = [first]
+    for i in range(2, honest + 1):
+        peers.append(
+            await stack.enter_async_context(
+                open_peer(f"10.0.0.{i}:0", [first.address], network=net.interface(f"10.0.0.{i}"))
+            )
+        )
+    hostile = await stack.enter_async_context(
+        open_peer("10.0.0.9:0", [first.address], network=net.interface("10.0.0.9"))
+    )
+    answer_every_lookup_with(hostile, made_up_nodes)
+    return peers, hostile
+
+
 async def test_a_reply_naming_many_dead_nodes_costs_a_lookup_round_trips_not_timeouts(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
@@ -108,30 +141,9 @@ async def test_a_reply_naming_many_dead_nodes_costs_a_lookup_round_trips_not_tim
     store, a miss and a find_nodes each take about a second (12 s before: 16 requests at
     a time waited out their 3 s timeouts). None of them enters a table."""
     net = MemoryNetwork(latency=0.01)
-    net.freeze_host("10.0.0.66")
-
-    def made_up(target: DHTID) -> tuple[NodeInfo, ...]:
-        ids = (PeerID((int(target) ^ i).to_bytes(32, "big")) for i in range(1, MAX_NODES + 1))
-        return tuple(NodeInfo(peer_id, "10.0.0.66:4000") for peer_id in ids)
-
     with trio.fail_after(120):
         async with AsyncExitStack() as stack:
-            first = await stack.enter_async_context(
-                open_peer("10.0.0.1:0", network=net.interface("10.0.0.1"))
-            )
-            peers = [first]
-            for i in range(2, 8):
-                peers.append(
-                    await stack.enter_async_context(
-                        open_peer(
-                            f"10.0.0.{i}:0", [first.address], network=net.interface(f"10.0.0.{i}")
-                        )
-                    )
-                )
-            hostile = await stack.enter_async_context(
-                open_peer("10.0.0.9:0", [first.address], network=net.interface("10.0.0.9"))
-            )
-            answer_every_lookup_with(hostile, made_up)
+            peers, hostile = await honest_peers_and_one_naming_made_up_nodes(stack, net, honest=7)
             victim = peers[-1]
             assert hostile.peer_id in victim.dht.table
             for operation in (

@@ -10,16 +10,15 @@ from typing import Any
 
 import trio
 import trio.testing
-from test_dht_hostile import answer_every_lookup_with
+from test_dht_hostile import FROZEN_HOST, honest_peers_and_one_naming_made_up_nodes
 from test_rpc import two_hosts
 
 from peer.dht.routing import DEPARTED_MEMORY
 from peer.memnet import MemoryNetwork
 from peer.node import open_peer
 from peer.rpc import Reply, Request
-from protocol.dhtid import DHTID
-from protocol.identity import Identity, PeerID
-from protocol.messages import MAX_NODES, NodeInfo
+from protocol.identity import Identity
+from protocol.messages import NodeInfo
 
 
 async def test_recontact_pings_under_churn_of_hundreds_stay_bounded(
@@ -81,30 +80,9 @@ async def test_background_stores_to_made_up_nodes_stay_bounded(
     at once, none left after the request timeout, at most one background STORE per STORE
     given up on (no amplification beyond the lookups' own), and every key is found."""
     net = MemoryNetwork(latency=0.01)
-    net.freeze_host("10.0.0.66")
-
-    def made_up(target: DHTID) -> tuple[NodeInfo, ...]:
-        ids = (PeerID((int(target) ^ i).to_bytes(32, "big")) for i in range(1, MAX_NODES + 1))
-        return tuple(NodeInfo(peer_id, "10.0.0.66:4000") for peer_id in ids)
-
     with trio.fail_after(600):
         async with AsyncExitStack() as stack:
-            first = await stack.enter_async_context(
-                open_peer("10.0.0.1:0", network=net.interface("10.0.0.1"))
-            )
-            peers = [first]
-            for i in range(2, 6):
-                peers.append(
-                    await stack.enter_async_context(
-                        open_peer(
-                            f"10.0.0.{i}:0", [first.address], network=net.interface(f"10.0.0.{i}")
-                        )
-                    )
-                )
-            hostile = await stack.enter_async_context(
-                open_peer("10.0.0.9:0", [first.address], network=net.interface("10.0.0.9"))
-            )
-            answer_every_lookup_with(hostile, made_up)
+            peers, _ = await honest_peers_and_one_naming_made_up_nodes(stack, net, honest=5)
             victim = peers[-1]
             store = victim.dht.protocol.store
             running, most = [0], [0]
@@ -114,7 +92,7 @@ async def test_background_stores_to_made_up_nodes_stay_bounded(
             async def counting(
                 node: NodeInfo, *args: Any, take_slot: bool = True, **kw: Any
             ) -> Any:
-                if node.address == "10.0.0.66:4000":
+                if node.address == f"{FROZEN_HOST}:4000":
                     sent["lookup" if take_slot else "background"] += 1
                 if take_slot:
                     return await store(node, *args, take_slot=take_slot, **kw)

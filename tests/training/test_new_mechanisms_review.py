@@ -4,6 +4,7 @@ member on a bad link. Each scenario is built from the docs' description of the m
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
 from dataclasses import replace
 from typing import Any
 
@@ -74,6 +75,26 @@ def chunk_of(values: np.ndarray, index: int, *, retry: bool = False) -> tuple[Ch
 # -- a retried chunk whose first call still waits at the reducer ------------------------------
 
 
+SendChunk = Callable[..., Awaitable[None]]
+
+
+def chunk_sender(
+    service: ReducerService, values: dict[int, np.ndarray], answers: list[str]
+) -> SendChunk:
+    """``send(sender, index, retry=False)``: sender's chunk ``index`` of ``values[sender]``
+    to ``service``; each answer ("S:I:ok" or "S:I:<error>") goes into ``answers``."""
+
+    async def send(sender: int, index: int, retry: bool = False) -> None:
+        header, blob = chunk_of(values[sender], index, retry=retry)
+        try:
+            await service.on_chunk(peer(sender), header, blob)
+            answers.append(f"{sender}:{index}:ok")
+        except RemoteError as exc:
+            answers.append(f"{sender}:{index}:{exc}")
+
+    return send
+
+
 async def test_retry_while_the_first_call_still_waits_is_no_garbage(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
@@ -87,14 +108,7 @@ async def test_retry_while_the_first_call_still_waits_is_no_garbage(
     service, tensor = service_for(2, retain_budget=0)  # one sender admitted at a time
     values = {i: np.full(2 * CHUNK, float(i), np.float32) for i in (1, 2)}
     answers: list[str] = []
-
-    async def send(sender: int, index: int, retry: bool = False) -> None:
-        header, blob = chunk_of(values[sender], index, retry=retry)
-        try:
-            await service.on_chunk(peer(sender), header, blob)
-            answers.append(f"{sender}:{index}:ok")
-        except RemoteError as exc:
-            answers.append(f"{sender}:{index}:{exc}")
+    send = chunk_sender(service, values, answers)
 
     with trio.fail_after(30):
         await service.load()

@@ -6,9 +6,7 @@ from __future__ import annotations
 import numpy as np
 import trio
 import trio.testing
-from test_new_mechanisms_review import CHUNK, chunk_of, peer, service_for
-
-from peer import RemoteError
+from test_new_mechanisms_review import CHUNK, chunk_sender, peer, service_for
 
 
 async def test_a_retry_keeps_the_senders_place_in_the_admission_queue(
@@ -22,14 +20,7 @@ async def test_a_retry_keeps_the_senders_place_in_the_admission_queue(
     service, _ = service_for(3, retain_budget=0)  # one sender admitted at a time
     values = {i: np.full(2 * CHUNK, float(i), np.float32) for i in (1, 2, 3)}
     answers: list[str] = []
-
-    async def send(sender: int, index: int, retry: bool = False) -> None:
-        header, blob = chunk_of(values[sender], index, retry=retry)
-        try:
-            await service.on_chunk(peer(sender), header, blob)
-            answers.append(f"{sender}:{index}:ok")
-        except RemoteError as exc:
-            answers.append(f"{sender}:{index}:{exc}")
+    send = chunk_sender(service, values, answers)
 
     with trio.fail_after(30):
         await service.load()
