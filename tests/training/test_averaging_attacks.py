@@ -646,7 +646,13 @@ async def test_a_reducer_cannot_make_us_keep_int8_results_larger_than_the_codec_
     (bad,) = [p for p in info.parts if p.reducer == members[1].peer_id]
     assert not bad.received  # refused, not kept at 5x
     (good,) = [p for p in info.parts if p.reducer == members[0].peer_id]
-    assert good.status is PartStatus.ALL
+    # our own part: the liar's values count when they came before its lie was caught, and
+    # it is dropped from the part as garbage when the lie came first (which one depends on
+    # the order of the two peers' chunks, so on their random identities: ~1 run in 40)
+    if good.status is not PartStatus.ALL:
+        assert good.status is PartStatus.SOME, good
+        assert good.dropped == {members[1].peer_id: DropReason.GARBAGE}, good
+        assert good.contributors == (members[0].peer_id,), good
 
 
 MALFORMED: dict[str, Callable[[dict[str, Any]], dict[str, Any]]] = {
