@@ -128,6 +128,12 @@ class MemoryStream(trio.abc.HalfCloseableStream):
             self._network.bytes_sent += len(data)
             self._network.bytes_sent_by[self.local_host] += len(data)
 
+    async def send_some(self, data: bytes | bytearray | memoryview) -> int:
+        """``send_all`` that says how much it sent: all of ``data``, or (cancelled) none,
+        as a socket's ``send`` (see :func:`peer.network.partial_sender`)."""
+        await self.send_all(data)
+        return memoryview(data).nbytes
+
     async def _wait_for_window(self) -> None:
         """Wait while the network's ``window`` or more bytes are unread in our direction.
 

@@ -17,11 +17,21 @@ from typing import Protocol, runtime_checkable
 
 import trio
 
-__all__ = ["AdmitFilter", "ConnectionHandler", "Network", "TcpNetwork", "remote_host_of"]
+__all__ = [
+    "AdmitFilter",
+    "ConnectionHandler",
+    "Network",
+    "PartialSender",
+    "TcpNetwork",
+    "partial_sender",
+    "remote_host_of",
+]
 
 logger = logging.getLogger(__name__)
 
 ConnectionHandler = Callable[[trio.abc.Stream], Awaitable[None]]
+PartialSender = Callable[[memoryview], Awaitable[int]]
+"""Sends a prefix of the bytes given and returns its length; cancelled, it sent nothing."""
 AdmitFilter = Callable[[str], bool]
 """Called with an accepted connection's remote host before anything else is spent on it;
 False closes the connection at once."""
@@ -194,3 +204,33 @@ def remote_host_of(stream: trio.abc.Stream) -> str:
         return str(peer[0]) if isinstance(peer, tuple) else str(peer)
     host = getattr(stream, "remote_host", None)
     return host if isinstance(host, str) else "?"
+
+
+_CLOSED_ERRNOS = {errno.EBADF, errno.ENOTSOCK}
+
+
+def partial_sender(stream: trio.abc.Stream) -> PartialSender | None:
+    """A way to write to ``stream`` that tells how much went out before a cancellation,
+    or None when the stream cannot tell (``send_all`` cancelled midway leaves it unknown).
+
+    A TCP stream sends through its socket, whose ``send`` either sends some bytes or is
+    cancelled having sent none; a stream with a ``send_some`` method of that contract
+    (the memory network's) defined on its class uses it. Errors are those of ``send_all``.
+    """
+    if isinstance(stream, trio.SocketStream):
+        sock = stream.socket
+
+        async def send_some(data: memoryview) -> int:
+            try:
+                return await sock.send(data)
+            except OSError as exc:  # as trio's SocketStream.send_all translates them
+                if exc.errno in _CLOSED_ERRNOS:
+                    raise trio.ClosedResourceError("socket was already closed") from None
+                raise trio.BrokenResourceError(f"socket connection broken: {exc}") from exc
+
+        return send_some
+    # Looked up on the class: a wrapper that forwards unknown attributes to the stream it
+    # wraps (a rate limiter) must not hand out the inner stream's method, bypassing itself.
+    if callable(getattr(type(stream), "send_some", None)):
+        return stream.send_some  # type: ignore[attr-defined]
+    return None

@@ -73,6 +73,7 @@ from .calls import ReplyStream as ReplyStream
 from .calls import Request as Request
 from .calls import StreamHandler as StreamHandler
 from .errors import LimitExceededError, PeerUnavailableError, RemoteError
+from .secure import SecureStream
 from .wire import FrameReader, Outbox, send_coalesced, write_pieces
 
 __all__ = [
@@ -383,7 +384,8 @@ class RpcConnection:
             await self._outbox.put(pieces, urgent=urgent and size <= _DIRECT_MAX, size=size)
             return
         # No checkpoint since the one above, so nothing interrupts the write before its
-        # first byte; an interruption after it leaves half a frame: the connection ends.
+        # first byte. A cancellation after it leaves the frame's rest with the secure
+        # stream (see ``_write_claimed``); any other interruption ends the connection.
         await self._write_claimed(pieces)
 
     def _claim_direct(self, size: int) -> bool:
@@ -399,6 +401,16 @@ class RpcConnection:
         """
         try:
             await write_pieces(self._byte_stream, pieces)
+        except trio.Cancelled:
+            stream = self._byte_stream
+            if not (isinstance(stream, SecureStream) and stream.intact):
+                logger.debug("%r: write interrupted midway by a cancellation", self)
+                self._shutdown(PeerUnavailableError("a write was interrupted midway"))
+                raise
+            # The frame was sealed whole; the stream sends what it still owes of it first
+            # at its next send: the writer makes one now (the connection lives on).
+            self._outbox.put_nowait(())
+            raise
         except BaseException as exc:
             cause = exc if isinstance(exc, _WRITE_ERRORS) else None
             logger.debug("%r: write interrupted: %r", self, exc)

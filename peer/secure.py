@@ -27,7 +27,7 @@ from protocol.identity import Identity, PeerID
 from protocol.noise import MAX_PLAINTEXT_PER_MESSAGE, NEED_DATA, NoiseHandshake, NoiseTransport
 
 from .errors import PeerBusyError, PeerUnavailableError
-from .network import remote_host_of
+from .network import partial_sender, remote_host_of
 
 __all__ = ["SecureStream", "secure_handshake"]
 
@@ -56,6 +56,9 @@ class SecureStream(trio.abc.Stream):
         self.remote_host = remote_host_of(stream)
         self._transport = transport
         self._out = bytearray()
+        self._send_some = partial_sender(stream)
+        self._owed: memoryview | None = None  # sealed bytes of a cancelled write, unsent
+        self._torn = False  # a send was cut off with its data not all sealed, or unknown
         self._receive_size = _MIN_RECEIVE_SIZE
         self._pending: memoryview | None = None  # decrypted bytes not yet handed out
         self._eof = False
@@ -88,17 +91,29 @@ class SecureStream(trio.abc.Stream):
         """Seal and send several buffers back to back, in as few writes as possible.
         ``pieces`` is read again after every await (an item may be replaced meanwhile).
 
+        Cancelled once all of ``pieces`` was sealed, the stream keeps what did not go out
+        yet and sends it first at the next send (so the peer still gets every byte, in
+        order): it stays :attr:`intact`. Cancelled earlier, or on a raw stream that cannot
+        tell how much of a write went out, it is torn: every later send raises.
+
         Raises:
-            trio.BrokenResourceError: if the connection failed.
+            trio.BrokenResourceError: if the connection failed, or an earlier send was
+                cut off midway (see :attr:`intact`).
             trio.ClosedResourceError: if we closed the stream.
             trio.BusyResourceError: if another task is sending.
         """
         if self._sending:
             raise trio.BusyResourceError("another task is sending on this stream")
         self._sending = True
+        sealing = False  # between the first seal of this send and the last
         try:
             if self._closed:
                 raise trio.ClosedResourceError("stream closed")
+            if self._torn:
+                raise trio.BrokenResourceError("an earlier send was cut off midway")
+            if self._owed is not None:
+                await self._send_owed()
+            sealing = True
             used = 0
             for index in range(len(pieces)):
                 size = memoryview(pieces[index]).nbytes
@@ -115,12 +130,23 @@ class SecureStream(trio.abc.Stream):
                         flat[start : start + take] as part,
                     ):
                         used += self._seal(part, used)
+            sealing = False
             if used:
                 await self._write(used)
             else:
                 await trio.lowlevel.checkpoint()
+        except BaseException:
+            if sealing:
+                self._torn = True
+            raise
         finally:
             self._sending = False
+
+    @property
+    def intact(self) -> bool:
+        """False once a send was cut off midway in a way that loses bytes (see
+        :meth:`send_pieces`): the byte stream the peer reads is broken from there on."""
+        return not self._torn
 
     def _seal(self, data: memoryview, offset: int) -> int:
         try:
@@ -129,10 +155,39 @@ class SecureStream(trio.abc.Stream):
             raise trio.BrokenResourceError("the secure channel cannot send more") from exc
 
     async def _write(self, size: int) -> None:
+        """Send ``self._out[:size]``. Interrupted, the part not sent is kept as owed when
+        the raw stream says how much went out; else the stream is torn."""
         self.write_started = trio.current_time()
         try:
             with memoryview(self._out) as view, view[:size] as chunk:
-                await self.transport_stream.send_all(chunk)
+                if self._send_some is None:
+                    try:
+                        await self.transport_stream.send_all(chunk)
+                    except BaseException:
+                        self._torn = True
+                        raise
+                    return
+                sent = 0
+                try:
+                    while sent < size:
+                        with chunk[sent:] as rest:
+                            sent += await self._send_some(rest)
+                except BaseException:
+                    with chunk[sent:] as rest:
+                        self._owed = memoryview(bytes(rest))  # _out is reused next time
+                    raise
+        finally:
+            self.write_started = None
+
+    async def _send_owed(self) -> None:
+        """Send what a cancelled write left unsent (it may be cancelled again: what is
+        still owed stays owed)."""
+        assert self._send_some is not None
+        self.write_started = trio.current_time()
+        try:
+            while self._owed is not None:
+                sent = await self._send_some(self._owed)
+                self._owed = self._owed[sent:] if sent < self._owed.nbytes else None
         finally:
             self.write_started = None
 

@@ -55,10 +55,12 @@ class Outbox:
     than handing it to the writer. Closing wakes everyone.
 
     A direct write blocked on a full stream would be at the mercy of its task's cancel
-    scope (a deadline, a lookup that no longer needs the answer), and a write cut off
-    midway ends the connection for every call on it. The stream is full only after large
-    writes, so none is allowed right after one (of ``FILLING_WRITE`` bytes or more): the
-    writer, whom no caller cancels, writes the next frames until one of its writes is small.
+    scope (a deadline, a lookup that no longer needs the answer). A ``SecureStream`` keeps
+    what a cancelled write did not send and sends it first next time (the writer is woken
+    for it), but on any other stream a write cut off midway ends the connection for every
+    call on it. The stream is full only after large writes, so none is allowed right after
+    one (of ``FILLING_WRITE`` bytes or more): the writer, whom no caller cancels, writes
+    the next frames until one of its writes is small.
 
     ``urgent`` frames (small requests and unary replies, whose order relative to other
     requests' frames does not matter) skip the queue: the writer takes them before any bulk
