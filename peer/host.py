@@ -501,7 +501,7 @@ class RpcHost:
         if self._per_host[group] >= self.config.max_connections_per_ip:
             logger.debug("%r: refusing %s: too many connections from it", self, host)
             return False
-        limited = self.config.rate_limit_loopback or not _is_loopback(host)
+        limited = self.config.rate_limit_loopback or not is_loopback_host(host)
         if limited and not self._handshake_rate.allow(group, trio.current_time()):
             logger.debug("%r: refusing %s: it opens connections too fast", self, host)
             return False
@@ -606,7 +606,8 @@ class _RetriedOnce:
         return item
 
 
-def _is_loopback(host: str) -> bool:
+def is_loopback_host(host: str) -> bool:
+    """Whether a remote host (an IP, as streams report it) is this machine (loopback)."""
     try:
         return ipaddress.ip_address(host.split("%", 1)[0]).is_loopback
     except ValueError:

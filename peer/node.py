@@ -190,7 +190,9 @@ async def open_peer(
         IdentityFileError: if the identity file exists but is not a key file.
         OSError: if the listen address cannot be bound, or the identity file cannot be
             read or created (a missing directory: FileNotFoundError).
-        PeerUnavailableError: if no initial peer answered (see ``ensure_bootstrap_success``).
+        PeerUnavailableError: if no initial peer answered (see ``ensure_bootstrap_success``);
+            initial peers that turned us away as busy are dialed again first, for up to
+            ``DHTConfig.busy_join_timeout``.
     """
     _check_arguments(listen, identity, client_mode, config)
     config = config or PeerConfig()

@@ -16,6 +16,13 @@ class DHTConfig:
     # FIND_VALUE stops at the first.
     value_quorum: int = 3
     request_timeout: float = 3.0  # seconds for one DHT RPC, connection included
+    # When no initial peer answered and some turned us away as busy (their limits for our
+    # address: a crowd behind one NAT joining at once), a join dials those again, backing
+    # off, and starts no new try after this many seconds (0: no retries). With the
+    # HostConfig defaults (a burst of 128, then 16 per second per host) 30 s lets a crowd
+    # of 600 from one host in; a node still turning us away then is likely held full by
+    # connections that do not idle out, and a volunteer is better told than kept waiting.
+    busy_join_timeout: float = 30.0
     # A get keeps only as many requests in flight as it still needs holders; after a silence
     # of twice its first answer's delay, at most this long, it asks one more node (a dead or
     # frozen node among the closest then delays it about two round trips, not
@@ -40,6 +47,16 @@ class DHTConfig:
     # and bytes of values, each entry counting 512 more (storage.ENTRY_OVERHEAD: its memory
     # cost); new entries refused beyond
     max_stored_bytes: int = 256 << 20
+    # One remote host (an IPv4 address, an IPv6 /64: peer.host.host_group) holds at most
+    # this share of each limit above (keys where it holds an entry; bytes of its entries),
+    # so that it cannot fill the store and have every other STORE refused until its
+    # entries expire: it takes 8 hosts to fill a node. 1/8 still lets one honest host (a
+    # neighbour handing its keys over, a NAT's crowd) hold 12,500 keys and 32 MiB here
+    # (about 60k small entries; on a bootstrap node, 1 MiB of its 8: about 1,900).
+    max_stored_share_per_host: float = 0.125
+    # Count loopback hosts too. Off, as HostConfig.rate_limit_loopback: local experiments
+    # run hundreds of peers on 127.0.0.1, one host to the quota.
+    storage_quota_loopback: bool = False
     # Failed RPCs in a row after which a contact leaves its bucket even when no replacement
     # waits; with a replacement it leaves at the first failure that is not a timeout.
     max_failures: int = 3
@@ -57,9 +74,13 @@ class DHTConfig:
             raise ValueError("DHTConfig: k, alpha and value_quorum must be positive")
         if min(self.request_timeout, self.hedge_after, self.refresh_interval) <= 0:
             raise ValueError("DHTConfig: timeouts and intervals must be positive")
+        if not self.busy_join_timeout >= 0:  # (NaN too)
+            raise ValueError("DHTConfig: busy_join_timeout must be >= 0")
         if self.republish_interval <= 0 or self.republish_margin < 0:
             raise ValueError("DHTConfig: republish_interval > 0 and republish_margin >= 0")
         if min(self.max_stored_keys, self.max_stored_bytes, self.max_failures) < 1:
             raise ValueError("DHTConfig: limits must be positive")
+        if not 0 < self.max_stored_share_per_host <= 1:
+            raise ValueError("DHTConfig: max_stored_share_per_host must be in (0, 1]")
         if self.max_parallel_pings < 1 or self.max_concurrent_requests < 1:
             raise ValueError("DHTConfig: limits must be positive")

@@ -52,7 +52,7 @@ from protocol.records import (
     validate_entry,
 )
 
-from ..errors import PeerStoppedError, SelfDialError
+from ..errors import PeerBusyError, PeerStoppedError, SelfDialError
 from ..host import RpcHost
 from .config import DHTConfig
 from .lookup import LookupResult, Query, iterative_lookup
@@ -83,6 +83,12 @@ _RECONTACTS_PER_REFRESH = 8  # departed contacts a refresh pings (see refresh)
 _RECONTACT_FIRST = 2.0
 _RECONTACT_GROWTH = 4.0
 _RECONTACTS_AT_ONCE = 8
+# Initial peers that turned us away as busy (their limits for our address, which a crowd
+# behind our NAT joining at once uses up) are dialed again after a mean delay of this
+# much, doubling up to _BUSY_RETRY_MAX, each delay jittered by x0.5-1.5 so that the crowd
+# spreads out (the limit refills at 16 connections per second).
+_BUSY_RETRY_FIRST = 0.5
+_BUSY_RETRY_MAX = 4.0
 
 
 @dataclass(slots=True)
@@ -128,7 +134,10 @@ class DHT:
         self.storage: DHTStorage | None = None
         if not config.client_mode:
             self.storage = DHTStorage(
-                clock=clock, max_keys=config.max_stored_keys, max_bytes=config.max_stored_bytes
+                clock=clock,
+                max_keys=config.max_stored_keys,
+                max_bytes=config.max_stored_bytes,
+                max_share_per_source=config.max_stored_share_per_host,
             )
         self.protocol = DHTProtocol(
             host, self.table, self.storage, config, sender=None if config.client_mode else sender
@@ -190,14 +199,21 @@ class DHT:
     async def bootstrap(self, initial_peers: Sequence[Address]) -> int:
         """Join through ``initial_peers``: ping them, then look up our own id.
 
+        When none answered but some turned us away as busy, those are dialed again with
+        jittered exponential backoff until one answers; no new try starts after
+        ``busy_join_timeout`` (each one is bounded by ``request_timeout``).
+
         Returns:
             How many initial peers answered (0: we are alone, e.g. the first node).
 
         Raises:
             Nothing for unreachable peers: they count as not answering.
         """
+        deadline = trio.current_time() + self.config.busy_join_timeout
         self._initial_peers = list(dict.fromkeys(initial_peers))  # each one contacted once
-        reached = await self._contact(self._initial_peers)
+        reached, busy = await self._contact(self._initial_peers)
+        if not reached and busy and self.config.busy_join_timeout > 0:
+            reached = await self._retry_busy(busy, deadline)
         if reached:
             await self.find_nodes(self.node_id)
             await self._refresh_far_buckets()
@@ -213,8 +229,47 @@ class DHT:
                 logger.warning("no initial peer answered (tried %s)", tried)
         return reached
 
-    async def _contact(self, addresses: Sequence[Address]) -> int:
+    async def _retry_busy(self, busy: list[Address], deadline: float) -> int:
+        """Dial the initial peers in ``busy`` again, backing off, until one answers, none
+        is busy any more, or the next try would start after ``deadline`` (trio time).
+
+        Returns:
+            How many answered at the try that ended it (0: none did).
+        """
+        logger.info(
+            "initial peers busy (at their connection limits for our address, as when many"
+            " peers behind one NAT join at once): trying %s again for up to %.0f s",
+            ", ".join(str(a) for a in busy),
+            deadline - trio.current_time(),
+        )
+        started, tries, delay = trio.current_time(), 1, _BUSY_RETRY_FIRST
+        while busy:
+            wait = delay * self._rng.uniform(0.5, 1.5)
+            if trio.current_time() + wait > deadline:
+                break
+            await trio.sleep(wait)
+            delay = min(2 * delay, _BUSY_RETRY_MAX)
+            tries += 1
+            reached, busy = await self._contact(busy)
+            if reached:
+                logger.debug("joined after %d tries", tries)
+                return reached
+        elapsed = trio.current_time() - started
+        for address in busy:  # the final error says how long they stayed busy
+            key = str(address)
+            self.contact_errors[key] = (
+                f"busy at each of {tries} tries over {elapsed:.0f} s: {self.contact_errors[key]}"
+            )
+        return 0
+
+    async def _contact(self, addresses: Sequence[Address]) -> tuple[int, list[Address]]:
+        """Dial and ping each of ``addresses`` (``contact_errors`` says why one failed).
+
+        Returns:
+            How many answered, and those that turned us away as busy (PeerBusyError).
+        """
         reached = 0
+        busy: list[Address] = []
 
         async def one(address: Address) -> None:
             nonlocal reached
@@ -225,6 +280,11 @@ class DHT:
                     peer_id = await self.host.connect(address)
                 except SelfDialError:  # our own HOST:PORT, given without a PeerID
                     self.contact_errors[key] = _OWN_ADDRESS
+                    return
+                except PeerBusyError as exc:  # up, but not now: bootstrap tries it again
+                    logger.debug("initial peer %s: %r", address, exc)
+                    self.contact_errors[key] = str(exc)
+                    busy.append(address)
                     return
                 except (SwarmError, OSError) as exc:
                     logger.debug("initial peer %s: %r", address, exc)
@@ -242,7 +302,7 @@ class DHT:
         async with trio.open_nursery() as nursery:
             for address in addresses:
                 nursery.start_soon(one, address)
-        return reached
+        return reached, busy
 
     async def _recontact_departed(self) -> None:
         """Ping a few contacts that left the table after failures (our former neighbours

@@ -53,7 +53,7 @@ from protocol.messages import (
 from protocol.records import RecordError, key_owner, subkey_order
 
 from ..errors import PeerBusyError, RemoteError
-from ..host import RpcHost, host_group
+from ..host import RpcHost, host_group, is_loopback_host
 from ..rpc import Reply, Request
 from .config import DHTConfig
 from .routing import RoutingTable
@@ -238,13 +238,14 @@ class DHTProtocol:
         message = StoreRequest.from_body(request.body)
         self._learn_sender(request, message.sender)
         owner = key_owner(message.name)
+        source = self._quota_source(request.remote_host)
         accepted = []
         for entry in message.entries:
             if self.storage is None:
                 accepted.append(False)
                 continue
             try:
-                accepted.append(self.storage.store(message.key, entry, owner, message.name))
+                accepted.append(self.storage.store(message.key, entry, owner, message.name, source))
             except RecordError as exc:
                 logger.debug("refused a record from %s: %s", request.peer_id.short(), exc)
                 accepted.append(False)
@@ -254,6 +255,16 @@ class DHTProtocol:
             else ()
         )
         return Reply(StoreResponse(tuple(accepted), tuple(nodes)).to_body())
+
+    def _quota_source(self, remote_host: str) -> str | None:
+        """Whom a STORE from ``remote_host`` is charged to in our storage's per-source
+        quota: its host group, as the host's per-IP limits count (an IPv6 /64); None (not
+        counted) for an unknown host, and for loopback unless ``storage_quota_loopback``."""
+        if remote_host == "?":
+            return None
+        if not self.config.storage_quota_loopback and is_loopback_host(remote_host):
+            return None
+        return host_group(remote_host)
 
     # ---- calls -----------------------------------------------------------------------
 

@@ -14,6 +14,14 @@ Rules (the same ones merge answers from many nodes in a lookup, see :func:`merge
   that outlives it, and refuses it otherwise.
 - Entries vanish at their expiration (``expiration <= now``); every store is first
   checked by :func:`protocol.records.validate_entry` (size, ttl, owner signature).
+- Limits: ``max_keys`` keys and ``max_bytes`` (values plus ``ENTRY_OVERHEAD`` per entry) in
+  all; and each *source* (the remote host a STORE came from, named by the caller) may hold
+  at most ``max_share_per_source`` of each, counting the keys where it holds an entry and
+  the bytes of its entries: one host must not fill the store and lock everyone else out
+  until its entries expire. An entry is charged to the source that stored it until it
+  leaves (expired, replaced by a newer version, dropped from a full dictionary); an
+  identical one stored again changes nothing. Entries with no source (this node's own
+  stores) count toward the totals only.
 
 The clock is injected and must be unix time, because expirations travel between
 peers: tests on trio's virtual clock pass ``lambda: EPOCH + trio.current_time()``.
@@ -26,6 +34,7 @@ import itertools
 import logging
 import time
 from collections.abc import Callable, Iterator
+from typing import TypeVar
 
 from protocol.dhtid import DHTID
 from protocol.identity import PeerID
@@ -58,34 +67,53 @@ def supersedes(entry: Entry, old: Entry) -> bool:
     return _tiebreak(entry) < _tiebreak(old)
 
 
+def admit(record: Record, entry: Entry, max_subkeys: int) -> tuple[bool, Entry | None]:
+    """Whether ``record`` would take ``entry`` under the module rules, without changing it.
+
+    Returns:
+        (taken, leaving): ``leaving`` is the entry that would make room for it (the
+        subkey's older version, or the soonest-expiring subkey of a full dictionary), the
+        held entry itself when ``entry`` is identical to it, or None.
+    """
+    old = record.get(entry.subkey)
+    if old is not None:
+        return (old == entry or supersedes(entry, old)), old
+    if len(record) < max_subkeys:
+        return True, None
+    soonest = min(record, key=lambda s: record[s].expiration)
+    leaving = record[soonest]
+    return leaving.expiration < entry.expiration, leaving
+
+
 def merge_entry(record: Record, entry: Entry, max_subkeys: int = MAX_SUBKEYS_PER_KEY) -> bool:
     """Merge ``entry`` into ``record`` in place under the module rules.
 
     Returns:
         True when the entry is now held (new, newer, or identical), False when refused.
     """
-    subkey = entry.subkey
-    old = record.get(subkey)
-    if old is not None:
-        if old == entry:
-            return True
-        if not supersedes(entry, old):
-            return False
-    elif len(record) >= max_subkeys:
-        soonest = min(record, key=lambda s: record[s].expiration)
-        if record[soonest].expiration >= entry.expiration:
-            return False
-        del record[soonest]
-    record[subkey] = entry
-    return True
+    taken, leaving = admit(record, entry, max_subkeys)
+    if taken:
+        if leaving is not None and leaving.subkey != entry.subkey:
+            del record[leaving.subkey]
+        record[entry.subkey] = entry
+    return taken
 
 
 def _cost(entry: Entry) -> int:
     return len(entry.value) + ENTRY_OVERHEAD
 
 
-def _size(record: Record) -> int:
-    return sum(_cost(entry) for entry in record.values())
+_K = TypeVar("_K")
+
+
+def _decrease(counts: dict[_K, int], key: _K, amount: int) -> None:
+    """Take ``amount`` off ``counts[key]``, dropping the key at zero (counts stay bounded
+    by what is held)."""
+    left = counts[key] - amount
+    if left:
+        counts[key] = left
+    else:
+        del counts[key]
 
 
 class DHTStorage:
@@ -98,15 +126,24 @@ class DHTStorage:
         max_keys: int = 100_000,
         max_bytes: int = 256 << 20,
         max_subkeys_per_key: int = MAX_SUBKEYS_PER_KEY,
+        max_share_per_source: float = 0.125,
     ) -> None:
+        if not 0 < max_share_per_source <= 1:
+            raise ValueError(f"max_share_per_source must be in (0, 1], not {max_share_per_source}")
         self._clock = clock
         self.max_keys = max_keys
         self.max_bytes = max_bytes
         self.max_subkeys_per_key = max_subkeys_per_key
+        self.max_keys_per_source = max(1, int(max_keys * max_share_per_source))
+        self.max_bytes_per_source = max(1, int(max_bytes * max_share_per_source))
         self._records: dict[DHTID, Record] = {}
         self._names: dict[DHTID, str] = {}  # key text, when a STORE told it (handover)
         self.num_bytes = 0  # values held plus ENTRY_OVERHEAD per entry: what peers control
         self.num_entries = 0  # live and not yet expired entries, over every key
+        # who stored each entry that has a source, and what each source holds (no zeros)
+        self._sources: dict[DHTID, dict[Subkey, str]] = {}
+        self._keys_by_source: dict[str, int] = {}
+        self._bytes_by_source: dict[str, int] = {}
         # (expiration, tiebreak, key, subkey); stale items (an entry replaced by a newer
         # version, or dropped from a full dictionary) are skipped when popped, and the heap
         # is rebuilt once they outnumber the entries held (a peer that keeps re-storing
@@ -118,14 +155,22 @@ class DHTStorage:
         return self._clock()
 
     def store(
-        self, key: DHTID, entry: Entry, key_owner: PeerID | None = None, name: str | None = None
+        self,
+        key: DHTID,
+        entry: Entry,
+        key_owner: PeerID | None = None,
+        name: str | None = None,
+        source: str | None = None,
     ) -> bool:
         """Validate and merge one entry (``key_owner``: the owner the key's text names;
-        ``name``: the key's text, kept while the key lives so it can be handed over).
+        ``name``: the key's text, kept while the key lives so it can be handed over;
+        ``source``: the remote host that sent it, charged for it while it is held; None
+        for this node's own stores).
 
         Returns:
             True when the entry is held, False when a newer one wins or storage is full
-            (``max_keys`` keys, or ``max_bytes`` of values and their overhead).
+            (``max_keys`` keys, or ``max_bytes`` of values and their overhead, in all or
+            for ``source``).
 
         Raises:
             RecordError: the entry is invalid (oversized, expired, bad or missing signature).
@@ -137,27 +182,81 @@ class DHTStorage:
             logger.debug("storage full (%d bytes): refused an entry", self.max_bytes)
             return False
         record = self._records.get(key)
-        if record is None:
-            if len(self._records) >= self.max_keys:
-                logger.debug("storage full (%d keys): refused a new key", self.max_keys)
+        if record is None and len(self._records) >= self.max_keys:
+            logger.debug("storage full (%d keys): refused a new key", self.max_keys)
+            return False
+        taken, leaving = admit(record or {}, entry, self.max_subkeys_per_key)
+        if not taken:
+            return False
+        if leaving != entry:  # an identical one again (a republish) changes nothing
+            if source is not None and not self._within_quota(key, entry, leaving, source):
                 return False
-            record = self._records[key] = {}
-        before, held = _size(record), len(record)
-        again = record.get(entry.subkey) == entry  # a republish: already in the heap
-        accepted = merge_entry(record, entry, self.max_subkeys_per_key)
-        if accepted:
-            if name is not None:
-                self._names[key] = name
-            self.num_bytes += _size(record) - before
-            self.num_entries += len(record) - held
-            if not again:
-                item = (entry.expiration, next(self._counter), key, entry.subkey)
-                heapq.heappush(self._expiry, item)
-                if len(self._expiry) > 2 * self.num_entries + _HEAP_SLACK:
-                    self._rebuild_expiry()
-        elif not record:
-            del self._records[key]
-        return accepted
+            if record is None:
+                record = self._records[key] = {}
+            if leaving is not None:
+                if leaving.subkey != entry.subkey:
+                    del record[leaving.subkey]
+                self._release(key, leaving)
+            record[entry.subkey] = entry
+            self._hold(key, entry, source)
+            item = (entry.expiration, next(self._counter), key, entry.subkey)
+            heapq.heappush(self._expiry, item)
+            if len(self._expiry) > 2 * self.num_entries + _HEAP_SLACK:
+                self._rebuild_expiry()
+        if name is not None:
+            self._names[key] = name
+        return True
+
+    def _within_quota(self, key: DHTID, entry: Entry, leaving: Entry | None, source: str) -> bool:
+        """Whether ``source`` may hold ``entry`` besides what it holds, ``leaving`` (the
+        entry it replaces) refunded if that was its own."""
+        sources = self._sources.get(key, {})
+        keys = self._keys_by_source.get(source, 0)
+        num_bytes = self._bytes_by_source.get(source, 0) + _cost(entry)
+        if leaving is not None and sources.get(leaving.subkey) == source:
+            num_bytes -= _cost(leaving)
+        new_key = source not in sources.values()
+        if num_bytes > self.max_bytes_per_source or (new_key and keys >= self.max_keys_per_source):
+            logger.debug(
+                "storage quota: %s holds %d keys and %d bytes here: refused an entry",
+                source,
+                keys,
+                self._bytes_by_source.get(source, 0),
+            )
+            return False
+        return True
+
+    def _hold(self, key: DHTID, entry: Entry, source: str | None) -> None:
+        """Count ``entry``, just put into ``key``'s record, for ``source``."""
+        cost = _cost(entry)
+        self.num_bytes += cost
+        self.num_entries += 1
+        if source is None:
+            return
+        sources = self._sources.setdefault(key, {})
+        if source not in sources.values():
+            self._keys_by_source[source] = self._keys_by_source.get(source, 0) + 1
+        sources[entry.subkey] = source
+        self._bytes_by_source[source] = self._bytes_by_source.get(source, 0) + cost
+
+    def _release(self, key: DHTID, entry: Entry) -> None:
+        """Uncount ``entry``, just taken out of ``key``'s record, and refund its source."""
+        cost = _cost(entry)
+        self.num_bytes -= cost
+        self.num_entries -= 1
+        sources = self._sources.get(key)
+        if sources is None or entry.subkey not in sources:
+            return
+        source = sources.pop(entry.subkey)
+        if not sources:
+            del self._sources[key]
+        _decrease(self._bytes_by_source, source, cost)
+        if source not in sources.values():
+            _decrease(self._keys_by_source, source, 1)
+
+    def held_by(self, source: str) -> tuple[int, int]:
+        """What ``source`` holds here: (keys with an entry of its, bytes as counted)."""
+        return self._keys_by_source.get(source, 0), self._bytes_by_source.get(source, 0)
 
     def get(self, key: DHTID) -> Record:
         """A copy of the live entries of ``key`` (empty when none)."""
@@ -179,8 +278,7 @@ class DHTStorage:
             entry = record.get(subkey)
             if entry is not None and entry.expiration == expiration:
                 del record[subkey]
-                self.num_bytes -= _cost(entry)
-                self.num_entries -= 1
+                self._release(key, entry)
                 dropped += 1
                 if not record:
                     del self._records[key]

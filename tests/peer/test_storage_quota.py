@@ -1,0 +1,244 @@
+"""The per-source storage quota: one host holds at most a share of a node's keys and bytes.
+
+Unit tests check the accounting on an injected clock through every way an entry leaves
+or changes hands; a memory-network test checks that one host's junk leaves room for an
+honest peer's store.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Sequence
+
+import msgpack
+import pytest
+import trio
+import trio.testing
+
+from peer.dht import DHTConfig
+from peer.dht.storage import ENTRY_OVERHEAD, DHTStorage
+from peer.memnet import MemoryNetwork
+from peer.node import Peer, PeerConfig, open_peer
+from protocol.address import Address
+from protocol.dhtid import DHTID
+from protocol.identity import Identity
+from protocol.messages import Entry, NodeInfo
+from protocol.records import check_key
+
+EVE, BOB = "10.6.6.6", "10.0.0.2"
+KEY = DHTID.from_key("run/quota")
+EPOCH = 1_700_000_000.0
+
+
+class Clock:
+    def __init__(self, now: float = EPOCH) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def key(i: int) -> DHTID:
+    return DHTID.from_key(f"k{i}")
+
+
+def value(size: int) -> bytes:
+    """A stored value of exactly ``size`` bytes (its msgpack form)."""
+    packed: bytes = msgpack.packb(bytes(size - 2), use_bin_type=True)
+    assert len(packed) == size
+    return packed
+
+
+def cost(size: int) -> int:
+    return size + ENTRY_OVERHEAD
+
+
+def check_accounting(storage: DHTStorage) -> None:
+    """The counters equal what a recount of the held entries gives."""
+    held = [(k, e) for k, record in storage._records.items() for e in record.values()]
+    assert storage.num_entries == len(held)
+    assert storage.num_bytes == sum(cost(len(e.value)) for _, e in held)
+    keys: dict[str, int] = {}
+    num_bytes: dict[str, int] = {}
+    for k, sources in storage._sources.items():
+        assert sources and set(sources) <= set(storage._records[k])  # held entries only
+        for subkey, source in sources.items():
+            size = len(storage._records[k][subkey].value)
+            num_bytes[source] = num_bytes.get(source, 0) + cost(size)
+        for source in set(sources.values()):
+            keys[source] = keys.get(source, 0) + 1
+    assert storage._keys_by_source == keys and storage._bytes_by_source == num_bytes
+    assert all(n <= storage.max_keys_per_source for n in keys.values())
+    assert all(n <= storage.max_bytes_per_source for n in num_bytes.values())
+
+
+def test_one_host_holds_at_most_its_share_of_the_keys() -> None:
+    clock = Clock()
+    storage = DHTStorage(clock=clock, max_keys=16)  # 1/8 by default: 2 keys per host
+    expiration = clock.now + 60
+    assert storage.store(key(0), Entry(None, b"\x01", expiration), source=EVE)
+    assert storage.store(key(1), Entry(None, b"\x01", expiration), source=EVE)
+    assert not storage.store(key(2), Entry(None, b"\x01", expiration), source=EVE)
+    # more subkeys under a key it holds take no new key; other hosts and our own stores
+    # are not charged to it
+    assert storage.store(key(1), Entry("b", b"\x01", expiration), source=EVE)
+    assert storage.store(key(2), Entry(None, b"\x01", expiration), source=BOB)
+    assert storage.store(key(3), Entry(None, b"\x01", expiration))
+    # a key another source opened counts for eve once she holds an entry in it
+    assert not storage.store(key(2), Entry("e", b"\x01", expiration), source=EVE)
+    assert storage.held_by(EVE) == (2, 3 * cost(1)) and storage.held_by(BOB) == (1, cost(1))
+    assert len(storage) == 4
+    check_accounting(storage)
+
+
+def test_one_host_holds_at_most_its_share_of_the_bytes() -> None:
+    clock = Clock()
+    storage = DHTStorage(clock=clock, max_bytes=8 * (3 * cost(100)))  # 3 entries per host
+    expiration = clock.now + 60
+    for subkey in "abc":
+        assert storage.store(KEY, Entry(subkey, value(100), expiration), source=EVE)
+    assert not storage.store(KEY, Entry("d", value(100), expiration), source=EVE)
+    assert not storage.store(KEY, Entry("a", value(101), expiration + 1), source=EVE)
+    # at its quota, a host still replaces its own entries with newer ones of the same size
+    assert storage.store(KEY, Entry("a", value(100), expiration + 1), source=EVE)
+    assert storage.store(KEY, Entry("d", value(100), expiration), source=BOB)
+    assert storage.held_by(EVE) == (1, 3 * cost(100)) == (1, storage.max_bytes_per_source)
+    check_accounting(storage)
+
+
+def test_accounting_through_replace_expire_evict_and_refusal() -> None:
+    clock = Clock()
+    storage = DHTStorage(clock=clock, max_subkeys_per_key=2)
+    now = clock.now
+    assert storage.store(KEY, Entry("a", value(10), now + 10), source=EVE)
+    assert storage.store(KEY, Entry("b", value(20), now + 20), source=EVE)
+    assert storage.held_by(EVE) == (1, cost(10) + cost(20))
+    # replaced by a newer version from another host: charged to that one now
+    assert storage.store(KEY, Entry("b", value(30), now + 25), source=BOB)
+    assert storage.held_by(EVE) == (1, cost(10)) and storage.held_by(BOB) == (1, cost(30))
+    # an identical entry stored again by another host changes nothing
+    assert storage.store(KEY, Entry("b", value(30), now + 25), source=EVE)
+    assert storage.held_by(EVE) == (1, cost(10)) and storage.held_by(BOB) == (1, cost(30))
+    # dropped from a full dictionary (the soonest-expiring, eve's "a") for bob's newcomer
+    assert storage.store(KEY, Entry("c", value(40), now + 30), source=BOB)
+    assert storage.held_by(EVE) == (0, 0) and storage.held_by(BOB) == (1, cost(30) + cost(40))
+    assert set(storage.get(KEY)) == {"b", "c"}
+    # refused (older than what is held; a full dictionary that outlives it): no change
+    assert not storage.store(KEY, Entry("b", value(50), now + 5), source=EVE)
+    assert not storage.store(KEY, Entry("d", value(50), now + 5), source=EVE)
+    assert storage.held_by(EVE) == (0, 0) and storage.held_by(BOB) == (1, cost(30) + cost(40))
+    # replaced by this node's own store: bob is refunded, nobody charged
+    assert storage.store(KEY, Entry("c", value(60), now + 35))
+    assert storage.held_by(BOB) == (1, cost(30)) and storage.num_bytes == cost(30) + cost(60)
+    check_accounting(storage)
+    clock.now += 25  # bob's "b" expires
+    assert storage.expire() == 1
+    assert storage.held_by(BOB) == (0, 0) and storage._sources == {}
+    check_accounting(storage)
+    clock.now += 10
+    assert storage.expire() == 1 and len(storage) == 0 and storage.num_bytes == 0
+    check_accounting(storage)
+
+
+def test_random_stores_keep_the_accounting_exact() -> None:
+    """Stores of random keys, subkeys, sizes and expirations from three hosts and from the
+    node itself, with the clock moving on: the counters always equal a recount, and no host
+    holds more than its quota."""
+    rng = random.Random(7)
+    clock = Clock()
+    storage = DHTStorage(
+        clock=clock, max_keys=24, max_bytes=24 * cost(60), max_subkeys_per_key=3
+    )  # 3 keys and 3 * cost(60) bytes per host
+    sources: Sequence[str | None] = (EVE, BOB, "10.0.0.3", None)
+    outcomes = {True: 0, False: 0}
+    for step in range(3000):
+        entry = Entry(
+            rng.choice(["a", "b", "c", "d", None]),
+            value(rng.randrange(2, 120)),
+            clock.now + rng.randrange(1, 40),
+        )
+        outcomes[storage.store(key(rng.randrange(10)), entry, source=rng.choice(sources))] += 1
+        if step % 7 == 0:
+            clock.now += rng.random() * 3
+        check_accounting(storage)
+    assert min(outcomes.values()) > 300  # both outcomes well exercised
+    clock.now += 40
+    storage.expire()
+    assert storage.num_bytes == storage.num_entries == len(storage) == 0
+    assert storage._sources == storage._keys_by_source == storage._bytes_by_source == {}
+
+
+def test_the_share_must_be_a_fraction() -> None:
+    with pytest.raises(ValueError, match="max_share_per_source"):
+        DHTStorage(max_share_per_source=0)
+    with pytest.raises(ValueError, match="max_stored_share_per_host"):
+        DHTConfig(max_stored_share_per_host=1.5)
+
+
+# ---- on the memory network --------------------------------------------------------------
+
+
+async def _run_peer(
+    net: MemoryNetwork,
+    host: str,
+    seed: int,
+    initial_peers: Sequence[str],
+    config: PeerConfig,
+    *,
+    task_status: trio.TaskStatus[Peer],
+) -> None:
+    async with open_peer(
+        listen=f"{host}:0",
+        initial_peers=initial_peers,
+        identity=Identity.from_seed(seed.to_bytes(32, "big")),
+        network=net.interface(host),
+        config=config,
+        clock=lambda: EPOCH + trio.current_time(),
+    ) as peer:
+        task_status.started(peer)
+        await trio.sleep_forever()
+
+
+@pytest.mark.parametrize(
+    ("junk_host", "quota_loopback", "junk_held"),
+    [
+        (EVE, False, 5),  # one host: its share only
+        ("127.6.6.6", False, 40),  # loopback (local experiments): exempt by default
+        ("127.6.6.6", True, 5),
+    ],
+)
+async def test_one_host_filling_a_node_leaves_room_for_an_honest_store(
+    autojump_clock: trio.testing.MockClock, junk_host: str, quota_loopback: bool, junk_held: int
+) -> None:
+    """Three identities on one host send a node 40 keys of junk, the most it holds (5 are
+    one host's share); an honest peer's store then still finds room there."""
+    net = MemoryNetwork(latency=0.01)
+    dht = DHTConfig(max_stored_keys=40, storage_quota_loopback=quota_loopback)
+    config = PeerConfig(dht=dht)
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            node: Peer = await nursery.start(_run_peer, net, "10.0.0.1", 1, [], config)
+            junk: list[Peer] = [
+                await nursery.start(_run_peer, net, junk_host, 10 + i, [node.address], config)
+                for i in range(3)
+            ]
+            honest: Peer = await nursery.start(_run_peer, net, BOB, 2, [node.address], config)
+            target = NodeInfo(node.peer_id, Address.parse(node.address).hostport)
+            expiration = EPOCH + trio.current_time() + 3600
+            accepted = 0
+            for i in range(40):
+                name = f"junk/{i}"
+                entries = (Entry(None, value(100), expiration),)
+                sender = junk[i % len(junk)].dht.protocol
+                reply = await sender.store(target, check_key(name), name, entries, want_nodes=False)
+                assert reply is not None  # refused, not failed: the reply says not stored
+                accepted += sum(reply.accepted)
+            storage = node.dht.storage
+            assert storage is not None
+            assert accepted == junk_held == len(storage)
+            assert await honest.dht.store("honest/key", "hello", ttl=600.0)
+            held_there = bool(storage.get(check_key("honest/key")))
+            assert held_there == (junk_held < 40)  # a full node refuses it
+            if held_there:
+                assert storage.held_by(BOB)[0] == 1
+            nursery.cancel_scope.cancel()
