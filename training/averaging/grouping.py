@@ -31,6 +31,7 @@ from protocol.errors import ProtocolError, RemoteProtocolError
 from protocol.identity import PeerID
 
 MAX_EPOCH = 1 << 62
+MAX_LAYOUT = 64  # characters of a layout fingerprint on the wire (a short hash)
 
 
 @dataclass(frozen=True, slots=True)
@@ -112,7 +113,7 @@ class Declaration:
         for name, number in integers:
             if type(number) is not int or not 0 <= number < MAX_EPOCH:
                 raise RemoteProtocolError(f"declared {name} {number!r} is out of range")
-        if not isinstance(layout, str) or len(layout) > 64:
+        if not _is_layout(layout):
             raise RemoteProtocolError("declared layout is not a short string")
         return cls(peer_id, address, weight, epoch, bandwidth, layout, count, total, group_size)
 
@@ -128,6 +129,29 @@ def parse_declarations(entries: Mapping[Any, Any]) -> list[Declaration]:
         except ProtocolError:
             continue
     return out
+
+
+def done_marker(layout: str) -> dict[str, Any]:
+    """What a peer leaves in a round in place of its declaration once its round is decided
+    (``Matchmaker.withdraw``). It names the peer's layout: a peer that declares after the
+    others' groups closed reads only such markers, and must still learn of a mismatch."""
+    return {"done": True, "layout": layout}
+
+
+def parse_done(entries: Mapping[Any, Any], exclude: str) -> Counter[str | None]:
+    """The "done" markers among DHT ``{subkey: value}`` entries, but ``exclude``'s (ours),
+    counted by layout; None counts the markers of unknown layout (an older peer's, without
+    one, or one that is not a short string)."""
+    layouts: Counter[str | None] = Counter()
+    for subkey, value in entries.items():
+        if subkey != exclude and isinstance(value, Mapping) and value.get("done") is True:
+            layout = value.get("layout")
+            layouts[layout if _is_layout(layout) else None] += 1
+    return layouts
+
+
+def _is_layout(value: object) -> bool:
+    return isinstance(value, str) and len(value) <= MAX_LAYOUT
 
 
 def round_closing_after(now: float, window: float) -> int:

@@ -30,10 +30,12 @@ from protocol.identity import PeerID
 from .config import AveragerConfig
 from .grouping import (
     Declaration,
+    done_marker,
     find_group,
     leader_of,
     make_groups,
     parse_declarations,
+    parse_done,
     round_closing_after,
     round_key,
 )
@@ -50,10 +52,10 @@ one every round costs neither memory nor a warning per round."""
 
 
 OUTNUMBERED_ROUNDS = 3
-"""Rounds in a row where only peers of other layouts declared, some of them two or more,
-after which a peer that has met its own layout before gets ``LayoutMismatchError`` too: it
-is the one left behind (the swarm changed its model), not a correct peer beside a
-misconfigured newcomer."""
+"""Rounds in a row where only peers of other layouts came (declared, or left their "done"
+markers), two or more of one layout, after which a peer that has met its own layout before
+gets ``LayoutMismatchError`` too: it is the one left behind (the swarm changed its model),
+not a correct peer beside a misconfigured newcomer."""
 
 
 class LayoutMismatchError(ProtocolError):
@@ -79,7 +81,8 @@ class _Round:
     answered: trio.Event = field(default_factory=trio.Event)
     budget: float = 0.0
     others_seen: int = 0  # the most other declarations a read of the round found
-    others_done: int = 0  # the most "done" markers of others a read found (see withdraw)
+    # the "done" markers of others (see withdraw) by layout, from the read that found most
+    others_done: Counter[str | None] = field(default_factory=Counter)
     store_s: float = 0.0  # how long storing our declaration took
 
     def notify(self) -> None:
@@ -121,9 +124,13 @@ def _late_note(state: _Round, window: float) -> str:
     markers): they did not wait for us, so say so, and how slow our own store was (a
     peer whose DHT store or read takes a good part of the window never meets anyone, and
     "no partner" alone sent its owner looking for a missing swarm)."""
-    if not state.others_done:
+    done = state.others_done
+    if not done:
         return ""
-    note = f"{state.others_done} other peer(s) had formed their groups when we read the round"
+    note = f"{done.total()} other peer(s) had formed their groups when we read the round"
+    foreign = sum(n for layout, n in done.items() if layout not in (None, state.me.layout))
+    if foreign:  # not a peer that was too slow for the swarm: one of another swarm's kind
+        note += f" ({foreign} of another layout)"
     if state.store_s > window / 4:
         note += f" (storing our declaration took {state.store_s:.2f} s: a slow link or DHT?)"
     return note
@@ -150,13 +157,15 @@ class Matchmaker:
         self._views: list[int] = []
         self.seen_count = 0  # the largest round count the others declared in rounds we read
         self._foreign: set[str] = set()  # other layouts seen (warned about once; bounded)
-        # Whether a peer of our own layout ever declared beside us: then a round where only
-        # peers of other layouts showed up is their mistake, not ours (we sit it out)...
+        # Whether a peer of our own layout ever came beside us (declared, or done before we
+        # read the round): then a round where only peers of other layouts showed up is their
+        # mistake, not ours (we sit it out)...
         self._own_layout_seen = False
         # ... unless such strangers with company keep coming: rounds in a row (since we last
-        # met our own layout) where others declared, none of ours, some layout two or more
+        # met our own layout) where others came, none of ours, some layout two or more
         self._outnumbered = 0
         self._subkey = str(node.peer_id)
+        self._layout: str | None = None  # ours (set by find_group), named by our done markers
         self.current: _Round | None = None
 
     # -- member side ---------------------------------------------------------------------
@@ -173,6 +182,7 @@ class Matchmaker:
                 and we never met our own (see ``_check_layouts``), or the leader refused ours.
         """
         window = self.config.gather_window
+        self._layout = me.layout
         earliest = 0
         lone_retry = True
         strangers: MatchResult | None = None  # a lone round with peers of another layout
@@ -222,10 +232,12 @@ class Matchmaker:
     async def withdraw(self, number: int, deadline: float) -> None:
         """Replace our declaration in round ``number`` by a "done" marker (the caller runs
         this once the round is decided): a later step reusing the slot's key, or a peer that
-        reads it late, must not take us for a peer still waiting there."""
+        reads it late, must not take us for a peer still waiting there. The marker names our
+        layout: a peer that reads only markers still learns whether it is the odd one."""
         key = round_key(self.prefix, number)
+        value = {"done": True} if self._layout is None else done_marker(self._layout)
         with trio.move_on_at(deadline):
-            await self.node.dht.store(key, {"done": True}, ttl=self._ttl(), subkey=self._subkey)
+            await self.node.dht.store(key, value, ttl=self._ttl(), subkey=self._subkey)
 
     def _ttl(self) -> float:
         # Long enough to outlive slow DHT operations (an unresponsive node costs a request
@@ -261,7 +273,7 @@ class Matchmaker:
         # give them a moment to land before reading.
         settle = window / 4
         close_at = max(close_at, trio.current_time() + settle)
-        declared = await self._gather(state, key, min(close_at, deadline), deadline)
+        declared, done = await self._gather(state, key, min(close_at, deadline), deadline)
         if trio.current_time() >= deadline:  # the step's timeout ended the gather
             state.closed.set()
             return self._cut_short(state, close_at - deadline)
@@ -270,7 +282,7 @@ class Matchmaker:
         self._views = [*self._views[-2:], _same_layout(declared, state.me)]
         groups = make_groups(declared, self.config.group_size, self.prefix)
         others = [d for d in declared if d.peer_id != state.me.peer_id]
-        self._check_layouts(state.me, others)
+        self._check_layouts(state.me, others, done)
         group = find_group(groups, state.me.peer_id) or [state.me]
         leader = leader_of(group)
         state.leader = None if leader is None else leader.peer_id
@@ -311,7 +323,9 @@ class Matchmaker:
             note += f"; {state.others_seen} other peer(s) had declared"
         return MatchResult(state.number, None, None, state.others_seen + 1, note)
 
-    def _check_layouts(self, me: Declaration, others: list[Declaration]) -> None:
+    def _check_layouts(
+        self, me: Declaration, others: list[Declaration], done: Counter[str | None]
+    ) -> None:
         """Peers of another layout (shapes, dtypes, codec, group size, staleness rule) group
         apart. A peer that has met its own layout before (under this averager) is not the
         odd one out at once: a round where only peers of other layouts came is theirs to fail
@@ -320,28 +334,47 @@ class Matchmaker:
         had company, they are the swarm (its owner changed the layout, and we were left
         behind): we are told, not ``alone`` forever.
 
-        Raises: LayoutMismatchError: every other peer has another layout, and no peer of
-            ours ever declared beside us, or none did for ``OUTNUMBERED_ROUNDS`` rounds in
-            which strangers had company."""
+        ``done`` counts the others' "done" markers by layout: peers whose round was decided
+        before we read it (a swarm that closed early). They count like declared peers of
+        their layout, so a newcomer that comes after the groups closed is told too; markers
+        of unknown layout (older peers) count for nothing.
+
+        Raises: LayoutMismatchError: every other peer (declared or done) has another
+            layout, and no peer of ours ever came beside us (declared or done), or none did
+            for ``OUTNUMBERED_ROUNDS`` rounds in which strangers had company."""
         foreign = sorted({d.describe_layout() for d in others if d.layout != me.layout})
         kinds = Counter(d.layout for d in others if d.layout != me.layout)
-        if any(d.layout == me.layout for d in others):
+        # Done strangers count toward OUTNUMBERED_ROUNDS too: two markers of one layout are
+        # a group of it that averaged in our round, as much evidence as two declarations;
+        # else a peer left behind by a swarm that closes early (before it declares) would
+        # read only their markers and sit out every round, never told.
+        done_kinds = Counter(
+            {layout: n for layout, n in done.items() if layout not in (None, me.layout)}
+        )
+        kinds.update(done_kinds)
+        ours = bool(done[me.layout]) or any(d.layout == me.layout for d in others)
+        if ours:
             self._own_layout_seen = True
             self._outnumbered = 0
         elif max(kinds.values(), default=0) >= 2:
             self._outnumbered += 1
-        if others and all(d.layout != me.layout for d in others):
+        if kinds and not ours:
+            sides = [f"ours: {me.describe_layout()}"] + [f"theirs: {foreign}"] * bool(foreign)
+            if done_kinds:  # all a marker tells of its peer is the layout fingerprint
+                sides.append(
+                    f"{done_kinds.total()} peer(s) that had formed their groups before we read "
+                    f"the round: layout {sorted(done_kinds)}"
+                )
             if not self._own_layout_seen:
                 raise LayoutMismatchError(
                     f"every other peer under {self.prefix!r} has another tensor layout, codec, "
-                    f"group_size or staleness rule (ours: {me.describe_layout()}; theirs: "
-                    f"{foreign})"
+                    f"group_size or staleness rule ({'; '.join(sides)})"
                 )
             if self._outnumbered >= OUTNUMBERED_ROUNDS:
                 raise LayoutMismatchError(
                     f"for {self._outnumbered} rounds only peers of another tensor layout, "
                     f"codec, group_size or staleness rule averaged under {self.prefix!r} "
-                    f"(ours: {me.describe_layout()}; theirs: {foreign}), none of ours"
+                    f"({'; '.join(sides)}), none of ours"
                 )
         new = sorted(set(foreign) - self._foreign)[: MAX_FOREIGN_LAYOUTS - len(self._foreign)]
         if new:  # a split swarm averages less: say so, once
@@ -354,9 +387,10 @@ class Matchmaker:
 
     async def _gather(
         self, state: _Round, key: str, close_at: float, deadline: float
-    ) -> list[Declaration]:
+    ) -> tuple[list[Declaration], Counter[str | None]]:
         """Read the round when it closes, or when a joiner wakes us; poll meanwhile and
-        close early once as many peers as before are back (see below).
+        close early once as many peers as before are back (see below). Returns the last
+        read's declarations and the others' "done" markers counted by layout.
 
         A key is reused by consecutive steps within its slot: peers replace their
         declaration by a "done" marker once their round is decided (``withdraw``), so what
@@ -380,20 +414,23 @@ class Matchmaker:
                 with trio.move_on_at(close_at):
                     await state.wake.wait()
             declared: list[Declaration] = []
+            done: Counter[str | None] = Counter()
             with trio.move_on_at(close_at if early else deadline):
                 entries = await self.node.dht.get_entries(key)
                 declared = parse_declarations({s: v for s, (v, _) in entries.items()})
                 others = [d.count for d in declared if d.peer_id != state.me.peer_id]
                 self.seen_count = max([self.seen_count, *others])
                 state.others_seen = max(state.others_seen, len(others))
-                done = sum(_is_done(v) for s, (v, _) in entries.items() if s != self._subkey)
-                state.others_done = max(state.others_done, done)
+                done = parse_done({s: v for s, (v, _) in entries.items()}, self._subkey)
+                if done.total() > state.others_done.total():
+                    state.others_done = done
             # Exactly the peers of our layout we expect: close (peers of other layouts group
             # apart). More (a newcomer, who does not know it could close early), or a lone
-            # peer of another layout (which must read us to learn of the mismatch, not our
-            # "done" marker): wait for the close, so that everybody reads the same set.
+            # peer of another layout (a misconfigured newcomer must learn of the mismatch: our
+            # "done" marker names our layout, but a stranger of an older version reads no
+            # layout in it): wait for the close, so that everybody reads the same set.
             if not early or _may_close_early(declared, state.me, population):
-                return declared
+                return declared, done
             with trio.move_on_at(min(close_at, trio.current_time() + poll)):
                 await state.wake.wait()
 
@@ -543,11 +580,6 @@ def _with_missed(result: MatchResult, missed: MatchResult | None) -> MatchResult
     if missed is None or missed is result or not result.alone:
         return result
     return replace(result, note=f"{result.note}; round {missed.round}: {missed.late}")
-
-
-def _is_done(value: object) -> bool:
-    """A "done" marker (see ``Matchmaker.withdraw``): a peer whose round was decided."""
-    return isinstance(value, dict) and value.get("done") is True
 
 
 def _same_layout(declared: list[Declaration], me: Declaration) -> int:
