@@ -473,8 +473,13 @@ async def _status(args: argparse.Namespace, stop: _SignalStop) -> dict[str, Any]
     from protocol.identity import PeerID
 
     from .crawl import crawl
-    from .node import open_peer
+    from .dht import DHTConfig
+    from .node import PeerConfig, open_peer
 
+    # Busy initial peers are dialed again for at most half the timeout (not the default
+    # 30 s, past it): the report then still says they were busy, and the walk has time.
+    busy_join = min(DHTConfig().busy_join_timeout, args.timeout / 2)
+    config = PeerConfig(dht=DHTConfig(busy_join_timeout=busy_join))
     answered: dict[PeerID, str] = {}  # filled as the walk goes: kept when it is cut short
     errors: dict[str, str] = {}
     try:
@@ -484,6 +489,7 @@ async def _status(args: argparse.Namespace, stop: _SignalStop) -> dict[str, Any]
                     listen=None,
                     initial_peers=_unique_peers(args.initial_peers),
                     client_mode=True,
+                    config=config,
                     ensure_bootstrap_success=False,
                 ) as node:
                     errors = dict(node.dht.contact_errors)

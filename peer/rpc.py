@@ -357,7 +357,7 @@ class RpcConnection:
         if now - self.last_activity >= self.idle_timeout / 2:
             pending.sent_quiet = now
         try:
-            await self._send(pieces, size, urgent=True)
+            await self._send(pieces, size, urgent=True, request_id=request_id)
         except trio.ClosedResourceError:
             self._pending.pop(request_id, None)
             self._check_open()
@@ -370,10 +370,15 @@ class RpcConnection:
         return request_id, pieces
 
     async def _send(
-        self, pieces: list[bytes | memoryview], size: int, urgent: bool = False
+        self,
+        pieces: list[bytes | memoryview],
+        size: int,
+        urgent: bool = False,
+        request_id: int | None = None,
     ) -> None:
         """Write a frame now when the stream is idle and the frame small, else queue it
-        (ahead of the bulk frames when ``urgent`` and small: see ``Outbox``).
+        (ahead of the bulk frames when ``urgent`` and small: see ``Outbox``). A request's
+        frame gives its ``request_id`` (see :meth:`_write_claimed`).
 
         Raises:
             trio.ClosedResourceError: if the connection is closed (nothing was sent).
@@ -386,15 +391,18 @@ class RpcConnection:
         # No checkpoint since the one above, so nothing interrupts the write before its
         # first byte. A cancellation after it leaves the frame's rest with the secure
         # stream (see ``_write_claimed``); any other interruption ends the connection.
-        await self._write_claimed(pieces)
+        await self._write_claimed(pieces, request_id)
 
     def _claim_direct(self, size: int) -> bool:
         """Whether a frame of ``size`` bytes may be written directly, the stream claimed
         for it (then :meth:`_write_claimed` it, with no checkpoint in between)."""
         return size <= _DIRECT_MAX and self._outbox.try_claim(size)
 
-    async def _write_claimed(self, pieces: list[bytes | memoryview]) -> None:
-        """Write a frame on the stream claimed by :meth:`_claim_direct`.
+    async def _write_claimed(
+        self, pieces: list[bytes | memoryview], request_id: int | None = None
+    ) -> None:
+        """Write a frame on the stream claimed by :meth:`_claim_direct` (a request's,
+        when ``request_id`` is given).
 
         Raises:
             PeerUnavailableError: if the write failed (the connection is gone).
@@ -408,8 +416,12 @@ class RpcConnection:
                 self._shutdown(PeerUnavailableError("a write was interrupted midway"))
                 raise
             # The frame was sealed whole; the stream sends what it still owes of it first
-            # at its next send: the writer makes one now (the connection lives on).
-            self._outbox.put_nowait(())
+            # at its next send: the writer makes one now (the connection lives on). A
+            # request thus reaches the peer after its caller gave up: a cancel follows it.
+            flush: list[bytes | memoryview] = []
+            if request_id is not None:
+                flush = self._encode(RpcFrame(FrameKind.CANCEL, request_id))[0]
+            self._outbox.put_nowait(flush)
             raise
         except BaseException as exc:
             cause = exc if isinstance(exc, _WRITE_ERRORS) else None

@@ -50,10 +50,16 @@ class SecureStream(trio.abc.Stream):
     One task may send and one may receive at a time, as with any trio stream.
     """
 
-    def __init__(self, stream: trio.abc.Stream, transport: NoiseTransport, remote_peer_id: PeerID):
+    def __init__(
+        self,
+        stream: trio.abc.Stream,
+        transport: NoiseTransport,
+        remote_peer_id: PeerID,
+        remote_host: str | None = None,
+    ):
         self.transport_stream = stream
         self.remote_peer_id = remote_peer_id
-        self.remote_host = remote_host_of(stream)
+        self.remote_host = remote_host_of(stream) if remote_host is None else remote_host
         self._transport = transport
         self._out = bytearray()
         self._send_some = partial_sender(stream)
@@ -360,6 +366,10 @@ async def secure_handshake(
             an identity other than ``expected_peer_id`` (``__cause__`` says which).
     """
     heard = False  # a byte of the peer's handshake came
+    # Read now: a socket reset by the peer has no peer address any more, yet still hands
+    # out what came before the reset (its last handshake message, and a request). Before
+    # our reply, the dialer cannot have finished its handshake: it is still connected.
+    remote_host = remote_host_of(stream)
     try:
         handshake = NoiseHandshake(identity, initiator=initiator, expected_peer_id=expected_peer_id)
         while not handshake.complete:
@@ -375,7 +385,7 @@ async def secure_handshake(
         if out := handshake.data_to_send():
             await stream.send_all(out)
         peer_id = handshake.remote_peer_id
-        return SecureStream(stream, handshake.into_transport(), peer_id)
+        return SecureStream(stream, handshake.into_transport(), peer_id, remote_host)
     except BaseException as exc:
         await trio.aclose_forcefully(stream)
         if isinstance(exc, ProtocolError):

@@ -1,0 +1,150 @@
+"""Review of session 12's mechanisms: owed bytes of a cancelled write, busy joins, the
+per-host storage quota. Each test here failed on the tree it was written against."""
+
+from __future__ import annotations
+
+import socket
+import struct
+import threading
+
+import pytest
+import trio
+import trio.testing
+from test_cancellation_review import assert_settled, echo
+from test_owed_bytes import WINDOW
+from test_rpc import two_hosts
+
+from peer.cli import main
+from peer.memnet import MemoryNetwork
+from peer.rpc import Reply, Request
+from peer.secure import SecureStream, secure_handshake
+from protocol.identity import Identity
+from protocol.noise import NoiseHandshake
+
+
+async def test_a_call_cancelled_during_its_direct_write_cancels_the_callees_handler(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A call cancelled while its own task wrote its request to a full window: the
+    request still reaches the callee (the secure stream sends what it owed), so the callee
+    must get the cancel too. Without it, a handler with no deadline (the caller's scope
+    was cancelled, not timed out) ran on for nothing: an endless one held its task and an
+    in-flight slot for as long as the connection lived."""
+    net = MemoryNetwork(latency=0.01, window=WINDOW)
+    async with two_hosts(net) as (a, b, address):
+        started = trio.Event()
+        ended: list[float] = []
+
+        async def record(request: Request) -> Reply:
+            return Reply({}, b"")
+
+        async def hang(request: Request) -> Reply:
+            started.set()
+            try:
+                await trio.sleep_forever()
+            finally:
+                ended.append(trio.current_time())
+            raise AssertionError("unreachable")
+
+        b.register("echo", echo)
+        b.register("record", record)
+        b.register("hang", hang)
+        with trio.fail_after(60):
+            await a.call(address, "echo", {})
+            opened = a.connections_opened
+            net.freeze_host("10.0.0.2")
+            async with trio.open_nursery() as nursery:
+                for _ in range(3):  # 3 x 24 KiB direct writes fill the 64 KiB window
+                    nursery.start_soon(a.call, address, "record", {}, bytes(24_000))
+                    await trio.testing.wait_all_tasks_blocked()
+                with trio.CancelScope() as scope:  # no deadline: the callee gets none
+
+                    async def cancel_soon() -> None:
+                        await trio.sleep(1)
+                        scope.cancel()
+
+                    nursery.start_soon(cancel_soon)
+                    await a.call(address, "hang", {}, bytes(20_000))
+                assert scope.cancelled_caught
+                net.unfreeze_host("10.0.0.2")
+            await started.wait()  # the request did go out
+            await trio.sleep(1)
+            assert ended, "the callee's handler of a cancelled call still runs"
+            assert a.connections_opened == opened
+            assert_settled(a, b)
+
+
+async def test_a_peer_that_resets_right_after_its_handshake_keeps_its_address() -> None:
+    """A peer may send its last handshake message, a request, and a reset at once: the
+    request is still read (the kernel keeps what arrived before the reset), but the
+    socket no longer has a peer address once the reset came. Read then, the address was
+    '?': an unknown host, exempt from the storage quota. It is read before the handshake,
+    when the dialer cannot have reset yet (it needs our reply to finish)."""
+    identity = Identity.generate()
+    with trio.fail_after(30):
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        async with listeners[0]:
+            port = listeners[0].socket.getsockname()[1]
+            client = socket.create_connection(("127.0.0.1", port))
+            client.setblocking(False)
+            raw = await listeners[0].accept()
+            handshake = NoiseHandshake(Identity.generate(), initiator=True)
+            accepted: list[SecureStream] = []
+
+            async def respond() -> None:
+                accepted.append(await secure_handshake(raw, identity, initiator=False))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(respond)
+                client.sendall(handshake.data_to_send())
+                while not handshake.complete:
+                    await trio.lowlevel.wait_readable(client)
+                    handshake.receive_data(client.recv(4096))
+                last = handshake.data_to_send()
+                request = bytearray()
+                handshake.into_transport().seal_into(b"STORE", request)
+                # the last message, a request and a reset, with no checkpoint between
+                client.setblocking(True)
+                client.sendall(last + bytes(request))
+                client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                client.close()
+            secure = accepted[0]
+            assert await secure.receive_some() == b"STORE"
+            assert secure.remote_host == "127.0.0.1"
+            await secure.aclose()
+
+
+def test_status_says_an_initial_peer_is_busy_within_its_timeout(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`swarm status` against a node that turns us away before its handshake (busy): the
+    join's retries (30 s) outlasted the command's --timeout (20 s by default), which then
+    cut the start short and said only "no complete answer within 2.0 s (no peer answered
+    by then)", where it used to say at once that the node was busy. The retries now end
+    within half the timeout, and the report names the node as busy."""
+    monkeypatch.setattr("peer.cli._configure_logging", lambda *args: None)  # other tests' levels
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(0.05)
+    stop = threading.Event()
+
+    def turn_away() -> None:  # accept, then close before any handshake: "busy"
+        while not stop.is_set():
+            try:
+                connection, _ = server.accept()
+            except TimeoutError:
+                continue
+            connection.close()
+
+    thread = threading.Thread(target=turn_away)
+    thread.start()
+    try:
+        address = f"{Identity.generate().peer_id}@127.0.0.1:{server.getsockname()[1]}"
+        assert main(["status", "--initial-peers", address, "--timeout", "2"]) == 1
+    finally:
+        stop.set()
+        thread.join()
+        server.close()
+    captured = capsys.readouterr()
+    assert captured.out == "0 peer(s) reachable\n"
+    assert "no peer answered (tried" in captured.err
+    assert "busy at each of" in captured.err
