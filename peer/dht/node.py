@@ -240,7 +240,7 @@ class DHT:
             "initial peers busy (at their connection limits for our address, as when many"
             " peers behind one NAT join at once): trying %s again for up to %.0f s",
             ", ".join(str(a) for a in busy),
-            deadline - trio.current_time(),
+            max(deadline - trio.current_time(), 0.0),
         )
         started, tries, delay = trio.current_time(), 1, _BUSY_RETRY_FIRST
         while busy:
