@@ -45,9 +45,10 @@ class PeerUnavailableError(SwarmError):
 
 
 class PeerBusyError(PeerUnavailableError):
-    """The peer accepted the connection and closed it before a byte of its handshake: it is
-    up, but turned us away for now (its connection limits for our address, which a flood
-    from a neighbour behind the same NAT can use up); dial again a little later."""
+    """The peer answered the connection with the busy signal (``protocol.noise.BUSY_SIGNAL``)
+    instead of its handshake: it is up, but turned us away for now (its connection limits
+    for our address, which a flood from a neighbour behind the same NAT can use up); dial
+    again a little later."""
 
 
 class SelfDialError(PeerUnavailableError):

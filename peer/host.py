@@ -63,7 +63,7 @@ from .rpc import (
     RpcConnection,
     StreamHandler,
 )
-from .secure import SecureStream, secure_handshake
+from .secure import SecureStream, secure_handshake, turn_away
 
 __all__ = ["HostConfig", "RpcHost", "open_rpc_host"]
 
@@ -512,16 +512,16 @@ class RpcHost:
         group = host_group(host)
         config = self.config
         if self._admit_in_handler and not self._admit(host):
-            await trio.aclose_forcefully(raw)
+            await turn_away(raw)
             return
         if self._per_host[group] >= config.max_connections_per_ip:
             logger.debug("%r: refusing %s: too many connections from it", self, host)
-            await trio.aclose_forcefully(raw)
+            await turn_away(raw)
             return
         full = len(self._handshakes) + len(self._connections) >= config.max_connections
         if full and not (self._cut_off_oldest_handshake() or self._evict_idle_inbound()):
             logger.debug("%r: refusing %s: %d connections", self, host, config.max_connections)
-            await trio.aclose_forcefully(raw)
+            await turn_away(raw)
             return
         self._per_host[group] += 1
         handshake = trio.CancelScope(deadline=trio.current_time() + config.handshake_timeout)

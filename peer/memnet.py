@@ -32,6 +32,7 @@ Rules:
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import itertools
 import logging
@@ -39,6 +40,8 @@ from collections import Counter, deque
 from collections.abc import Iterable
 
 import trio
+
+from protocol.noise import BUSY_SIGNAL
 
 from .network import AdmitFilter, ConnectionHandler
 
@@ -387,7 +390,7 @@ class MemoryNetwork:
         client = MemoryStream(self, conn, 0, ports)
         server = MemoryStream(self, conn, 1, ports)
         if listener.admit is not None and not listener.admit(source):
-            listener.nursery.start_soon(server.aclose)
+            listener.nursery.start_soon(_turn_away, server)
         else:
             listener.nursery.start_soon(_run_handler, listener.handler, server)
         return client
@@ -469,3 +472,10 @@ async def _run_handler(handler: ConnectionHandler, stream: MemoryStream) -> None
         await handler(stream)
     except trio.BrokenResourceError:
         logger.debug("memnet handler for %r: stream broke", stream, exc_info=True)
+
+
+async def _turn_away(stream: MemoryStream) -> None:
+    """What TcpNetwork does to a refused connection: ``BUSY_SIGNAL``, then close."""
+    with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+        await stream.send_all(BUSY_SIGNAL)
+    await stream.aclose()

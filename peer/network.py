@@ -17,6 +17,8 @@ from typing import Protocol, runtime_checkable
 
 import trio
 
+from protocol.noise import BUSY_SIGNAL
+
 __all__ = [
     "AdmitFilter",
     "ConnectionHandler",
@@ -62,7 +64,9 @@ class Network(Protocol):
 
         Reports the bound port with ``task_status.started(port)`` (``port=0`` picks one).
         The handler owns the stream and must close it. ``admit``, when given, sees each
-        connection's remote host first and may refuse it (closed at once, no task made).
+        connection's remote host first and may refuse it: it is sent
+        ``protocol.noise.BUSY_SIGNAL`` (the dialer learns we are up but busy) and closed
+        at once, no task made.
 
         Raises:
             OSError: if the address cannot be bound.
@@ -146,10 +150,22 @@ async def _accept_loop(
                 continue
             raise
         if admit is not None and not admit(_host_of(address)):
-            conn.close()
+            _turn_away(conn)
             continue
         _OPEN_SOCKETS.add(conn)
         nursery.start_soon(accepted, trio.SocketStream(conn))
+
+
+def _turn_away(conn: trio.socket.SocketType) -> None:
+    """Send ``BUSY_SIGNAL`` on a fresh socket (its buffer takes it at once) and close it,
+    reading first what the dialer sent: closing with unread bytes resets the connection,
+    and a reset may discard the signal before the dialer reads it (on some systems)."""
+    fd = conn.fileno()
+    with contextlib.suppress(OSError):
+        os.write(fd, BUSY_SIGNAL)
+    with contextlib.suppress(OSError):
+        os.read(fd, 1 << 12)
+    conn.close()
 
 
 _OPEN_SOCKETS: weakref.WeakSet[trio.socket.SocketType] = weakref.WeakSet()

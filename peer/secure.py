@@ -16,6 +16,7 @@ Blame: a tampered, replayed or truncated message from the peer closes the stream
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 from collections.abc import Sequence
@@ -24,12 +25,18 @@ import trio
 
 from protocol.errors import LocalProtocolError, ProtocolError
 from protocol.identity import Identity, PeerID
-from protocol.noise import MAX_PLAINTEXT_PER_MESSAGE, NEED_DATA, NoiseHandshake, NoiseTransport
+from protocol.noise import (
+    BUSY_SIGNAL,
+    MAX_PLAINTEXT_PER_MESSAGE,
+    NEED_DATA,
+    NoiseHandshake,
+    NoiseTransport,
+)
 
 from .errors import PeerBusyError, PeerUnavailableError
 from .network import partial_sender, remote_host_of
 
-__all__ = ["SecureStream", "secure_handshake"]
+__all__ = ["SecureStream", "secure_handshake", "turn_away"]
 
 logger = logging.getLogger(__name__)
 
@@ -376,9 +383,13 @@ async def secure_handshake(
             if out := handshake.data_to_send():
                 await stream.send_all(out)
             data = await stream.receive_some(_HANDSHAKE_READ)
-            if not data:
-                if initiator and not heard:
+            if initiator and not heard:
+                data = await _read_first_bytes(stream, data)
+                if data.startswith(BUSY_SIGNAL):
                     raise PeerBusyError(_TURNED_AWAY)
+                if not data:
+                    raise PeerUnavailableError(_CLOSED_UNHEARD)
+            if not data:
                 raise PeerUnavailableError("connection closed during the handshake")
             heard = True
             handshake.receive_data(data)
@@ -392,12 +403,37 @@ async def secure_handshake(
             raise PeerUnavailableError(f"handshake failed: {exc}") from exc
         if isinstance(exc, trio.BrokenResourceError | trio.ClosedResourceError | OSError):
             if initiator and not heard and not isinstance(exc, trio.ClosedResourceError):
-                raise PeerBusyError(f"{_TURNED_AWAY} ({exc})") from exc
+                raise PeerUnavailableError(f"{_CLOSED_UNHEARD} ({exc})") from exc
             raise PeerUnavailableError(f"connection lost during the handshake: {exc}") from exc
         raise
 
 
+async def _read_first_bytes(stream: trio.abc.Stream, data: bytes | bytearray) -> bytes | bytearray:
+    """``data`` (the first read of the responder's bytes), completed to at least as long
+    as ``BUSY_SIGNAL`` unless the stream ends first: it may come in pieces."""
+    while data and len(data) < len(BUSY_SIGNAL):
+        more = await stream.receive_some(_HANDSHAKE_READ)
+        if not more:
+            break
+        data += more
+    return data
+
+
+async def turn_away(stream: trio.abc.Stream) -> None:
+    """Refuse a connection before its handshake: send ``BUSY_SIGNAL`` (the dialer learns
+    that we are up but at a limit, not gone) and close. Waits at most a second to write
+    (a fresh connection's buffers take 2 bytes at once)."""
+    with trio.move_on_after(1.0):
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            await stream.send_all(BUSY_SIGNAL)
+    await trio.aclose_forcefully(stream)
+
+
 _TURNED_AWAY = (
-    "the peer closed the connection before its handshake: busy, or at its limit of "
+    "the peer turned the connection away before its handshake: busy, or at its limit of "
     "connections from our address; try again later"
+)
+_CLOSED_UNHEARD = (
+    "the peer closed the connection before its handshake (nothing behind a proxy, or not "
+    "a swarm peer)"
 )

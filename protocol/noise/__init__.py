@@ -10,6 +10,7 @@ from ..framing import NEED_DATA as NEED_DATA
 from .cipher import AESGCM as AESGCM
 from .cipher import ChaChaPoly as ChaChaPoly
 from .cipher import CipherState as CipherState
+from .handshake import BUSY_SIGNAL as BUSY_SIGNAL
 from .handshake import DEFAULT_CIPHER as DEFAULT_CIPHER
 from .handshake import MAX_HANDSHAKE_MESSAGE_LENGTH as MAX_HANDSHAKE_MESSAGE_LENGTH
 from .handshake import PROLOGUE as PROLOGUE
@@ -23,6 +24,7 @@ from .transport import sealed_size as sealed_size
 
 __all__ = [
     "AESGCM",
+    "BUSY_SIGNAL",
     "DEFAULT_CIPHER",
     "MAX_HANDSHAKE_MESSAGE_LENGTH",
     "MAX_MESSAGE_LENGTH",

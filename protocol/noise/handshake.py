@@ -51,6 +51,11 @@ DEFAULT_CIPHER = "AESGCM"
 """swarm/1 runs ``Noise_XX_25519_AESGCM_SHA256``."""
 MAX_HANDSHAKE_MESSAGE_LENGTH = 1024
 """swarm/1 handshake messages are 32, 216 and 184 bytes; a larger length prefix is refused."""
+BUSY_SIGNAL = b"\x00\x00"
+"""An empty handshake message, sent instead of message 2 by a responder that turns the
+connection away (its limits for the dialer's address, or for all) before closing it: the
+dialer then knows the peer is up and may try again later, where a bare close (a proxy in
+front of a process that is gone) says nothing. No real message 2 is empty."""
 
 
 class _State(enum.Enum):

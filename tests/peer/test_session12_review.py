@@ -3,9 +3,12 @@ per-host storage quota. Each test here failed on the tree it was written against
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import struct
 import threading
+import time
+from collections.abc import Awaitable, Callable
 
 import pytest
 import trio
@@ -15,11 +18,12 @@ from test_owed_bytes import WINDOW
 from test_rpc import two_hosts
 
 from peer.cli import main
+from peer.errors import PeerBusyError
 from peer.memnet import MemoryNetwork
 from peer.rpc import Reply, Request
 from peer.secure import SecureStream, secure_handshake
 from protocol.identity import Identity
-from protocol.noise import NoiseHandshake
+from protocol.noise import BUSY_SIGNAL, NoiseHandshake
 
 
 async def test_a_call_cancelled_during_its_direct_write_cancels_the_callees_handler(
@@ -114,6 +118,33 @@ async def test_a_peer_that_resets_right_after_its_handshake_keeps_its_address() 
             await secure.aclose()
 
 
+def _status_against_a_listener(signal: bytes, timeout: str) -> int:
+    """``swarm status`` against a listener that accepts, sends ``signal`` and closes."""
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(0.05)
+    stop = threading.Event()
+
+    def turn_away() -> None:
+        while not stop.is_set():
+            try:
+                connection, _ = server.accept()
+            except TimeoutError:
+                continue
+            with contextlib.suppress(OSError):
+                connection.sendall(signal)
+            connection.close()
+
+    thread = threading.Thread(target=turn_away)
+    thread.start()
+    try:
+        address = f"{Identity.generate().peer_id}@127.0.0.1:{server.getsockname()[1]}"
+        return main(["status", "--initial-peers", address, "--timeout", timeout])
+    finally:
+        stop.set()
+        thread.join()
+        server.close()
+
+
 def test_status_says_an_initial_peer_is_busy_within_its_timeout(
     monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -123,28 +154,67 @@ def test_status_says_an_initial_peer_is_busy_within_its_timeout(
     by then)", where it used to say at once that the node was busy. The retries now end
     within half the timeout, and the report names the node as busy."""
     monkeypatch.setattr("peer.cli._configure_logging", lambda *args: None)  # other tests' levels
-    server = socket.create_server(("127.0.0.1", 0))
-    server.settimeout(0.05)
-    stop = threading.Event()
-
-    def turn_away() -> None:  # accept, then close before any handshake: "busy"
-        while not stop.is_set():
-            try:
-                connection, _ = server.accept()
-            except TimeoutError:
-                continue
-            connection.close()
-
-    thread = threading.Thread(target=turn_away)
-    thread.start()
-    try:
-        address = f"{Identity.generate().peer_id}@127.0.0.1:{server.getsockname()[1]}"
-        assert main(["status", "--initial-peers", address, "--timeout", "2"]) == 1
-    finally:
-        stop.set()
-        thread.join()
-        server.close()
+    assert _status_against_a_listener(BUSY_SIGNAL, "2") == 1
     captured = capsys.readouterr()
     assert captured.out == "0 peer(s) reachable\n"
     assert "no peer answered (tried" in captured.err
     assert "busy at each of" in captured.err
+
+
+def test_status_fails_at_once_on_a_listener_that_just_closes(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A bare close before the handshake (a proxy in front of a peer that is gone, as
+    docker-proxy does) is not "busy": no retries, a report at once that says what happened
+    (it was taken for busy, and retried until the timeout)."""
+    monkeypatch.setattr("peer.cli._configure_logging", lambda *args: None)
+    started = time.monotonic()
+    assert _status_against_a_listener(b"", "20") == 1
+    assert time.monotonic() - started < 5
+    captured = capsys.readouterr()
+    assert "closed the connection before its handshake" in captured.err
+    assert "busy" not in captured.err
+
+
+class _Whole:
+    """A stand-in stream with only ``send_all`` (for ``trickle``)."""
+
+    def __init__(self, send_all: Callable[[bytes], Awaitable[None]]) -> None:
+        self.send_all = send_all
+
+
+async def test_the_busy_signal_is_recognised_when_it_comes_byte_by_byte() -> None:
+    """The dialer reads the responder's first two bytes before deciding: the busy signal
+    split over two reads is still "busy", and a real handshake whose reads come one byte
+    at a time still completes."""
+
+    async def trickle(stream: trio.abc.Stream | _Whole, data: bytes) -> None:
+        for i in range(len(data)):
+            await stream.send_all(data[i : i + 1])
+            await trio.testing.wait_all_tasks_blocked()
+
+    with trio.fail_after(10):
+        raw_a, raw_b = trio.testing.memory_stream_pair()
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(trickle, raw_b, BUSY_SIGNAL)
+            with pytest.raises(PeerBusyError):
+                await secure_handshake(raw_a, Identity.generate(), initiator=True)
+            await raw_b.aclose()
+
+        raw_a, raw_b = trio.testing.memory_stream_pair()
+        ids = Identity.generate(), Identity.generate()
+        done: list[SecureStream] = []
+        send_all = raw_b.send_all
+
+        async def send_bytewise(data: bytes | bytearray | memoryview) -> None:
+            await trickle(_Whole(send_all), bytes(data))
+
+        raw_b.send_all = send_bytewise  # type: ignore[method-assign]
+
+        async def responder() -> None:
+            done.append(await secure_handshake(raw_b, ids[1], initiator=False))
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(responder)
+            dialer = await secure_handshake(raw_a, ids[0], initiator=True)
+        assert dialer.remote_peer_id == ids[1].peer_id and done
