@@ -37,7 +37,7 @@ from peer.host import HostConfig  # noqa: E402
 from protocol.address import Address  # noqa: E402
 from protocol.identity import Identity  # noqa: E402
 from protocol.messages import NodeInfo  # noqa: E402
-from protocol.noise import NoiseHandshake  # noqa: E402
+from protocol.noise import BUSY_SIGNAL, NoiseHandshake  # noqa: E402
 
 
 async def serve(rate: float) -> None:
@@ -64,7 +64,8 @@ def flood(host: str, port: int, count: int) -> tuple[int, float]:
             sock.settimeout(2.0)
             try:
                 sock.sendall(first_message)
-                answered += bool(sock.recv(4096))
+                reply = sock.recv(4096)
+                answered += len(reply) > len(BUSY_SIGNAL)  # message 2, not the busy signal
             except OSError:
                 pass  # closed or reset at once: refused
     return answered, time.perf_counter() - start
