@@ -396,12 +396,15 @@ def _start_in_background(
             ready.set()
 
     thread = threading.Thread(target=thread_main, name="swarm-peer", daemon=True)
-    thread.start()
     try:
+        # thread.start() too: a busy machine may run the new thread up to its first dial
+        # (and a Ctrl-C come) before this thread returns from start()
+        thread.start()
         ready.wait()
     except BaseException:  # Ctrl-C (or a signal handler's error) during the start: no
         startup.cancel()  # peer may live on unseen
-        thread.join()
+        with contextlib.suppress(RuntimeError):  # interrupted before the thread existed
+            thread.join()
         raise
     if not started:
         thread.join()
