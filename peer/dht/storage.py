@@ -33,6 +33,7 @@ import heapq
 import itertools
 import logging
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from typing import TypeVar
 
@@ -47,6 +48,11 @@ ENTRY_OVERHEAD = 512
 """Bytes each entry counts toward ``max_bytes`` on top of its value: what holding it costs
 in memory (its subkey, signature and objects: ~420 bytes measured for a 128-byte subkey),
 so that many tiny values cannot hold far more memory than the budget says."""
+SUBKEY_SHARE_PER_SOURCE = 0.25
+"""Most of one key's ``max_subkeys_per_key`` one source may hold: a full dictionary makes
+room for a newcomer that outlives its soonest-expiring entry, so one host storing long
+ttls under a shared key (a matchmaking round) would otherwise push every other writer out
+of it. A quarter still lets one writer keep a large dictionary of its own (256 subkeys)."""
 _HEAP_SLACK = 1024
 """Stale expiry items tolerated on top of one per entry held, before a rebuild."""
 
@@ -127,6 +133,7 @@ class DHTStorage:
         max_bytes: int = 256 << 20,
         max_subkeys_per_key: int = MAX_SUBKEYS_PER_KEY,
         max_share_per_source: float = 0.125,
+        subkey_share_per_source: float = SUBKEY_SHARE_PER_SOURCE,
     ) -> None:
         if not 0 < max_share_per_source <= 1:
             raise ValueError(f"max_share_per_source must be in (0, 1], not {max_share_per_source}")
@@ -136,12 +143,14 @@ class DHTStorage:
         self.max_subkeys_per_key = max_subkeys_per_key
         self.max_keys_per_source = max(1, int(max_keys * max_share_per_source))
         self.max_bytes_per_source = max(1, int(max_bytes * max_share_per_source))
+        self.max_subkeys_per_source = max(1, int(max_subkeys_per_key * subkey_share_per_source))
         self._records: dict[DHTID, Record] = {}
         self._names: dict[DHTID, str] = {}  # key text, when a STORE told it (handover)
         self.num_bytes = 0  # values held plus ENTRY_OVERHEAD per entry: what peers control
         self.num_entries = 0  # live and not yet expired entries, over every key
         # who stored each entry that has a source, and what each source holds (no zeros)
         self._sources: dict[DHTID, dict[Subkey, str]] = {}
+        self._subkeys_by_source: dict[DHTID, Counter[str]] = {}  # per key, no zeros
         self._keys_by_source: dict[str, int] = {}
         self._bytes_by_source: dict[str, int] = {}
         # (expiration, tiebreak, key, subkey); stale items (an entry replaced by a newer
@@ -213,15 +222,25 @@ class DHTStorage:
         sources = self._sources.get(key, {})
         keys = self._keys_by_source.get(source, 0)
         num_bytes = self._bytes_by_source.get(source, 0) + _cost(entry)
+        subkeys_here = self._subkeys_by_source.get(key, Counter())[source]
+        own = False  # ``leaving`` is this source's: the entry takes its place
         if leaving is not None and sources.get(leaving.subkey) == source:
+            own = True
             num_bytes -= _cost(leaving)
-        new_key = source not in sources.values()
-        if num_bytes > self.max_bytes_per_source or (new_key and keys >= self.max_keys_per_source):
+        grows_here = not own and subkeys_here >= self.max_subkeys_per_source
+        new_key = not subkeys_here
+        if (
+            num_bytes > self.max_bytes_per_source
+            or (new_key and keys >= self.max_keys_per_source)
+            or grows_here
+        ):
             logger.debug(
-                "storage quota: %s holds %d keys and %d bytes here: refused an entry",
+                "storage quota: %s holds %d keys and %d bytes here, %d subkeys of this key:"
+                " refused an entry",
                 source,
                 keys,
                 self._bytes_by_source.get(source, 0),
+                subkeys_here,
             )
             return False
         return True
@@ -233,10 +252,11 @@ class DHTStorage:
         self.num_entries += 1
         if source is None:
             return
-        sources = self._sources.setdefault(key, {})
-        if source not in sources.values():
+        counts = self._subkeys_by_source.setdefault(key, Counter())
+        if not counts[source]:
             self._keys_by_source[source] = self._keys_by_source.get(source, 0) + 1
-        sources[entry.subkey] = source
+        counts[source] += 1
+        self._sources.setdefault(key, {})[entry.subkey] = source
         self._bytes_by_source[source] = self._bytes_by_source.get(source, 0) + cost
 
     def _release(self, key: DHTID, entry: Entry) -> None:
@@ -251,7 +271,11 @@ class DHTStorage:
         if not sources:
             del self._sources[key]
         _decrease(self._bytes_by_source, source, cost)
-        if source not in sources.values():
+        counts = self._subkeys_by_source[key]
+        _decrease(counts, source, 1)
+        if not counts:
+            del self._subkeys_by_source[key]
+        if not counts[source]:
             _decrease(self._keys_by_source, source, 1)
 
     def held_by(self, source: str) -> tuple[int, int]:

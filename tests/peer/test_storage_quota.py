@@ -8,6 +8,7 @@ honest peer's store.
 from __future__ import annotations
 
 import random
+from collections import Counter
 from collections.abc import Sequence
 
 import msgpack
@@ -16,7 +17,7 @@ import trio
 import trio.testing
 
 from peer.dht import DHTConfig
-from peer.dht.storage import ENTRY_OVERHEAD, DHTStorage
+from peer.dht.storage import ENTRY_OVERHEAD, SUBKEY_SHARE_PER_SOURCE, DHTStorage
 from peer.memnet import MemoryNetwork
 from peer.node import Peer, PeerConfig, open_peer
 from protocol.address import Address
@@ -68,6 +69,9 @@ def check_accounting(storage: DHTStorage) -> None:
         for source in set(sources.values()):
             keys[source] = keys.get(source, 0) + 1
     assert storage._keys_by_source == keys and storage._bytes_by_source == num_bytes
+    subkeys = {k: Counter(sources.values()) for k, sources in storage._sources.items()}
+    assert storage._subkeys_by_source == subkeys
+    assert all(n <= storage.max_subkeys_per_source for c in subkeys.values() for n in c.values())
     assert all(n <= storage.max_keys_per_source for n in keys.values())
     assert all(n <= storage.max_bytes_per_source for n in num_bytes.values())
 
@@ -108,7 +112,7 @@ def test_one_host_holds_at_most_its_share_of_the_bytes() -> None:
 
 def test_accounting_through_replace_expire_evict_and_refusal() -> None:
     clock = Clock()
-    storage = DHTStorage(clock=clock, max_subkeys_per_key=2)
+    storage = DHTStorage(clock=clock, max_subkeys_per_key=2, subkey_share_per_source=1.0)
     now = clock.now
     assert storage.store(KEY, Entry("a", value(10), now + 10), source=EVE)
     assert storage.store(KEY, Entry("b", value(20), now + 20), source=EVE)
@@ -242,3 +246,27 @@ async def test_one_host_filling_a_node_leaves_room_for_an_honest_store(
             if held_there:
                 assert storage.held_by(BOB)[0] == 1
             nursery.cancel_scope.cancel()
+
+
+def test_one_host_cannot_take_a_shared_key_from_its_other_writers() -> None:
+    """A full dictionary makes room for a newcomer that outlives its soonest-expiring
+    entry: one host storing long ttls under a shared key (a matchmaking round) pushed
+    every other writer's short-lived entries out. A host holds at most a quarter of a
+    key's subkeys now (``SUBKEY_SHARE_PER_SOURCE``); its own it may still replace."""
+    clock = Clock()
+    storage = DHTStorage(clock=clock, max_subkeys_per_key=8)
+    assert storage.max_subkeys_per_source == 8 * SUBKEY_SHARE_PER_SOURCE == 2
+    honest = [f"10.0.1.{i}" for i in range(6)]
+    for i, host in enumerate(honest):  # short-lived declarations
+        assert storage.store(KEY, Entry(f"peer{i}", value(10), clock.now + 5), source=host)
+    week = clock.now + 7 * 24 * 3600
+    assert storage.store(KEY, Entry("junk0", value(10), week), source=EVE)
+    assert storage.store(KEY, Entry("junk1", value(10), week), source=EVE)  # key full now
+    for n in range(2, 10):  # each would push an honest entry out
+        assert not storage.store(KEY, Entry(f"junk{n}", value(10), week), source=EVE)
+    assert storage.store(KEY, Entry("junk0", value(11), week + 1), source=EVE)  # its own
+    assert len([s for s in storage.get(KEY) if str(s).startswith("peer")]) == 6
+    check_accounting(storage)
+    # an honest host's own newer declaration still replaces its old one
+    assert storage.store(KEY, Entry("peer0", value(10), clock.now + 9), source=honest[0])
+    check_accounting(storage)
