@@ -9,6 +9,8 @@ consumed their Noise nonces and could be neither dropped nor resent.
 from __future__ import annotations
 
 import socket
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import pytest
 import trio
@@ -40,6 +42,24 @@ async def _secure_pair(
     return streams[0], streams[1]
 
 
+@asynccontextmanager
+async def _memnet_secure_pair() -> AsyncIterator[tuple[SecureStream, SecureStream]]:
+    """Two ends of a secure connection on a memory network whose window is ``WINDOW``."""
+    net = MemoryNetwork(window=WINDOW)
+    async with trio.open_nursery() as nursery:
+        accepted: list[trio.abc.Stream] = []
+
+        async def keep(stream: trio.abc.Stream) -> None:
+            accepted.append(stream)
+            await trio.sleep_forever()
+
+        port = await nursery.start(net.serve, "b", 0, keep)
+        raw_a = await net.connect("b", port)
+        await trio.testing.wait_all_tasks_blocked()
+        yield await _secure_pair(raw_a, accepted[0])
+        nursery.cancel_scope.cancel()
+
+
 async def _read_exactly(stream: SecureStream, size: int) -> bytes:
     got = bytearray()
     while len(got) < size:
@@ -52,19 +72,8 @@ async def _read_exactly(stream: SecureStream, size: int) -> bytes:
 async def test_a_cancelled_memnet_write_is_sent_first_at_the_next_send(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    net = MemoryNetwork(window=WINDOW)
     with trio.fail_after(30):
-        async with trio.open_nursery() as nursery:
-            accepted: list[trio.abc.Stream] = []
-
-            async def keep(stream: trio.abc.Stream) -> None:
-                accepted.append(stream)
-                await trio.sleep_forever()
-
-            port = await nursery.start(net.serve, "b", 0, keep)
-            raw_a = await net.connect("b", port)
-            await trio.testing.wait_all_tasks_blocked()
-            a, b = await _secure_pair(raw_a, accepted[0])
+        async with _memnet_secure_pair() as (a, b):
             first, cut, last = b"1" * 70_000, b"2" * 40_000, b"3" * 10
             await a.send_all(first)  # fills the window: b reads nothing yet
             with trio.move_on_after(1) as scope:
@@ -75,7 +84,6 @@ async def test_a_cancelled_memnet_write_is_sent_first_at_the_next_send(
             await a.send_all(last)
             received += await _read_exactly(b, len(cut) + len(last))
             assert received == first + cut + last
-            nursery.cancel_scope.cancel()
 
 
 async def test_a_cancelled_tcp_write_is_sent_first_at_the_next_send() -> None:
@@ -122,26 +130,14 @@ async def test_a_send_cut_off_before_all_was_sealed_tears_the_stream(
 ) -> None:
     """Several slices (more than one write): cancelled between them, part of the data was
     never sealed, so nothing more may go out (the peer would read a broken frame)."""
-    net = MemoryNetwork(window=WINDOW)
     with trio.fail_after(30):
-        async with trio.open_nursery() as nursery:
-            accepted: list[trio.abc.Stream] = []
-
-            async def keep(stream: trio.abc.Stream) -> None:
-                accepted.append(stream)
-                await trio.sleep_forever()
-
-            port = await nursery.start(net.serve, "b", 0, keep)
-            raw_a = await net.connect("b", port)
-            await trio.testing.wait_all_tasks_blocked()
-            a, _ = await _secure_pair(raw_a, accepted[0])
+        async with _memnet_secure_pair() as (a, _):
             with trio.move_on_after(1) as scope:
                 await a.send_all(bytes(3 << 20))  # three 1 MiB writes; the window is 64 KiB
             assert scope.cancelled_caught
             assert not a.intact
             with pytest.raises(trio.BrokenResourceError, match="cut off"):
                 await a.send_all(b"more")
-            nursery.cancel_scope.cancel()
 
 
 async def test_a_call_cancelled_during_its_direct_write_keeps_the_connection(
