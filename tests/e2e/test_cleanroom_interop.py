@@ -208,10 +208,14 @@ class CleanroomNode:
 
     def _accept_loop(self) -> None:
         while not self._stop.is_set():
-            try:
-                incoming = Connection.accept(self.listener, self.identity, timeout=0.05)
-            except TimeoutError:
+            # a short poll to see _stop, but the handshake gets the full TIMEOUT: with 0.05 s
+            # for each of its reads, a node slow to answer on a busy machine was dropped
+            # unnoticed (a TimeoutError) and never proved our sender claim
+            ready, _, _ = select.select([self.listener], [], [], 0.05)
+            if not ready:
                 continue
+            try:
+                incoming = Connection.accept(self.listener, self.identity, timeout=TIMEOUT)
             except (OSError, CleanroomError) as exc:
                 self.failures.append(exc)
                 continue
