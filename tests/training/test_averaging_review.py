@@ -17,10 +17,18 @@ from test_averaging_support import (
     make_members,
     memnet_swarm,
     step_all,
+    step_or_mismatch,
     verify_round,
 )
 
-from training import Averager, DropReason, LayoutMismatchError, Outcome, PartStatus
+from training import (
+    Averager,
+    AveragingInfo,
+    DropReason,
+    LayoutMismatchError,
+    Outcome,
+    PartStatus,
+)
 from training.averaging.grouping import round_key
 
 WINDOW = 4.0
@@ -205,18 +213,11 @@ async def test_a_lone_misconfigured_newcomer_retrying_never_raises_in_a_correct_
             newcomer = make_members(nodes[2:], 600, fast_config(), seed=3)[0].averager
             notes = []
             for _ in range(5):
-                errors: list[LayoutMismatchError] = []
-
-                async def newcomer_step(errors: list[LayoutMismatchError] = errors) -> None:
-                    try:
-                        await newcomer.step(timeout=20.0)
-                    except LayoutMismatchError as exc:
-                        errors.append(exc)
-
+                outcome: list[AveragingInfo | LayoutMismatchError] = []
                 async with trio.open_nursery() as nursery:
-                    nursery.start_soon(newcomer_step)
+                    nursery.start_soon(step_or_mismatch, newcomer, 20.0, outcome)
                     info = await members[0].averager.step(timeout=20.0)
-                assert len(errors) == 1
+                assert len(outcome) == 1 and isinstance(outcome[0], LayoutMismatchError)
                 assert info.outcome is Outcome.ALONE, info
                 notes.append(info.note)
     print(notes)

@@ -12,7 +12,14 @@ import trio
 
 from peer import MemoryNetwork, Peer, open_peer
 from protocol.identity import Identity, PeerID
-from training import Averager, AveragerConfig, AveragingInfo, Outcome, PartStatus
+from training import (
+    Averager,
+    AveragerConfig,
+    AveragingInfo,
+    LayoutMismatchError,
+    Outcome,
+    PartStatus,
+)
 
 T0 = 1_700_000_000.0
 
@@ -182,3 +189,14 @@ def verify_round(
             assert err <= tol, f"part {part.index}: error {err} > {tol}"
             assert not set(part.contributors) & set(part.dropped)
             assert set(part.contributors) | set(part.dropped) <= group
+
+
+async def step_or_mismatch(
+    averager: Averager, seconds: float, outcome: list[AveragingInfo | LayoutMismatchError]
+) -> None:
+    """One step (its timeout: ``seconds``), its info or its ``LayoutMismatchError``
+    appended to ``outcome`` (to run in a nursery beside the other members' steps)."""
+    try:
+        outcome.append(await averager.step(timeout=seconds))
+    except LayoutMismatchError as exc:
+        outcome.append(exc)

@@ -19,6 +19,7 @@ from test_averaging_support import (
     make_members,
     memnet_swarm,
     step_all,
+    step_or_mismatch,
     verify_round,
 )
 
@@ -95,15 +96,8 @@ async def _newcomer_after_early_close(
             _declare_after(nodes[3], withdrawn)
             await trio.sleep(WINDOW - trio.current_time() % WINDOW + 0.05)  # a slot's start
             outcome: list[AveragingInfo | LayoutMismatchError] = []
-
-            async def newcomer_step() -> None:
-                try:
-                    outcome.append(await newcomer.step(timeout=10.0))
-                except LayoutMismatchError as exc:
-                    outcome.append(exc)
-
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(newcomer_step)
+                nursery.start_soon(step_or_mismatch, newcomer, 10.0, outcome)
                 results = await step_all(members, timeout=10.0)
             assert withdrawn.is_set()
     infos = [info for info, _ in results]
@@ -185,20 +179,14 @@ async def test_a_newcomer_reading_after_the_lone_correct_peer_withdrew_is_told(
 
             nodes[2].dht.get_entries = late_read  # type: ignore[method-assign,assignment]
             await trio.sleep(WINDOW - trio.current_time() % WINDOW + 0.05)
-            errors: list[LayoutMismatchError] = []
-
-            async def newcomer_step() -> None:
-                try:
-                    await newcomer.step(timeout=4.0)
-                except LayoutMismatchError as exc:
-                    errors.append(exc)
-
+            outcome: list[AveragingInfo | LayoutMismatchError] = []
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(newcomer_step)
+                nursery.start_soon(step_or_mismatch, newcomer, 4.0, outcome)
                 info = await members[0].averager.step(timeout=4.0)
     assert reads, "the newcomer never read the round"
-    assert len(errors) == 1, errors
-    assert "had formed their groups" in str(errors[0]), errors[0]
+    [error] = outcome
+    assert isinstance(error, LayoutMismatchError), error
+    assert "had formed their groups" in str(error), error
     assert info.outcome is Outcome.ALONE, info
     assert "another layout" in info.note, info.note
     np.testing.assert_array_equal(members[0].array, values)  # untouched
