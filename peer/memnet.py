@@ -476,6 +476,8 @@ async def _run_handler(handler: ConnectionHandler, stream: MemoryStream) -> None
 
 async def _turn_away(stream: MemoryStream) -> None:
     """What TcpNetwork does to a refused connection: ``BUSY_SIGNAL``, then close."""
-    with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
-        await stream.send_all(BUSY_SIGNAL)
-    await stream.aclose()
+    try:
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
+            await stream.send_all(BUSY_SIGNAL)
+    finally:  # closed even when cancelled (the listener stopped first): else the dialer hangs
+        await stream.aclose()

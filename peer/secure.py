@@ -423,10 +423,12 @@ async def turn_away(stream: trio.abc.Stream) -> None:
     """Refuse a connection before its handshake: send ``BUSY_SIGNAL`` (the dialer learns
     that we are up but at a limit, not gone) and close. Waits at most a second to write
     (a fresh connection's buffers take 2 bytes at once)."""
-    with trio.move_on_after(1.0):
-        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
-            await stream.send_all(BUSY_SIGNAL)
-    await trio.aclose_forcefully(stream)
+    try:
+        with trio.move_on_after(1.0):
+            with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+                await stream.send_all(BUSY_SIGNAL)
+    finally:  # closed even when cancelled (the host closing): else the dialer waits
+        await trio.aclose_forcefully(stream)
 
 
 _TURNED_AWAY = (
