@@ -340,9 +340,17 @@ class DHTProtocol:
             if take_slot:
                 self._limiter.release()
         self.calls_failed += 1
-        if not turned_away:
-            self.record_failure(node, timed_out=maybe_alive)
+        if not turned_away or self._busy_too_long(node):
+            self.record_failure(node, timed_out=maybe_alive or turned_away)
         return None
+
+    def _busy_too_long(self, node: NodeInfo) -> bool:
+        """Whether a contact that turned us away as busy has not been heard from for a
+        whole ``refresh_interval``: then it counts as failing after all. Busy is a sign of
+        life only for so long: whatever answers busy at a departed peer's address (another
+        process, an attacker) must not keep a dead contact in our table forever."""
+        seen = self.table.last_seen(node.peer_id)
+        return seen is not None and self._now() - seen > self.config.refresh_interval
 
     def _address_proven(self, node: NodeInfo, address: Address) -> bool:
         """Whether ``node`` is known to listen at its address: the table holds it there, or

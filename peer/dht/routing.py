@@ -96,6 +96,11 @@ class RoutingTable:
     def __contains__(self, peer_id: object) -> bool:
         return peer_id in self._index
 
+    def last_seen(self, peer_id: PeerID) -> float | None:
+        """When the contact ``peer_id`` was last heard from (None: not a contact)."""
+        index = self._index.get(peer_id)
+        return None if index is None else self._buckets[index].contacts[peer_id].last_seen
+
     def get(self, peer_id: PeerID) -> NodeInfo | None:
         index = self._index.get(peer_id)
         if index is None:

@@ -17,7 +17,9 @@ from test_cancellation_review import assert_settled, echo
 from test_owed_bytes import WINDOW
 from test_rpc import two_hosts
 
+from peer import Peer, open_peer
 from peer.cli import main
+from peer.dht import DHTConfig
 from peer.errors import PeerBusyError
 from peer.memnet import MemoryNetwork
 from peer.rpc import Reply, Request
@@ -218,3 +220,47 @@ async def test_the_busy_signal_is_recognised_when_it_comes_byte_by_byte() -> Non
             nursery.start_soon(responder)
             dialer = await secure_handshake(raw_a, ids[0], initiator=True)
         assert dialer.remote_peer_id == ids[1].peer_id and done
+
+
+async def test_a_contact_busy_for_longer_than_a_refresh_interval_is_dropped(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A busy answer is a sign of life only for so long: a departed peer's address now
+    answering busy (another process, an attacker) kept the dead contact in our table
+    forever, since busy answers never counted as failures. They count once we have not
+    heard from the contact for a whole ``refresh_interval``; before that they do not."""
+    net = MemoryNetwork(latency=0.01)
+    config = DHTConfig()
+
+    async def busy(stream: trio.abc.Stream) -> None:
+        await stream.send_all(BUSY_SIGNAL)
+        await stream.aclose()
+
+    leave, left = trio.Event(), trio.Event()
+
+    async def run_x(task_status: trio.TaskStatus[Peer]) -> None:
+        async with open_peer("10.0.0.9:4000", network=net.interface("10.0.0.9")) as x:
+            task_status.started(x)
+            await leave.wait()
+        left.set()
+
+    with trio.fail_after(10 * config.refresh_interval):
+        async with trio.open_nursery() as nursery:
+            x = await nursery.start(run_x)
+            async with open_peer(
+                "10.0.0.1:4000", [x.address], network=net.interface("10.0.0.1")
+            ) as volunteer:
+                table = volunteer.dht.protocol.table
+                node = table.get(x.peer_id)
+                assert node is not None
+                leave.set()  # x leaves; something else at its address answers busy
+                await left.wait()
+                await nursery.start(net.serve, "10.0.0.9", 4000, busy)
+                for _ in range(2 * config.max_failures):
+                    await volunteer.dht.protocol.ping(node)
+                assert node.peer_id in table  # busy, and heard from lately
+                await trio.sleep(config.refresh_interval + 1)
+                for _ in range(config.max_failures):
+                    await volunteer.dht.protocol.ping(node)
+                assert node.peer_id not in table
+            nursery.cancel_scope.cancel()
