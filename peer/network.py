@@ -36,7 +36,7 @@ PartialSender = Callable[[memoryview], Awaitable[int]]
 """Sends a prefix of the bytes given and returns its length; cancelled, it sent nothing."""
 AdmitFilter = Callable[[str], bool]
 """Called with an accepted connection's remote host before anything else is spent on it;
-False closes the connection at once."""
+False turns the connection away at once (``BUSY_SIGNAL``, then closed)."""
 
 
 @runtime_checkable
