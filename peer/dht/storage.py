@@ -222,7 +222,8 @@ class DHTStorage:
         sources = self._sources.get(key, {})
         keys = self._keys_by_source.get(source, 0)
         num_bytes = self._bytes_by_source.get(source, 0) + _cost(entry)
-        subkeys_here = self._subkeys_by_source.get(key, Counter())[source]
+        counts = self._subkeys_by_source.get(key)
+        subkeys_here = counts[source] if counts else 0
         own = False  # ``leaving`` is this source's: the entry takes its place
         if leaving is not None and sources.get(leaving.subkey) == source:
             own = True

@@ -417,11 +417,12 @@ class Matchmaker:
             done: Counter[str | None] = Counter()
             with trio.move_on_at(close_at if early else deadline):
                 entries = await self.node.dht.get_entries(key)
-                declared = parse_declarations({s: v for s, (v, _) in entries.items()})
+                values = {s: v for s, (v, _) in entries.items()}
+                declared = parse_declarations(values)
                 others = [d.count for d in declared if d.peer_id != state.me.peer_id]
                 self.seen_count = max([self.seen_count, *others])
                 state.others_seen = max(state.others_seen, len(others))
-                done = parse_done({s: v for s, (v, _) in entries.items()}, self._subkey)
+                done = parse_done(values, self._subkey)
                 if done.total() > state.others_done.total():
                     state.others_done = done
             # Exactly the peers of our layout we expect: close (peers of other layouts group
