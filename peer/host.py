@@ -15,7 +15,8 @@ Rules:
 - Inbound: over ``max_connections_per_ip`` from one host (one /64 for IPv6: a single
   subscriber holds a whole /64), a new connection is closed at once. Over
   ``max_connections`` in all, the oldest connection still in its handshake is cut off to make
-  room (connections that send nothing must not lock every other peer out); when every slot
+  room (connections that send nothing must not lock every other peer out; one we had not
+  answered yet gets the busy signal, as refused ones do); when every slot
   holds an established connection, the inbound one idle the longest (no call in flight,
   quiet for a second at least) is closed instead; failing both, the new one is closed at
   once. A handshake not done within ``handshake_timeout`` is cut off. A host that opens
@@ -529,7 +530,13 @@ class RpcHost:
         try:
             try:
                 with handshake:
-                    secure = await secure_handshake(raw, self.identity, initiator=False)
+                    secure = await secure_handshake(
+                        raw,
+                        self.identity,
+                        initiator=False,
+                        # cut off to make room (not timed out, not closing): say busy
+                        busy_if_cancelled=lambda: handshake not in self._handshakes,
+                    )
             finally:
                 self._handshakes.pop(handshake, None)
             if handshake.cancelled_caught:  # too slow, or cut off to make room
@@ -609,9 +616,12 @@ class _RetriedOnce:
 def is_loopback_host(host: str) -> bool:
     """Whether a remote host (an IP, as streams report it) is this machine (loopback)."""
     try:
-        return ipaddress.ip_address(host.split("%", 1)[0]).is_loopback
+        address = ipaddress.ip_address(host.split("%", 1)[0])
     except ValueError:
         return False  # a memory network's host name
+    if isinstance(address, ipaddress.IPv6Address) and address.ipv4_mapped is not None:
+        return address.ipv4_mapped.is_loopback  # a dual-stack socket's view of 127.0.0.1
+    return address.is_loopback
 
 
 def _as_address(address: Address | str) -> Address:
@@ -627,8 +637,9 @@ def _as_address(address: Address | str) -> Address:
 
 
 def host_group(host: str) -> str:
-    """What ``max_connections_per_ip`` counts by: the host, or its /64 for IPv6 (one
-    subscriber holds a whole /64)."""
+    """What ``max_connections_per_ip`` counts by: the host, or its /64 for a global IPv6
+    address (one subscriber holds a whole /64). Link-local and unique-local addresses
+    count one by one: every machine of a LAN shares their /64, and no stranger holds one."""
     if ":" not in host:
         return host
     try:
@@ -637,7 +648,12 @@ def host_group(host: str) -> str:
         return host
     if address.ipv4_mapped is not None:
         return str(address.ipv4_mapped)
+    if address.is_link_local or address in _UNIQUE_LOCAL:
+        return str(address)
     return str(ipaddress.IPv6Network((address, 64), strict=False))
+
+
+_UNIQUE_LOCAL = ipaddress.IPv6Network("fc00::/7")
 
 
 @asynccontextmanager

@@ -19,7 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import trio
 
@@ -362,11 +362,14 @@ async def secure_handshake(
     *,
     initiator: bool,
     expected_peer_id: PeerID | None = None,
+    busy_if_cancelled: Callable[[], bool] | None = None,
 ) -> SecureStream:
     """Run the Noise XX handshake on ``stream`` and return the secure stream.
 
     Not bounded in time: wrap it in a cancel scope. On any failure (including
-    cancellation) ``stream`` is closed.
+    cancellation) ``stream`` is closed. A responder cancelled before its reply sends
+    ``BUSY_SIGNAL`` first when ``busy_if_cancelled()`` says so (it was cut off to make
+    room: the dialer should count us as busy, not gone).
 
     Raises:
         PeerUnavailableError: the peer closed the stream, sent something invalid, or proved
@@ -377,10 +380,12 @@ async def secure_handshake(
     # out what came before the reset (its last handshake message, and a request). Before
     # our reply, the dialer cannot have finished its handshake: it is still connected.
     remote_host = remote_host_of(stream)
+    replied = False  # a byte of our own handshake went out
     try:
         handshake = NoiseHandshake(identity, initiator=initiator, expected_peer_id=expected_peer_id)
         while not handshake.complete:
             if out := handshake.data_to_send():
+                replied = True
                 await stream.send_all(out)
             data = await stream.receive_some(_HANDSHAKE_READ)
             if initiator and not heard:
@@ -398,6 +403,9 @@ async def secure_handshake(
         peer_id = handshake.remote_peer_id
         return SecureStream(stream, handshake.into_transport(), peer_id, remote_host)
     except BaseException as exc:
+        cut_off = isinstance(exc, trio.Cancelled) and not replied
+        if cut_off and busy_if_cancelled is not None and busy_if_cancelled():
+            await _send_busy_shielded(stream)
         await trio.aclose_forcefully(stream)
         if isinstance(exc, ProtocolError):
             raise PeerUnavailableError(f"handshake failed: {exc}") from exc
@@ -417,6 +425,15 @@ async def _read_first_bytes(stream: trio.abc.Stream, data: bytes | bytearray) ->
             break
         data += more
     return data
+
+
+async def _send_busy_shielded(stream: trio.abc.Stream) -> None:
+    """Send ``BUSY_SIGNAL`` from inside a cancelled scope (at most 0.5 s: a connection's
+    buffers take 2 bytes at once)."""
+    with trio.move_on_after(0.5) as scope:
+        scope.shield = True
+        with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError, OSError):
+            await stream.send_all(BUSY_SIGNAL)
 
 
 async def turn_away(stream: trio.abc.Stream) -> None:

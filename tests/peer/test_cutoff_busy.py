@@ -1,0 +1,84 @@
+"""A handshake cut off to make room for a newer connection says "busy" (``BUSY_SIGNAL``) when
+we had not answered yet, as a refused connection does; one that timed out, or that we
+had already answered, is just closed."""
+
+from __future__ import annotations
+
+import trio
+import trio.testing
+
+from peer.host import HostConfig, open_rpc_host
+from peer.memnet import MemoryNetwork
+from protocol.address import Address
+from protocol.identity import Identity
+from protocol.noise import BUSY_SIGNAL, NoiseHandshake
+
+SERVER = Identity.from_seed(b"s" * 32)
+
+
+async def _everything(stream: trio.abc.Stream) -> bytes:
+    """What the far end sends until it closes (a reset counts as a close)."""
+    got = b""
+    try:
+        while chunk := await stream.receive_some():
+            got += chunk
+    except trio.BrokenResourceError:
+        pass
+    return got
+
+
+async def test_a_handshake_cut_off_before_our_reply_gets_the_busy_signal(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    net = MemoryNetwork()
+    config = HostConfig(max_connections=2, max_connections_per_ip=2)
+    async with open_rpc_host(
+        SERVER, listen=Address("s", 1), network=net.interface("s"), config=config
+    ):
+        with trio.fail_after(5):
+            first = await net.interface("a").connect("s", 1)  # sends nothing
+            await trio.testing.wait_all_tasks_blocked()
+            second = await net.interface("b").connect("s", 1)
+            await trio.testing.wait_all_tasks_blocked()
+            third = await net.interface("c").connect("s", 1)  # takes the oldest one's slot
+            assert await _everything(first) == BUSY_SIGNAL
+            for stream in (second, third):
+                with trio.move_on_after(1) as still_open:
+                    await stream.receive_some()
+                assert still_open.cancelled_caught
+                await stream.aclose()
+
+
+async def test_a_handshake_that_times_out_is_closed_without_a_word(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    net = MemoryNetwork()
+    config = HostConfig(handshake_timeout=10.0)
+    async with open_rpc_host(
+        SERVER, listen=Address("s", 1), network=net.interface("s"), config=config
+    ):
+        with trio.fail_after(30):
+            silent = await net.interface("a").connect("s", 1)
+            start = trio.current_time()
+            assert await _everything(silent) == b""  # gone, not busy: it was us who stalled
+            assert trio.current_time() - start >= 10.0
+
+
+async def test_a_handshake_cut_off_after_our_reply_is_just_closed(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    net = MemoryNetwork()
+    config = HostConfig(max_connections=1, max_connections_per_ip=2)
+    async with open_rpc_host(
+        SERVER, listen=Address("s", 1), network=net.interface("s"), config=config
+    ):
+        with trio.fail_after(5):
+            dialer = await net.interface("a").connect("s", 1)
+            noise = NoiseHandshake(Identity.from_seed(b"d" * 32), initiator=True)
+            await dialer.send_all(noise.data_to_send())
+            reply = await dialer.receive_some()  # message 2: the server answered
+            assert reply and not reply.startswith(BUSY_SIGNAL)
+            # no message 3: the server waits for it when the next dialer takes the slot
+            later = await net.interface("b").connect("s", 1)
+            assert await _everything(dialer) == b""  # a busy signal here would read as Noise
+            await later.aclose()
