@@ -576,7 +576,7 @@ class RpcHost:
             c
             for c, initiator in self._connections.items()
             if initiator != self.peer_id
-            and not c.closed
+            and not c.closing
             and not c.num_inflight
             and now - c.last_activity >= _EVICT_AFTER
         ]
@@ -584,7 +584,7 @@ class RpcHost:
             return False
         oldest = min(idle, key=lambda c: c.last_activity)
         logger.debug("%r: all slots taken, closing %r, idle the longest", self, oldest)
-        oldest.close_nowait(PeerUnavailableError("closed to make room for another peer"))
+        oldest.close_idle_nowait(PeerUnavailableError("closed to make room for another peer"))
         return True
 
 

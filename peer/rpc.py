@@ -144,6 +144,7 @@ class RpcConnection:
         self.last_activity = trio.current_time()
         self._frame_received = -math.inf
         self._reader_paused = False  # waiting for a stream's consumer, not reading
+        self._bye_cause: BaseException | None = None  # see close_idle_nowait
 
     def __repr__(self) -> str:
         return f"<RpcConnection {self.peer_id.short()} at {self.remote_host}>"
@@ -200,6 +201,23 @@ class RpcConnection:
         """End the connection now, on our side's initiative (pending calls fail with
         ``cause``); :meth:`aclose` without waiting for the tasks to finish."""
         self._shutdown(cause)
+
+    def close_idle_nowait(self, cause: BaseException) -> None:
+        """End an idle connection on our side's initiative, telling the peer first (a
+        ``bye`` frame, then the close once it is written): the peer then reads the close
+        as ours, not as a departure, so it does not dial back to check on us (which, with
+        every slot taken, would push another idle peer out, and so on), and it sends again
+        on a fresh connection any request that crossed the ``bye``: we do not serve
+        requests that arrive after it. A connection already closing is left as it is."""
+        if self.closed or self._bye_cause is not None:
+            return
+        self._bye_cause = cause
+        self._outbox.put_nowait(self._encode(RpcFrame(FrameKind.BYE, 0))[0], urgent=True)
+
+    @property
+    def closing(self) -> bool:
+        """Closed, or closing after a ``bye`` (see :meth:`close_idle_nowait`)."""
+        return self.closed or self._bye_cause is not None
 
     def abort(self, cause: BaseException) -> None:
         """End the connection now (pending calls fail with ``cause``), e.g. a peer that
@@ -492,11 +510,16 @@ class RpcConnection:
             frame = decode_rpc_frame(data)
             del data  # hold no frame buffer while waiting: the reader reuses free ones
             if frame.kind is FrameKind.REQUEST:
+                if self._bye_cause is not None:
+                    continue  # crossed our bye: the peer sends it again elsewhere
                 quick = self._handlers.quick.get(frame.method)
                 if quick is not None and self._outbox.has_room() and self._outbox.has_room(True):
                     self._answer_quick(frame, quick)
                 else:
                     self._start_request(frame, nursery)
+            elif frame.kind is FrameKind.BYE:
+                self._peer_said_bye()
+                return
             elif frame.kind is FrameKind.CANCEL:
                 incoming = self._incoming.pop(frame.request_id, None)
                 if incoming is not None:
@@ -514,6 +537,20 @@ class RpcConnection:
         if not self._fail_unread() and not self.closed and not quiet:
             self.lost = True
         self._shutdown(PeerUnavailableError("the peer closed the connection"))
+
+    def _peer_said_bye(self) -> None:
+        """The peer closes this connection, idle on its side: every call of ours still
+        waiting crossed its ``bye`` unread; they fail as never sent (the host sends them
+        again on a fresh connection). Not a departure: ``lost`` stays False."""
+        message = f"{self.peer_id.short()} closed the idle connection before reading the request"
+        for pending in self._pending.values():
+            if isinstance(pending, PendingCall):
+                if not pending.done.is_set():
+                    pending.error = ConnectionClosedError(message)
+                    pending.done.set()
+            elif not pending.finished:
+                pending.finish(ConnectionClosedError(message))
+        self._shutdown(PeerUnavailableError("the peer closed the idle connection"))
 
     def _fail_unread(self) -> bool:
         """The peer closed or broke the connection: fail as never sent (the host retries
@@ -741,6 +778,9 @@ class RpcConnection:
             del pieces
             self._outbox.release()
             self.last_activity = trio.current_time()
+            if self._bye_cause is not None and self._outbox.empty:
+                self._shutdown(self._bye_cause)  # our bye is written
+                return
 
     async def _idle_watchdog(self) -> None:
         while True:

@@ -130,6 +130,11 @@ class Outbox:
             return len(self._urgent) < self._capacity
         return len(self._items) < self._capacity and self._queued_bytes < self._max_bytes
 
+    @property
+    def empty(self) -> bool:
+        """Nothing queued, nothing being written."""
+        return not (self._busy or self._items or self._urgent)
+
     def try_claim(self, size: int = 0) -> bool:
         """Take the stream for a direct write of ``size`` bytes: True when open, idle,
         nothing is queued and the last write was small (then call :meth:`release` after

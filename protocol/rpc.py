@@ -78,6 +78,7 @@ class FrameKind(enum.StrEnum):
     END = "end"
     ERROR = "err"
     CANCEL = "cancel"
+    BYE = "bye"  # id 0: the sender closes this idle connection now (not a departure)
 
 
 # Per kind: (required keys beyond v/k/id, optional keys, may carry a payload).
@@ -88,6 +89,7 @@ _SHAPES: dict[FrameKind, tuple[frozenset[str], frozenset[str], bool]] = {
     FrameKind.END: (frozenset(), frozenset(), False),
     FrameKind.ERROR: (frozenset({"code", "msg"}), frozenset(), False),
     FrameKind.CANCEL: (frozenset(), frozenset(), False),
+    FrameKind.BYE: (frozenset(), frozenset(), False),
 }
 
 

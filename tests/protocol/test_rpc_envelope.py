@@ -74,6 +74,7 @@ def test_docs_show_the_same_ping_frame() -> None:
         RpcFrame(FrameKind.ERROR, 7, error_code="timeout", error_message="too slow " * 100),
         RpcFrame(FrameKind.ERROR, 7),
         RpcFrame(FrameKind.CANCEL, 9),
+        RpcFrame(FrameKind.BYE, 0),
     ],
     ids=lambda f: f.kind.value,
 )
@@ -156,6 +157,7 @@ def test_through_the_frame_decoder() -> None:
         RpcFrame(FrameKind.END, 1, body={"a": 1}),
         RpcFrame(FrameKind.END, 1, payload=b"x"),
         RpcFrame(FrameKind.CANCEL, 1, payload=b"x"),
+        RpcFrame(FrameKind.BYE, 0, payload=b"x"),
         RpcFrame(FrameKind.ERROR, 1, error_code="c" * 65),
         RpcFrame(FrameKind.ERROR, 1, error_message="m" * 1025),
         RpcFrame(FrameKind.ERROR, 1, payload=b"x"),

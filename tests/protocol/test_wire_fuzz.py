@@ -84,6 +84,7 @@ FRAMES = [
     RpcFrame(FrameKind.END, 5),
     RpcFrame(FrameKind.ERROR, 5, error_code="busy", error_message="try later"),
     RpcFrame(FrameKind.CANCEL, 0),
+    RpcFrame(FrameKind.BYE, 0),
 ]
 WIRE = [b"".join(bytes(p) for p in encode_rpc_frame(f)) for f in FRAMES]
 CONTENTS = [w[4:] for w in WIRE]
