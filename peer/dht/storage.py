@@ -11,7 +11,11 @@ Rules (the same ones merge answers from many nodes in a lookup, see :func:`merge
   key, then signature): every node then keeps the same one, whatever the arrival order,
   so every reader gets the same answer (:func:`supersedes`).
 - A full dictionary (``max_subkeys``) drops its soonest-expiring subkey for a newcomer
-  that outlives it, and refuses it otherwise.
+  that outlives it, and refuses it otherwise (:func:`admit`). Where the store knows who
+  sent each entry, a full dictionary is fair to its writers first: a source holding more
+  than its share of the key's subkeys (``SUBKEY_SHARE_PER_SOURCE``: it wrote them while
+  there was room) gives way to any other writer, soonest-expiring entry first, whatever
+  the expirations; a source at its share only replaces its own entries.
 - Entries vanish at their expiration (``expiration <= now``); every store is first
   checked by :func:`protocol.records.validate_entry` (size, ttl, owner signature).
 - Limits: ``max_keys`` keys and ``max_bytes`` (values plus ``ENTRY_OVERHEAD`` per entry) in
@@ -34,7 +38,7 @@ import itertools
 import logging
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import TypeVar
 
 from protocol.dhtid import DHTID
@@ -49,10 +53,13 @@ ENTRY_OVERHEAD = 512
 in memory (its subkey, signature and objects: ~420 bytes measured for a 128-byte subkey),
 so that many tiny values cannot hold far more memory than the budget says."""
 SUBKEY_SHARE_PER_SOURCE = 0.25
-"""Most of one key's ``max_subkeys_per_key`` one source may hold: a full dictionary makes
-room for a newcomer that outlives its soonest-expiring entry, so one host storing long
-ttls under a shared key (a matchmaking round) would otherwise push every other writer out
-of it. A quarter still lets one writer keep a large dictionary of its own (256 subkeys)."""
+"""The share of one key's ``max_subkeys_per_key`` a source may keep once the dictionary is
+full: a full dictionary makes room for a newcomer that outlives its soonest-expiring
+entry, so one host storing long ttls under a shared key (a matchmaking round) would
+otherwise push every other writer out of it. While there is room, a source may write
+more (a node handing a large dictionary over to a newcomer, hundreds of peers behind one
+NAT declaring in one round); what it holds beyond its share gives way to other writers
+once the dictionary is full."""
 _HEAP_SLACK = 1024
 """Stale expiry items tolerated on top of one per entry held, before a rebuild."""
 
@@ -103,6 +110,10 @@ def merge_entry(record: Record, entry: Entry, max_subkeys: int = MAX_SUBKEYS_PER
             del record[leaving.subkey]
         record[entry.subkey] = entry
     return taken
+
+
+def _expiration(entry: Entry) -> float:
+    return entry.expiration
 
 
 def _cost(entry: Entry) -> int:
@@ -194,7 +205,11 @@ class DHTStorage:
         if record is None and len(self._records) >= self.max_keys:
             logger.debug("storage full (%d keys): refused a new key", self.max_keys)
             return False
-        taken, leaving = admit(record or {}, entry, self.max_subkeys_per_key)
+        if record and entry.subkey not in record and len(record) >= self.max_subkeys_per_key:
+            leaving = self._room_for(key, record, entry, source)
+            taken = leaving is not None
+        else:
+            taken, leaving = admit(record or {}, entry, self.max_subkeys_per_key)
         if not taken:
             return False
         if leaving != entry:  # an identical one again (a republish) changes nothing
@@ -224,17 +239,10 @@ class DHTStorage:
         num_bytes = self._bytes_by_source.get(source, 0) + _cost(entry)
         counts = self._subkeys_by_source.get(key)
         subkeys_here = counts[source] if counts else 0
-        own = False  # ``leaving`` is this source's: the entry takes its place
         if leaving is not None and sources.get(leaving.subkey) == source:
-            own = True
-            num_bytes -= _cost(leaving)
-        grows_here = not own and subkeys_here >= self.max_subkeys_per_source
+            num_bytes -= _cost(leaving)  # its own: the entry takes its place
         new_key = not subkeys_here
-        if (
-            num_bytes > self.max_bytes_per_source
-            or (new_key and keys >= self.max_keys_per_source)
-            or grows_here
-        ):
+        if num_bytes > self.max_bytes_per_source or (new_key and keys >= self.max_keys_per_source):
             logger.debug(
                 "storage quota: %s holds %d keys and %d bytes here, %d subkeys of this key:"
                 " refused an entry",
@@ -245,6 +253,26 @@ class DHTStorage:
             )
             return False
         return True
+
+    def _room_for(
+        self, key: DHTID, record: Record, entry: Entry, source: str | None
+    ) -> Entry | None:
+        """The entry of ``key``'s full dictionary that gives way to ``entry``, a new
+        subkey from ``source``, or None when it is refused (see the module rules)."""
+        counts = self._subkeys_by_source.get(key)
+        candidates: Iterable[Entry] = record.values()
+        if counts:
+            sources = self._sources[key]
+            share = self.max_subkeys_per_source
+            if source is not None and counts[source] >= share:
+                candidates = [record[s] for s, held in sources.items() if held == source]
+            else:
+                heaviest, held = max(counts.items(), key=lambda item: item[1])
+                if held > share:  # written while there was room: yields to anyone else
+                    mine = (record[s] for s, by in sources.items() if by == heaviest)
+                    return min(mine, key=_expiration)
+        soonest = min(candidates, key=_expiration)
+        return soonest if soonest.expiration < entry.expiration else None
 
     def _hold(self, key: DHTID, entry: Entry, source: str | None) -> None:
         """Count ``entry``, just put into ``key``'s record, for ``source``."""

@@ -71,7 +71,7 @@ def check_accounting(storage: DHTStorage) -> None:
     assert storage._keys_by_source == keys and storage._bytes_by_source == num_bytes
     subkeys = {k: Counter(sources.values()) for k, sources in storage._sources.items()}
     assert storage._subkeys_by_source == subkeys
-    assert all(n <= storage.max_subkeys_per_source for c in subkeys.values() for n in c.values())
+    assert all(sum(c.values()) <= storage.max_subkeys_per_key for c in subkeys.values())
     assert all(n <= storage.max_keys_per_source for n in keys.values())
     assert all(n <= storage.max_bytes_per_source for n in num_bytes.values())
 
@@ -269,4 +269,48 @@ def test_one_host_cannot_take_a_shared_key_from_its_other_writers() -> None:
     check_accounting(storage)
     # an honest host's own newer declaration still replaces its old one
     assert storage.store(KEY, Entry("peer0", value(10), clock.now + 9), source=honest[0])
+    check_accounting(storage)
+
+
+def test_while_there_is_room_a_host_may_write_beyond_its_share_and_then_gives_way() -> None:
+    """A node handing a large dictionary over to a newcomer, or hundreds of peers behind
+    one NAT declaring in one round, write far more than a quarter of a key's subkeys from
+    one host: all of it is kept while there is room. Once the dictionary is full, what a
+    host holds beyond its share gives way to any other writer, whatever the expirations
+    (else week-long entries written while the key was empty would lock everyone out)."""
+    clock = Clock()
+    storage = DHTStorage(clock=clock, max_subkeys_per_key=8)
+    week = clock.now + 7 * 24 * 3600
+    for n in range(8):
+        assert storage.store(KEY, Entry(f"junk{n}", value(10), week + n), source=EVE)
+    assert len(storage.get(KEY)) == 8  # the whole dictionary, from one host
+    check_accounting(storage)
+    for i in range(6):  # short-lived declarations, each taking the place of eve's soonest
+        host = f"10.0.1.{i}"
+        assert storage.store(KEY, Entry(f"peer{i}", value(10), clock.now + 5), source=host)
+        assert f"junk{i}" not in storage.get(KEY)
+        check_accounting(storage)
+    assert sorted(str(s) for s in storage.get(KEY) if str(s).startswith("junk")) == [
+        "junk6",
+        "junk7",
+    ]  # eve is down to her share: the next writer must outlive the soonest entry
+    assert not storage.store(KEY, Entry("late", value(10), clock.now + 1), source=BOB)
+    assert storage.store(KEY, Entry("later", value(10), clock.now + 60), source=BOB)
+    assert "peer0" not in storage.get(KEY)  # the soonest-expiring made room
+    # at her share, eve's new subkeys only take the place of her own entries
+    honest = {s for s in storage.get(KEY) if not str(s).startswith("junk")}
+    assert storage.store(KEY, Entry("junk8", value(10), week + 99), source=EVE)
+    assert not storage.store(KEY, Entry("junk9", value(10), week + 1), source=EVE)
+    assert {s for s in storage.get(KEY) if str(s).startswith("junk")} == {"junk7", "junk8"}
+    assert {s for s in storage.get(KEY) if not str(s).startswith("junk")} == honest
+    check_accounting(storage)
+
+
+def test_our_own_store_takes_room_from_a_host_beyond_its_share() -> None:
+    clock = Clock()
+    storage = DHTStorage(clock=clock, max_subkeys_per_key=4)
+    for n in range(4):
+        assert storage.store(KEY, Entry(f"junk{n}", value(10), clock.now + 100 + n), source=EVE)
+    assert storage.store(KEY, Entry("mine", value(10), clock.now + 5))  # no source: this node
+    assert "junk0" not in storage.get(KEY) and "mine" in storage.get(KEY)
     check_accounting(storage)
