@@ -12,8 +12,12 @@ Rules:
 - Concurrent calls to a peer we are not connected to share one dial. A dial (connect and
   handshake) is bounded by ``dial_timeout``; with ``address.peer_id`` set, the handshake must
   prove that identity.
-- Inbound: over ``max_connections_per_ip`` from one host (one /64 for IPv6: a single
-  subscriber holds a whole /64), a new connection is closed at once. Over
+- Inbound: at ``max_connections_per_ip`` from one host (one /64 for IPv6: a single
+  subscriber holds a whole /64), a new connection from it takes the slot of that host's own
+  inbound connection idle the longest (no call in flight, quiet for a second at least: a
+  crowd behind one NAT must not wait a minute for one to idle out), which is closed after a
+  ``bye``; when none of its connections is idle, the new one is closed at once. Another
+  host's connections are never closed for it. Over
   ``max_connections`` in all, the oldest connection still in its handshake is cut off to make
   room (connections that send nothing must not lock every other peer out; one we had not
   answered yet gets the busy signal, as refused ones do); when every slot
@@ -95,7 +99,8 @@ class HostConfig:
     when there is neither."""
     max_connections_per_ip: int = 128
     """Inbound connections from one remote host (one /64 for IPv6); generous, since NATs
-    share addresses."""
+    share addresses. Beyond, a new one from that host takes the slot of the host's own
+    inbound connection idle the longest, or is refused when none of them is idle."""
     max_inflight_requests: int = 128
     """Per connection: a peer that exceeds it is dropped; our own calls wait for a slot."""
     handshake_rate_per_ip: float = 16.0
@@ -179,7 +184,11 @@ class RpcHost:
         self._by_address: dict[str, PeerID] = {}
         self._dials: dict[tuple[str, PeerID | None], _Dial] = {}
         self._handshakes: dict[trio.CancelScope, str] = {}  # inbound, in progress, oldest first
-        self._per_host: Counter[str] = Counter()  # inbound connections per host (or /64)
+        # Inbound connections per host (or /64), handshakes included; one closed for a
+        # newcomer from its host counts until its handler has finished (the newcomer in its
+        # slot makes the host one over meanwhile), so each one is counted down once.
+        self._per_host: Counter[str] = Counter()
+        self._inbound: dict[str, list[RpcConnection]] = {}  # established, per host, oldest first
         self._handshake_rate = HostRateLimiter(
             config.handshake_rate_per_ip, config.handshake_burst_per_ip
         )
@@ -455,8 +464,11 @@ class RpcHost:
         secure: SecureStream,
         initiator: PeerID,
         *,
+        group: str | None = None,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
+        """Serve a secure connection until it ends; ``group``: the host group of an
+        inbound one (it is then one of that host's, for :meth:`_idlest_inbound`)."""
         config = self.config
         connection = RpcConnection(
             secure,
@@ -475,10 +487,16 @@ class RpcHost:
         if current is None or current.closed or initiator.raw < self._connections[current].raw:
             self._by_peer[peer_id] = connection
         logger.debug("%r: connected to %s at %s", self, peer_id.short(), secure.remote_host)
+        if group is not None:
+            self._inbound.setdefault(group, []).append(connection)
         try:
             await connection.run(task_status=task_status)
         finally:
             del self._connections[connection]
+            if group is not None:
+                self._inbound[group].remove(connection)
+                if not self._inbound[group]:
+                    del self._inbound[group]
             if self._by_peer.get(peer_id) is connection:
                 del self._by_peer[peer_id]
                 self._promote(peer_id)
@@ -496,10 +514,12 @@ class RpcHost:
     def _admit(self, host: str) -> bool:
         """Whether to take an inbound connection from ``host`` at all (before any object
         or task is made for it): not when the host already holds
-        ``max_connections_per_ip`` of them, nor when it opens them faster than
+        ``max_connections_per_ip`` of them and none is idle (the handler, which checks
+        again, closes one that is), nor when it opens them faster than
         ``handshake_rate_per_ip`` (loopback excepted, see ``HostConfig``)."""
         group = host_group(host)
-        if self._per_host[group] >= self.config.max_connections_per_ip:
+        at_limit = self._per_host[group] >= self.config.max_connections_per_ip
+        if at_limit and self._idlest_inbound(group) is None:
             logger.debug("%r: refusing %s: too many connections from it", self, host)
             return False
         limited = self.config.rate_limit_loopback or not is_loopback_host(host)
@@ -516,14 +536,19 @@ class RpcHost:
             await turn_away(raw)
             return
         if self._per_host[group] >= config.max_connections_per_ip:
-            logger.debug("%r: refusing %s: too many connections from it", self, host)
-            await turn_away(raw)
-            return
-        full = len(self._handshakes) + len(self._connections) >= config.max_connections
-        if full and not (self._cut_off_oldest_handshake() or self._evict_idle_inbound()):
-            logger.debug("%r: refusing %s: %d connections", self, host, config.max_connections)
-            await turn_away(raw)
-            return
+            # The host's own idle connection gives the newcomer its slot, in the total
+            # too; evicting and counting the newcomer in, with no checkpoint between, is
+            # what keeps a burst to one eviction per newcomer let in.
+            if not self._evict_idle_inbound(group):
+                logger.debug("%r: refusing %s: too many connections from it", self, host)
+                await turn_away(raw)
+                return
+        else:
+            full = len(self._handshakes) + len(self._connections) >= config.max_connections
+            if full and not (self._cut_off_oldest_handshake() or self._evict_idle_inbound()):
+                logger.debug("%r: refusing %s: %d connections", self, host, config.max_connections)
+                await turn_away(raw)
+                return
         self._per_host[group] += 1
         handshake = trio.CancelScope(deadline=trio.current_time() + config.handshake_timeout)
         self._handshakes[handshake] = host
@@ -545,7 +570,7 @@ class RpcHost:
             if secure.remote_peer_id == self.peer_id:
                 await secure.aclose()
                 return
-            await self._serve_connection(secure, secure.remote_peer_id)
+            await self._serve_connection(secure, secure.remote_peer_id, group=group)
         except (*_CONNECTION_ERRORS, trio.TooSlowError) as exc:
             logger.debug("%r: inbound connection from %s failed: %r", self, host, exc)
         finally:
@@ -565,27 +590,35 @@ class RpcHost:
         handshake.cancel()
         return True
 
-    def _evict_idle_inbound(self) -> bool:
-        """Make room for a new inbound connection when every slot holds an established one:
-        close the inbound connection idle the longest (no call in flight either way, quiet
-        for ``_EVICT_AFTER`` seconds at least). Connections kept open with a ping now and
-        then must not lock every other peer out; an honest peer evicted so dials again
-        when it needs us. False when there is none."""
-        now = trio.current_time()
-        idle = [
-            c
-            for c, initiator in self._connections.items()
-            if initiator != self.peer_id
-            and not c.closing
-            and not c.num_inflight
-            and now - c.last_activity >= _EVICT_AFTER
-        ]
-        if not idle:
+    def _evict_idle_inbound(self, group: str | None = None) -> bool:
+        """Make room for a new inbound connection when every slot holds an established one
+        (of ``group``'s slots, when given): close, after a ``bye``, the inbound connection
+        idle the longest (see :meth:`_idlest_inbound`). Connections kept open with a ping
+        now and then must not lock every other peer out; an honest peer evicted so dials
+        again when it needs us. False when there is none."""
+        oldest = self._idlest_inbound(group)
+        if oldest is None:
             return False
-        oldest = min(idle, key=lambda c: c.last_activity)
         logger.debug("%r: all slots taken, closing %r, idle the longest", self, oldest)
         oldest.close_idle_nowait(PeerUnavailableError("closed to make room for another peer"))
         return True
+
+    def _idlest_inbound(self, group: str | None = None) -> RpcConnection | None:
+        """The inbound connection (from ``group`` only, when given) idle the longest: not
+        closing already, no call in flight either way, quiet for ``_EVICT_AFTER`` seconds
+        at least (a flood of new connections must not evict each other at once). None
+        when none is idle."""
+        if group is None:
+            inbound = [c for c, initiator in self._connections.items() if initiator != self.peer_id]
+        else:
+            inbound = self._inbound.get(group, [])
+        now = trio.current_time()
+        idle = [
+            c
+            for c in inbound
+            if not c.closing and not c.num_inflight and now - c.last_activity >= _EVICT_AFTER
+        ]
+        return min(idle, key=lambda c: c.last_activity, default=None)
 
 
 class _RetriedOnce:

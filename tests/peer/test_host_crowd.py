@@ -1,0 +1,297 @@
+"""A crowd behind one NAT at a host's per-host limit: a newcomer from that host takes the
+slot of the host's own inbound connection idle the longest (no call in flight, quiet for
+a second) instead of being refused; it is refused only when none is idle. Another host's
+connections are never closed for it, a burst evicts no more than it admits, and the peer
+closed is told (``bye``), so it does not dial back and push the next one out."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+
+import pytest
+import trio
+import trio.testing
+
+from peer import PeerConfig, open_peer
+from peer.dht import DHTConfig
+from peer.errors import PeerBusyError
+from peer.host import HostConfig, RpcHost, open_rpc_host
+from peer.memnet import MemoryNetwork
+from peer.rpc import Reply, Request
+from protocol.address import Address
+from protocol.identity import Identity, PeerID
+
+SERVER = Identity.from_seed(b"S" * 32)
+X = "10.0.0.1"  # the crowd's one address (memory hosts are not loopback: limits apply)
+Y = "10.0.0.2"
+LIMIT = 3
+
+
+def _identity(index: int) -> Identity:
+    return Identity.from_seed((9_000 + index).to_bytes(32, "big"))
+
+
+class _Server:
+    """A host at 10.0.0.9:1 with ``ping`` (quick) and ``hold`` (waits for ``release``)."""
+
+    def __init__(self, host: RpcHost) -> None:
+        self.host = host
+        self.release = trio.Event()
+        self.holding = 0
+        assert host.listen_address is not None
+        self.address: Address = host.listen_address
+        host.register_quick("ping", lambda request: Reply({"ok": True}))
+        host.register("hold", self._hold)
+
+    async def _hold(self, request: Request) -> Reply:
+        self.holding += 1
+        await self.release.wait()
+        return Reply()
+
+
+@asynccontextmanager
+async def _server_and_clients(
+    config: HostConfig,
+) -> AsyncIterator[tuple[MemoryNetwork, _Server, AsyncExitStack]]:
+    net = MemoryNetwork(latency=0.001)
+    async with AsyncExitStack() as stack:
+        host = await stack.enter_async_context(
+            open_rpc_host(
+                SERVER,
+                listen=Address("10.0.0.9", 1),
+                network=net.interface("10.0.0.9"),
+                config=config,
+            )
+        )
+        yield net, _Server(host), stack
+
+
+async def _clients(
+    net: MemoryNetwork, stack: AsyncExitStack, where: str, first: int, count: int
+) -> list[RpcHost]:
+    hosts = []
+    for index in range(first, first + count):
+        client = open_rpc_host(_identity(index), listen=None, network=net.interface(where))
+        hosts.append(await stack.enter_async_context(client))
+    return hosts
+
+
+def _connected(server: _Server, clients: list[RpcHost]) -> list[bool]:
+    peers = set(server.host.connected_peers())
+    return [client.peer_id in peers for client in clients]
+
+
+async def test_a_newcomer_at_the_limit_takes_the_slot_of_its_hosts_idlest_connection(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    with trio.fail_after(30):
+        async with _server_and_clients(HostConfig(max_connections_per_ip=LIMIT)) as (
+            net,
+            server,
+            stack,
+        ):
+            crowd = await _clients(net, stack, X, 0, LIMIT + 1)
+            lost: list[PeerID] = []
+            crowd[0].on_connection_lost = lost.append
+            for client in crowd[:LIMIT]:
+                await client.call(server.address, "ping")
+            await trio.sleep(2)
+            for client in crowd[1:LIMIT]:  # the first one stays idle the longest
+                await client.call(server.address, "ping")
+            await trio.sleep(2)
+            assert server.host._per_host[X] == LIMIT
+            assert (await crowd[LIMIT].call(server.address, "ping")).body == {"ok": True}
+            await trio.testing.wait_all_tasks_blocked()
+            assert _connected(server, crowd) == [False, True, True, True]
+            assert crowd[0].num_connections == 0
+            assert lost == []  # told (bye): it does not dial back to check on the server
+            assert server.host._per_host[X] == LIMIT
+            assert server.host.num_connections == LIMIT
+
+
+async def test_a_newcomer_is_refused_while_each_of_its_hosts_connections_is_busy(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    with trio.fail_after(30):
+        async with _server_and_clients(HostConfig(max_connections_per_ip=LIMIT)) as (
+            net,
+            server,
+            stack,
+        ):
+            crowd = await _clients(net, stack, X, 0, LIMIT + 1)
+            nursery = await stack.enter_async_context(trio.open_nursery())
+            for client in crowd[:LIMIT]:
+                nursery.start_soon(client.call, server.address, "hold")
+            await trio.sleep(5)  # quiet, but each with a call in flight
+            assert server.holding == LIMIT
+            with pytest.raises(PeerBusyError):
+                await crowd[LIMIT].call(server.address, "ping")
+            assert _connected(server, crowd) == [True, True, True, False]
+            server.release.set()
+
+
+async def test_another_hosts_connections_are_never_evicted_for_a_newcomer(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Y's connections have been idle the longest, and every slot is taken: X's newcomer
+    still takes only the slot of X's own idle connection, and while none of X's is idle
+    it is refused, Y's left alone."""
+    config = HostConfig(max_connections=2 * LIMIT, max_connections_per_ip=LIMIT)
+    with trio.fail_after(30):
+        async with _server_and_clients(config) as (net, server, stack):
+            others = await _clients(net, stack, Y, 100, LIMIT)
+            crowd = await _clients(net, stack, X, 0, LIMIT + 2)
+            nursery = await stack.enter_async_context(trio.open_nursery())
+            for client in others:
+                await client.call(server.address, "ping")
+            await trio.sleep(2)
+            for client in crowd[: LIMIT - 1]:
+                nursery.start_soon(client.call, server.address, "hold")
+            await crowd[LIMIT - 1].call(server.address, "ping")
+            await trio.sleep(2)
+            assert server.host.num_connections == 2 * LIMIT
+            await crowd[LIMIT].call(server.address, "ping")  # X's idle one made room
+            await trio.testing.wait_all_tasks_blocked()
+            assert _connected(server, others) == [True] * LIMIT
+            assert _connected(server, crowd) == [True, True, False, True, False]
+            await trio.sleep(2)  # the newcomer is idle too now, but is X's last idle one
+            assert server.holding == LIMIT - 1
+            nursery.start_soon(crowd[LIMIT].call, server.address, "hold")
+            await trio.testing.wait_all_tasks_blocked()
+            await trio.sleep(2)
+            with pytest.raises(PeerBusyError):  # none of X's is idle: Y's stay
+                await crowd[LIMIT + 1].call(server.address, "ping")
+            assert _connected(server, others) == [True] * LIMIT
+            assert server.host._per_host == {X: LIMIT, Y: LIMIT}
+            server.release.set()
+
+
+@pytest.mark.parametrize(("burst", "admitted"), [(2, 2), (5, LIMIT)])
+async def test_a_burst_evicts_one_idle_connection_per_newcomer_admitted(
+    autojump_clock: trio.testing.MockClock, burst: int, admitted: int
+) -> None:
+    """All of the burst passes the accept loop's check (an idle connection is there);
+    each handler then evicts one for itself, or is refused when none is left (the
+    newcomers are in their handshakes, not idle)."""
+    with trio.fail_after(30):
+        async with _server_and_clients(HostConfig(max_connections_per_ip=LIMIT)) as (
+            net,
+            server,
+            stack,
+        ):
+            held = await _clients(net, stack, X, 0, LIMIT)
+            for client in held:
+                await client.call(server.address, "ping")
+            await trio.sleep(2)
+            newcomers = await _clients(net, stack, X, 10, burst)
+            served: list[RpcHost] = []
+            refused: list[RpcHost] = []
+
+            async def call(client: RpcHost) -> None:
+                try:
+                    await client.call(server.address, "ping")
+                    served.append(client)
+                except PeerBusyError:
+                    refused.append(client)
+
+            async with trio.open_nursery() as nursery:
+                for client in newcomers:
+                    nursery.start_soon(call, client)
+            await trio.testing.wait_all_tasks_blocked()
+            evicted = _connected(server, held).count(False)
+            assert len(served) == admitted
+            assert evicted == admitted  # not one more
+            assert len(refused) == burst - admitted
+            assert server.host._per_host[X] == LIMIT
+            assert server.host.num_connections == LIMIT
+
+
+async def test_a_crowd_three_times_the_limit_joins_one_bootstrap_node(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Peers from one host join one after another through a bootstrap node that admits
+    ``LIMIT`` connections from that host: each one finds the earlier ones idle, takes the
+    slot of one, and joins well within ``busy_join_timeout`` (without the eviction, the
+    fourth waited for one to idle out, a minute, and gave up after 30 s)."""
+    net = MemoryNetwork(latency=0.005)
+    crowd = 3 * LIMIT
+    timeout = DHTConfig().busy_join_timeout
+    bootstrap_config = PeerConfig(host=HostConfig(max_connections_per_ip=LIMIT))
+    took: list[float] = []
+    with trio.fail_after(crowd * timeout):
+        async with open_peer(
+            "10.0.0.9:4000",
+            identity=SERVER,
+            network=net.interface("10.0.0.9"),
+            config=bootstrap_config,
+        ) as bootstrap:
+            all_in = trio.Event()
+
+            async def volunteer(
+                index: int, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+            ) -> None:
+                start = trio.current_time()
+                async with open_peer(
+                    f"{X}:0",
+                    [bootstrap.address],
+                    identity=_identity(index),
+                    network=net.interface(X),
+                ) as peer:
+                    assert (bootstrap.peer_id, "10.0.0.9:4000") in peer.dht.routing_table_peers()
+                    took.append(trio.current_time() - start)
+                    task_status.started()
+                    await all_in.wait()  # stay up, as volunteers do
+
+            async with trio.open_nursery() as nursery:
+                for index in range(crowd):
+                    await nursery.start(volunteer, index)
+                all_in.set()
+    assert len(took) == crowd
+    assert max(took) < timeout, took
+
+
+async def test_a_crowd_at_its_limit_on_a_bootstrap_node_sets_off_no_chain_of_dials(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Twelve settled peers from one host, a bootstrap node with room for four of theirs:
+    a peer closed for a newcomer is told (``bye``), so it does not dial back to check on
+    the node, which would push the next one out, and so on. The node then accepts about
+    as many connections as the peers' own upkeep needs."""
+    net = MemoryNetwork()
+    limit = 4
+    bootstrap_config = PeerConfig(host=HostConfig(max_connections_per_ip=limit))
+    with trio.fail_after(3600):
+        async with (
+            open_peer(
+                "10.0.0.9:4000",
+                identity=SERVER,
+                network=net.interface("10.0.0.9"),
+                config=bootstrap_config,
+            ) as bootstrap,
+            trio.open_nursery() as nursery,
+        ):
+            stop = trio.Event()
+
+            async def volunteer(
+                index: int, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED
+            ) -> None:
+                async with open_peer(
+                    f"{X}:{4000 + index}",
+                    [bootstrap.address],
+                    identity=_identity(index),
+                    network=net.interface(X),
+                ) as peer:
+                    await peer.dht.store(f"key-{index}", index, ttl=3600)
+                    task_status.started()
+                    await stop.wait()
+
+            for index in range(3 * limit):
+                await nursery.start(volunteer, index)
+            await trio.sleep(30)
+            before = bootstrap.rpc.connections_opened
+            await trio.sleep(120)
+            accepted = bootstrap.rpc.connections_opened - before
+            stop.set()
+    print(f"{accepted} connections accepted in 120 s")
+    assert accepted <= 12, f"{accepted} connections in 120 s"
