@@ -179,6 +179,9 @@ class RpcHost:
         # Called with a peer whose last connection the peer's side ended (closed, reset):
         # it may have left (the DHT pings it).
         self.on_connection_lost: Callable[[PeerID], None] | None = None
+        # set, and replaced by a fresh one, each time a connection ends: wait on the
+        # current one to learn of the next (a peer that cannot be dialed, gone)
+        self.disconnected = trio.Event()
         self._connections: dict[RpcConnection, PeerID] = {}  # -> the PeerID that dialed
         self._by_peer: dict[PeerID, RpcConnection] = {}
         self._by_address: dict[str, PeerID] = {}
@@ -503,6 +506,8 @@ class RpcHost:
             logger.debug("%r: disconnected from %s", self, peer_id.short())
             if connection.lost and peer_id not in self._by_peer and self.on_connection_lost:
                 self.on_connection_lost(peer_id)
+            self.disconnected.set()
+            self.disconnected = trio.Event()
 
     def _promote(self, peer_id: PeerID) -> None:
         """After the pooled connection to ``peer_id`` ended, pool another live one, if any."""

@@ -6,6 +6,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import numpy as np
 import trio
@@ -200,3 +201,9 @@ async def step_or_mismatch(
         outcome.append(await averager.step(timeout=seconds))
     except LayoutMismatchError as exc:
         outcome.append(exc)
+
+
+def no_node() -> SimpleNamespace:
+    """A stand-in peer for a ``Liveness`` that never probes (unit tests of one reducer):
+    no connections, none ever ends."""
+    return SimpleNamespace(rpc=SimpleNamespace(disconnected=trio.Event(), connected_peers=list))

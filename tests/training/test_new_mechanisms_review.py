@@ -18,6 +18,7 @@ from test_averaging_support import (
     host_of,
     make_members,
     memnet_swarm,
+    no_node,
     step_all,
     verify_round,
 )
@@ -60,7 +61,7 @@ def service_for(
     )
     tensor = torch.zeros(length)
     flat = FlatVector([tensor])
-    liveness = Liveness(None, plan, "ping", 1.0)  # type: ignore[arg-type]  # never probes
+    liveness = Liveness(no_node(), plan, "ping", 1.0)  # type: ignore[arg-type]  # never probes
     scratch = np.empty(CHUNK, np.float32)
     settings = AveragerConfig(chunk_bytes=4 * CHUNK, **config)
     service = ReducerService(plan, 0, flat, get_codec("none"), settings, liveness, scratch)

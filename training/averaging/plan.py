@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import trio
@@ -91,6 +92,19 @@ class Liveness:
             self.bad[peer_id] = reason
             self.changed.set()
             self.changed = trio.Event()
+
+    def mark_gone_clients(self, peers: Iterable[PeerID]) -> None:
+        """Mark dead each client-mode peer among ``peers`` that has no connection to us left.
+        Only for peers that did connect to us this round: a client cannot be dialed, so a
+        dead one's connections are gone (what :meth:`probe` finds, a stall timeout later)."""
+        connected: set[PeerID] | None = None
+        for peer_id in peers:
+            if peer_id in self.bad or self.plan.address(peer_id) is not None:
+                continue
+            if connected is None:
+                connected = set(self.node.rpc.connected_peers())
+            if peer_id not in connected:
+                self.mark(peer_id, DropReason.DEAD)
 
     async def probe(self, peer_id: PeerID) -> DropReason | None:
         """Ping a peer whose part of the round went quiet: None when it answers that it is

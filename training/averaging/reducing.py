@@ -329,13 +329,17 @@ class ReducerService:
             return
         stall = self.config.stall_timeout
         while True:
+            fetching = expected - self.downloaded
+            self.liveness.mark_gone_clients(p for p in fetching if p in self.progress)
             gone = {p for p in expected if p in self.liveness.bad}
             if expected <= self.downloaded | gone:
                 return
             if trio.current_time() >= self.last_download + stall:
                 return
+            # a member found dead meanwhile (by our own upload or download to it, or a
+            # client whose connection ended) will not fetch: wake for that too
             with trio.move_on_at(self.last_download + stall):
-                await self._changed.wait()
+                await self._wait_for_news()
 
     def _drop_known_bad(self) -> None:
         for peer_id in self.reducer.pending():
@@ -353,6 +357,9 @@ class ReducerService:
             for peer_id in overdue:
                 self._drop(peer_id, DropReason.TIMEOUT)
             return
+        self.liveness.mark_gone_clients(p for p in self.reducer.pending() if p in self.progress)
+        if any(p in self.liveness.bad for p in self.reducer.pending()):
+            return  # the caller drops them
         # senders waiting for admission are waiting on us, not stalled
         watched = [p for p in self.reducer.pending() if p not in self._queue]
         deadlines = {p: self.progress.get(p, [self.start])[0] + stall for p in watched}
@@ -364,10 +371,16 @@ class ReducerService:
             return
         next_check = min([*deadlines.values(), *slot_ends.values()], default=math.inf)
         with trio.move_on_at(next_check):
-            changed, bad = self._changed, self.liveness.changed
-            async with trio.open_nursery() as nursery:
-                for event in (changed, bad):
-                    nursery.start_soon(_wait_then_cancel, event, nursery.cancel_scope)
+            await self._wait_for_news()
+
+    async def _wait_for_news(self) -> None:
+        """Until a chunk or a download came, a member was found bad, or a connection ended
+        (then client-mode senders that sent us chunks and have no connection left are dead:
+        they cannot be probed sooner, see ``Liveness.mark_gone_clients``)."""
+        events = (self._changed, self.liveness.changed, self.liveness.node.rpc.disconnected)
+        async with trio.open_nursery() as nursery:
+            for event in events:
+                nursery.start_soon(_wait_then_cancel, event, nursery.cancel_scope)
 
     def _slot_ends(self) -> dict[PeerID, float]:
         """While senders wait for admission: when each admitted, pending sender falls behind

@@ -1,0 +1,63 @@
+"""A member killed after its uploads, before it fetched any result: the survivors serve
+their parts to it no longer than it takes to learn it is dead (a new-user trial saw one
+survivor wait out a whole ``stall_timeout`` for its download, which then put the two
+survivors a round apart: the next round found each of them alone)."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+import pytest
+import trio
+from test_allreduce_faults import SIZE, TIMEOUT, after_acks, check_survivors, non_leader
+from test_averaging_support import fast_config, host_of, make_members, memnet_swarm, step_all
+
+from training import Outcome
+from training.averaging.reducing import ReducerService
+
+STALL = 10.0  # long, so that waiting it out shows
+
+
+@pytest.mark.parametrize("client_mode", [False, True], ids=["server", "client"])
+async def test_survivors_stop_serving_a_member_known_dead(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch, client_mode: bool
+) -> None:
+    with trio.fail_after(300):
+        async with memnet_swarm(4) as (net, nodes):
+            config = fast_config(max_inflight=3, stall_timeout=STALL)
+            if client_mode:
+                members = make_members(nodes[:3], SIZE, config)
+                members += make_members(
+                    nodes[3:],
+                    SIZE,
+                    fast_config(max_inflight=3, stall_timeout=STALL, client_mode=True),
+                )
+                victim, parts = 3, 3
+            else:
+                members = make_members(nodes, SIZE, config)
+                victim, parts = non_leader(members), 3
+            victim_id = members[victim].peer_id
+            if client_mode:  # killed once every one of its uploads was acknowledged
+                after_acks(members[victim], 4, lambda: net.kill_host(host_of(victim)), parts=parts)
+            results_of = ReducerService.results
+
+            async def hold_back(self: ReducerService, member: Any) -> AsyncIterator[Any]:
+                if self.plan.me == victim_id:
+                    await trio.sleep_forever()  # its own part: nobody gets it before it dies
+                if member == victim_id and not client_mode:
+                    # it dies as it comes for our result, while we serve it to the others
+                    await self.ready.wait()
+                    await trio.sleep(0.01)
+                    net.kill_host(host_of(victim))
+                    await trio.sleep_forever()
+                async for item in results_of(self, member):
+                    yield item
+
+            monkeypatch.setattr(ReducerService, "results", hold_back)
+            results = await step_all(members, timeout=TIMEOUT)
+            infos = check_survivors(results, members, victim)
+            for info in infos:
+                assert info.outcome is Outcome.PARTIAL
+                print(f"allreduce_s {info.allreduce_s:.3f}")
+                assert info.allreduce_s < STALL / 2, info.allreduce_s
