@@ -4,7 +4,9 @@
     .venv/bin/python examples/average_tensors.py --initial-peers ADDRESS  # in other terminals
 
 Each process fills a tensor with its own value and averages it with whoever steps at the
-same time; within a few rounds every process holds the mean of all the values.
+same time; within a few rounds every process holds the mean of all the values. The first
+process is the others' way in: start them before it has run its --rounds (rounds alone
+count too), or they fail to join once it has left.
 """
 
 from __future__ import annotations

@@ -13,11 +13,13 @@ and report what happened (report). Nothing waits beyond ``timeout``.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import logging
 import math
 import numbers
 import time
 import warnings
+from collections import Counter
 from collections.abc import AsyncIterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
@@ -28,7 +30,7 @@ import torch
 import trio
 
 from peer import BackgroundPeer, Peer, PeerStoppedError, RemoteError, Reply, Request
-from protocol.codecs import NonFiniteError, get_codec
+from protocol.codecs import Codec, NonFiniteError, get_codec
 from protocol.errors import RemoteProtocolError
 from protocol.records import RecordError, check_key
 
@@ -37,8 +39,8 @@ from .butterfly import Butterfly
 from .casts import TORCH_CASTS
 from .config import AveragerConfig
 from .feedback import ErrorFeedback
-from .grouping import MAX_EPOCH, Declaration, round_key
-from .layout import FlatVector, Float32Array
+from .grouping import MAX_DETAIL, MAX_EPOCH, Declaration, round_key
+from .layout import FlatVector, Float32Array, TensorLayout
 from .matchmaking import Matchmaker
 from .messages import ChunkHeader, method_prefix
 from .plan import Liveness, Plan
@@ -158,7 +160,8 @@ class Averager:
         tensors: CPU, contiguous, floating, writable torch tensors or numpy arrays;
             averaged in place (in float32), from when the group is confirmed until the
             step returns: change them only between steps.
-        codec, group_size, max_staleness: shortcuts for the same ``AveragerConfig`` fields.
+        codec, group_size, max_staleness: shortcuts for the same ``AveragerConfig`` fields;
+            when given, they win over ``config``'s.
         config: everything else.
 
     Raises:
@@ -209,6 +212,7 @@ class Averager:
             f"{self.codec!r}|{config.chunk_bytes}|group_size={config.group_size}|v4"
             f"|S={config.max_staleness}|decay={float(config.staleness_decay)!r}"
         )
+        self._detail = describe_settings(self.layout, self.codec, config)[:MAX_DETAIL]
         client = node.client_mode if config.client_mode is None else config.client_mode
         self.client_mode = client or node.rpc.listen_address is None
         self._methods = method_prefix(prefix)
@@ -424,6 +428,7 @@ class Averager:
             self._count,
             self.flat.total,
             self.config.group_size,
+            self._detail,
         )
         match = await self._matchmaker.find_group(me, deadline, on_round=self._enter_round)
         t1 = trio.current_time()
@@ -551,3 +556,16 @@ class Averager:
         async with aclosing(service.results(request.peer_id)) as items:
             async for item in items:
                 yield item
+
+
+def describe_settings(layout: TensorLayout, codec: Codec, config: AveragerConfig) -> str:
+    """What the layout fingerprint covers, in words, for the error a peer of another
+    layout gets (the fingerprint alone does not say which setting differs)."""
+    dtypes = Counter(layout.dtypes)
+    kinds = ", ".join(f"{n} {dtype}" for dtype, n in sorted(dtypes.items()))
+    shapes = hashlib.sha256(repr(layout.shapes).encode()).hexdigest()[:8]
+    return (
+        f"{len(layout.shapes)} tensors ({kinds}; shapes {shapes}), codec {codec!r}, "
+        f"chunk_bytes {config.chunk_bytes}, max_staleness {config.max_staleness}, "
+        f"staleness_decay {config.staleness_decay}"
+    )

@@ -32,6 +32,7 @@ from protocol.identity import PeerID
 
 MAX_EPOCH = 1 << 62
 MAX_LAYOUT = 64  # characters of a layout fingerprint on the wire (a short hash)
+MAX_DETAIL = 200  # characters of a declaration's detail (words for error messages)
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,6 +48,7 @@ class Declaration:
     count: int  # rounds this averager has been through: the grid phase
     total: int = 0  # elements in the flat vector (for error messages)
     group_size: int = 0  # the averager's group_size (for error messages; 0: not said)
+    detail: str = ""  # dtypes, codec, staleness rule in words (for error messages)
 
     @property
     def client_mode(self) -> bool:
@@ -55,7 +57,8 @@ class Declaration:
     def describe_layout(self) -> str:
         """What the layout fingerprint covers, as far as the declaration says it."""
         size = f", group_size {self.group_size}" if self.group_size else ""
-        return f"{self.total} elements{size} ({self.layout})"
+        detail = f", {self.detail}" if self.detail else ""
+        return f"{self.total} elements{size}{detail} ({self.layout})"
 
     def to_wire(self) -> dict[str, Any]:
         return {
@@ -68,6 +71,7 @@ class Declaration:
             "count": self.count,
             "total": self.total,
             "group_size": self.group_size,
+            "detail": self.detail,
         }
 
     @classmethod
@@ -88,6 +92,7 @@ class Declaration:
             count = value["count"]
             total = value.get("total", 0)
             group_size = value.get("group_size", 0)
+            detail = value.get("detail", "")
             client_mode = value.get("client_mode", address is None)
         except (KeyError, TypeError, ValueError) as exc:
             raise RemoteProtocolError(f"malformed declaration: {exc!r}") from None
@@ -115,7 +120,11 @@ class Declaration:
                 raise RemoteProtocolError(f"declared {name} {number!r} is out of range")
         if not _is_layout(layout):
             raise RemoteProtocolError("declared layout is not a short string")
-        return cls(peer_id, address, weight, epoch, bandwidth, layout, count, total, group_size)
+        if type(detail) is not str or len(detail) > MAX_DETAIL:
+            raise RemoteProtocolError("declared detail is not a short string")
+        return cls(
+            peer_id, address, weight, epoch, bandwidth, layout, count, total, group_size, detail
+        )
 
 
 def parse_declarations(entries: Mapping[Any, Any]) -> list[Declaration]:

@@ -1,0 +1,53 @@
+"""A peer of another layout is told which setting differs: its declaration says its dtypes,
+codec and staleness rule in words beside the fingerprint (a new-user trial got "ours: 100000
+elements, group_size 16 (8bea...); theirs: 100000 elements, group_size 16 (ec81...)" for a
+float64 tensor among float32 ones: both sides read the same)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import trio
+from test_averaging_support import fast_config, make_members, memnet_swarm, step_all
+
+from protocol.errors import RemoteProtocolError
+from protocol.identity import Identity
+from training import Averager, LayoutMismatchError
+from training.averaging.grouping import MAX_DETAIL, Declaration
+
+
+async def test_a_newcomer_with_another_dtype_is_told_the_dtypes(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    with trio.fail_after(300):
+        async with memnet_swarm(3) as (_, nodes):
+            members = make_members(nodes[:2], 500, fast_config())
+            newcomer = Averager(nodes[2], "t/x", [np.zeros(500, np.float64)], config=fast_config())
+            error: list[LayoutMismatchError] = []
+
+            async def step_newcomer() -> None:
+                with pytest.raises(LayoutMismatchError) as info:
+                    await newcomer.step(timeout=20.0)
+                error.append(info.value)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(step_newcomer)
+                await step_all(members, timeout=20.0)
+    message = str(error[0])
+    print(message)
+    assert "1 float64" in message and "1 float32" in message
+    assert "codec" in message and "max_staleness" in message
+
+
+def test_the_detail_travels_and_is_bounded() -> None:
+    peer = Identity.from_seed(b"d" * 32).peer_id
+    me = Declaration(peer, None, 1.0, 0, 1.0, "abc", 0, 10, 4, "1 tensors (1 float32)")
+    back = Declaration.from_wire(peer, me.to_wire())
+    assert back == me
+    assert "1 tensors (1 float32)" in back.describe_layout()
+    wire = me.to_wire()
+    del wire["detail"]  # an older peer's declaration
+    assert Declaration.from_wire(peer, wire).detail == ""
+    for bad in ("x" * (MAX_DETAIL + 1), 7, None):
+        with pytest.raises(RemoteProtocolError, match="detail"):
+            Declaration.from_wire(peer, {**me.to_wire(), "detail": bad})
