@@ -103,7 +103,11 @@ class TcpNetwork:
         Raises:
             OSError: if the address cannot be bound.
         """
-        listeners = await trio.open_tcp_listeners(port, host=host or None)
+        try:
+            listeners = await trio.open_tcp_listeners(port, host=host or None)
+        except OSError as exc:  # say which address: "[Errno 98] Address in use" alone does not
+            where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+            raise OSError(exc.errno, exc.strerror or str(exc), where) from exc
         bound_port: int = listeners[0].socket.getsockname()[1]
 
         async def accepted(stream: trio.SocketStream) -> None:

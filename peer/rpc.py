@@ -579,9 +579,7 @@ class RpcConnection:
         if frame.request_id in self._incoming:
             raise RemoteProtocolError(f"request id {frame.request_id} is already in flight")
         if len(self._incoming) >= self.max_inflight_requests:
-            raise RemoteProtocolError(
-                f"more than {self.max_inflight_requests} requests in flight; dropping the peer"
-            )
+            raise RemoteProtocolError(f"more than {self.max_inflight_requests} requests in flight")
         deadline = math.inf if frame.timeout is None else trio.current_time() + frame.timeout
         incoming = _Incoming(trio.CancelScope(deadline=deadline))
         self._incoming[frame.request_id] = incoming
