@@ -199,19 +199,22 @@ class DHT:
     async def bootstrap(self, initial_peers: Sequence[Address]) -> int:
         """Join through ``initial_peers``: ping them, then look up our own id.
 
-        When none answered but some turned us away as busy, those are dialed again with
-        jittered exponential backoff until one answers; no new try starts after
-        ``busy_join_timeout`` (each one is bounded by ``request_timeout``).
+        The join goes on as soon as one of them answered; the others are still dialed in
+        the background (see ``_contact``). When none answered but some turned us away as
+        busy, those are dialed again with jittered exponential backoff until one answers;
+        no new try starts after ``busy_join_timeout`` (each one is bounded by
+        ``request_timeout``).
 
         Returns:
-            How many initial peers answered (0: we are alone, e.g. the first node).
+            How many initial peers had answered when the join went on (0: we are alone,
+            e.g. the first node).
 
         Raises:
             Nothing for unreachable peers: they count as not answering.
         """
         deadline = trio.current_time() + self.config.busy_join_timeout
         self._initial_peers = list(dict.fromkeys(initial_peers))  # each one contacted once
-        reached, busy = await self._contact(self._initial_peers)
+        reached, busy = await self._contact(self._initial_peers, until_one=True)
         if not reached and busy and self.config.busy_join_timeout > 0:
             reached = await self._retry_busy(busy, deadline)
         if reached:
@@ -250,7 +253,7 @@ class DHT:
             await trio.sleep(wait)
             delay = min(2 * delay, _BUSY_RETRY_MAX)
             tries += 1
-            reached, busy = await self._contact(busy)
+            reached, busy = await self._contact(busy, until_one=True)
             if reached:
                 logger.debug("joined after %d tries", tries)
                 return reached
@@ -262,16 +265,35 @@ class DHT:
             )
         return 0
 
-    async def _contact(self, addresses: Sequence[Address]) -> tuple[int, list[Address]]:
+    async def _contact(
+        self, addresses: Sequence[Address], *, until_one: bool = False
+    ) -> tuple[int, list[Address]]:
         """Dial and ping each of ``addresses`` (``contact_errors`` says why one failed).
 
+        ``until_one``: return once one answered; the others go on in the service nursery
+        (each within ``request_timeout``), and those that answer join the routing table.
+        A silent one (it accepts connections and never answers: a hung process, a proxy
+        that black-holes) held every join up for the whole ``request_timeout``.
+
         Returns:
-            How many answered, and those that turned us away as busy (PeerBusyError).
+            How many had answered by then, and those that turned us away as busy
+            (PeerBusyError).
         """
         reached = 0
         busy: list[Address] = []
+        pending = len(addresses)
+        settled = trio.Event()  # every one is done, or (until_one) one answered
 
         async def one(address: Address) -> None:
+            nonlocal pending
+            try:
+                await dial(address)
+            finally:
+                pending -= 1
+                if not pending or (until_one and reached):
+                    settled.set()
+
+        async def dial(address: Address) -> None:
             nonlocal reached
             key = str(address)
             self.contact_errors[key] = f"no answer within {self.config.request_timeout} s"
@@ -299,10 +321,16 @@ class DHT:
                 else:
                     self.contact_errors[key] = "no answer to a ping"
 
-        async with trio.open_nursery() as nursery:
+        background = self._service if until_one else None
+        if background is None:  # (or bootstrap() before serve(): all of them, as before)
+            async with trio.open_nursery() as nursery:
+                for address in addresses:
+                    nursery.start_soon(one, address)
+        elif addresses:
             for address in addresses:
-                nursery.start_soon(one, address)
-        return reached, busy
+                background.start_soon(one, address)
+            await settled.wait()
+        return reached, list(busy)
 
     async def _recontact_departed(self) -> None:
         """Ping a few contacts that left the table after failures (our former neighbours
