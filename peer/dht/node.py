@@ -766,6 +766,9 @@ class DHT:
         lookup runs until the k closest have answered.
         ``latest=False`` returns after the first node that holds anything (faster; may
         miss subkeys or newer versions).
+        A holder counts once every page of a key too large for one reply has come: one
+        that fails partway counts as failed, and its pages are dropped (so with no other
+        holder, the result is empty rather than part of the key).
 
         Raises:
             RecordTooLargeError: (a ValueError) the key is over MAX_KEY_BYTES.
@@ -794,11 +797,11 @@ class DHT:
             holds = bool(response.entries)
             budget = MAX_SUBKEYS_PER_KEY  # entries one holder may make us check
             cursor: bytes | None = None
-            for _ in range(_MAX_VALUE_PAGES):
+            received: list[Entry] = []
+            for page in range(1, _MAX_VALUE_PAGES + 1):
                 entries = (response.entries or ())[:budget]
                 budget -= len(entries)
-                for entry in entries:
-                    self._merge(key_id, owner, record, values, entry, verified=False)
+                received += entries
                 if not (response.more and entries and budget):
                     break
                 # the rest of a key too large for one reply, page by page, in subkey order;
@@ -810,7 +813,13 @@ class DHT:
                 cursor = after
                 response = await self.protocol.find_value(node, key_id, after=after)
                 if response is None:
-                    break
+                    # It failed partway (died during the read): part of a key must not pass
+                    # for all of it, nor count toward the quorum. Others are asked instead.
+                    logger.debug("%s failed after %d pages of %s", node.peer_id.short(), page, key)
+                    holders.failed(node)
+                    return None
+            for entry in received:  # a whole copy only
+                self._merge(key_id, owner, record, values, entry, verified=False)
             holders.learn(nodes)
             holders.answered(node.peer_id, DHTID.from_peer_id(node.peer_id), holds)
             return nodes
