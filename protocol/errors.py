@@ -22,3 +22,8 @@ class LocalProtocolError(ProtocolError):
 
 class RemoteProtocolError(ProtocolError):
     """The remote peer violated the protocol."""
+
+
+class AddressError(ProtocolError, ValueError):
+    """A malformed ``[PEERID@]HOST:PORT`` address: a ``ValueError`` too, since it is most
+    often an argument (``listen=``, ``initial_peers=``) that a caller got wrong."""
