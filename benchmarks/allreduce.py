@@ -80,7 +80,8 @@ async def swarm_worker(args: argparse.Namespace) -> None:
     from peer import Network, open_peer
     from training import Averager, AveragerConfig
 
-    torch.set_num_threads(1)
+    if args.torch_threads:  # 0: torch's own default (every core)
+        torch.set_num_threads(args.torch_threads)
     network: Network | None = None
     host = "127.0.0.1"
     if args.rate and args.shaper == "kernel":  # tc shapes what leaves our own address
@@ -181,6 +182,7 @@ def _run_workers(n: int, rate: float, args: argparse.Namespace) -> list[list[dic
     base += ["--steps", str(args.steps), "--warmup", "1", "--window", str(args.window)]
     base += ["--timeout", str(args.timeout), "--codecs", *args.codecs]
     base += ["--link-buffer", str(args.link_buffer), "--shaper", args.shaper]
+    base += ["--torch-threads", str(args.torch_threads)]
     for name in ("chunk_bytes", "max_inflight"):
         if getattr(args, name) is not None:
             base += [f"--{name.replace('_', '-')}", str(getattr(args, name))]
@@ -415,6 +417,13 @@ def main() -> None:
         help="shaped links: stream (a rate-limiting stream wrapper in each peer) or kernel"
         " (Linux tc on the loopback device; needs root)",
     )
+    parser.add_argument(
+        "--torch-threads",
+        type=int,
+        default=1,
+        help="torch intra-op threads per peer process (0: torch's default, every core; "
+        "several processes share the cores here, so 1 by default)",
+    )
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--gloo-worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
@@ -440,6 +449,7 @@ def main() -> None:
         "cpus": os.cpu_count(),
         "steps": args.steps,
         "shaper": args.shaper,
+        "torch_threads": args.torch_threads,
         # slack of the shaped links: bytes a peer may send at once beyond the rate
         "link_buffer_bytes": KERNEL_BURST if args.shaper == "kernel" else args.link_buffer,
         "runs": {},
