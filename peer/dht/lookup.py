@@ -22,10 +22,6 @@ Rules:
   costs a lookup about two round trips, not the whole request timeout). One request per
   silence, not all: where latencies differ widely, a slow node among the k closest must
   still get its turn (a store to it is not cancelled after one fast answer).
-- Giving up never leaves a lookup empty-handed: while no node has answered, a lookup with
-  nothing in flight and nothing left to ask waits for the requests it gave up on, up to
-  their own timeouts, and a late answer counts (a get whose only holder, its only
-  contact, froze for 1.2 s returned None after the hedge's 1 s).
 - An answer contributes its k nodes closest to the target (a reply may name up to 64).
 - Hops: the seeds are hop 1; a node first named by a hop-h node is hop h + 1.
   ``rounds`` is the largest hop among the nodes that answered.
@@ -224,8 +220,6 @@ async def iterative_lookup(
     oldest request in flight (see the module rules), when ``may_hedge()`` allows it (False
     while our own requests queue for a slot: then the silence is ours, not the peer's;
     the requests this lookup gave up on, which may hold those slots, are cancelled then).
-    Until some node answered, the requests given up on are still waited for once nothing
-    else is in flight or left to ask.
     ``on_given_up(node)`` is called for each request given up on that was still unanswered
     at the end (cancelled then). ``max_in_flight``: at most this many requests at once
     (the caller's slots: more would only queue, and stop the hedging).
@@ -246,7 +240,7 @@ async def iterative_lookup(
             try:
                 send.send_nowait((node, await query(node)))
             finally:
-                running.pop(node.peer_id, None)  # (gone already when cancelled)
+                del running[node.peer_id]
 
     hedge_delay = hedge_after
     start = trio.current_time()
@@ -264,24 +258,18 @@ async def iterative_lookup(
                     break
                 sent_at[next_node.peer_id] = trio.current_time()
                 nursery.start_soon(ask, next_node)
-            received = None
             if state.in_flight == 0:
-                # nothing left to ask; requests given up on are all there is until some
-                # node answers (each one bounded by its own timeout)
-                late = running or receive.statistics().current_buffer_used
-                if state.answers or not late:
-                    break
+                break
+            received = None
+            with trio.move_on_after(hedge_delay):
                 received = await receive.receive()
-            else:
-                with trio.move_on_after(hedge_delay):
-                    received = await receive.receive()
             if received is None:  # nothing answered for hedge_delay seconds
                 if may_hedge():
                     waiting = state.in_flight_nodes()
                     state.give_up(min(waiting, key=lambda n: sent_at[n.peer_id]))
                 else:  # our requests queue for slots that those given up on may hold
                     for given_up in state.given_up():
-                        if (scope := running.pop(given_up.peer_id, None)) is not None:
+                        if (scope := running.get(given_up.peer_id)) is not None:
                             scope.cancel()
                 continue
             node, answer = received

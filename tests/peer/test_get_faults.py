@@ -1,12 +1,8 @@
-"""A get whose holder fails partway through a paged read, or is only slow.
+"""A get whose holder fails partway through a paged read.
 
-- A holder that dies between the pages of a key too large for one reply (1 MiB) must
-  count as failed: part of the key must not pass for all of it, nor count toward the
-  quorum. Other holders are asked instead; with none, the get returns None.
-- A lookup gives up on a request after a silence of the hedge delay, to ask another node
-  in its place. With nobody else to ask and no answer yet, it waits for that request up
-  to its own timeout, and a late answer counts (a get from a client whose only contact,
-  the only holder, froze for 1.2 s returned None after the hedge's 1 s).
+A holder that dies between the pages of a key too large for one reply (1 MiB) must count
+as failed: part of the key must not pass for all of it, nor count toward the quorum.
+Other holders are asked instead; with none, the get returns None.
 """
 
 from __future__ import annotations
@@ -19,7 +15,6 @@ import trio
 import trio.testing
 
 from peer import Peer, PeerConfig
-from peer.dht.lookup import iterative_lookup
 from peer.memnet import MemoryNetwork
 from peer.node import open_peer
 from protocol.dhtid import DHTID
@@ -136,114 +131,3 @@ async def test_a_holder_that_dies_between_pages_is_replaced_by_another(
             assert len(killed) == 1  # one died; another holder read whole, not killed
             # and a quorum read counts only whole copies (the dead one is not among them)
             assert await reader.dht.get("big") == BIG
-
-
-# ---- a holder that is only slow --------------------------------------------------------
-
-
-@pytest.mark.parametrize("delay", [1.5, 2.5])
-async def test_a_lookup_with_nobody_else_to_ask_takes_a_late_answer(
-    autojump_clock: trio.testing.MockClock, delay: float
-) -> None:
-    """The only node answers after the hedge delay (1 s): the lookup gives up on it, has
-    nobody to ask in its place, and waits; the late answer counts and nothing is reported
-    as a timeout."""
-    only = _node(100)
-    given_up: list[NodeInfo] = []
-
-    async def query(asker: NodeInfo) -> list[NodeInfo]:
-        await trio.sleep(delay)
-        return []
-
-    result = await iterative_lookup(
-        0, [only], query, k=20, alpha=3, hedge_after=1.0, on_given_up=given_up.append
-    )
-    assert trio.current_time() == delay
-    assert result.closest == (only,) and given_up == []
-
-
-async def test_a_lookup_with_nobody_else_to_ask_waits_for_the_real_timeout(
-    autojump_clock: trio.testing.MockClock,
-) -> None:
-    """The only node never answers: its request's own timeout (3 s here) ends the lookup,
-    not the hedge delay, and it counts as failed once (by the query), not given up."""
-    only = _node(100)
-    given_up: list[NodeInfo] = []
-
-    async def query(asker: NodeInfo) -> list[NodeInfo] | None:
-        await trio.sleep(3)
-        return None
-
-    result = await iterative_lookup(
-        0, [only], query, k=20, alpha=3, hedge_after=1.0, on_given_up=given_up.append
-    )
-    assert trio.current_time() == 3
-    assert result.closest == () and result.failed == 1 and given_up == []
-
-
-async def test_a_lookup_that_has_answers_still_ends_without_the_slow_node(
-    autojump_clock: trio.testing.MockClock,
-) -> None:
-    """The hedging speed-up stays where some node answered: the slow one is given up
-    after 0.2 s of silence (twice the first answer's 0.1 s), and reported."""
-    fast, slow = _node(101), _node(100)
-    given_up: list[NodeInfo] = []
-
-    async def query(asker: NodeInfo) -> list[NodeInfo]:
-        await trio.sleep(3 if asker == slow else 0.1)
-        return []
-
-    result = await iterative_lookup(
-        0, [fast, slow], query, k=20, alpha=3, hedge_after=1.0, on_given_up=given_up.append
-    )
-    assert trio.current_time() == pytest.approx(0.3)
-    assert result.closest == (fast,) and given_up == [slow]
-
-
-@pytest.mark.parametrize("freeze", [1.2, 2.5])
-async def test_a_get_waits_for_its_only_holder_while_it_is_frozen(
-    autojump_clock: trio.testing.MockClock, freeze: float
-) -> None:
-    """The tester's case: a client's only contact, the only holder, stops (SIGSTOP) for
-    1.2 or 2.5 s, less than request_timeout (3 s). The get returned None after 1 s; it
-    now returns the value when the holder thaws."""
-    net = MemoryNetwork(latency=LATENCY)
-    with trio.fail_after(60):
-        async with AsyncExitStack() as stack:
-            holder = await _open(stack, net, 1, [])
-            assert await holder.dht.store("slow", "value", ttl=300.0)
-            reader = await _open(stack, net, 2, [holder.address], client_mode=True)
-            assert await reader.dht.get("slow") == "value"
-            async with trio.open_nursery() as nursery:
-                net.freeze_host(_host(1))
-
-                async def thaw() -> None:
-                    await trio.sleep(freeze)
-                    net.unfreeze_host(_host(1))
-
-                nursery.start_soon(thaw)
-                start = trio.current_time()
-                assert await reader.dht.get("slow") == "value"
-                elapsed = trio.current_time() - start
-            assert freeze <= elapsed < freeze + 0.1
-            assert holder.peer_id in reader.dht.table  # an answer: no timeout counted
-
-
-async def test_a_get_from_a_holder_frozen_past_the_timeout_gives_none_then(
-    autojump_clock: trio.testing.MockClock,
-) -> None:
-    """Frozen longer than request_timeout: None after the timeout (3 s), then the value
-    again once the holder thaws."""
-    net = MemoryNetwork(latency=LATENCY)
-    with trio.fail_after(60):
-        async with AsyncExitStack() as stack:
-            holder = await _open(stack, net, 1, [])
-            assert await holder.dht.store("slow", "value", ttl=300.0)
-            reader = await _open(stack, net, 2, [holder.address], client_mode=True)
-            assert await reader.dht.get("slow") == "value"
-            net.freeze_host(_host(1))
-            start = trio.current_time()
-            assert await reader.dht.get("slow") is None
-            assert trio.current_time() - start == pytest.approx(3.0)
-            net.unfreeze_host(_host(1))
-            assert await reader.dht.get("slow") == "value"
