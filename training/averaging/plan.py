@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Iterable
 from dataclasses import dataclass
 
@@ -85,6 +86,7 @@ class Liveness:
         self._reconnects: dict[PeerID, int] = {}
         self._reconnecting: dict[PeerID, trio.Event] = {}
         self._probing: dict[PeerID, trio.Event] = {}
+        self._clients_gone: dict[PeerID, float] = {}  # since when, see mark_gone_clients
 
     def mark(self, peer_id: PeerID, reason: DropReason) -> None:
         if peer_id not in self.bad:
@@ -93,18 +95,34 @@ class Liveness:
             self.changed.set()
             self.changed = trio.Event()
 
-    def mark_gone_clients(self, peers: Iterable[PeerID]) -> None:
-        """Mark dead each client-mode peer among ``peers`` that has no connection to us left.
-        Only for peers that did connect to us this round: a client cannot be dialed, so a
-        dead one's connections are gone (what :meth:`probe` finds, a stall timeout later)."""
+    def mark_gone_clients(self, peers: Iterable[PeerID]) -> float:
+        """Mark dead each client-mode peer among ``peers`` that has had no connection to us
+        for ``timeout / 2``. Only for peers that did connect to us this round: a client
+        cannot be dialed, so a dead one's connections are gone (what :meth:`probe` finds,
+        a stall timeout later); the grace lets a live one whose connection broke (a write
+        cut off midway tears it) dial us again.
+
+        Returns:
+            When the next of them would be found dead (trio time; inf when none is gone).
+        """
+        now = trio.current_time()
+        grace = self.timeout / 2
+        due = math.inf
         connected: set[PeerID] | None = None
         for peer_id in peers:
             if peer_id in self.bad or self.plan.address(peer_id) is not None:
                 continue
             if connected is None:
                 connected = set(self.node.rpc.connected_peers())
-            if peer_id not in connected:
+            if peer_id in connected:
+                self._clients_gone.pop(peer_id, None)
+                continue
+            since = self._clients_gone.setdefault(peer_id, now)
+            if now - since >= grace:
                 self.mark(peer_id, DropReason.DEAD)
+            else:
+                due = min(due, since + grace)
+        return due
 
     async def probe(self, peer_id: PeerID) -> DropReason | None:
         """Ping a peer whose part of the round went quiet: None when it answers that it is

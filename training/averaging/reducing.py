@@ -330,7 +330,7 @@ class ReducerService:
         stall = self.config.stall_timeout
         while True:
             fetching = expected - self.downloaded
-            self.liveness.mark_gone_clients(p for p in fetching if p in self.progress)
+            due = self.liveness.mark_gone_clients(p for p in fetching if p in self.progress)
             gone = {p for p in expected if p in self.liveness.bad}
             if expected <= self.downloaded | gone:
                 return
@@ -338,7 +338,7 @@ class ReducerService:
                 return
             # a member found dead meanwhile (by our own upload or download to it, or a
             # client whose connection ended) will not fetch: wake for that too
-            with trio.move_on_at(self.last_download + stall):
+            with trio.move_on_at(min(self.last_download + stall, due)):
                 await self._wait_for_news()
 
     def _drop_known_bad(self) -> None:
@@ -357,8 +357,9 @@ class ReducerService:
             for peer_id in overdue:
                 self._drop(peer_id, DropReason.TIMEOUT)
             return
-        self.liveness.mark_gone_clients(p for p in self.reducer.pending() if p in self.progress)
-        if any(p in self.liveness.bad for p in self.reducer.pending()):
+        pending = self.reducer.pending()
+        due = self.liveness.mark_gone_clients(p for p in pending if p in self.progress)
+        if any(p in self.liveness.bad for p in pending):
             return  # the caller drops them
         # senders waiting for admission are waiting on us, not stalled
         watched = [p for p in self.reducer.pending() if p not in self._queue]
@@ -369,14 +370,14 @@ class ReducerService:
                 for peer_id in stalled:
                     nursery.start_soon(self._probe, peer_id)
             return
-        next_check = min([*deadlines.values(), *slot_ends.values()], default=math.inf)
+        next_check = min([*deadlines.values(), *slot_ends.values(), due])
         with trio.move_on_at(next_check):
             await self._wait_for_news()
 
     async def _wait_for_news(self) -> None:
         """Until a chunk or a download came, a member was found bad, or a connection ended
-        (then client-mode senders that sent us chunks and have no connection left are dead:
-        they cannot be probed sooner, see ``Liveness.mark_gone_clients``)."""
+        (a client-mode sender that sent us chunks and has no connection left is dead soon
+        after: it cannot be probed sooner, see ``Liveness.mark_gone_clients``)."""
         events = (self._changed, self.liveness.changed, self.liveness.node.rpc.disconnected)
         async with trio.open_nursery() as nursery:
             for event in events:
