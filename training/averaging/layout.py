@@ -15,6 +15,7 @@ import bisect
 import hashlib
 import itertools
 import math
+import statistics
 import weakref
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
@@ -433,6 +434,22 @@ def _torch_allocated(tensor: torch.Tensor) -> int | None:
 def _storage_uses(tensor: torch.Tensor) -> int:
     assert _STORAGE_USE_COUNT is not None
     return int(_STORAGE_USE_COUNT(tensor.untyped_storage()._cdata))
+
+
+MAX_BANDWIDTH_SPREAD = 4.0
+"""A declared bandwidth counts for at most this many times the group's median."""
+
+
+def bounded_bandwidths(bandwidths: Sequence[float]) -> list[float]:
+    """``bandwidths`` clipped to ``MAX_BANDWIDTH_SPREAD`` times their median. Bandwidth is
+    declared, not measured, and a part's reducer is trusted with its values: one member
+    declaring 1e300 was handed the whole vector (every other part empty) and could then
+    send back anything as everyone's mean. Clipped, it reduces at most about 4x the
+    median member's share."""
+    if not bandwidths:
+        return []
+    limit = statistics.median(bandwidths) * MAX_BANDWIDTH_SPREAD
+    return [min(bandwidth, limit) for bandwidth in bandwidths]
 
 
 def split_spans(total: int, bandwidths: Sequence[float], align: int = ALIGN) -> list[Span]:

@@ -39,7 +39,7 @@ from .grouping import (
     round_closing_after,
     round_key,
 )
-from .layout import split_spans
+from .layout import bounded_bandwidths, split_spans
 from .messages import GroupConfirmation, JoinRequest, method_prefix
 
 logger = logging.getLogger(__name__)
@@ -459,7 +459,8 @@ class Matchmaker:
             state.answered.set()
             note = "nobody joined"
             return MatchResult(state.number, None, state.me.peer_id, declared, note, alone=True)
-        spans = split_spans(self.total, [m.bandwidth for m in members if not m.client_mode])
+        reducers = [m.bandwidth for m in members if not m.client_mode]
+        spans = split_spans(self.total, bounded_bandwidths(reducers))
         state.confirmation = GroupConfirmation(
             state.number, tuple(members), tuple(spans), state.budget
         )
