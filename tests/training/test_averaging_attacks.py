@@ -503,7 +503,8 @@ async def test_a_declaration_out_of_range_never_reaches_the_honest_members(
 async def test_the_largest_part_never_served_is_reported_none_by_the_deadline(
     autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A member declares a huge bandwidth (it gets nearly the whole vector to reduce), takes
+    """A member declares a huge bandwidth (it gets the largest part it may, 4x the median's
+    share: 4/7 of the vector among 4; before the bound, nearly all of it), takes
     everybody's chunks, and never serves a result: every honest step returns by its timeout,
     says that part is `none` (its reducer dropped), and holds its own values there."""
     with trio.fail_after(120):
@@ -531,7 +532,7 @@ async def test_the_largest_part_never_served_is_reported_none_by_the_deadline(
                 if member is attacker:
                     continue
                 big = next(p for p in info.parts if p.reducer == attacker.peer_id)
-                assert big.size > 0.9 * SIZE and big.status is PartStatus.NONE
+                assert big.size > 0.55 * SIZE and big.status is PartStatus.NONE
                 # its step ended after a stall timeout without downloads: then it is gone
                 assert big.dropped[attacker.peer_id] in (DropReason.TIMEOUT, DropReason.DEAD)
                 # the others' parts are empty or small: nothing or little was averaged

@@ -20,7 +20,7 @@ import numbers
 import time
 import warnings
 from collections import Counter
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Iterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -32,6 +32,7 @@ import trio
 from peer import BackgroundPeer, Peer, PeerStoppedError, RemoteError, Reply, Request
 from protocol.codecs import Codec, NonFiniteError, get_codec
 from protocol.errors import RemoteProtocolError
+from protocol.identity import PeerID
 from protocol.records import RecordError, check_key
 
 from .buffers import BufferPool, SharedBuffer
@@ -49,6 +50,8 @@ from .reducing import ReducerService
 from .report import AveragingInfo, Outcome, merge_dropped, outcome_of
 
 logger = logging.getLogger(__name__)
+
+_CHUNK_SLACK = 1 << 16  # bytes of codec header a chunk's blob may carry beyond its values
 
 _CLOCK_OFFSET: trio.lowlevel.RunVar[float] = trio.lowlevel.RunVar("swarm_wall_clock_offset")
 """Unix time minus trio time, fixed at the first read in a run (dies with the run)."""
@@ -147,6 +150,10 @@ class _Active:
     round: int
     ready: trio.Event = field(default_factory=trio.Event)
     service: ReducerService | None = None
+    # chunks that came before our group was confirmed wait, payload and all, until it is:
+    # per sender and in bytes, bounded (anyone who read our round from the DHT can send)
+    parked: Counter[PeerID] = field(default_factory=Counter)
+    parked_bytes: int = 0
 
 
 class Averager:
@@ -513,10 +520,15 @@ class Averager:
     async def _on_join(self, request: Request) -> Reply:
         return await self._matchmaker.on_join(request)
 
-    async def _service(self, round_no: int) -> ReducerService:
+    async def _service(self, round_no: int, chunk: Request | None = None) -> ReducerService:
+        """Our reducer for ``round_no`` once the group is confirmed (a ``chunk`` that comes
+        before waits for it, within the bounds of :meth:`_park`)."""
         active = self._active
         if active is None or active.round != round_no:
             raise RemoteError("not_found", f"not in round {round_no}")
+        if chunk is not None and not active.ready.is_set():
+            with self._park(active, chunk):
+                await active.ready.wait()
         await active.ready.wait()
         if active.service is None:
             raise RemoteError("bad_request", "no part is reduced here")
@@ -528,8 +540,40 @@ class Averager:
         except RemoteProtocolError:
             await self._drop_for_garbage(request)
             raise
-        service = await self._service(header.round)
+        service = await self._service(header.round, request)
         return await service.on_chunk(request.peer_id, header, request.payload)
+
+    @contextlib.contextmanager
+    def _park(self, active: _Active, chunk: Request) -> Iterator[None]:
+        """Hold ``chunk`` until our group is confirmed: at most ``2 * max_inflight`` chunks
+        per sender (an honest one has ``max_inflight`` uploads in flight), each no larger
+        than a chunk's largest blob, and the reducer's default ``retain_budget`` in all. A hostile
+        peer that read our round from the DHT sent 240 calls of 4 MiB before our group
+        formed: 590 MB held until then, to be refused as a non-member afterwards.
+
+        Raises:
+            RemoteError: ``busy`` beyond those bounds.
+        """
+        size = len(chunk.payload)
+        config = self.config
+        # the reducer's default retain_budget (a smaller one still admits a sender at a
+        # time once ready: every early chunk of one sender must fit)
+        budget = max(
+            64 << 20, self.flat.array.nbytes // 4, 4 * config.max_inflight * config.chunk_bytes
+        )
+        if (
+            size > 2 * config.chunk_bytes + _CHUNK_SLACK  # (topk near 1: indices too)
+            or active.parked[chunk.peer_id] >= 2 * config.max_inflight
+            or active.parked_bytes + size > budget
+        ):
+            raise RemoteError("busy", "too many chunks before the group was confirmed")
+        active.parked[chunk.peer_id] += 1
+        active.parked_bytes += size
+        try:
+            yield
+        finally:
+            active.parked[chunk.peer_id] -= 1
+            active.parked_bytes -= size
 
     async def _drop_for_garbage(self, request: Request) -> None:
         """A malformed chunk header that names our round and part drops its sender from the

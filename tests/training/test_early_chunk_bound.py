@@ -1,0 +1,58 @@
+"""Chunks that come before our group is confirmed wait for it, payload and all; anyone who
+read our round from the DHT can send them. A hostile trial peer sent 240 calls of 4 MiB to
+a peer in the gather window: ~590 MB held until the group formed, then refused. Now a
+sender parks at most ``2 * max_inflight`` chunks, none larger than a chunk's blob, and
+the rest are refused (``busy``) at once."""
+
+from __future__ import annotations
+
+import trio
+from test_averaging_support import fast_config, make_members, memnet_swarm
+
+from peer import RemoteError
+from protocol.address import Address
+from training.averaging.messages import ChunkHeader, method_prefix
+
+
+async def test_early_chunks_are_bounded_per_sender_and_in_size(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    config = fast_config(gather_window=10.0, max_inflight=4)
+    with trio.fail_after(120):
+        async with memnet_swarm(2) as (_, nodes):
+            victim, attacker = nodes
+            [member] = make_members([victim], 4096, config)
+            outcomes: list[str] = []
+
+            async def flood(round_no: int, payload: bytes) -> None:
+                body = ChunkHeader(round_no, 0, 0, 0, 1.0).to_body()
+                method = f"{method_prefix('t/x')}.chunk"
+                assert victim.rpc.listen_address is not None
+                address = Address.parse(victim.address)
+                try:
+                    await attacker.rpc.call(address, method, body, payload)
+                    outcomes.append("answered")
+                except RemoteError as exc:
+                    outcomes.append(exc.code)
+
+            entered = trio.Event()
+            enter_round = member.averager._enter_round
+
+            def entering(number: int) -> None:
+                enter_round(number)
+                entered.set()
+
+            member.averager._enter_round = entering  # type: ignore[method-assign]
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(member.averager.step)
+                await entered.wait()  # in its gather window: no group yet
+                assert member.averager._active is not None
+                round_no = member.averager._active.round
+                for _ in range(20):
+                    nursery.start_soon(flood, round_no, bytes(1024))
+                nursery.start_soon(flood, round_no, bytes(1 << 20))  # larger than any chunk
+                await trio.sleep(1.0)
+                busy_at_once = outcomes.count("busy")
+    # 8 parked (2 x max_inflight), 12 small ones and the large one refused at once
+    assert busy_at_once == 13, outcomes
+    assert len(outcomes) == 21 and outcomes.count("busy") == 13
