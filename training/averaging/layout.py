@@ -89,7 +89,8 @@ def as_list(tensors: Iterable[Any]) -> list[Any]:
     if isinstance(tensors, Mapping):  # iterating it yields the keys
         raise TypeError(
             "tensors must be a list of tensors, got a mapping (a state_dict()?): pass "
-            "list(model.parameters()), or list(state_dict.values()) without tied weights"
+            "list(model.parameters()), or the floating tensors of state_dict().values() "
+            "without tied weights ([t for t in sd.values() if t.is_floating_point()])"
         )
     return list(tensors)
 
