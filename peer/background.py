@@ -145,6 +145,10 @@ class BackgroundPeer:
         )
 
 
+class _LeftAtOnce(Exception):
+    """Raised inside the peer's ``open_peer`` block to leave it without draining."""
+
+
 class _InterruptibleCall:
     """One call onto the loop, which the thread that waits for it may cancel (it runs in
     trio's system nursery, or is the loop's main task: out of reach otherwise)."""
@@ -315,7 +319,10 @@ class BackgroundContext:
         return node
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc_info: object) -> None:
-        """Stop the peer and join its thread.
+        """Stop the peer and join its thread. Leaving the block normally first lets the
+        peer finish the requests it serves and write what it queued (as leaving
+        ``open_peer`` does, at most ``HostConfig.drain_timeout``); leaving it by an
+        exception (Ctrl-C) stops it at once.
 
         Raises:
             Exception: what crashed the peer's loop while the block ran (when the block
@@ -365,10 +372,12 @@ def _start_in_background(
     started: list[BackgroundPeer] = []
     failure: list[BaseException] = []
     stop: list[trio.Event] = []
+    at_once: list[bool] = []  # the block was left by an exception: no drain
     startup = _InterruptibleCall()
 
     async def main() -> None:
-        await startup.run(start_and_serve)
+        with contextlib.suppress(_LeftAtOnce):
+            await startup.run(start_and_serve)
 
     async def start_and_serve() -> None:
         async with open_peer(
@@ -386,6 +395,8 @@ def _start_in_background(
             started.append(BackgroundPeer(peer, trio.lowlevel.current_trio_token()))
             ready.set()
             await stop[0].wait()
+            if at_once:  # leave open_peer by an exception too: it closes without draining
+                raise _LeftAtOnce
 
     def thread_main() -> None:
         try:
@@ -411,9 +422,11 @@ def _start_in_background(
         raise failure[0]
     node = started[0]
 
-    def shut_down() -> None:
+    def shut_down(now: bool = False) -> None:
         if os.getpid() != node._pid:  # a forked child exiting: the peer is the parent's
             return
+        if now:
+            at_once.append(True)  # (read by the loop after stop is set: ordered)
         with contextlib.suppress(trio.RunFinishedError):
             trio.from_thread.run_sync(stop[0].set, trio_token=node._token)
         thread.join()
@@ -421,7 +434,7 @@ def _start_in_background(
     def leave(raise_failure: bool) -> None:
         atexit.unregister(shut_down)
         if not sys.is_finalizing():  # else the atexit hook already stopped it
-            shut_down()
+            shut_down(now=not raise_failure)
         if failure and raise_failure:  # the loop crashed while the block ran
             raise failure[0]
 

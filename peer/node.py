@@ -240,5 +240,5 @@ async def open_peer(
                     body_error = exc
                 finally:
                     nursery.cancel_scope.cancel()
-    if body_error is not None:
-        raise body_error
+        if body_error is not None:  # inside the host's block: it then closes without draining
+            raise body_error

@@ -1,0 +1,63 @@
+"""Leaving a ``run_in_background`` block by an exception (Ctrl-C in a script) stops the
+peer at once, as leaving ``open_peer`` by one does; leaving it normally still lets the
+peer finish the requests it serves (up to ``drain_timeout``). A trial's Ctrl-C mid-round
+took 3 s to leave the block, and its partner waited those 3 s for nothing."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+
+import pytest
+import trio
+
+import peer
+from peer import Reply, Request
+from protocol.address import Address
+
+
+def _serving_a_slow_request(server: peer.BackgroundPeer, client: peer.BackgroundPeer) -> None:
+    """Have ``client`` call a handler of ``server`` that never answers; return once the
+    server is serving it."""
+    serving = threading.Event()
+
+    async def slow(request: Request) -> Reply:
+        serving.set()
+        await trio.sleep(60)
+        return Reply()
+
+    async def register() -> None:
+        server.peer.rpc.register("slow", slow)
+
+    server.run(register)
+
+    async def call() -> None:
+        with trio.move_on_after(30):
+            await client.peer.rpc.call(Address.parse(server.address), "slow")
+
+    def caller() -> None:
+        with contextlib.suppress(Exception):  # the server went away: expected
+            client.run(call)
+
+    threading.Thread(target=caller, daemon=True).start()
+    assert serving.wait(10)
+
+
+@pytest.mark.parametrize("by_exception", [True, False], ids=["exception", "normally"])
+def test_leaving_by_an_exception_does_not_drain(by_exception: bool) -> None:
+    with peer.run_in_background() as client:
+        block = peer.run_in_background()
+        server = block.__enter__()
+        _serving_a_slow_request(server, client)
+        start = time.monotonic()
+        if by_exception:
+            block.__exit__(KeyboardInterrupt, KeyboardInterrupt(), None)
+        else:
+            block.__exit__(None, None, None)
+        took = time.monotonic() - start
+    drain = peer.PeerConfig().host.drain_timeout
+    if by_exception:
+        assert took < drain / 3, took
+    else:
+        assert took >= drain * 0.9, took  # it waited for the request it served
