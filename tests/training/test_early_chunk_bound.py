@@ -6,6 +6,7 @@ the rest are refused (``busy``) at once."""
 
 from __future__ import annotations
 
+import pytest
 import trio
 from test_averaging_support import fast_config, make_members, memnet_swarm
 
@@ -56,3 +57,55 @@ async def test_early_chunks_are_bounded_per_sender_and_in_size(
     # 8 parked (2 x max_inflight), 12 small ones and the large one refused at once
     assert busy_at_once == 13, outcomes
     assert len(outcomes) == 21 and outcomes.count("busy") == 13
+
+
+async def test_join_and_result_requests_carry_nothing_extra(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Join and result requests wait (for the round to close, the group to form) while
+    holding the request: one padded with a payload or extra keys is refused at once, not
+    held for the gather window."""
+    config = fast_config(gather_window=10.0)
+    with trio.fail_after(120):
+        async with memnet_swarm(2) as (_, nodes):
+            victim, attacker = nodes
+            [member] = make_members([victim], 4096, config)
+            entered = trio.Event()
+            enter_round = member.averager._enter_round
+
+            def entering(number: int) -> None:
+                enter_round(number)
+                entered.set()
+
+            member.averager._enter_round = entering  # type: ignore[method-assign]
+            address = Address.parse(victim.address)
+            methods = method_prefix("t/x")
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(member.averager.step)
+                await entered.wait()
+                assert member.averager._active is not None
+                round_no = member.averager._active.round
+                decl = member.averager._matchmaker.current.me.to_wire()  # type: ignore[union-attr]
+                joins = [
+                    ({"round": round_no, "decl": decl}, bytes(1 << 20)),
+                    ({"round": round_no, "decl": decl, "pad": "x" * 1000}, b""),
+                    ({"round": round_no, "decl": {**decl, "pad": "x"}}, b""),
+                ]
+                for body, payload in joins:
+                    start = trio.current_time()
+                    with pytest.raises(RemoteError, match="bad_request"):
+                        await attacker.rpc.call(address, f"{methods}.join", body, payload)
+                    assert trio.current_time() - start < 0.1
+                results = [
+                    ({"round": round_no, "part": 0}, b"x"),
+                    ({"round": round_no, "part": 0, "p": 1}, b""),
+                ]
+                for body, payload in results:
+                    start = trio.current_time()
+                    with pytest.raises(RemoteError, match="bad_request"):
+                        async with attacker.rpc.stream(
+                            address, f"{methods}.result", body, payload
+                        ) as items:
+                            async for _ in items:
+                                pass
+                    assert trio.current_time() - start < 0.1

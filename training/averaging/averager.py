@@ -40,7 +40,7 @@ from .butterfly import Butterfly
 from .casts import TORCH_CASTS
 from .config import AveragerConfig
 from .feedback import ErrorFeedback
-from .grouping import MAX_DETAIL, MAX_EPOCH, Declaration, round_key
+from .grouping import DECLARATION_KEYS, MAX_DETAIL, MAX_EPOCH, Declaration, round_key
 from .layout import FlatVector, Float32Array, TensorLayout
 from .matchmaking import Matchmaker
 from .messages import ChunkHeader, method_prefix
@@ -52,6 +52,22 @@ from .report import AveragingInfo, Outcome, merge_dropped, outcome_of
 logger = logging.getLogger(__name__)
 
 _CHUNK_SLACK = 1 << 16  # bytes of codec header a chunk's blob may carry beyond its values
+_JOIN_KEYS = frozenset({"round", "decl"})
+_RESULT_KEYS = frozenset({"round", "part"})
+
+
+def _check_small(request: Request, keys: frozenset[str]) -> None:
+    """Refuse a request that carries a payload or body keys beyond ``keys``: join and
+    result requests wait (for the round to close, the group to form) while holding the
+    request, so one padded to the frame limit (4 MiB) would be held that long, 128 at
+    once per connection.
+
+    Raises:
+        RemoteError: ``bad_request``.
+    """
+    if len(request.payload) or not request.body.keys() <= keys:
+        raise RemoteError("bad_request", "unexpected payload or keys in the request")
+
 
 _CLOCK_OFFSET: trio.lowlevel.RunVar[float] = trio.lowlevel.RunVar("swarm_wall_clock_offset")
 """Unix time minus trio time, fixed at the first read in a run (dies with the run)."""
@@ -518,6 +534,10 @@ class Averager:
         return Reply({})
 
     async def _on_join(self, request: Request) -> Reply:
+        _check_small(request, _JOIN_KEYS)
+        decl = request.body.get("decl")
+        if isinstance(decl, dict) and not decl.keys() <= DECLARATION_KEYS:
+            raise RemoteError("bad_request", "unknown keys in the declaration")
         return await self._matchmaker.on_join(request)
 
     async def _service(self, round_no: int, chunk: Request | None = None) -> ReducerService:
@@ -590,6 +610,7 @@ class Averager:
             service.drop_sender(request.peer_id, DropReason.GARBAGE)
 
     async def _on_result(self, request: Request) -> AsyncIterator[Reply]:
+        _check_small(request, _RESULT_KEYS)
         body = request.body
         round_no, part = body.get("round"), body.get("part")
         if type(round_no) is not int or type(part) is not int:

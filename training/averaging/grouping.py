@@ -33,6 +33,10 @@ from protocol.identity import PeerID
 MAX_EPOCH = 1 << 62
 MAX_LAYOUT = 64  # characters of a layout fingerprint on the wire (a short hash)
 MAX_DETAIL = 200  # characters of a declaration's detail (words for error messages)
+DECLARATION_KEYS = frozenset(
+    {"address", "weight", "epoch", "bandwidth", "client_mode", "layout", "count", "total"}
+    | {"group_size", "detail"}
+)
 
 
 @dataclass(frozen=True, slots=True)
