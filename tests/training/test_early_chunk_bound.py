@@ -12,7 +12,21 @@ from test_averaging_support import fast_config, make_members, memnet_swarm
 
 from peer import RemoteError
 from protocol.address import Address
+from training import Averager
 from training.averaging.messages import ChunkHeader, method_prefix
+
+
+def _on_entering_a_round(averager: Averager) -> trio.Event:
+    """An event set once ``averager`` has entered a round: its gather window, no group yet."""
+    entered = trio.Event()
+    enter_round = averager._enter_round
+
+    def entering(number: int) -> None:
+        enter_round(number)
+        entered.set()
+
+    averager._enter_round = entering  # type: ignore[method-assign]
+    return entered
 
 
 async def test_early_chunks_are_bounded_per_sender_and_in_size(
@@ -36,14 +50,7 @@ async def test_early_chunks_are_bounded_per_sender_and_in_size(
                 except RemoteError as exc:
                     outcomes.append(exc.code)
 
-            entered = trio.Event()
-            enter_round = member.averager._enter_round
-
-            def entering(number: int) -> None:
-                enter_round(number)
-                entered.set()
-
-            member.averager._enter_round = entering  # type: ignore[method-assign]
+            entered = _on_entering_a_round(member.averager)
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(member.averager.step)
                 await entered.wait()  # in its gather window: no group yet
@@ -70,14 +77,7 @@ async def test_join_and_result_requests_carry_nothing_extra(
         async with memnet_swarm(2) as (_, nodes):
             victim, attacker = nodes
             [member] = make_members([victim], 4096, config)
-            entered = trio.Event()
-            enter_round = member.averager._enter_round
-
-            def entering(number: int) -> None:
-                enter_round(number)
-                entered.set()
-
-            member.averager._enter_round = entering  # type: ignore[method-assign]
+            entered = _on_entering_a_round(member.averager)
             address = Address.parse(victim.address)
             methods = method_prefix("t/x")
             async with trio.open_nursery() as nursery:
