@@ -42,7 +42,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
 
@@ -464,7 +464,7 @@ class RpcConnection:
         withdrawn). The caller then detaches the request from the writer, given up or not
         (a peer may answer before it read all of it), so that its payload is never read
         after the call returned."""
-        finished = pending.done.is_set() if isinstance(pending, PendingCall) else pending.finished
+        finished = _finished(pending)
         if finished or self.closed:
             return
         if self._outbox.withdraw(request):
@@ -542,14 +542,7 @@ class RpcConnection:
         """The peer closes this connection, idle on its side: every call of ours still
         waiting crossed its ``bye`` unread; they fail as never sent (the host sends them
         again on a fresh connection). Not a departure: ``lost`` stays False."""
-        message = f"{self.peer_id.short()} closed the idle connection before reading the request"
-        for pending in self._pending.values():
-            if isinstance(pending, PendingCall):
-                if not pending.done.is_set():
-                    pending.error = ConnectionClosedError(message)
-                    pending.done.set()
-            elif not pending.finished:
-                pending.finish(ConnectionClosedError(message))
+        self._fail_as_unread(p for p in self._pending.values() if not _finished(p))
         self._shutdown(PeerUnavailableError("the peer closed the idle connection"))
 
     def _fail_unread(self) -> bool:
@@ -564,16 +557,21 @@ class RpcConnection:
             for p in self._pending.values()
             if p.sent_quiet is not None
             and self._frame_received < p.sent_quiet  # nothing came: no reply, no item
-            and not (p.done.is_set() if isinstance(p, PendingCall) else p.finished)
+            and not _finished(p)
         ]
+        self._fail_as_unread(unread)
+        return bool(unread)
+
+    def _fail_as_unread(self, calls: Iterable[PendingCall | PendingStream]) -> None:
+        """Fail ``calls`` as never read by the peer (``ConnectionClosedError``: the host
+        sends them again on a fresh connection)."""
         message = f"{self.peer_id.short()} closed the idle connection before reading the request"
-        for pending in unread:
+        for pending in list(calls):
             if isinstance(pending, PendingCall):
                 pending.error = ConnectionClosedError(message)
                 pending.done.set()
             else:
                 pending.finish(ConnectionClosedError(message))
-        return bool(unread)
 
     def _start_request(self, frame: RpcFrame, nursery: trio.Nursery) -> None:
         if frame.request_id in self._incoming:
@@ -807,3 +805,7 @@ def _error_frame(request_id: int, code: str, message: str) -> RpcFrame:
         error_code=code[:MAX_ERROR_CODE_LENGTH],
         error_message=message[:MAX_ERROR_MESSAGE_LENGTH],
     )
+
+
+def _finished(pending: PendingCall | PendingStream) -> bool:
+    return pending.done.is_set() if isinstance(pending, PendingCall) else pending.finished

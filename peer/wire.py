@@ -158,7 +158,7 @@ class Outbox:
 
     async def drained(self) -> None:
         """Wait until every queued frame was written (or the outbox closed)."""
-        while not self._closed and (self._busy or self._items or self._urgent):
+        while not self._closed and not self.empty:
             await self._idle.park()
 
     async def get_batch(self) -> list[Piece]:

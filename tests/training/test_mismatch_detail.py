@@ -13,7 +13,7 @@ from test_averaging_support import fast_config, make_members, memnet_swarm, step
 from protocol.errors import RemoteProtocolError
 from protocol.identity import Identity
 from training import Averager, LayoutMismatchError
-from training.averaging.grouping import MAX_DETAIL, Declaration
+from training.averaging.grouping import DECLARATION_KEYS, MAX_DETAIL, Declaration
 
 
 async def test_a_newcomer_with_another_dtype_is_told_the_dtypes(
@@ -44,6 +44,7 @@ def test_the_detail_travels_and_is_bounded() -> None:
     me = Declaration(peer, None, 1.0, 0, 1.0, "abc", 0, 10, 4, "1 tensors (1 float32)")
     back = Declaration.from_wire(peer, me.to_wire())
     assert back == me
+    assert set(me.to_wire()) == DECLARATION_KEYS  # what a join may carry (averager._on_join)
     assert "1 tensors (1 float32)" in back.describe_layout()
     wire = me.to_wire()
     del wire["detail"]  # an older peer's declaration

@@ -38,7 +38,7 @@ from protocol.records import RecordError, check_key
 from .buffers import BufferPool, SharedBuffer
 from .butterfly import Butterfly
 from .casts import TORCH_CASTS
-from .config import AveragerConfig
+from .config import AveragerConfig, default_retain_budget
 from .feedback import ErrorFeedback
 from .grouping import DECLARATION_KEYS, MAX_DETAIL, MAX_EPOCH, Declaration, round_key
 from .layout import FlatVector, Float32Array, TensorLayout
@@ -549,7 +549,8 @@ class Averager:
         if chunk is not None and not active.ready.is_set():
             with self._park(active, chunk):
                 await active.ready.wait()
-        await active.ready.wait()
+        else:
+            await active.ready.wait()
         if active.service is None:
             raise RemoteError("bad_request", "no part is reduced here")
         return active.service
@@ -579,7 +580,8 @@ class Averager:
         # the reducer's default retain_budget (a smaller one still admits a sender at a
         # time once ready: every early chunk of one sender must fit)
         budget = max(
-            64 << 20, self.flat.array.nbytes // 4, 4 * config.max_inflight * config.chunk_bytes
+            default_retain_budget(self.flat.array.nbytes),
+            4 * config.max_inflight * config.chunk_bytes,
         )
         if (
             size > 2 * config.chunk_bytes + _CHUNK_SLACK  # (topk near 1: indices too)

@@ -23,6 +23,11 @@ _INTEGERS = {
 """The integer fields and their least values."""
 
 
+def default_retain_budget(vector_bytes: int) -> int:
+    """``AveragerConfig.retain_budget`` when None, for a flat vector of ``vector_bytes``."""
+    return max(64 << 20, vector_bytes // 4)
+
+
 @dataclass(frozen=True, slots=True)
 class AveragerConfig:
     """Tuning of one :class:`~training.averaging.Averager`. Every time is in seconds.

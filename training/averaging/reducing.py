@@ -29,7 +29,7 @@ from protocol.codecs import Codec, NoneCodec, NonFiniteError, TopKCodec
 from protocol.identity import PeerID
 
 from .buffers import SharedBuffer
-from .config import AveragerConfig
+from .config import AveragerConfig, default_retain_budget
 from .layout import FlatVector, Float32Array, chunk_span
 from .messages import ChunkHeader, ResultHeader
 from .plan import Liveness, Plan
@@ -99,7 +99,7 @@ class ReducerService:
             for i in range(chunks)
         )
         budget = config.retain_budget
-        self.budget = max(64 << 20, flat.array.nbytes // 4) if budget is None else budget
+        self.budget = default_retain_budget(flat.array.nbytes) if budget is None else budget
         self.start = trio.current_time()
         self.progress: dict[PeerID, list[float]] = {}
         self._admitted: set[PeerID] = set()
