@@ -7,9 +7,9 @@ The parent starts `swarm bootstrap` and N volunteer processes. Each volunteer ho
 its own shard of a synthetic classification task (non-IID: its shard is biased
 towards some classes), trains a small MLP locally, and every few steps averages its
 parameters with the others through the DHT-matched butterfly all-reduce
-(`training.Averager`, int8-compressed). Each volunteer prints its loss and its
-accuracy on a shared held-out set; averaging is what lets every volunteer do well
-on all classes.
+(`training.Averager`, int8-compressed). After every round, each volunteer prints its
+model's loss and accuracy on a shared held-out set; averaging is what lets every
+volunteer do well on all classes.
 """
 
 from __future__ import annotations
@@ -85,25 +85,29 @@ async def volunteer(args: argparse.Namespace) -> None:
                 opt.step()
             with torch.no_grad():
                 info = await averager.step(weight=1.0, epoch=round_no, timeout=15.0)
-            report(args.index, round_no, loss.item(), model, info)
+            report(args.index, round_no, model, info)
         # Everyone finishes local work at a slightly different time: meet once more so
         # that all volunteers end with the same, averaged model.
         await barrier(node, "demo/finished", args.peers)
         with torch.no_grad():
             info = await averager.step(weight=1.0, epoch=args.rounds, timeout=15.0)
-        report(args.index, args.rounds, loss.item(), model, info)
+        report(args.index, args.rounds, model, info)
 
 
-def report(index: int, round_no: int, loss: float, model, info) -> None:
+def report(index: int, round_no: int, model, info) -> None:
+    """One JSON line: the model as it is after this round's averaging, on the shared
+    held-out set (a training batch's loss would predate the averaging)."""
     import torch
 
     x_test, y_test = make_data(seed=999, n=2000, bias=None)
     with torch.no_grad():
-        accuracy = (model(x_test).argmax(1) == y_test).float().mean().item()
+        logits = model(x_test)
+        loss = torch.nn.functional.cross_entropy(logits, y_test).item()
+        accuracy = (logits.argmax(1) == y_test).float().mean().item()
     record = {
         "volunteer": index,
         "round": round_no,
-        "loss": round(loss, 4),
+        "test_loss": round(loss, 4),
         "test_accuracy": round(accuracy, 4),
         "group_size": len(info.group),
         "averaged_fraction": round(info.averaged_fraction, 3),
@@ -197,7 +201,7 @@ def main() -> int:
             final[record["volunteer"]] = record
             print(
                 f"volunteer {record['volunteer']} round {record['round']:3d}  "
-                f"loss {record['loss']:.3f}  test accuracy {record['test_accuracy']:.3f}  "
+                f"test loss {record['test_loss']:.3f}  accuracy {record['test_accuracy']:.3f}  "
                 f"group {record['group_size']}  averaged {record['averaged_fraction']:.2f}",
                 flush=True,
             )
