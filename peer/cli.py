@@ -531,17 +531,23 @@ def _print_status(report: dict[str, Any] | str, args: argparse.Namespace) -> int
         found = (
             f"{report['num_peers']} peer(s) found by then"
             if report["peers"]
-            else "no peer answered by then"
+            else f"no peer answered by then; tried {_tried(args, errors, 'no answer yet')}"
         )
         print(
             f"swarm status: no complete answer within {args.timeout} s ({found})", file=sys.stderr
         )
         return 1
     if not report["peers"]:  # not even an initial peer: the swarm was not reached
-        tried = "; ".join(f"{a}: {errors.get(a, '?')}" for a in _unique_peers(args.initial_peers))
-        print(f"swarm status: no peer answered (tried {tried})", file=sys.stderr)
+        print(
+            f"swarm status: no peer answered (tried {_tried(args, errors, '?')})", file=sys.stderr
+        )
         return 1
     return 0
+
+
+def _tried(args: argparse.Namespace, errors: dict[str, str], unknown: str) -> str:
+    """Each initial peer with why it did not answer (``unknown`` where nothing says)."""
+    return "; ".join(f"{a}: {errors.get(a, unknown)}" for a in _unique_peers(args.initial_peers))
 
 
 if __name__ == "__main__":

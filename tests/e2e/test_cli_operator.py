@@ -156,3 +156,19 @@ def test_status_says_once_that_no_peer_answered() -> None:
     assert out.returncode == 1
     [line] = out.stderr.splitlines()
     assert line.startswith("swarm status: no peer answered (tried 127.0.0.1:1: cannot reach ")
+
+
+def test_status_cut_short_during_the_join_names_the_initial_peers() -> None:
+    """The timeout ended the join itself (the initial peer accepted and said nothing): the
+    line still says which initial peer was tried, not only that nobody answered."""
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen()
+        address = f"127.0.0.1:{silent.getsockname()[1]}"
+        out = _status(address, timeout="1.5")
+    assert (out.returncode, json.loads(out.stdout)["num_peers"]) == (1, 0)
+    [line] = out.stderr.splitlines()
+    assert line == (
+        "swarm status: no complete answer within 1.5 s "
+        f"(no peer answered by then; tried {address}: no answer yet)"
+    )
