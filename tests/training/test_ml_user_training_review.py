@@ -67,11 +67,17 @@ def test_dataloader_workers_forked_after_the_peer_hold_none_of_its_sockets() -> 
             multiprocessing_context="fork",
         )
         assert [int(count) for count in loader] == [0, 0, 0, 0]
-        with ThreadPoolExecutor(1) as pool:
-            theirs_done = pool.submit(other.step_blocking, timeout=10.0)
-            info = averager.step_blocking(timeout=10.0)
-            assert theirs_done.result().averaged_fraction == 1.0
-        assert info.averaged_fraction == 1.0
+        # Two steps started together on a loaded machine may still meet in different
+        # rounds (each then alone, its tensor untouched): a few tries, both or neither.
+        for _attempt in range(3):
+            with ThreadPoolExecutor(1) as pool:
+                theirs_done = pool.submit(other.step_blocking, timeout=10.0)
+                info = averager.step_blocking(timeout=10.0)
+                fractions = (info.averaged_fraction, theirs_done.result().averaged_fraction)
+            if fractions == (1.0, 1.0):
+                break
+            assert fractions == (0.0, 0.0), fractions
+        assert fractions == (1.0, 1.0)
         assert torch.equal(mine, torch.ones(1000)) and torch.equal(theirs, torch.ones(1000))
         assert [int(count) for count in loader] == [0, 0, 0, 0]  # the same workers
         del loader
