@@ -42,6 +42,10 @@ class Address:
         """
         if not isinstance(text, str) or not text or len(text) > MAX_ADDRESS_LENGTH:
             raise AddressError(f"malformed address {text!r}")
+        if "," in text or len(text.split()) > 1:
+            raise AddressError(
+                f"{text!r} is several addresses: give a list with one address per item"
+            )
         peer_id = None
         rest = text
         if "@" in rest:

@@ -196,7 +196,7 @@ class DHT:
             except SwarmError:
                 logger.warning("DHT maintenance %s failed", job.__name__, exc_info=True)
 
-    async def bootstrap(self, initial_peers: Sequence[Address]) -> int:
+    async def bootstrap(self, initial_peers: Sequence[Address], *, warn: bool = True) -> int:
         """Join through ``initial_peers``: ping them, then look up our own id.
 
         The join goes on as soon as one of them answered; the others are still dialed in
@@ -204,6 +204,10 @@ class DHT:
         busy, those are dialed again with jittered exponential backoff until one answers;
         no new try starts after ``busy_join_timeout`` (each one is bounded by
         ``request_timeout``).
+
+        Args:
+            warn: log a warning naming each initial peer when none answered (off when the
+                caller raises that instead).
 
         Returns:
             How many initial peers had answered when the join went on (0: we are alone,
@@ -227,7 +231,7 @@ class DHT:
                 for a in self._initial_peers
                 if a.peer_id != self.peer_id and self.contact_errors.get(str(a)) != _OWN_ADDRESS
             ]
-            if others:
+            if others and warn:
                 tried = "; ".join(f"{a}: {self.contact_errors.get(str(a), '?')}" for a in others)
                 logger.warning("no initial peer answered (tried %s)", tried)
         return reached

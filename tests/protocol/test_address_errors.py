@@ -4,10 +4,12 @@ expected of ``open_peer(listen="nonsense")``)."""
 
 from __future__ import annotations
 
+import socket
+
 import pytest
 import trio
 
-from peer import open_peer
+from peer import PeerUnavailableError, open_peer
 from protocol.address import Address
 from protocol.errors import AddressError, ProtocolError
 
@@ -28,3 +30,33 @@ async def test_open_peer_raises_a_value_error_for_a_bad_address(arguments: dict)
     with trio.fail_after(10), pytest.raises(ValueError, match=r"99999|HOST:PORT"):
         async with open_peer(**arguments):
             pass  # pragma: no cover - never entered
+
+
+@pytest.mark.parametrize("text", ["A@127.0.0.1:1,B@127.0.0.1:2", "127.0.0.1:1 127.0.0.1:2"])
+def test_several_addresses_in_one_string_say_so(text: str) -> None:
+    """Was "is not HOST:PORT (IPv6 needs brackets)" for a comma-joined list (the CLI
+    already said what was wrong)."""
+    with pytest.raises(AddressError, match="is several addresses: give a list with one"):
+        Address.parse(text)
+
+
+@pytest.mark.parametrize("ensure", [True, False])
+async def test_a_join_that_no_initial_peer_answered_is_said_once(
+    ensure: bool, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Raised (the default), it is not also logged: a plain script printed the same text
+    twice. Started alone instead (``ensure_bootstrap_success=False``), the warning is all
+    the user gets."""
+    with socket.socket() as closed:  # a port nobody listens on
+        closed.bind(("127.0.0.1", 0))
+        nobody = f"127.0.0.1:{closed.getsockname()[1]}"
+    with trio.fail_after(10):
+        if ensure:
+            with pytest.raises(PeerUnavailableError, match="no initial peer answered"):
+                async with open_peer(initial_peers=[nobody]):
+                    pass  # pragma: no cover - never entered
+        else:
+            async with open_peer(initial_peers=[nobody], ensure_bootstrap_success=False):
+                pass
+    warned = [r for r in caplog.records if "no initial peer answered" in r.getMessage()]
+    assert len(warned) == (0 if ensure else 1)
