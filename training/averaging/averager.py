@@ -52,7 +52,7 @@ from .report import AveragingInfo, Outcome, merge_dropped, outcome_of
 logger = logging.getLogger(__name__)
 
 _CHUNK_SLACK = 1 << 16  # bytes of codec header a chunk's blob may carry beyond its values
-_JOIN_KEYS = frozenset({"round", "decl"})
+_JOIN_KEYS = frozenset({"round", "decl", "skipped"})
 _RESULT_KEYS = frozenset({"round", "part"})
 
 
@@ -511,7 +511,7 @@ class Averager:
         return AveragingInfo(
             outcome_of(parts, self.flat.total), conf.round, plan.group, match.leader, parts,
             self.flat.total, epoch=plan.max_epoch, matchmaking_s=t1 - t0,
-            allreduce_s=allreduce_s, dropped=merge_dropped(parts),
+            allreduce_s=allreduce_s, dropped=merge_dropped(parts), note=match.note,
         )  # fmt: skip
 
     def _enter_round(self, number: int) -> None:

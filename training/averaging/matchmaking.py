@@ -5,24 +5,32 @@
          -> make_groups(declared) -> my group and its leader
          -> leader: wait for the expected members' join calls (at most join_timeout), then
             answer every joiner with the final member list (GroupConfirmation)
-         -> member: call the leader's join and wait for that list
+         -> member: call the leader's join and wait for that list; when the leader fails
+            at once (unreachable, no averager, not in the round: a ghost), call the next
+            non-client member in rank order instead, telling it whom we skipped; when that
+            is us, lead the group without the skipped peers
 
 A join call also wakes a leader that has not closed yet (its members already see the round
 as complete). A leader accepts any caller with the same layout while it has room and has
 not answered yet, so slightly different DHT views still end up in one group; a caller whose
-leader leads nothing is redirected once. Everything is bounded by the step's deadline.
+leader leads nothing is redirected once. A non-leader called by a member that skipped our
+own leader pings that leader first: it redirects the caller when the leader answers, and
+otherwise moves on as the caller did (so a member never takes over from a leader that is
+alive for it). Everything is bounded by the step's deadline.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import Counter
-from collections.abc import Callable
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Any
 
 import trio
 
 from peer import Peer, PeerUnavailableError, RemoteError, Reply, Request
+from peer.errors import PeerBusyError
 from protocol.address import Address
 from protocol.errors import ProtocolError
 from protocol.identity import PeerID
@@ -58,6 +66,13 @@ gets ``LayoutMismatchError`` too: it is the one left behind (the swarm changed i
 not a correct peer beside a misconfigured newcomer."""
 
 
+GONE_CODES = frozenset({"not_found", "unknown_method"})
+"""Remote errors to a join or a ping that tell at once that the peer leads nothing in this
+round: it runs no averager under the prefix, or is not in the round. With a refused or
+broken connection (``PeerUnavailableError``, but not ``PeerBusyError``: that one is up),
+they make a member skip that leader for the next-ranked member (``Matchmaker._join``)."""
+
+
 class LayoutMismatchError(ProtocolError):
     """Peers under the same prefix average tensors of another layout or codec."""
 
@@ -84,10 +99,27 @@ class _Round:
     # the "done" markers of others (see withdraw) by layout, from the read that found most
     others_done: Counter[str | None] = field(default_factory=Counter)
     store_s: float = 0.0  # how long storing our declaration took
+    # -- a member's walk down the ranked members (see Matchmaker._join) --
+    give_up: float = 0.0  # when a member stops waiting for any leader of this round
+    gone: set[PeerID] = field(default_factory=set)  # failed at once: skipped this round
+    alive: set[PeerID] = field(default_factory=set)  # answered our ping (see on_join)
+    attempt: tuple[PeerID, trio.CancelScope] | None = None  # our join call in flight
+    settled: bool = False  # our walk ended (confirmed, led, or gave up)
 
     def notify(self) -> None:
         self.changed.set()
         self.changed = trio.Event()
+
+
+@dataclass(frozen=True, slots=True)
+class _Failed:
+    """A join call that brought no answer: why, and whether the callee is gone (a fast,
+    unambiguous failure: skip it)."""
+
+    note: str
+    gone: bool = False
+    retry: bool = False
+    why: str = ""  # in a word, for the report of a member that skipped it
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,8 +185,11 @@ class Matchmaker:
         self.total = total
         self.clock = clock
         # declarations of our layout seen in the last rounds (us included): peers of another
-        # layout are no company, so they neither count for closing early nor for following
+        # layout are no company, so they neither count for closing early nor for following;
+        # nor do ghosts: the peers that failed our joins at once in our last round (whose
+        # declarations stay in its key for the next step in the same slot)
         self._views: list[int] = []
+        self._ghosts: set[PeerID] = set()
         self.seen_count = 0  # the largest round count the others declared in rounds we read
         self._foreign: set[str] = set()  # other layouts seen (warned about once; bounded)
         # Whether a peer of our own layout ever came beside us (declared, or done before we
@@ -198,6 +233,8 @@ class Matchmaker:
             finally:
                 state.closed.set()
                 state.answered.set()
+                state.settled = True
+                state.notify()
                 self.current = None
             # The leader had left that round (we saw its declaration from an earlier step),
             # answered already, or is gone: try the next round, time allowing.
@@ -279,7 +316,8 @@ class Matchmaker:
             return self._cut_short(state, close_at - deadline)
         if not any(d.peer_id == state.me.peer_id for d in declared):
             declared.append(state.me)
-        self._views = [*self._views[-2:], _same_layout(declared, state.me)]
+        ghosts, self._ghosts = self._ghosts, set()
+        self._views = [*self._views[-2:], _same_layout(declared, state.me, ghosts)]
         groups = make_groups(declared, self.config.group_size, self.prefix)
         others = [d for d in declared if d.peer_id != state.me.peer_id]
         self._check_layouts(state.me, others, done)
@@ -288,6 +326,12 @@ class Matchmaker:
         state.leader = None if leader is None else leader.peer_id
         state.leader_address = None if leader is None else leader.address
         state.order = {d.peer_id: i for i, d in enumerate(group)}
+        # The leader answers within join_timeout of the slot's close; a leader that does not
+        # (frozen, or its DHT lookups hang) is given up on well before the step's deadline.
+        state.give_up = min(
+            deadline,
+            self._after_slot_close(state, self.config.join_timeout + self.config.stall_timeout),
+        )
         if leader is None or len(group) < 2:
             state.closed.set()
             note = _left_alone_note(state.me, others, self.config.group_size)
@@ -310,7 +354,11 @@ class Matchmaker:
             state.closed.set()
             return await self._lead(state, deadline, len(declared))
         state.closed.set()
-        return await self._join(state, leader, deadline, len(declared))
+        result = await self._join(state, group, deadline, len(declared))
+        kin = {d.peer_id for d in declared if d.layout == state.me.layout}
+        self._views[-1] -= len(kin & state.gone - ghosts)  # found gone in this round
+        self._ghosts = state.gone
+        return result
 
     def _cut_short(self, state: _Round, early_by: float) -> MatchResult:
         """The deadline came before the round closed (or could be read): no group, whoever
@@ -430,7 +478,7 @@ class Matchmaker:
             # peer of another layout (a misconfigured newcomer must learn of the mismatch: our
             # "done" marker names our layout, but a stranger of an older version reads no
             # layout in it): wait for the close, so that everybody reads the same set.
-            if not early or _may_close_early(declared, state.me, population):
+            if not early or _may_close_early(declared, state.me, population, self._ghosts):
                 return declared, done
             with trio.move_on_at(min(close_at, trio.current_time() + poll)):
                 await state.wake.wait()
@@ -441,12 +489,14 @@ class Matchmaker:
         close_in = max(state.number * self.config.gather_window - self.clock(), 0.0)
         return trio.current_time() + close_in + seconds
 
-    async def _lead(self, state: _Round, deadline: float, declared: int) -> MatchResult:
+    async def _lead(
+        self, state: _Round, deadline: float, declared: int, not_before: float = 0.0
+    ) -> MatchResult:
         # Until join_timeout after the slot's close, even when we closed early: a member
         # with no history of the swarm (it just restarted) reads the round only at the
         # close, and a leader that had given up on it by then left it alone round after
         # round (7 to 13 rounds in the averaging soak), while the others remembered it.
-        until = self._after_slot_close(state, self.config.join_timeout)
+        until = max(self._after_slot_close(state, self.config.join_timeout), not_before)
         with trio.move_on_at(min(deadline, until)):
             while not state.expected <= state.joined.keys():
                 await state.changed.wait()
@@ -468,57 +518,137 @@ class Matchmaker:
         return MatchResult(state.number, state.confirmation, state.me.peer_id, declared)
 
     async def _join(
-        self, state: _Round, leader: Declaration, deadline: float, declared: int
+        self, state: _Round, group: Sequence[Declaration], deadline: float, declared: int
     ) -> MatchResult:
-        body = {"round": state.number, "decl": state.me.to_wire()}
-        target, address = leader.peer_id, leader.address
-        note = "the leader did not confirm in time"
-        retry = False
-        # The leader answers within join_timeout of the slot's close; a leader that does not
-        # (frozen, or its DHT lookups hang) is given up on well before the step's deadline.
-        give_up = min(
-            deadline,
-            self._after_slot_close(state, self.config.join_timeout + self.config.stall_timeout),
-        )
-        for _attempt in range(2):  # the leader, then at most one redirect
-            if address is None:
-                break
-            try:
-                with trio.move_on_at(give_up):
-                    reply = await self.node.rpc.call(
-                        Address.parse(address), self._method("join"), body
-                    )
-                    status = reply.body.get("status")
-                    if status == "ok":
-                        conf = GroupConfirmation.from_body(reply.body, self.total)
-                        if conf.round == state.number and any(
-                            m.peer_id == state.me.peer_id for m in conf.members
-                        ):
-                            return MatchResult(state.number, conf, target, declared)
-                        note = "left out by the leader"
-                        retry = True
-                    elif status == "not_leader":
-                        redirect, address = reply.body.get("leader"), reply.body.get("address")
-                        if isinstance(redirect, str) and isinstance(address, str):
-                            target = PeerID.from_base58(redirect)
-                            note = "redirected, then no confirmation in time"
-                            continue
+        """Join the first non-client member, in rank order, that does not fail at once; lead
+        the rest ourselves when every one before us did (``_take_over``). Each call says
+        whom we skipped, so that the callee checks them too (``on_join``)."""
+        ranked = [d for d in group if not d.client_mode]
+        note, retry = "the leader did not confirm in time", False
+        redirect: tuple[PeerID, str] | None = None
+        redirected = False
+        passed: list[str] = []  # the skipped leaders and why (the report's note)
+        try:
+            while True:
+                if redirect is None:
+                    pick = next((d for d in ranked if d.peer_id not in state.gone), None)
+                    if pick is None:  # we are in client mode, and every full member failed
+                        break
+                    if pick.peer_id == state.me.peer_id:
+                        return await self._take_over(state, group, deadline, declared, passed)
+                    assert pick.address is not None  # ranked: not in client mode
+                    target, address = pick.peer_id, pick.address
+                else:
+                    (target, address), redirect = redirect, None
+                state.leader, state.leader_address = target, address
+                state.notify()
+                skipped = tuple(d.peer_id for d in ranked if d.peer_id in state.gone)
+                body = JoinRequest(state.number, state.me, skipped).to_body()
+                answer = await self._call_join(state, target, address, body)
+                if isinstance(answer, _Failed):
+                    note, retry = answer.note, answer.retry
+                    if answer.gone and not redirected:  # the next-ranked member, then
+                        state.gone.add(target)
+                        passed.append(f"{target.short()} ({answer.why})")
+                        continue
+                    break
+                status = answer.body.get("status")
+                if status == "ok":
+                    try:
+                        conf = GroupConfirmation.from_body(answer.body, self.total)
+                    except ProtocolError as exc:
+                        note = f"the leader is unreachable: {exc}"
+                        break
+                    if conf.round == state.number and any(
+                        m.peer_id == state.me.peer_id for m in conf.members
+                    ):
+                        return MatchResult(
+                            state.number, conf, target, declared, _passed_note(passed)
+                        )
+                    note = "left out by the leader"
+                    retry = True
+                elif status == "not_leader":
+                    leader, where = answer.body.get("leader"), answer.body.get("address")
+                    if isinstance(leader, str) and isinstance(where, str) and not redirected:
+                        try:
+                            redirect = PeerID.from_base58(leader), where
+                        except ProtocolError as exc:
+                            note = f"the leader is unreachable: {exc}"
+                            break
+                        redirected = True
+                        note = "redirected, then no confirmation in time"
+                        continue
+                    if not redirected:
                         note = "the leader leads no group"
-                    else:
-                        note = f"the leader answered {status!r}"
-                        # closed, or full (its group took others: our view of the round
-                        # differed, as when the group left us out): no place for us here
-                        retry = status in ("closed", "full")
-            except RemoteError as exc:
-                if exc.code == "mismatch":
-                    raise LayoutMismatchError(exc.message) from None
-                note = f"the leader refused: {exc}"
-                retry = exc.code in ("not_found", "unknown_method")  # closed, or gone
-            except (PeerUnavailableError, ProtocolError) as exc:
-                note = f"the leader is unreachable: {exc}"
-                retry = isinstance(exc, PeerUnavailableError)
-            break
-        return MatchResult(state.number, None, target, declared, note, retry=retry)
+                else:
+                    note = f"the leader answered {status!r}"
+                    # closed, or full (its group took others: our view of the round
+                    # differed, as when the group left us out): no place for us here
+                    retry = status in ("closed", "full")
+                break
+        finally:
+            state.settled = True
+            state.notify()
+        if passed:
+            note = f"{note}; {_passed_note(passed)}"
+        return MatchResult(state.number, None, state.leader, declared, note, retry=retry)
+
+    async def _call_join(
+        self, state: _Round, target: PeerID, address: str, body: dict[str, Any]
+    ) -> Reply | _Failed:
+        """One join call, until ``state.give_up``, or until ``on_join`` finds ``target``
+        gone meanwhile (a ping it made for another member) and cuts it short.
+
+        Raises:
+            LayoutMismatchError: the callee refused our layout.
+        """
+        scope = trio.CancelScope(deadline=state.give_up)
+        state.attempt = (target, scope)
+        try:
+            with scope:
+                return await self.node.rpc.call(Address.parse(address), self._method("join"), body)
+        except RemoteError as exc:
+            if exc.code == "mismatch":
+                raise LayoutMismatchError(exc.message) from None
+            gone = exc.code in GONE_CODES  # not in that round, or runs no averager
+            return _Failed(f"the leader refused: {exc}", gone, gone, exc.code)
+        except PeerBusyError as exc:  # up, but turned us away for now
+            return _Failed(f"the leader is unreachable: {exc}", retry=True)
+        except PeerUnavailableError as exc:
+            return _Failed(f"the leader is unreachable: {exc}", True, True, "unreachable")
+        except ProtocolError as exc:
+            return _Failed(f"the leader is unreachable: {exc}")
+        finally:
+            state.attempt = None
+        if target in state.gone:
+            return _Failed("the leader failed a ping meanwhile", True, True, "failed a ping")
+        return _Failed("the leader did not confirm in time")
+
+    async def _take_over(
+        self,
+        state: _Round,
+        group: Sequence[Declaration],
+        deadline: float,
+        declared: int,
+        passed: list[str],
+    ) -> MatchResult:
+        """Every non-client member ranked before us failed at once: lead the group without
+        them, as its first leader would have."""
+        me = state.me
+        state.is_leader = True
+        state.leader, state.leader_address = me.peer_id, me.address
+        state.expected = {d.peer_id for d in group} - {me.peer_id} - state.gone
+        state.joined[me.peer_id] = me
+        state.notify()
+        # Members that found the leader gone later than we did (its connection broke while
+        # they waited) get join_timeout too, and our answer well before they give up.
+        not_before = min(
+            trio.current_time() + self.config.join_timeout,
+            state.give_up - self.config.stall_timeout / 2,
+        )
+        result = await self._lead(state, deadline, declared, not_before)
+        note = f"we led: {_passed_note(passed)}"
+        return replace(result, note=f"{result.note}; {note}" if result.note else note)
 
     # -- leader side ---------------------------------------------------------------------
 
@@ -529,7 +659,7 @@ class Matchmaker:
             RemoteError: ``mismatch`` for another layout; ``not_found`` when we are not in
                 that round.
         """
-        join = JoinRequest.from_body(request.peer_id, request.body)
+        join = JoinRequest.from_body(request.peer_id, request.body, self.config.group_size)
         state = self.current
         if state is None or state.number != join.round:
             raise RemoteError("not_found", f"not in round {join.round}")
@@ -542,10 +672,9 @@ class Matchmaker:
         state.wake.set()
         await state.closed.wait()
         if not state.is_leader:
-            leader, address = state.leader, state.leader_address
-            if leader is None or leader == request.peer_id:
-                return Reply({"status": "closed"})
-            return Reply({"status": "not_leader", "leader": str(leader), "address": address})
+            reply = await self._as_member(state, join, request.peer_id)
+            if reply is not None:
+                return reply
         if state.answered.is_set():
             return Reply({"status": "closed"})
         joiner = join.declaration.peer_id
@@ -563,8 +692,63 @@ class Matchmaker:
             return Reply({"status": "closed"})
         return Reply(conf.to_body())
 
+    async def _as_member(self, state: _Round, join: JoinRequest, caller: PeerID) -> Reply | None:
+        """A join reached us, not a leader: point the caller at the leader we follow. When
+        the caller skipped that leader (it failed at once for the caller), ping it first: if
+        it answers, redirect the caller; if not, we skip it too, and once our own walk has
+        moved on (our call fails, or we cut it), answer from where it stands. None: we lead
+        now (every peer ranked before us is gone), so the caller joins us."""
+        while not state.is_leader:
+            target, address = state.leader, state.leader_address
+            if target is None or target == caller:
+                return Reply({"status": "closed"})
+            if state.settled:
+                if target in state.gone:
+                    return Reply({"status": "closed"})
+            elif target in state.gone:  # our walk is leaving it: wait for its next step
+                if trio.current_time() >= state.give_up:
+                    return Reply({"status": "closed"})
+                with trio.move_on_at(state.give_up):
+                    await state.changed.wait()
+                continue
+            elif target in join.skipped and target not in state.alive:
+                if await self._answers(state, address):
+                    state.alive.add(target)
+                else:
+                    state.gone.add(target)
+                    if state.attempt is not None and state.attempt[0] == target:
+                        state.attempt[1].cancel()
+                continue
+            return Reply({"status": "not_leader", "leader": str(target), "address": address})
+        return None
+
+    async def _answers(self, state: _Round, address: str | None) -> bool:
+        """Whether the peer at ``address`` is in this round: a ping (answered at once by a
+        live averager), until ``stall_timeout / 2`` or our give-up time. False only for the
+        failures that make a member skip a leader (see ``GONE_CODES``)."""
+        if address is None:
+            return False
+        bound = min(state.give_up, trio.current_time() + self.config.stall_timeout / 2)
+        with trio.move_on_at(bound):
+            try:
+                await self.node.rpc.call(
+                    Address.parse(address), self._method("ping"), {"round": state.number}
+                )
+            except RemoteError as exc:
+                return exc.code not in GONE_CODES
+            except PeerUnavailableError as exc:
+                return isinstance(exc, PeerBusyError)
+            except ProtocolError:
+                return True
+        return True
+
     def _method(self, name: str) -> str:
         return f"{method_prefix(self.prefix)}.{name}"
+
+
+def _passed_note(passed: list[str]) -> str:
+    """The leaders a member skipped (each with why), for the report's note."""
+    return f"ranked leader(s) skipped: {', '.join(passed)}" if passed else ""
 
 
 def _with_strangers(result: MatchResult, strangers: MatchResult | None) -> MatchResult:
@@ -584,18 +768,23 @@ def _with_missed(result: MatchResult, missed: MatchResult | None) -> MatchResult
     return replace(result, note=f"{result.note}; round {missed.round}: {missed.late}")
 
 
-def _same_layout(declared: list[Declaration], me: Declaration) -> int:
-    return sum(d.layout == me.layout for d in declared)
+def _same_layout(
+    declared: list[Declaration], me: Declaration, ghosts: Collection[PeerID] = ()
+) -> int:
+    """Declarations of our layout, but ``ghosts``'."""
+    return sum(d.layout == me.layout and d.peer_id not in ghosts for d in declared)
 
 
-def _may_close_early(declared: list[Declaration], me: Declaration, population: int) -> bool:
+def _may_close_early(
+    declared: list[Declaration], me: Declaration, population: int, ghosts: Collection[PeerID]
+) -> bool:
     """Exactly ``population`` peers of our layout, and no peer of another layout alone with
     it: a sub-swarm of another layout (two or more) groups apart and needs nothing from us,
     so two correct kinds under one prefix both close early (a lone stranger may be a
     misconfigured newcomer, which must see us). Nor when every peer of our layout is in
     client mode: they cannot form a group, and a peer that can may still come before the
     close (closing then would leave a "done" marker that tells the others we had a group)."""
-    if _same_layout(declared, me) != population:
+    if _same_layout(declared, me, ghosts) != population:
         return False
     ours = [d for d in declared if d.layout == me.layout and d.peer_id != me.peer_id]
     if all(d.client_mode for d in [me, *ours]):

@@ -2,7 +2,7 @@
 
 Methods (``{m}`` = ``avg.<hash of the prefix>``, so several averagers share a node):
 
-    {m}.join     member -> leader    {round, decl}  ->  GroupConfirmation | refusal
+    {m}.join     member -> leader    {round, decl[, skipped]}  ->  GroupConfirmation | refusal
     {m}.chunk    sender -> reducer   ChunkHeader + payload (one codec blob)  ->  {}
     {m}.result   member -> reducer   {round, part}  =>  ResultHeader, then {chunk} + payload
     {m}.ping     anyone -> anyone    {} or {round}  ->  {} (not_found: not in that round)
@@ -62,17 +62,35 @@ def _map(body: Any) -> Mapping[str, Any]:
 
 @dataclass(frozen=True, slots=True)
 class JoinRequest:
+    """A member asking to join. ``skipped``: members ranked before the callee in the group
+    that the caller found gone this round (they failed its join at once), so that it asks
+    the callee to lead in their place; absent on the wire when empty (older peers send no
+    such key, and refuse it)."""
+
     round: int
     declaration: Declaration
+    skipped: tuple[PeerID, ...] = ()
 
     def to_body(self) -> dict[str, Any]:
-        return {"round": self.round, "decl": self.declaration.to_wire()}
+        body: dict[str, Any] = {"round": self.round, "decl": self.declaration.to_wire()}
+        if self.skipped:
+            body["skipped"] = [str(p) for p in self.skipped]
+        return body
 
     @classmethod
-    def from_body(cls, peer_id: PeerID, body: Any) -> JoinRequest:
-        """Raises: RemoteProtocolError on malformed input."""
+    def from_body(cls, peer_id: PeerID, body: Any, max_skipped: int = MAX_MEMBERS) -> JoinRequest:
+        """``max_skipped``: the most ``skipped`` entries accepted (the group size).
+
+        Raises: RemoteProtocolError on malformed input."""
         body = _map(body)
-        return cls(_int(body, "round"), Declaration.from_wire(peer_id, body.get("decl")))
+        skipped = body.get("skipped", [])
+        if not isinstance(skipped, list | tuple) or len(skipped) > max_skipped:
+            raise RemoteProtocolError(f"skipped must be a list of at most {max_skipped} peer ids")
+        return cls(
+            _int(body, "round"),
+            Declaration.from_wire(peer_id, body.get("decl")),
+            tuple(_peer(p) for p in skipped),
+        )
 
 
 @dataclass(frozen=True, slots=True)
