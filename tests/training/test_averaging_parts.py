@@ -199,11 +199,26 @@ def test_short_grid_lines_are_balanced_within_group_size(
     assert max(values.values()) - min(values.values()) < spread  # from n - 1
 
 
-def test_clients_fill_groups_with_room_and_never_lead() -> None:
-    decls = [decl(i) for i in range(3)] + [decl(i, client=True) for i in range(3, 6)]
-    groups = make_groups(decls, 4, "p")
-    assert sorted(len(g) for g in groups) == [1, 1, 4]  # two clients left alone (no room)
+@pytest.mark.parametrize(
+    ("full", "clients", "group_size", "sizes"),
+    [
+        (3, 3, 4, [3, 3]),  # was [1, 1, 4]: two clients alone
+        (4, 1, 4, [2, 3]),  # was [1, 4]: a churn trial's client, alone round after round
+        (2, 1, 2, [1, 2]),  # a pair lends nobody: one of three would sit out anyway
+        (1, 3, 2, [1, 1, 2]),  # one full peer leads one client; the others have no leader
+        (8, 2, 4, [3, 3, 4]),
+    ],
+)
+def test_clients_fill_groups_with_room_and_never_lead(
+    full: int, clients: int, group_size: int, sizes: list[int]
+) -> None:
+    decls = [decl(i) for i in range(full)]
+    decls += [decl(i, client=True) for i in range(full, full + clients)]
+    groups = make_groups(decls, group_size, "p")
+    assert sorted(len(g) for g in groups) == sizes
+    assert sorted(d.peer_id.raw for g in groups for d in g) == sorted(d.peer_id.raw for d in decls)
     for group in groups:
+        assert len(group) <= group_size
         leader = leader_of(group)
         if len(group) > 1:
             assert leader is not None and not leader.client_mode

@@ -13,7 +13,8 @@ every ``d`` rounds, placed on a ``d``-dimensional grid of side ``m <= group_size
 grouped by all coordinates but one; the free coordinate cycles with the shared ``phase``
 (the largest round count declared). After ``d`` rounds over a stable population every peer
 has (indirectly) averaged with every other. Client-mode peers join the smallest groups
-that have room. Singletons are merged or balanced away wherever group_size allows (see
+that have room; when none has, a full peer leaves the group with the most of them to start
+one for the client. Singletons are merged or balanced away wherever group_size allows (see
 ``_merge_singletons``). Each group's leader is its first non-client member in hash order.
 """
 
@@ -235,10 +236,26 @@ def _group_one_layout(
         roomy = [g for g in groups if len(g) < group_size]
         if roomy:
             min(roomy, key=len).append(client)
+        elif (lender := _most_full(groups)) is not None:
+            # Every group is full: a full peer leaves the one with the most of them to
+            # start a group for the client. Else full peers that fill their groups exactly
+            # (4 of them, group_size 4) would shut a client out round after round.
+            taken = max(i for i, d in enumerate(lender) if not d.client_mode)
+            groups.append([lender.pop(taken), client])
         else:
-            leftovers.append([client])  # no room: alone (and without a leader) this round
+            leftovers.append([client])  # every group has one full peer: alone this round
     groups.extend(leftovers)
     return [sorted(g, key=lambda x: rank_key(round_seed, x.peer_id)) for g in groups]
+
+
+def _most_full(groups: Sequence[list[Declaration]]) -> list[Declaration] | None:
+    """The first group with the most full (non-client) members, if it has two or more and
+    keeps a pair without one: one of them can lead another group. (From a pair, the one
+    left behind would sit the round out in the client's place.)"""
+    counts = [sum(not d.client_mode for d in g) if len(g) >= 3 else 0 for g in groups]
+    if not counts or max(counts) < 2:
+        return None
+    return groups[counts.index(max(counts))]
 
 
 def _merge_singletons(groups: list[list[Declaration]], group_size: int) -> None:
