@@ -114,7 +114,21 @@ async def test_a_lone_peer_gets_a_clear_answer_and_keeps_its_tensors(
     assert info.outcome is Outcome.ALONE
     assert info.group == (member.peer_id,)
     assert info.averaged_fraction == 0.0 and info.parts == ()
+    assert info.note == "no partner"  # its node knows the other node
     np.testing.assert_array_equal(member.array, member.data)
+
+
+async def test_a_lone_peer_whose_node_knows_nobody_is_told_so(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A churn trial's newcomer joined through a bootstrap node restarted a moment before
+    (it knew nobody yet) and read only "no partner" for two steps."""
+    with trio.fail_after(60):
+        async with memnet_swarm(1) as (_, nodes):
+            (member,) = make_members(nodes, 100, fast_config())
+            info = await member.averager.step(timeout=10.0)
+    assert info.outcome is Outcome.ALONE
+    assert info.note == "no partner (this node knows no other peer in the DHT yet)"
 
 
 async def test_bandwidth_sizes_parts_and_client_mode_gets_none(

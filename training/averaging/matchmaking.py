@@ -138,11 +138,16 @@ class MatchResult:
     clients_only: bool = False  # alone because every peer of our layout is client-mode
 
 
-def _left_alone_note(me: Declaration, others: list[Declaration], group_size: int) -> str:
+def _left_alone_note(
+    me: Declaration, others: list[Declaration], group_size: int, known_peers: int
+) -> str:
     """Why no group took us, when the round closed: nobody else came, or the grouping left
     us out (two client-mode peers cannot average: neither can reduce a part; an odd peer
-    sits out with ``group_size=2``)."""
+    sits out with ``group_size=2``). ``known_peers``: our DHT routing table's size (none:
+    say so, a newcomer that joined through a freshly restarted bootstrap node sees nobody)."""
     ours = [d for d in others if d.layout == me.layout]
+    if not ours and not known_peers:
+        return "no partner (this node knows no other peer in the DHT yet)"
     if not ours:
         return "no partner"
     note = f"no partner: {len(ours)} other peer(s) declared, "
@@ -334,7 +339,9 @@ class Matchmaker:
         )
         if leader is None or len(group) < 2:
             state.closed.set()
-            note = _left_alone_note(state.me, others, self.config.group_size)
+            note = _left_alone_note(
+                state.me, others, self.config.group_size, len(self.node.dht.table)
+            )
             late = _late_note(state, window)
             foreign = sum(d.layout != state.me.layout for d in others)
             if foreign:
