@@ -86,6 +86,7 @@ class Liveness:
         self._reconnects: dict[PeerID, int] = {}
         self._reconnecting: dict[PeerID, trio.Event] = {}
         self._probing: dict[PeerID, trio.Event] = {}
+        self._alive_at: dict[PeerID, float] = {}  # see alive_at
         self._clients_gone: dict[PeerID, float] = {}  # since when, see mark_gone_clients
 
     def mark(self, peer_id: PeerID, reason: DropReason) -> None:
@@ -123,6 +124,14 @@ class Liveness:
             else:
                 due = min(due, since + grace)
         return due
+
+    def alive_at(self, peer_id: PeerID) -> float:
+        """When ``peer_id`` was last known alive by a probe that returned None: its answer,
+        or, when the answer was late but bytes came (busy), the last of those bytes. The
+        next probe is due a stall timeout after that, not after the probe: a peer frozen
+        right after its last bytes was otherwise waited for a stall timeout more (3 in all
+        instead of 2; ``tests/training/test_frozen_reducer_timing.py``)."""
+        return self._alive_at.get(peer_id, trio.current_time())
 
     async def probe(self, peer_id: PeerID) -> DropReason | None:
         """Ping a peer whose part of the round went quiet: None when it answers that it is
@@ -165,8 +174,10 @@ class Liveness:
             address = Address(_UNDIALABLE, 0, peer_id)
         answer = await self._ping(peer_id, address)
         if answer is not DropReason.FROZEN:
-            return answer
-        if self.node.rpc.last_heard(peer_id) >= started - self.timeout:  # busy, not frozen
+            return self._answered(peer_id, answer)
+        heard = self.node.rpc.last_heard(peer_id)
+        if heard >= started - self.timeout:  # busy, not frozen
+            self._alive_at[peer_id] = heard
             return None
         if address.host != _UNDIALABLE:
             # Silence on the pooled connection may be the connection's, not the peer's: a
@@ -179,9 +190,14 @@ class Liveness:
             await self.node.rpc.disconnect(peer_id)
             answer = await self._ping(peer_id, address, once_more=True)
             if answer is not DropReason.FROZEN:
-                return answer
+                return self._answered(peer_id, answer)
         self.mark(peer_id, DropReason.FROZEN)
         return DropReason.FROZEN
+
+    def _answered(self, peer_id: PeerID, answer: DropReason | None) -> DropReason | None:
+        if answer is None:
+            self._alive_at[peer_id] = trio.current_time()
+        return answer
 
     async def _ping(
         self, peer_id: PeerID, address: Address, once_more: bool = False
@@ -254,7 +270,7 @@ class Liveness:
                 if await self.probe(peer_id) is not None:
                     scope.cancel()
                     return
-                last_progress[0] = trio.current_time()
+                last_progress[0] = max(last_progress[0], self.alive_at(peer_id))
                 continue
             with trio.move_on_at(wait_until):
                 await self.changed.wait()

@@ -400,8 +400,9 @@ class ReducerService:
 
     async def _probe(self, peer_id: PeerID) -> None:
         reason = await self.liveness.probe(peer_id)
-        if reason is None:
-            self.progress.setdefault(peer_id, [0.0])[0] = trio.current_time()
+        if reason is None:  # due again a stall timeout after it was last heard
+            progress = self.progress.setdefault(peer_id, [0.0])
+            progress[0] = max(progress[0], self.liveness.alive_at(peer_id))
         elif self.reducer.is_pending(peer_id):
             self._drop(peer_id, reason)
 
