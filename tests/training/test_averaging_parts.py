@@ -386,3 +386,23 @@ def test_public_surface() -> None:
     }
     assert set(training.averaging.__all__) == names
     assert names <= set(training.__all__)
+
+
+@pytest.mark.parametrize("group_size", [2, 3, 4, 8])
+def test_clients_pull_at_most_one_full_peer_away_from_the_others(group_size: int) -> None:
+    """Client declarations cannot be checked (no address): a hostile trial's 8 ghost
+    clients, which never join, left each of 3 honest peers leading a group of ghosts when
+    every client without room took a full peer of its own. Now one full peer per round at
+    most ends up without another full peer that it had without the clients."""
+
+    def isolated(groups: list[list[Declaration]]) -> int:
+        return sum(sum(not d.client_mode for d in g) == 1 for g in groups)
+
+    for full in range(1, 10):
+        for clients in range(0, 20):
+            decls = [decl(i) for i in range(full)]
+            decls += [decl(i, client=True) for i in range(100, 100 + clients)]
+            with_clients = make_groups(decls, group_size, "p")
+            without = make_groups(decls[:full], group_size, "p")
+            assert isolated(with_clients) <= isolated(without) + 1, (full, clients)
+            assert all(len(g) <= group_size for g in with_clients)

@@ -13,9 +13,10 @@ every ``d`` rounds, placed on a ``d``-dimensional grid of side ``m <= group_size
 grouped by all coordinates but one; the free coordinate cycles with the shared ``phase``
 (the largest round count declared). After ``d`` rounds over a stable population every peer
 has (indirectly) averaged with every other. Client-mode peers join the smallest groups
-that have room; when none has, a full peer leaves the group with the most of them to start
-one for the client. Singletons are merged or balanced away wherever group_size allows (see
-``_merge_singletons``). Each group's leader is its first non-client member in hash order.
+that have room; when none has, one full peer (one per round) leaves the group with the most
+of them to start one for clients. Singletons are merged or balanced away wherever
+group_size allows (see ``_merge_singletons``). Each group's leader is its first non-client
+member in hash order.
 """
 
 from __future__ import annotations
@@ -232,28 +233,32 @@ def _group_one_layout(
     _merge_singletons(groups, group_size)
     clients.sort(key=lambda x: rank_key(round_seed, x.peer_id))
     leftovers: list[list[Declaration]] = []
+    lent = False
     for client in clients:
         roomy = [g for g in groups if len(g) < group_size]
         if roomy:
             min(roomy, key=len).append(client)
-        elif (lender := _most_full(groups)) is not None:
-            # Every group is full: a full peer leaves the one with the most of them to
-            # start a group for the client. Else full peers that fill their groups exactly
-            # (4 of them, group_size 4) would shut a client out round after round.
+        elif not lent and (lender := _most_full(groups)) is not None:
+            # Every group is full: one full peer leaves the group with the most of them to
+            # start a group for clients. Else full peers that fill their groups exactly (4
+            # of them, group_size 4) would shut a client out round after round. Only one
+            # per round: a client's declaration cannot be checked, and ghost clients (that
+            # never join) would otherwise pull every full peer away from the others.
             taken = max(i for i, d in enumerate(lender) if not d.client_mode)
             groups.append([lender.pop(taken), client])
+            lent = True
         else:
-            leftovers.append([client])  # every group has one full peer: alone this round
+            leftovers.append([client])  # no room: alone (and without a leader) this round
     groups.extend(leftovers)
     return [sorted(g, key=lambda x: rank_key(round_seed, x.peer_id)) for g in groups]
 
 
 def _most_full(groups: Sequence[list[Declaration]]) -> list[Declaration] | None:
-    """The first group with the most full (non-client) members, if it has two or more and
-    keeps a pair without one: one of them can lead another group. (From a pair, the one
-    left behind would sit the round out in the client's place.)"""
-    counts = [sum(not d.client_mode for d in g) if len(g) >= 3 else 0 for g in groups]
-    if not counts or max(counts) < 2:
+    """The first group with the most full (non-client) members, if it has three or more:
+    one of them can lead another group and two stay together. (Lent from a pair, the one
+    left behind would be the only full peer of its group: with ghost clients, alone.)"""
+    counts = [sum(not d.client_mode for d in g) for g in groups]
+    if not counts or max(counts) < 3:
         return None
     return groups[counts.index(max(counts))]
 

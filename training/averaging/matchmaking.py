@@ -90,6 +90,7 @@ class _Round:
     is_leader: bool = False
     order: dict[PeerID, int] = field(default_factory=dict)  # position in the computed group
     expected: set[PeerID] = field(default_factory=set)
+    elsewhere: set[PeerID] = field(default_factory=set)  # in another group of our view
     joined: dict[PeerID, Declaration] = field(default_factory=dict)
     changed: trio.Event = field(default_factory=trio.Event)
     confirmation: GroupConfirmation | None = None
@@ -327,6 +328,7 @@ class Matchmaker:
         others = [d for d in declared if d.peer_id != state.me.peer_id]
         self._check_layouts(state.me, others, done)
         group = find_group(groups, state.me.peer_id) or [state.me]
+        state.elsewhere = {d.peer_id for g in groups if g is not group for d in g}
         leader = leader_of(group)
         state.leader = None if leader is None else leader.peer_id
         state.leader_address = None if leader is None else leader.address
@@ -686,6 +688,11 @@ class Matchmaker:
             return Reply({"status": "closed"})
         joiner = join.declaration.peer_id
         if joiner not in state.joined:
+            if joiner in state.elsewhere:
+                # We saw it declare, and the round put it in another group: one peer that
+                # joins every group with room (and serves none) spoiled each of them. A
+                # caller we did not see at all (another view of the round) is welcome.
+                return Reply({"status": "full"})
             # room for those we expect first: a caller we did not expect (another view of
             # the round, or an intruder) must not take the place of a member on its way
             missing = state.expected - state.joined.keys() - {joiner}

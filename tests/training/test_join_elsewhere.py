@@ -1,0 +1,69 @@
+"""A peer the round put in another group cannot join ours as well. A hostile trial's peer
+joined every other leader with room after its round closed; each accepted it as an
+unexpected caller (slightly different views of the round end in one group that way),
+gave it a part, and averaged partially without it: 13 of 40 honest steps partial. A
+caller we did not see declare at all is still welcome. Memory network, virtual time."""
+
+from __future__ import annotations
+
+from collections.abc import Awaitable, Callable
+
+import trio
+from test_averaging_support import fast_config, make_members, memnet_swarm, step_all, verify_round
+
+from protocol.address import Address
+from training import Outcome
+from training.averaging.messages import method_prefix
+
+
+async def test_a_member_of_another_group_is_refused(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    with trio.fail_after(60):
+        async with memnet_swarm(6) as (_, nodes):
+            # 6 peers, group_size 4: two groups of 3 on the grid, each with room for one
+            members = make_members(nodes, 3000, fast_config(group_size=4))
+            calls = {m.peer_id: m.averager.node.rpc.call for m in members}
+            for m in members:  # the honest joins come a little late: the leaders wait
+                rpc = m.averager.node.rpc
+
+                async def slow_join(
+                    address: Address, method: str, body: object = None, payload: bytes = b"",
+                    call: Callable[..., Awaitable[object]] = rpc.call,
+                ) -> object:  # fmt: skip
+                    if method.endswith(".join"):
+                        await trio.sleep(0.3)  # within the leader's join_timeout (0.5 s)
+                    return await call(address, method, body, payload)
+
+                rpc.call = slow_join  # type: ignore[assignment,method-assign]
+            replies: list[object] = []
+
+            async def join_the_other_group() -> None:
+                while True:
+                    states = [m.averager._matchmaker.current for m in members]
+                    if all(s is not None and s.closed.is_set() for s in states):
+                        leaders = [s for s in states if s is not None and s.is_leader]
+                        if len(leaders) == 2:
+                            break
+                    await trio.sleep(0.001)
+                ours, theirs = leaders
+                joiner = next(
+                    m for m in members if m.peer_id in ours.order and m.peer_id != ours.me.peer_id
+                )
+                state = joiner.averager._matchmaker.current
+                assert state is not None and theirs.me.address is not None
+                body = {"round": state.number, "decl": state.me.to_wire()}
+                reply = await calls[joiner.peer_id](
+                    Address.parse(theirs.me.address), f"{method_prefix('t/x')}.join", body
+                )
+                replies.append(reply.body)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(join_the_other_group)
+                results = await step_all(members, timeout=20.0)
+            assert replies == [{"status": "full"}]
+            infos = [info for info, _ in results]
+            verify_round(members, infos)  # type: ignore[arg-type]
+            for info, _ in results:
+                assert info is not None and info.outcome is Outcome.AVERAGED, info
+                assert len(info.group) == 3
