@@ -1,0 +1,334 @@
+"""Confirming a round's groups, once every peer has computed them from the declarations.
+
+The leader (a group's first non-client member) waits for the expected members' join calls
+(at most ``join_timeout`` after the slot's close) and answers every joiner with the same
+``GroupConfirmation``. A member calls the leader's join and waits for that answer; when the
+leader fails at once (unreachable, no averager, not in the round: a ghost), it calls the
+next-ranked non-client member instead, telling it whom it skipped, and leads the group
+itself when every member ranked before it is gone. A non-leader called by a member that
+skipped our own leader pings that leader first: it redirects the caller when the leader
+answers, and otherwise moves on as the caller did.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any
+
+import trio
+
+from peer import Peer, PeerUnavailableError, RemoteError, Reply, Request
+from peer.errors import PeerBusyError
+from protocol.address import Address
+from protocol.errors import ProtocolError
+from protocol.identity import PeerID
+
+from .config import AveragerConfig
+from .grouping import Declaration
+from .layout import bounded_bandwidths, split_spans
+from .messages import GroupConfirmation, JoinRequest, method_prefix
+from .round_state import LayoutMismatchError, MatchResult, RoundState
+
+GONE_CODES = frozenset({"not_found", "unknown_method"})
+"""Remote errors to a join or a ping that tell at once that the peer leads nothing in this
+round: it runs no averager under the prefix, or is not in the round. With a refused or
+broken connection (``PeerUnavailableError``, but not ``PeerBusyError``: that one is up),
+they make a member skip that leader for the next-ranked member (``Confirmation._join``)."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Failed:
+    """A join call that brought no answer: why, and whether the callee is gone (a fast,
+    unambiguous failure: skip it)."""
+
+    note: str
+    gone: bool = False
+    retry: bool = False
+    why: str = ""  # in a word, for the report of a member that skipped it
+
+
+class Confirmation:
+    """The confirmation half of :class:`~.matchmaking.Matchmaker`, its base class (the
+    attributes below are the matchmaker's)."""
+
+    node: Peer
+    prefix: str
+    config: AveragerConfig
+    total: int
+    clock: Callable[[], float]
+    current: RoundState | None
+
+    def _after_slot_close(self, state: RoundState, seconds: float) -> float:
+        """``seconds`` after the round's slot closes, or after now once it has closed (in
+        trio time)."""
+        close_in = max(state.number * self.config.gather_window - self.clock(), 0.0)
+        return trio.current_time() + close_in + seconds
+
+    async def _lead(
+        self, state: RoundState, deadline: float, declared: int, not_before: float = 0.0
+    ) -> MatchResult:
+        # Until join_timeout after the slot's close, even when we closed early: a member
+        # with no history of the swarm (it just restarted) reads the round only at the
+        # close, and a leader that had given up on it by then left it alone round after
+        # round (7 to 13 rounds in the averaging soak), while the others remembered it.
+        until = max(self._after_slot_close(state, self.config.join_timeout), not_before)
+        with trio.move_on_at(min(deadline, until)):
+            while not state.expected <= state.joined.keys():
+                await state.changed.wait()
+        last = len(state.order)
+        members = sorted(
+            state.joined.values(), key=lambda d: (state.order.get(d.peer_id, last), d.peer_id.raw)
+        )
+        state.budget = max(deadline - trio.current_time(), 1e-3)
+        if len(members) < 2:
+            state.answered.set()
+            note = "nobody joined"
+            return MatchResult(state.number, None, state.me.peer_id, declared, note, alone=True)
+        reducers = [m.bandwidth for m in members if not m.client_mode]
+        spans = split_spans(self.total, bounded_bandwidths(reducers))
+        state.confirmation = GroupConfirmation(
+            state.number, tuple(members), tuple(spans), state.budget
+        )
+        state.answered.set()
+        return MatchResult(state.number, state.confirmation, state.me.peer_id, declared)
+
+    async def _join(
+        self, state: RoundState, group: Sequence[Declaration], deadline: float, declared: int
+    ) -> MatchResult:
+        """Join the first non-client member, in rank order, that does not fail at once; lead
+        the rest ourselves when every one before us did (``_take_over``). Each call says
+        whom we skipped, so that the callee checks them too (``on_join``)."""
+        ranked = [d for d in group if not d.client_mode]
+        note, retry = "the leader did not confirm in time", False
+        redirect: tuple[PeerID, str] | None = None
+        redirected = False
+        passed: list[str] = []  # the skipped leaders and why (the report's note)
+        try:
+            while True:
+                if redirect is None:
+                    pick = next((d for d in ranked if d.peer_id not in state.gone), None)
+                    if pick is None:  # we are in client mode, and every full member failed
+                        break
+                    if pick.peer_id == state.me.peer_id:
+                        return await self._take_over(state, group, deadline, declared, passed)
+                    assert pick.address is not None  # ranked: not in client mode
+                    target, address = pick.peer_id, pick.address
+                else:
+                    (target, address), redirect = redirect, None
+                state.leader, state.leader_address = target, address
+                state.notify()
+                skipped = tuple(d.peer_id for d in ranked if d.peer_id in state.gone)
+                body = JoinRequest(state.number, state.me, skipped).to_body()
+                answer = await self._call_join(state, target, address, body)
+                if isinstance(answer, _Failed):
+                    note, retry = answer.note, answer.retry
+                    if answer.gone and not redirected:  # the next-ranked member, then
+                        state.gone.add(target)
+                        passed.append(f"{target.short()} ({answer.why})")
+                        continue
+                    break
+                status = answer.body.get("status")
+                if status == "ok":
+                    try:
+                        conf = GroupConfirmation.from_body(answer.body, self.total)
+                    except ProtocolError as exc:
+                        note = f"the leader is unreachable: {exc}"
+                        break
+                    if conf.round == state.number and any(
+                        m.peer_id == state.me.peer_id for m in conf.members
+                    ):
+                        return MatchResult(
+                            state.number, conf, target, declared, _passed_note(passed)
+                        )
+                    note = "left out by the leader"
+                    retry = True
+                elif status == "not_leader":
+                    leader, where = answer.body.get("leader"), answer.body.get("address")
+                    if isinstance(leader, str) and isinstance(where, str) and not redirected:
+                        try:
+                            redirect = PeerID.from_base58(leader), where
+                        except ProtocolError as exc:
+                            note = f"the leader is unreachable: {exc}"
+                            break
+                        redirected = True
+                        note = "redirected, then no confirmation in time"
+                        continue
+                    if not redirected:
+                        note = "the leader leads no group"
+                else:
+                    note = f"the leader answered {status!r}"
+                    # closed, or full (its group took others: our view of the round
+                    # differed, as when the group left us out): no place for us here
+                    retry = status in ("closed", "full")
+                break
+        finally:
+            state.settled = True
+            state.notify()
+        if passed:
+            note = f"{note}; {_passed_note(passed)}"
+        return MatchResult(state.number, None, state.leader, declared, note, retry=retry)
+
+    async def _call_join(
+        self, state: RoundState, target: PeerID, address: str, body: dict[str, Any]
+    ) -> Reply | _Failed:
+        """One join call, until ``state.give_up``, or until ``on_join`` finds ``target``
+        gone meanwhile (a ping it made for another member) and cuts it short.
+
+        Raises:
+            LayoutMismatchError: the callee refused our layout.
+        """
+        scope = trio.CancelScope(deadline=state.give_up)
+        state.attempt = (target, scope)
+        try:
+            with scope:
+                return await self.node.rpc.call(Address.parse(address), self._method("join"), body)
+        except RemoteError as exc:
+            if exc.code == "mismatch":
+                raise LayoutMismatchError(exc.message) from None
+            gone = exc.code in GONE_CODES  # not in that round, or runs no averager
+            return _Failed(f"the leader refused: {exc}", gone, gone, exc.code)
+        except PeerBusyError as exc:  # up, but turned us away for now
+            return _Failed(f"the leader is unreachable: {exc}", retry=True)
+        except PeerUnavailableError as exc:
+            return _Failed(f"the leader is unreachable: {exc}", True, True, "unreachable")
+        except ProtocolError as exc:
+            return _Failed(f"the leader is unreachable: {exc}")
+        finally:
+            state.attempt = None
+        if target in state.gone:
+            return _Failed("the leader failed a ping meanwhile", True, True, "failed a ping")
+        return _Failed("the leader did not confirm in time")
+
+    async def _take_over(
+        self,
+        state: RoundState,
+        group: Sequence[Declaration],
+        deadline: float,
+        declared: int,
+        passed: list[str],
+    ) -> MatchResult:
+        """Every non-client member ranked before us failed at once: lead the group without
+        them, as its first leader would have."""
+        me = state.me
+        state.is_leader = True
+        state.leader, state.leader_address = me.peer_id, me.address
+        state.expected = {d.peer_id for d in group} - {me.peer_id} - state.gone
+        state.joined[me.peer_id] = me
+        state.notify()
+        # Members that found the leader gone later than we did (its connection broke while
+        # they waited) get join_timeout too, and our answer well before they give up.
+        not_before = min(
+            trio.current_time() + self.config.join_timeout,
+            state.give_up - self.config.stall_timeout / 2,
+        )
+        result = await self._lead(state, deadline, declared, not_before)
+        note = f"we led: {_passed_note(passed)}"
+        return replace(result, note=f"{result.note}; {note}" if result.note else note)
+
+    # -- leader side ---------------------------------------------------------------------
+
+    async def on_join(self, request: Request) -> Reply:
+        """The join RPC: wait until this round's group is final, then answer.
+
+        Raises:
+            RemoteError: ``mismatch`` for another layout; ``not_found`` when we are not in
+                that round.
+        """
+        join = JoinRequest.from_body(request.peer_id, request.body, self.config.group_size)
+        state = self.current
+        if state is None or state.number != join.round:
+            raise RemoteError("not_found", f"not in round {join.round}")
+        if join.declaration.layout != state.me.layout:
+            raise RemoteError(
+                "mismatch",
+                "tensor layout, codec, group_size or staleness rule differs: ours "
+                f"{state.me.describe_layout()}, yours {join.declaration.describe_layout()}",
+            )
+        state.wake.set()
+        await state.closed.wait()
+        if not state.is_leader:
+            reply = await self._as_member(state, join, request.peer_id)
+            if reply is not None:
+                return reply
+        if state.answered.is_set():
+            return Reply({"status": "closed"})
+        joiner = join.declaration.peer_id
+        if joiner not in state.joined:
+            if joiner in state.elsewhere:
+                # We saw it declare, and the round put it in another group: one peer that
+                # joins every group with room (and serves none) spoiled each of them. A
+                # caller we did not see at all (another view of the round) is welcome.
+                return Reply({"status": "full"})
+            # room for those we expect first: a caller we did not expect (another view of
+            # the round, or an intruder) must not take the place of a member on its way
+            missing = state.expected - state.joined.keys() - {joiner}
+            if len(state.joined) + len(missing) >= self.config.group_size:
+                return Reply({"status": "full"})
+            state.joined[joiner] = join.declaration
+            state.notify()
+        await state.answered.wait()
+        conf = state.confirmation
+        if conf is None or not any(m.peer_id == request.peer_id for m in conf.members):
+            return Reply({"status": "closed"})
+        return Reply(conf.to_body())
+
+    async def _as_member(
+        self, state: RoundState, join: JoinRequest, caller: PeerID
+    ) -> Reply | None:
+        """A join reached us, not a leader: point the caller at the leader we follow. When
+        the caller skipped that leader (it failed at once for the caller), ping it first: if
+        it answers, redirect the caller; if not, we skip it too, and once our own walk has
+        moved on (our call fails, or we cut it), answer from where it stands. None: we lead
+        now (every peer ranked before us is gone), so the caller joins us."""
+        while not state.is_leader:
+            target, address = state.leader, state.leader_address
+            if target is None or target == caller:
+                return Reply({"status": "closed"})
+            if state.settled:
+                if target in state.gone:
+                    return Reply({"status": "closed"})
+            elif target in state.gone:  # our walk is leaving it: wait for its next step
+                if trio.current_time() >= state.give_up:
+                    return Reply({"status": "closed"})
+                with trio.move_on_at(state.give_up):
+                    await state.changed.wait()
+                continue
+            elif target in join.skipped and target not in state.alive:
+                if await self._answers(state, address):
+                    state.alive.add(target)
+                else:
+                    state.gone.add(target)
+                    if state.attempt is not None and state.attempt[0] == target:
+                        state.attempt[1].cancel()
+                continue
+            return Reply({"status": "not_leader", "leader": str(target), "address": address})
+        return None
+
+    async def _answers(self, state: RoundState, address: str | None) -> bool:
+        """Whether the peer at ``address`` is in this round: a ping (answered at once by a
+        live averager), until ``stall_timeout / 2`` or our give-up time. False only for the
+        failures that make a member skip a leader (see ``GONE_CODES``)."""
+        if address is None:
+            return False
+        bound = min(state.give_up, trio.current_time() + self.config.stall_timeout / 2)
+        with trio.move_on_at(bound):
+            try:
+                await self.node.rpc.call(
+                    Address.parse(address), self._method("ping"), {"round": state.number}
+                )
+            except RemoteError as exc:
+                return exc.code not in GONE_CODES
+            except PeerUnavailableError as exc:
+                return isinstance(exc, PeerBusyError)
+            except ProtocolError:
+                return True
+        return True
+
+    def _method(self, name: str) -> str:
+        return f"{method_prefix(self.prefix)}.{name}"
+
+
+def _passed_note(passed: list[str]) -> str:
+    """The leaders a member skipped (each with why), for the report's note."""
+    return f"ranked leader(s) skipped: {', '.join(passed)}" if passed else ""
