@@ -115,6 +115,7 @@ async def test_a_lone_peer_gets_a_clear_answer_and_keeps_its_tensors(
     assert info.group == (member.peer_id,)
     assert info.averaged_fraction == 0.0 and info.parts == ()
     assert info.note == "no partner"  # its node knows the other node
+    assert str(info) == f"alone in round {info.round}; no partner"  # was "0% over 1 peers"
     np.testing.assert_array_equal(member.array, member.data)
 
 

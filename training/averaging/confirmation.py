@@ -267,7 +267,17 @@ class Confirmation:
                 return Reply({"status": "full"})
             state.joined[joiner] = join.declaration
             state.notify()
-        await state.answered.wait()
+        state.waiting[joiner] += 1
+        try:
+            await state.answered.wait()
+        finally:
+            state.waiting[joiner] -= 1
+            if not state.answered.is_set() and not state.waiting[joiner]:
+                # The caller left before we answered (its connection ended: the handler is
+                # cancelled; or it gave up): confirmed, it would be waited for as dead, a
+                # whole stall_timeout (a client-trial member killed after its join).
+                state.joined.pop(joiner, None)
+                state.notify()
         conf = state.confirmation
         if conf is None or not any(m.peer_id == request.peer_id for m in conf.members):
             return Reply({"status": "closed"})

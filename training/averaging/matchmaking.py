@@ -68,7 +68,13 @@ def _left_alone_note(
     note = f"no partner: {len(ours)} other peer(s) declared, "
     if me.client_mode and all(d.client_mode for d in ours):
         return note + "all client-mode like us (a group needs a peer that accepts connections)"
-    return note + f"and the groups (at most {group_size}) left us out this round"
+    note += f"and the groups (at most {group_size}) left us out this round"
+    if me.client_mode:  # see grouping._most_full: why no full peer was spared for us
+        note += (
+            " (every group was full; a full peer is spared for clients only from a group of"
+            " 3 or more full peers, one per round)"
+        )
+    return note
 
 
 def _late_note(state: RoundState, window: float) -> str:

@@ -90,11 +90,15 @@ class AveragingInfo:
         return self.outcome is Outcome.AVERAGED
 
     def __str__(self) -> str:
-        """One line: ``averaged 75% over 4 peers in round 12 (parts: all all some none)``."""
-        text = (
-            f"{self.outcome} {self.averaged_fraction:.0%} over {len(self.group)} peers "
-            f"in round {self.round}"
-        )
+        """One line: ``averaged 75% over 4 peers in round 12 (parts: all all some none)``;
+        without a group, ``alone in round 12; no partner``."""
+        if len(self.group) <= 1 and not self.parts:
+            text = f"{self.outcome} in round {self.round}"
+        else:
+            text = (
+                f"{self.outcome} {self.averaged_fraction:.0%} over {len(self.group)} peers "
+                f"in round {self.round}"
+            )
         if self.parts:
             text += f" (parts: {' '.join(str(p.status) for p in self.parts)})"
         if self.dropped:

@@ -35,6 +35,7 @@ class RoundState:
     expected: set[PeerID] = field(default_factory=set)
     elsewhere: set[PeerID] = field(default_factory=set)  # in another group of our view
     joined: dict[PeerID, Declaration] = field(default_factory=dict)
+    waiting: Counter[PeerID] = field(default_factory=Counter)  # join calls still waiting
     changed: trio.Event = field(default_factory=trio.Event)
     confirmation: GroupConfirmation | None = None
     answered: trio.Event = field(default_factory=trio.Event)
