@@ -3,7 +3,7 @@ checks a round's tensors against its reports (what every test calls after a roun
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
 from types import SimpleNamespace
@@ -12,6 +12,7 @@ import numpy as np
 import trio
 
 from peer import MemoryNetwork, Peer, open_peer
+from protocol.address import Address
 from protocol.identity import Identity, PeerID
 from training import (
     Averager,
@@ -207,3 +208,28 @@ def no_node() -> SimpleNamespace:
     """A stand-in peer for a ``Liveness`` that never probes (unit tests of one reducer):
     no connections, none ever ends."""
     return SimpleNamespace(rpc=SimpleNamespace(disconnected=trio.Event(), connected_peers=list))
+
+
+def slow_joins(node: Peer, delay: float, to: PeerID | None = None) -> list[object]:
+    """Delay ``node``'s join calls (to ``to`` only, if given) by ``delay`` seconds; return
+    the list that collects the replies to its joins (a body, or the error)."""
+    rpc, replies = node.rpc, list[object]()
+    call: Callable[..., Awaitable[object]] = rpc.call
+
+    async def slow(
+        address: Address, method: str, body: object = None, payload: bytes = b""
+    ) -> object:
+        if not method.endswith(".join"):
+            return await call(address, method, body, payload)
+        if to is None or address.peer_id == to:
+            await trio.sleep(delay)
+        try:
+            reply = await call(address, method, body, payload)
+        except Exception as exc:
+            replies.append(exc)
+            raise
+        replies.append(reply.body)  # type: ignore[attr-defined]
+        return reply
+
+    rpc.call = slow  # type: ignore[assignment,method-assign]
+    return replies

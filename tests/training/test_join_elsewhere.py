@@ -6,10 +6,15 @@ caller we did not see declare at all is still welcome. Memory network, virtual t
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-
 import trio
-from test_averaging_support import fast_config, make_members, memnet_swarm, step_all, verify_round
+from test_averaging_support import (
+    fast_config,
+    make_members,
+    memnet_swarm,
+    slow_joins,
+    step_all,
+    verify_round,
+)
 
 from protocol.address import Address
 from training import Outcome
@@ -25,17 +30,7 @@ async def test_a_member_of_another_group_is_refused(
             members = make_members(nodes, 3000, fast_config(group_size=4))
             calls = {m.peer_id: m.averager.node.rpc.call for m in members}
             for m in members:  # the honest joins come a little late: the leaders wait
-                rpc = m.averager.node.rpc
-
-                async def slow_join(
-                    address: Address, method: str, body: object = None, payload: bytes = b"",
-                    call: Callable[..., Awaitable[object]] = rpc.call,
-                ) -> object:  # fmt: skip
-                    if method.endswith(".join"):
-                        await trio.sleep(0.3)  # within the leader's join_timeout (0.5 s)
-                    return await call(address, method, body, payload)
-
-                rpc.call = slow_join  # type: ignore[assignment,method-assign]
+                slow_joins(m.averager.node, 0.3)  # within the leader's join_timeout (0.5 s)
             replies: list[object] = []
 
             async def join_the_other_group() -> None:

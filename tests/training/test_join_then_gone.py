@@ -6,14 +6,13 @@ virtual time."""
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Callable
-
 import trio
 from test_averaging_support import (
     fast_config,
     host_of,
     make_members,
     memnet_swarm,
+    slow_joins,
     step_all,
     verify_round,
 )
@@ -37,17 +36,7 @@ async def test_a_member_gone_before_the_confirmation_is_left_out(
             )  # fmt: skip
             survivors = members[:3]
             for m in survivors:  # the survivors' joins come late: the leader still waits
-                rpc = m.averager.node.rpc
-
-                async def slow_join(
-                    address: object, method: str, body: object = None, payload: bytes = b"",
-                    call: Callable[..., Awaitable[object]] = rpc.call,
-                ) -> object:  # fmt: skip
-                    if method.endswith(".join"):
-                        await trio.sleep(0.3)  # within the leader's join_timeout (0.5 s)
-                    return await call(address, method, body, payload)
-
-                rpc.call = slow_join  # type: ignore[assignment,method-assign]
+                slow_joins(m.averager.node, 0.3)  # within the leader's join_timeout (0.5 s)
 
             async def kill_the_victim_once_it_joined() -> None:
                 while True:

@@ -5,7 +5,7 @@ gone), all within the same round. Memory network, virtual time."""
 from __future__ import annotations
 
 import hashlib
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 
 import numpy as np
@@ -17,13 +17,13 @@ from test_averaging_support import (
     host_of,
     make_members,
     memnet_swarm,
+    slow_joins,
     step_all,
     verify_round,
     virtual_clock,
 )
 
 from peer import Peer
-from protocol.address import Address
 from protocol.errors import RemoteProtocolError
 from protocol.identity import PeerID
 from training import Averager, AveragingInfo, Outcome
@@ -148,31 +148,6 @@ async def test_a_ghost_that_answers_not_in_the_round_is_skipped(
                 results = await step_all(members, timeout=20.0)
     assert_one_group_without(members, results, [ghost.peer_id], members[0].peer_id)
     assert "not_found" in results[1][0].note  # type: ignore[union-attr]
-
-
-def slow_joins(node: Peer, delay: float, to: PeerID | None = None) -> list[object]:
-    """Delay ``node``'s join calls (to ``to`` only, if given) by ``delay`` seconds; return
-    the list that collects the replies to its joins (a body, or the error)."""
-    rpc, replies = node.rpc, list[object]()
-    call: Callable[..., Awaitable[object]] = rpc.call
-
-    async def slow(
-        address: Address, method: str, body: object = None, payload: bytes = b""
-    ) -> object:
-        if not method.endswith(".join"):
-            return await call(address, method, body, payload)
-        if to is None or address.peer_id == to:
-            await trio.sleep(delay)
-        try:
-            reply = await call(address, method, body, payload)
-        except Exception as exc:
-            replies.append(exc)
-            raise
-        replies.append(reply.body)  # type: ignore[attr-defined]
-        return reply
-
-    rpc.call = slow  # type: ignore[assignment,method-assign]
-    return replies
 
 
 async def test_a_member_told_of_the_ghost_before_trying_it_checks_and_takes_over(

@@ -8,7 +8,7 @@ import itertools
 import logging
 import math
 import weakref
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -18,6 +18,7 @@ from test_averaging_support import (
     host_of,
     make_members,
     memnet_swarm,
+    slow_joins,
     step_all,
     verify_round,
     virtual_clock,
@@ -525,17 +526,7 @@ async def test_an_unexpected_joiner_cannot_take_the_place_of_an_expected_member(
             for m in members:  # connected beforehand: its join arrives at once
                 await intruder.rpc.connect(Address.parse(m.averager.node.address))
             for m in members:  # (the leader calls no join)
-                rpc = m.averager.node.rpc
-
-                async def slow_join(
-                    address: Address, method: str, body: object = None, payload: bytes = b"",
-                    call: Callable[..., Awaitable[object]] = rpc.call,
-                ) -> object:  # fmt: skip
-                    if method.endswith(".join"):
-                        await trio.sleep(0.3)  # within the leader's join_timeout (0.5 s)
-                    return await call(address, method, body, payload)
-
-                rpc.call = slow_join  # type: ignore[assignment,method-assign]
+                slow_joins(m.averager.node, 0.3)  # within the leader's join_timeout (0.5 s)
             replies: list[object] = []
 
             async def intrude() -> None:
