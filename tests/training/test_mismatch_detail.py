@@ -7,13 +7,17 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+import torch
 import trio
 from test_averaging_support import fast_config, make_members, memnet_swarm, step_all
 
+from protocol.codecs import get_codec
 from protocol.errors import RemoteProtocolError
 from protocol.identity import Identity
-from training import Averager, LayoutMismatchError
+from training import Averager, AveragerConfig, LayoutMismatchError
+from training.averaging.averager import describe_settings
 from training.averaging.grouping import DECLARATION_KEYS, MAX_DETAIL, Declaration
+from training.averaging.layout import TensorLayout
 
 
 async def test_a_newcomer_with_another_dtype_is_told_the_dtypes(
@@ -52,3 +56,18 @@ def test_the_detail_travels_and_is_bounded() -> None:
     for bad in ("x" * (MAX_DETAIL + 1), 7, None):
         with pytest.raises(RemoteProtocolError, match="detail"):
             Declaration.from_wire(peer, {**me.to_wire(), "detail": bad})
+
+
+def test_the_detail_names_the_shapes_when_they_fit() -> None:
+    """An acceptance audit's transposed tensor read "shapes f325adc6" against "c190bb19",
+    and the codec as "NoneCodec(max_elements=268435456)"."""
+    config = AveragerConfig()
+    wide = TensorLayout.of([torch.zeros(10, 1000), torch.zeros(3)])
+    tall = TensorLayout.of([torch.zeros(1000, 10), torch.zeros(3)])
+    text = describe_settings(wide, get_codec("none"), config)
+    assert "shapes 10x1000 3)" in text and "codec none," in text
+    assert "shapes 1000x10 3)" in describe_settings(tall, get_codec("none"), config)
+    assert "codec int8(block_size=4096)" in describe_settings(wide, get_codec("int8"), config)
+    many = TensorLayout.of([torch.zeros(i + 1, 7) for i in range(40)])
+    text = describe_settings(many, get_codec("none"), config)
+    assert "shapes hash " in text and len(text) <= MAX_DETAIL

@@ -630,9 +630,19 @@ def describe_settings(layout: TensorLayout, codec: Codec, config: AveragerConfig
     layout gets (the fingerprint alone does not say which setting differs)."""
     dtypes = Counter(layout.dtypes)
     kinds = ", ".join(f"{n} {dtype}" for dtype, n in sorted(dtypes.items()))
-    shapes = hashlib.sha256(repr(layout.shapes).encode()).hexdigest()[:8]
-    return (
-        f"{len(layout.shapes)} tensors ({kinds}; shapes {shapes}), codec {codec!r}, "
-        f"chunk_bytes {config.chunk_bytes}, max_staleness {config.max_staleness}, "
-        f"staleness_decay {config.staleness_decay}"
+    params = {k: v for k, v in codec.params.items() if k != "max_elements"}
+    codec_text = codec.name + (
+        f"({', '.join(f'{k}={v}' for k, v in params.items())})" * bool(params)
     )
+    rest = (
+        f"codec {codec_text}, chunk_bytes {config.chunk_bytes}, max_staleness "
+        f"{config.max_staleness}, staleness_decay {config.staleness_decay}"
+    )
+    # The shapes themselves when they fit the declaration's detail (a transposed weight
+    # then reads as such), else a hash of them.
+    shapes = " ".join("x".join(map(str, shape)) or "()" for shape in layout.shapes)
+    text = f"{len(layout.shapes)} tensors ({kinds}; shapes {shapes}), {rest}"
+    if len(text) <= MAX_DETAIL:
+        return text
+    digest = hashlib.sha256(repr(layout.shapes).encode()).hexdigest()[:8]
+    return f"{len(layout.shapes)} tensors ({kinds}; shapes hash {digest}), {rest}"
