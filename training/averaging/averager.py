@@ -630,10 +630,8 @@ def describe_settings(layout: TensorLayout, codec: Codec, config: AveragerConfig
     layout gets (the fingerprint alone does not say which setting differs)."""
     dtypes = Counter(layout.dtypes)
     kinds = ", ".join(f"{n} {dtype}" for dtype, n in sorted(dtypes.items()))
-    params = {k: v for k, v in codec.params.items() if k != "max_elements"}
-    codec_text = codec.name + (
-        f"({', '.join(f'{k}={v}' for k, v in params.items())})" * bool(params)
-    )
+    args = ", ".join(f"{k}={v}" for k, v in codec.params.items() if k != "max_elements")
+    codec_text = f"{codec.name}({args})" if args else codec.name
     rest = (
         f"codec {codec_text}, chunk_bytes {config.chunk_bytes}, max_staleness "
         f"{config.max_staleness}, staleness_decay {config.staleness_decay}"
