@@ -34,6 +34,7 @@ _EXPORTS = {
     "RpcHost": ".host",
     "open_rpc_host": ".host",
     "MemoryNetwork": ".memnet",
+    "ClockConfig": ".netclock",
     "Network": ".network",
     "TcpNetwork": ".network",
     "Peer": ".node",
@@ -43,8 +44,8 @@ _EXPORTS = {
     "Request": ".rpc",
 }
 _SUBMODULES = {
-    "background", "calls", "cli", "crawl", "dht", "errors", "host", "memnet", "network",
-    "node", "rpc", "secure", "wire",
+    "background", "calls", "cli", "crawl", "dht", "errors", "host", "memnet", "netclock",
+    "network", "node", "rpc", "secure", "wire",
 }  # fmt: skip
 
 if TYPE_CHECKING:
@@ -65,6 +66,7 @@ if TYPE_CHECKING:
     from .host import RpcHost as RpcHost
     from .host import open_rpc_host as open_rpc_host
     from .memnet import MemoryNetwork as MemoryNetwork
+    from .netclock import ClockConfig as ClockConfig
     from .network import Network as Network
     from .network import TcpNetwork as TcpNetwork
     from .node import Peer as Peer
@@ -93,6 +95,7 @@ __all__ = [
     "DHT",
     "BackgroundDHT",
     "BackgroundPeer",
+    "ClockConfig",
     "DHTConfig",
     "HostConfig",
     "LimitExceededError",

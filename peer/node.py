@@ -30,6 +30,7 @@ from protocol.identity import Identity, PeerID
 from .dht import DHT, DHTConfig
 from .errors import PeerUnavailableError
 from .host import HostConfig, RpcHost, open_rpc_host
+from .netclock import ClockConfig, ClockService, NetworkClock
 from .network import Network
 
 __all__ = ["Peer", "PeerConfig", "open_peer"]
@@ -45,6 +46,7 @@ class PeerConfig:
 
     host: HostConfig = field(default_factory=HostConfig)
     dht: DHTConfig = field(default_factory=DHTConfig)
+    clock: ClockConfig = field(default_factory=ClockConfig)
 
 
 class Peer:
@@ -56,14 +58,20 @@ class Peer:
         dht: the DHT node (``store``, ``get``, ``get_entries``, ``find_peers``, ...).
         address: ``"PEERID@HOST:PORT"`` to give to others, or ``str(peer_id)`` for a
             client-mode peer (it cannot be dialed).
+        clock: network time (:class:`peer.netclock.NetworkClock`): ``clock.now()`` is
+            this machine's clock corrected by its peers' median offset (``clock.offset``
+            seconds); the DHT and averaging rounds run on it.
     """
 
-    def __init__(self, identity: Identity, rpc: RpcHost, dht: DHT, address: str) -> None:
+    def __init__(
+        self, identity: Identity, rpc: RpcHost, dht: DHT, address: str, clock: NetworkClock
+    ) -> None:
         self.identity = identity
         self.peer_id: PeerID = identity.peer_id
         self.rpc = rpc
         self.dht = dht
         self.address = address
+        self.clock = clock
 
     @property
     def client_mode(self) -> bool:
@@ -176,7 +184,8 @@ async def open_peer(
         config: host and DHT tuning.
         announce_host: the host others should dial (default: the listen host; a wildcard
             listen host announces the loopback address).
-        clock: unix time, for record expirations (tests pass a virtual one).
+        clock: this machine's unix time (tests pass a virtual one); the peer runs on it
+            corrected by its peers' median offset (``node.clock``, ``PeerConfig.clock``).
         ensure_bootstrap_success: when ``initial_peers`` are given and none answers, raise
             (a mistyped address must not leave a volunteer training alone); False starts
             alone with a warning instead (a bootstrap node whose peers are down). Named
@@ -225,9 +234,12 @@ async def open_peer(
                 )
             sender, address = public.hostport, str(public)
             _warn_if_unreachable(public, peers)
-        dht = DHT(host, me, dht_config, sender=sender, clock=clock)
+        network_clock = NetworkClock(clock, config.clock)
+        dht = DHT(host, me, dht_config, sender=sender, clock=network_clock.now)
+        clock_service = ClockService(host, network_clock, dht.routing_table_peers)
         async with trio.open_nursery() as nursery:
             await nursery.start(dht.serve)
+            await nursery.start(clock_service.serve)
             # raised below instead: a plain script would print the same text twice
             reached = await dht.bootstrap(peers, warn=not ensure_bootstrap_success)
             if peers and not reached and ensure_bootstrap_success:
@@ -235,8 +247,9 @@ async def open_peer(
                 body_error = PeerUnavailableError(f"no initial peer answered (tried {tried})")
                 nursery.cancel_scope.cancel()
             else:
+                await clock_service.sync()  # before the first round is cut by the clock
                 try:
-                    yield Peer(me, host, dht, address)
+                    yield Peer(me, host, dht, address, network_clock)
                 except BaseException as exc:  # re-raised below, outside the nursery (no group)
                     body_error = exc
                 finally:

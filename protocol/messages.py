@@ -13,12 +13,14 @@ see :attr:`Address.dialable`) are dropped on decoding, and the rest of the reply
     request = decode_message(body)          # dispatches on body["t"]
 
 Other layers add their own messages with :func:`register_message` and their own
-methods in their own tables; :data:`METHODS` lists the four DHT methods.
+methods in their own tables; :data:`METHODS` lists the four DHT methods. ``clock.now``
+(:class:`ClockRequest`) is the peer's network-time method (``peer.netclock``).
 """
 
 from __future__ import annotations
 
 import functools
+import math
 from dataclasses import dataclass
 from typing import Any, ClassVar, Self, TypeVar
 
@@ -35,6 +37,8 @@ from .records import (
 )
 from .records import Subkey as Subkey  # re-exported: entries are part of the messages
 
+MAX_UNIX_TIME = 2.0**40
+"""Largest clock reading a ``clock.now`` reply may carry (about the year 36812)."""
 MAX_NODES = 64
 """Most nodes in one FIND_NODE or FIND_VALUE reply."""
 MAX_SUBKEY_ORDER_BYTES = MAX_SUBKEY_BYTES + 9
@@ -472,6 +476,39 @@ class StoreResponse(Message):
     def _decode(cls, body: dict[str, Any]) -> Self:
         accepted = tuple(_seq(body["accepted"], "accepted", MAX_ENTRIES_PER_STORE))
         return cls(accepted, _nodes(body["nodes"]))
+
+
+@register_message
+@dataclass(frozen=True, slots=True)
+class ClockRequest(Message):
+    """``clock.now``: the callee's wall clock, for network time (``peer.netclock``)."""
+
+    TAG: ClassVar[str] = "clock.now.req"
+    METHOD: ClassVar[str] = "clock.now"
+
+
+@register_message
+@dataclass(frozen=True, slots=True)
+class ClockResponse(Message):
+    """Reply to ``clock.now``: the callee's own clock (unix seconds, not corrected by its
+    peers' offsets) when it answered."""
+
+    TAG: ClassVar[str] = "clock.now.res"
+    FIELDS: ClassVar[tuple[str, ...]] = ("time",)
+    time: float
+
+    def __post_init__(self) -> None:
+        if isinstance(self.time, bool) or not isinstance(self.time, int | float):
+            raise LocalProtocolError(f"time must be a number, not {type(self.time).__name__}")
+        if not (math.isfinite(self.time) and 0 <= self.time < MAX_UNIX_TIME):
+            raise LocalProtocolError(f"time must be a unix time in [0, 2**40), got {self.time}")
+
+    def _encode(self) -> dict[str, Any]:
+        return {"time": float(self.time)}
+
+    @classmethod
+    def _decode(cls, body: dict[str, Any]) -> Self:
+        return cls(body["time"])
 
 
 METHODS: dict[str, tuple[type[Message], type[Message]]] = {

@@ -27,6 +27,7 @@ import protocol.rpc
 from peer.background import run_in_background
 from peer.dht import DHTConfig
 from peer.host import HostConfig
+from peer.netclock import ClockConfig
 from peer.node import open_peer
 
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -49,7 +50,12 @@ def config_default(cls_name: str | None, name: str) -> float | None:
     """The default of config field ``name`` (in ``cls_name``, or the one config that has it)."""
     from training import AveragerConfig  # here: importing training loads torch
 
-    configs = {"DHTConfig": DHTConfig, "HostConfig": HostConfig, "AveragerConfig": AveragerConfig}
+    configs = {
+        "DHTConfig": DHTConfig,
+        "HostConfig": HostConfig,
+        "ClockConfig": ClockConfig,
+        "AveragerConfig": AveragerConfig,
+    }
     owners = [configs[cls_name]] if cls_name else list(configs.values())
     defaults = {
         f.default

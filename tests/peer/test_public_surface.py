@@ -8,7 +8,7 @@ import sys
 import peer
 
 PEER_API = {
-    "BackgroundDHT", "BackgroundPeer", "DHT", "DHTConfig", "HostConfig", "LimitExceededError",
+    "BackgroundDHT", "BackgroundPeer", "ClockConfig", "DHT", "DHTConfig", "HostConfig", "LimitExceededError",
     "MemoryNetwork", "Network", "Peer", "PeerConfig", "PeerStoppedError",
     "PeerUnavailableError", "RecordError", "RecordTooLargeError", "RemoteError", "Reply",
     "Request", "RpcHost", "SwarmError", "TcpNetwork", "open_peer", "open_rpc_host",

@@ -389,7 +389,7 @@ async def test_a_reducer_whose_result_misses_the_deadline_is_listed_as_dropped(
     infos = [info for info, _ in results]
     verify_round(members, infos)  # type: ignore[arg-type]
     for i, (info, elapsed) in enumerate(results):
-        assert info is not None and elapsed <= 10.0
+        assert info is not None and elapsed <= 10.0 + 1e-9  # float rounding of trio time
         if i == victim:
             continue
         assert info.outcome is Outcome.PARTIAL and info.dropped == {victim_id: DropReason.TIMEOUT}

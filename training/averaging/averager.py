@@ -20,7 +20,7 @@ import numbers
 import time
 import warnings
 from collections import Counter
-from collections.abc import AsyncIterator, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -86,6 +86,13 @@ def wall_clock() -> float:
         offset = time.time() - trio.current_time()
         _CLOCK_OFFSET.set(offset)
     return trio.current_time() + offset
+
+
+def network_time(node: Peer, local: Callable[[], float]) -> Callable[[], float]:
+    """``local`` corrected by the node's network offset (``peer.netclock``): rounds are
+    cut by the clock that the DHT's expirations and every peer of the run agree on."""
+    network_clock = node.clock
+    return lambda: local() + network_clock.offset
 
 
 def check_step_arguments(weight: float, epoch: int, timeout: float | None) -> None:
@@ -240,7 +247,7 @@ class Averager:
         self.client_mode = client or node.rpc.listen_address is None
         self._methods = method_prefix(prefix)
         self._matchmaker = Matchmaker(
-            node, prefix, config, self.flat.total, config.clock or wall_clock
+            node, prefix, config, self.flat.total, network_time(node, config.clock or wall_clock)
         )
         self._count = 0
         self._active: _Active | None = None

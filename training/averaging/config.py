@@ -64,8 +64,9 @@ class AveragerConfig:
     # fails mid-part can be taken out exactly. Reducers admit senders while the retained bytes
     # fit this budget (one sender always fits). None: max(64 MiB, a quarter of the vector).
     retain_budget: int | None = None
-    # Unix-time clock that every peer of a run agrees on (rendezvous slots). None: wall time,
-    # read through trio's clock so that virtual-time tests (MockClock) work too.
+    # This machine's unix-time clock, for rendezvous slots; the node's network offset
+    # (peer.netclock: its peers' median clock) is added. None: wall time, read through
+    # trio's clock so that virtual-time tests (MockClock) work too.
     clock: Callable[[], float] | None = None
 
     def __post_init__(self) -> None:

@@ -1,0 +1,233 @@
+"""Network time: this machine's clock plus the median offset of its peers' clocks.
+
+Averaging rounds are slots of wall time, and DHT records expire at absolute times, so the
+peers of a run must agree on the time. With the default 2 s gather window, a peer whose
+clock was 1 s off met the others in 2 of 6 steps, and at 3 s or more in none (it said "no
+partner"); one behind by more than a declaration's lifetime stored records that had
+already expired for everyone else. A volunteer's machine without NTP is often seconds off.
+
+So each peer asks a few others for their clock (``clock.now``), estimates each offset from
+the midpoint of the round trip (wrong by at most half of it), and runs on its own clock
+plus the median of those offsets, its own (zero) counted as one. A minority of wrong or
+lying clocks does not move the median, and a skewed machine follows the majority.
+
+- A peer asked for the time asks the caller back (over the same connection, at most once
+  per ``interval`` per host), so that two peers that meet agree at once (each moves
+  halfway), and a node everyone joins through follows the swarm, not its own clock.
+- Answers carry the answering machine's own clock, never its corrected one: corrections do
+  not feed on each other.
+- One sample per host (``peer.host.host_group``: an IPv4 address, an IPv6 /64): many
+  identities on one machine count once, so that a crowd of them cannot outvote the rest.
+- The offset moves only when the median moves by more than ``threshold``: an NTP-synced
+  swarm keeps its own clocks, and round-trip jitter does not shift round slots to and fro.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections import OrderedDict
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import trio
+
+from protocol.address import Address
+from protocol.errors import SwarmError
+from protocol.identity import PeerID
+from protocol.messages import ClockRequest, ClockResponse
+
+from .calls import Reply, Request
+from .host import RpcHost, host_group
+
+__all__ = ["ClockConfig", "ClockService", "NetworkClock"]
+
+logger = logging.getLogger(__name__)
+
+_UNDIALABLE = "client-mode.invalid"  # asks back go over the caller's own connection only
+_ASK_BACK_WORKERS = 4
+
+
+@dataclass(frozen=True, slots=True)
+class ClockConfig:
+    """How a peer keeps network time (see the module docstring)."""
+
+    enabled: bool = True  # False: run on this machine's clock alone (offset 0)
+    interval: float = 300.0  # ask again this often (clocks drift by ppm, not by seconds)
+    peers: int = 8  # routing-table peers asked each time
+    timeout: float = 2.0  # seconds for one ask
+    # Answers that took longer are dropped: their midpoint may be off by half of this.
+    max_round_trip: float = 1.0
+    max_samples: int = 32  # hosts whose latest offset counts (the oldest goes first)
+    threshold: float = 0.1  # seconds the median must move before the offset follows
+    max_offset: float = 3600.0  # the correction never exceeds this, whatever peers say
+
+    def __post_init__(self) -> None:
+        for name in ("interval", "timeout", "max_round_trip", "max_offset"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"ClockConfig.{name} must be positive")
+        if self.threshold < 0 or self.peers < 0 or self.max_samples < 1:
+            raise ValueError("ClockConfig: threshold and peers >= 0, max_samples >= 1")
+
+
+class NetworkClock:
+    """This machine's clock (``local``) corrected by its peers' median offset.
+
+    ``now()`` is what the DHT stamps expirations with and what averaging rounds are cut
+    by; ``offset`` is the correction in seconds (positive: our clock is behind).
+    """
+
+    def __init__(self, local: Callable[[], float], config: ClockConfig | None = None) -> None:
+        self.local = local
+        self.config = config or ClockConfig()
+        self.offset = 0.0
+        self._logged = 0.0
+        self._samples: OrderedDict[str, float] = OrderedDict()  # host group -> offset
+
+    def now(self) -> float:
+        """Unix time as the swarm's median clock reads it."""
+        return self.local() + self.offset
+
+    @property
+    def samples(self) -> int:
+        """How many hosts' offsets count now."""
+        return len(self._samples)
+
+    def record(self, host: str, remote_time: float, sent: float, received: float) -> bool:
+        """Count one answer: ``remote_time`` from ``host``, asked at local time ``sent``
+        and answered at local ``received``. False when the round trip was too slow (or
+        the local clock stepped meanwhile) to trust."""
+        round_trip = received - sent
+        if not 0 <= round_trip <= self.config.max_round_trip:
+            return False
+        group = host_group(host)
+        self._samples.pop(group, None)
+        self._samples[group] = remote_time - (sent + received) / 2
+        while len(self._samples) > self.config.max_samples:
+            self._samples.popitem(last=False)
+        self._follow_median()
+        return True
+
+    def median(self) -> float:
+        """The median of the hosts' offsets and our own (0), within ``max_offset``."""
+        values = sorted([0.0, *self._samples.values()])
+        middle = len(values) // 2
+        median = values[middle] if len(values) % 2 else (values[middle - 1] + values[middle]) / 2
+        return max(-self.config.max_offset, min(self.config.max_offset, median))
+
+    def _follow_median(self) -> None:
+        median = self.median()
+        if abs(median - self.offset) > self.config.threshold:
+            self.offset = median
+
+    def log_change(self) -> None:
+        """Log the offset if it moved since last logged (once per batch of answers, not
+        once per answer). Seconds off matter, rounds being cut by the clock: a warning."""
+        if self.offset == self._logged:
+            return
+        self._logged = self.offset
+        logger.log(
+            logging.WARNING if abs(self.offset) >= 1.0 else logging.INFO,
+            "this machine's clock is %.3f s %s the median of %d peers' clocks: following them"
+            " (averaging rounds and DHT expirations use the corrected time)",
+            abs(self.offset),
+            "behind" if self.offset > 0 else "ahead of",
+            len(self._samples),
+        )
+
+
+class ClockService:
+    """Answers ``clock.now`` and asks peers for theirs: at the start (:meth:`sync`), every
+    ``interval``, and back when a peer asks us."""
+
+    def __init__(
+        self,
+        host: RpcHost,
+        clock: NetworkClock,
+        peers: Callable[[], list[tuple[PeerID, str]]],
+        *,
+        rng: random.Random | None = None,
+    ) -> None:
+        """``peers``: the contacts to ask, ``(peer_id, "HOST:PORT")`` (the routing table)."""
+        self.host = host
+        self.clock = clock
+        self.config = clock.config
+        self._peers = peers
+        self._rng = rng or random.Random()
+        self._asked_back: dict[str, float] = {}  # host group -> trio time we last asked it
+        send, self._ask_back = trio.open_memory_channel[tuple[PeerID, str]](16)
+        self._ask_back_send = send
+        host.register_quick(ClockRequest.METHOD, self._on_clock)
+
+    def _on_clock(self, request: Request) -> Reply:
+        ClockRequest.from_body(request.body)
+        answer = Reply(ClockResponse(self.clock.local()).to_body())
+        if self.config.enabled and request.remote_host != "?":
+            group = host_group(request.remote_host)
+            now = trio.current_time()
+            if now - self._asked_back.get(group, -float("inf")) >= self.config.interval:
+                try:  # a full queue drops the ask: a crowd asking at once gets no extra calls
+                    self._ask_back_send.send_nowait((request.peer_id, request.remote_host))
+                    self._asked_back[group] = now
+                except trio.WouldBlock:
+                    pass
+                if len(self._asked_back) > 4 * self.config.max_samples:
+                    self._asked_back = {
+                        g: t for g, t in self._asked_back.items() if now - t < self.config.interval
+                    }
+        return answer
+
+    async def ask(self, address: Address, host: str) -> bool:
+        """Ask ``address`` for its clock and count the answer (``host``: its IP, for the
+        one-sample-per-host rule). False when it did not answer in time or usably."""
+        sent = self.clock.local()
+        with trio.move_on_after(self.config.timeout):
+            try:
+                reply = await self.host.call(address, ClockRequest.METHOD, ClockRequest().to_body())
+                answer = ClockResponse.from_body(reply.body)
+            except (SwarmError, OSError) as exc:
+                logger.debug("clock.now to %s failed: %r", address, exc)
+                return False
+            return self.clock.record(host, answer.time, sent, self.clock.local())
+        return False
+
+    async def sync(self) -> int:
+        """Ask up to ``peers`` routing-table contacts at once; how many answers counted."""
+        if not self.config.enabled:
+            return 0
+        contacts = self._peers()
+        chosen = self._rng.sample(contacts, min(self.config.peers, len(contacts)))
+        counted = 0
+
+        async def one(peer_id: PeerID, hostport: str) -> None:
+            nonlocal counted
+            address = Address.parse(hostport).with_peer_id(peer_id)
+            counted += await self.ask(address, address.host)
+
+        async with trio.open_nursery() as nursery:
+            for peer_id, hostport in chosen:
+                nursery.start_soon(one, peer_id, hostport)
+        self.clock.log_change()
+        return counted
+
+    async def serve(self, *, task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED) -> None:
+        """Ask back those who ask us, and :meth:`sync` every ``interval``, until cancelled."""
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(self._serve_asks_back)
+            task_status.started()
+            while self.config.enabled:
+                await trio.sleep(self.config.interval * self._rng.uniform(0.9, 1.1))
+                await self.sync()
+
+    async def _serve_asks_back(self) -> None:
+        async with trio.open_nursery() as nursery:
+            for _ in range(_ASK_BACK_WORKERS):
+                nursery.start_soon(self._ask_back_worker, self._ask_back.clone())
+
+    async def _ask_back_worker(self, asks: trio.MemoryReceiveChannel[tuple[PeerID, str]]) -> None:
+        async for peer_id, remote_host in asks:
+            # over the connection it called us on (a client-mode peer has no address); one
+            # that is already gone is not dialed
+            if peer_id in self.host.connected_peers():
+                await self.ask(Address(_UNDIALABLE, 0, peer_id), remote_host)
+                self.clock.log_change()

@@ -1,0 +1,203 @@
+"""Network time (peer/netclock.py): a peer whose clock is off follows its peers' median
+clock, so that its DHT records do not expire early and its averaging rounds meet theirs;
+a minority of wrong clocks moves nobody; answers that cannot be trusted are not counted."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Callable, Sequence
+from contextlib import AsyncExitStack, asynccontextmanager
+
+import pytest
+import trio
+import trio.testing
+
+from peer.memnet import MemoryNetwork
+from peer.netclock import ClockConfig, NetworkClock
+from peer.node import Peer, PeerConfig, open_peer
+from protocol.errors import RemoteProtocolError
+from protocol.messages import ClockResponse
+
+BASE = 1_700_000_000.0
+
+
+def virtual(skew: float = 0.0) -> Callable[[], float]:
+    """A unix-like clock on trio's virtual time, ``skew`` seconds off."""
+    return lambda: BASE + trio.current_time() + skew
+
+
+@asynccontextmanager
+async def swarm(
+    skews: Sequence[float], config: PeerConfig | None = None, latency: float = 0.01
+) -> AsyncIterator[list[Peer]]:
+    """Peers on hosts 10.0.0.1.. of a memory network, joined through the first one, with
+    their clocks ``skews`` seconds off."""
+    net = MemoryNetwork(latency=latency)
+    async with AsyncExitStack() as stack:
+        nodes: list[Peer] = []
+        for i, skew in enumerate(skews):
+            host = f"10.0.0.{i + 1}"
+            initial = [nodes[0].address] if nodes else []
+            node = await stack.enter_async_context(
+                open_peer(
+                    f"{host}:1000",
+                    initial,
+                    network=net.interface(host),
+                    clock=virtual(skew),
+                    config=config,
+                )
+            )
+            nodes.append(node)
+        yield nodes
+
+
+# -- the estimate ----------------------------------------------------------------------
+
+
+def test_the_offset_is_the_median_of_the_hosts_and_our_own_zero() -> None:
+    clock = NetworkClock(lambda: 100.0)
+    assert clock.record("10.0.0.2", 110.0, sent=99.9, received=100.1)  # +10
+    assert clock.offset == pytest.approx(5.0)  # [0, 10]: halfway
+    clock.record("10.0.0.3", 110.5, sent=100.0, received=100.0)
+    assert clock.offset == pytest.approx(10.0)  # [0, 10, 10.5]
+    clock.record("10.0.0.4", 90.0, sent=100.0, received=100.0)
+    assert clock.offset == pytest.approx(5.0)  # [-10, 0, 10, 10.5]
+    assert clock.now() == pytest.approx(105.0)
+    assert clock.samples == 3
+
+
+def test_one_sample_per_host_the_latest() -> None:
+    clock = NetworkClock(lambda: 0.0)
+    for _ in range(5):  # a crowd of identities on one machine: one voice
+        clock.record("10.0.0.9", 50.0, 0.0, 0.0)
+    clock.record("10.0.0.2", 0.0, 0.0, 0.0)
+    clock.record("10.0.0.3", 0.0, 0.0, 0.0)
+    assert clock.samples == 3 and clock.offset == 0.0  # [0, 0, 0, 50]: median 0
+    clock.record("2001:db8::1", 7.0, 0.0, 0.0)
+    clock.record("2001:db8::2", 7.0, 0.0, 0.0)  # the same /64: replaces the one above
+    assert clock.samples == 4
+
+
+def test_slow_or_impossible_round_trips_are_not_counted() -> None:
+    clock = NetworkClock(lambda: 0.0, ClockConfig(max_round_trip=0.5))
+    assert not clock.record("10.0.0.2", 99.0, sent=10.0, received=10.6)
+    assert not clock.record("10.0.0.2", 99.0, sent=10.0, received=9.0)  # the clock stepped
+    assert clock.samples == 0 and clock.offset == 0.0
+
+
+def test_small_moves_are_ignored_and_the_correction_is_capped() -> None:
+    clock = NetworkClock(lambda: 0.0, ClockConfig(threshold=0.1, max_offset=60.0))
+    clock.record("10.0.0.2", 0.05, 0.0, 0.0)
+    assert clock.offset == 0.0  # [0, 0.05]: median 0.025, within the threshold
+    clock.record("10.0.0.3", 0.3, 0.0, 0.0)
+    assert clock.offset == 0.0  # [0, 0.05, 0.3]: 0.05
+    clock.record("10.0.0.4", 0.4, 0.0, 0.0)
+    assert clock.offset == pytest.approx(0.175)  # [0, 0.05, 0.3, 0.4]: moved by more
+    clock.record("10.0.0.2", 1e6, 0.0, 0.0)
+    clock.record("10.0.0.3", 1e6, 0.0, 0.0)
+    assert clock.offset == 60.0
+
+
+def test_only_the_latest_hosts_count() -> None:
+    clock = NetworkClock(lambda: 0.0, ClockConfig(max_samples=2))
+    clock.record("10.0.0.2", 100.0, 0.0, 0.0)
+    clock.record("10.0.0.3", 0.0, 0.0, 0.0)
+    clock.record("10.0.0.4", 0.0, 0.0, 0.0)  # 10.0.0.2 goes
+    assert clock.samples == 2 and clock.median() == 0.0
+
+
+@pytest.mark.parametrize("time", [float("nan"), float("inf"), -1.0, 2.0**41, True, "1", None])
+def test_a_malformed_answer_is_a_protocol_error(time: object) -> None:
+    with pytest.raises(RemoteProtocolError):
+        ClockResponse.from_body({"t": "clock.now.res", "time": time})
+
+
+def test_config_is_checked() -> None:
+    with pytest.raises(ValueError, match="interval"):
+        ClockConfig(interval=0)
+    with pytest.raises(ValueError, match="max_samples"):
+        ClockConfig(max_samples=0)
+
+
+# -- on the memory network -------------------------------------------------------------
+
+
+async def test_a_skewed_peer_follows_the_others_and_they_stay_put(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.WARNING, "peer.netclock")
+    with trio.fail_after(60):
+        async with swarm([0.0, 0.0, 0.0, 10.0]) as nodes:
+            skewed = nodes[-1]
+            assert skewed.clock.offset == pytest.approx(-10.0, abs=0.02)
+            assert skewed.clock.now() == pytest.approx(nodes[0].clock.now(), abs=0.02)
+            await trio.sleep(1.0)  # the others asked it back: one voice of three, ignored
+            for node in nodes[:-1]:
+                assert node.clock.offset == 0.0
+    [line] = caplog.messages  # one line for the whole first batch of answers
+    assert "clock is 10.000 s ahead of the median of" in line
+
+
+async def test_two_peers_meet_halfway(autojump_clock: trio.testing.MockClock) -> None:
+    """The first node of a swarm has nobody to ask; the second asks it, and it asks back."""
+    with trio.fail_after(60):
+        async with swarm([0.0, 6.0]) as (first, second):
+            await trio.sleep(1.0)  # virtual: the ask back takes two round trips
+            assert first.clock.offset == pytest.approx(3.0, abs=0.02)
+            assert second.clock.offset == pytest.approx(-3.0, abs=0.02)
+            assert first.clock.now() == pytest.approx(second.clock.now(), abs=0.02)
+
+
+async def test_a_lying_minority_moves_nobody(autojump_clock: trio.testing.MockClock) -> None:
+    with trio.fail_after(60):
+        async with swarm([0.0, 0.0, 500.0, 0.0, -500.0, 0.0]) as nodes:
+            await trio.sleep(1.0)
+            for i in (0, 1, 3, 5):
+                assert nodes[i].clock.offset == 0.0
+
+
+async def test_a_record_from_a_peer_whose_clock_is_behind_is_not_expired_on_arrival(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Expirations are absolute: a peer 60 s behind stamped a 30 s record with a time the
+    storing nodes had already passed, and they dropped it."""
+    for enabled, found in ((True, {"step": 1}), (False, None)):
+        config = PeerConfig(clock=ClockConfig(enabled=enabled))
+        with trio.fail_after(60):
+            async with swarm([0.0, 0.0, 0.0, -60.0], config) as nodes:
+                assert await nodes[-1].dht.store("run/progress", {"step": 1}, ttl=30.0)
+                assert await nodes[1].dht.get("run/progress") == found
+
+
+async def test_disabled_means_the_local_clock(autojump_clock: trio.testing.MockClock) -> None:
+    config = PeerConfig(clock=ClockConfig(enabled=False))
+    with trio.fail_after(60):
+        async with swarm([0.0, 10.0], config) as (first, second):
+            await trio.sleep(1.0)
+            assert first.clock.offset == second.clock.offset == 0.0
+            assert first.clock.samples == second.clock.samples == 0
+
+
+async def test_peers_ask_again_every_interval(autojump_clock: trio.testing.MockClock) -> None:
+    """A machine whose clock is stepped while it runs follows the swarm again."""
+    skew = [0.0]
+    net = MemoryNetwork(latency=0.01)
+    config = PeerConfig(clock=ClockConfig(interval=30.0))
+    with trio.fail_after(300):
+        async with (
+            open_peer("10.0.0.1:1000", network=net.interface("10.0.0.1"), clock=virtual()) as a,
+            open_peer(
+                "10.0.0.2:1000", [a.address], network=net.interface("10.0.0.2"), clock=virtual()
+            ) as b,
+            open_peer(
+                "10.0.0.3:1000",
+                [a.address],
+                network=net.interface("10.0.0.3"),
+                clock=lambda: BASE + trio.current_time() + skew[0],
+                config=config,
+            ) as c,
+        ):
+            assert b.clock.offset == 0.0 and c.clock.offset == 0.0
+            skew[0] = 20.0  # e.g. a manual change of the system time
+            await trio.sleep(40.0)
+            assert c.clock.offset == pytest.approx(-20.0, abs=0.02)
