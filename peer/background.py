@@ -305,17 +305,26 @@ class BackgroundContext:
     def __init__(self, start: Callable[[], tuple[BackgroundPeer, Callable[[bool], None]]]) -> None:
         self._start = start
         self._stop: Callable[[bool], None] | None = None
+        self._entered = False
 
     def __enter__(self) -> BackgroundPeer:
         """Start the peer and return it.
 
         Raises:
-            RuntimeError: if entered twice, or inside a trio run.
+            RuntimeError: if entered a second time (even after leaving: a peer once
+                stopped does not come back, and a new one would have a new identity
+                unless one was given), or inside a trio run.
             Exception: what :func:`peer.open_peer` raises at startup.
         """
         if self._stop is not None:
             raise RuntimeError("this run_in_background() block is already entered")
+        if self._entered:
+            raise RuntimeError(
+                "this run_in_background() block has already run: call"
+                " peer.run_in_background(...) again for a new peer"
+            )
         node, self._stop = self._start()
+        self._entered = True
         return node
 
     def __exit__(self, exc_type: type[BaseException] | None, *exc_info: object) -> None:

@@ -309,7 +309,10 @@ def decode_value(data: bytes) -> Any:
             check_whole_msgpack(data)
         value = msgpack.unpackb(data, raw=False, strict_map_key=False, ext_hook=_refuse_extension)
     except TypeError as exc:  # a map key that Python cannot hash (a list)
-        raise ValueError(f"undecodable value: {exc}") from exc
+        raise ValueError(
+            f"a dict key would read back as a list, which cannot be a key ({exc}); a tuple"
+            " key is sent as a list: use str, int, float, bytes or bool keys"
+        ) from exc
     # msgpack decodes its timestamp extension (type -1) without calling ext_hook; its
     # type byte 0xff is in the data whenever one is, so most values skip the walk
     if b"\xff" in data and _holds_timestamp(value):

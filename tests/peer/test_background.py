@@ -156,3 +156,14 @@ def test_script_ending_inside_the_block_exits() -> None:
         cwd=Path(__file__).resolve().parents[2],
     )
     assert done.returncode == 0 and done.stdout == "done\n", done.stderr
+
+
+def test_a_block_runs_once() -> None:
+    """Entering a finished block again would start another peer, with a new identity
+    unless one was given: it says so instead."""
+    block = peer.run_in_background()
+    with block as node:
+        address = node.address
+    assert address
+    with pytest.raises(RuntimeError, match="has already run"), block:
+        pass

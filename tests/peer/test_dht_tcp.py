@@ -99,6 +99,8 @@ async def test_50_tcp_peers_store_get_and_reject_forgeries() -> None:
             for bad in (object(), 2**70, {"a": {1, 2}}, {(1, 2): 3}):  # a tuple key: no read
                 with pytest.raises(TypeError, match="msgpack-serializable"):
                     await first.dht.store("tcp/bad", bad)
+            with pytest.raises(TypeError, match="a tuple key is sent as a list"):
+                await first.dht.store("tcp/bad", {(1, 2): 3})
             with pytest.raises(ValueError, match="ttl"):
                 await first.dht.store("tcp/bad", 1, ttl=0)
             with pytest.raises(TypeError, match="ttl must be a number"):
