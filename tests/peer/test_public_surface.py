@@ -8,8 +8,8 @@ import sys
 import peer
 
 PEER_API = {
-    "BackgroundDHT", "BackgroundPeer", "ClockConfig", "DHT", "DHTConfig", "HostConfig", "LimitExceededError",
-    "MemoryNetwork", "Network", "Peer", "PeerConfig", "PeerStoppedError",
+    "BackgroundDHT", "BackgroundPeer", "ClockConfig", "DHT", "DHTConfig", "HostConfig",
+    "LimitExceededError", "MemoryNetwork", "Network", "Peer", "PeerConfig", "PeerStoppedError",
     "PeerUnavailableError", "RecordError", "RecordTooLargeError", "RemoteError", "Reply",
     "Request", "RpcHost", "SwarmError", "TcpNetwork", "open_peer", "open_rpc_host",
     "run_in_background",

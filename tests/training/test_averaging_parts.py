@@ -242,6 +242,12 @@ def test_declaration_wire_round_trip_and_validation() -> None:
         Declaration.from_wire(d.peer_id, bad)
     entries = {str(d.peer_id): d.to_wire(), "junk": {"x": 1}, str(peer(9)): bad}
     assert parse_declarations(entries) == [d]
+    # msgpack's number and bool types only: text, bytes and bools are malformed (fuzzing
+    # found "1.5" taken as a weight and any truthy client_mode)
+    for field, value in [("weight", "1.5"), ("weight", True), ("bandwidth", b"1"),
+                         ("client_mode", 1), ("client_mode", "yes")]:  # fmt: skip
+        with pytest.raises(RemoteProtocolError):
+            Declaration.from_wire(d.peer_id, dict(d.to_wire(), **{field: value}))
 
 
 # -- reducer ----------------------------------------------------------------------------
@@ -364,6 +370,11 @@ def test_messages_round_trip() -> None:
         GroupConfirmation.from_body(conf.to_body(), 99)
     head = ChunkHeader(9, 1, 3, 7, 2.0, DropReason.NONFINITE)
     assert ChunkHeader.from_body(head.to_body()) == head
+    retried = ChunkHeader(9, 1, 3, 7, 2.0, raw=True, retry=True)
+    assert ChunkHeader.from_body(retried.to_body()) == retried
+    for changes in ({"zz": 1}, {"retry": "yes"}, {"retry": 1}, {"weight": True}):
+        with pytest.raises(RemoteProtocolError):
+            ChunkHeader.from_body({**retried.to_body(), **changes})
     res = ResultHeader((peer(1),), ((peer(2), DropReason.DEAD),), 3.0, 4)
     assert ResultHeader.from_body(res.to_body()) == res
     with pytest.raises(RemoteProtocolError):

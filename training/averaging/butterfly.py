@@ -41,6 +41,10 @@ from .scans import all_finite, copy_finite
 
 logger = logging.getLogger(__name__)
 
+_BUSY_BACKOFF, _BUSY_BACKOFF_MAX = 0.02, 0.5
+"""Seconds before a chunk refused as ``busy`` (the reducer parks no more early chunks)
+goes again, doubling up to the maximum."""
+
 
 class Butterfly:
     """Runs one round for this member (its reducer, if any, is ``self.service``)."""
@@ -174,6 +178,7 @@ class Butterfly:
             scope: trio.CancelScope,
         ) -> None:  # fmt: skip
             answered = False
+            backoff = _BUSY_BACKOFF
             try:
                 while True:  # again after a reset connection (the same bytes: see reducer)
                     try:
@@ -185,6 +190,14 @@ class Butterfly:
                         scope.cancel()
                         break
                     except RemoteError as exc:
+                        if exc.code == "busy":
+                            # Its group is not confirmed yet and it parks no more early
+                            # chunks (others', maybe a stranger's, fill the room): that
+                            # passes once it is. The liveness watch and the step's
+                            # deadline bound the retries.
+                            await trio.sleep(backoff)
+                            backoff = min(2 * backoff, _BUSY_BACKOFF_MAX)
+                            continue
                         answered = True
                         logger.debug("round %d: part %d refused: %s", self.plan.round, index, exc)
                         scope.cancel()

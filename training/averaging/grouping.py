@@ -41,6 +41,13 @@ DECLARATION_KEYS = frozenset(
 )
 
 
+def _number(value: object) -> float:
+    """A declared int or float (msgpack's number types; text and bools are malformed)."""
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise TypeError(f"{value!r} is not a number")
+    return float(value)
+
+
 @dataclass(frozen=True, slots=True)
 class Declaration:
     """What a peer ready to average publishes for a round (value of its owner subkey)."""
@@ -91,9 +98,9 @@ class Declaration:
             raise RemoteProtocolError("a declaration is a map")
         try:
             address = value["address"]
-            weight = float(value["weight"])
+            weight = _number(value["weight"])
             epoch = value["epoch"]
-            bandwidth = float(value["bandwidth"])
+            bandwidth = _number(value["bandwidth"])
             layout = value["layout"]
             count = value["count"]
             total = value.get("total", 0)
@@ -102,6 +109,8 @@ class Declaration:
             client_mode = value.get("client_mode", address is None)
         except (KeyError, TypeError, ValueError) as exc:
             raise RemoteProtocolError(f"malformed declaration: {exc!r}") from None
+        if type(client_mode) is not bool:
+            raise RemoteProtocolError("declared client_mode is not a bool")
         if client_mode:
             address = None
         elif not isinstance(address, str):

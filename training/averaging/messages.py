@@ -163,6 +163,9 @@ def raw_flag(body: Mapping[str, Any]) -> bool:
     return raw
 
 
+_CHUNK_KEYS = frozenset({"round", "part", "chunk", "epoch", "weight", "abort", "raw", "retry"})
+
+
 @dataclass(frozen=True, slots=True)
 class ChunkHeader:
     """One chunk of a sender's part, or (``abort`` set) the sender withdrawing from it."""
@@ -198,9 +201,14 @@ class ChunkHeader:
     def from_body(cls, body: Any) -> ChunkHeader:
         """Raises: RemoteProtocolError on malformed input."""
         body = _map(body)
+        if not body.keys() <= _CHUNK_KEYS:
+            raise RemoteProtocolError("unknown keys in a chunk header")
         weight = body.get("weight")
-        if not isinstance(weight, float | int):
+        if isinstance(weight, bool) or not isinstance(weight, float | int):
             raise RemoteProtocolError("weight must be a number")
+        retry = body.get("retry", False)
+        if type(retry) is not bool:
+            raise RemoteProtocolError("field 'retry' must be a bool")
         abort = body.get("abort")
         reason = None
         if abort is not None:
@@ -216,7 +224,7 @@ class ChunkHeader:
             float(weight),
             reason,
             raw_flag(body),
-            body.get("retry") is True,
+            retry,
         )
 
 
