@@ -46,6 +46,7 @@ logger = logging.getLogger(__name__)
 
 _UNDIALABLE = "client-mode.invalid"  # asks back go over the caller's own connection only
 _ASK_BACK_WORKERS = 4
+_FIRST_RESYNC = 5.0  # seconds; then doubling up to ClockConfig.interval
 
 
 @dataclass(frozen=True, slots=True)
@@ -137,8 +138,8 @@ class NetworkClock:
 
 
 class ClockService:
-    """Answers ``clock.now`` and asks peers for theirs: at the start (:meth:`sync`), every
-    ``interval``, and back when a peer asks us."""
+    """Answers ``clock.now`` and asks peers for theirs: at the start (:meth:`sync`), again
+    after 5 s, 10 s, 20 s... up to every ``interval``, and back when a peer asks us."""
 
     def __init__(
         self,
@@ -215,9 +216,13 @@ class ClockService:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._serve_asks_back)
             task_status.started()
+            # Soon at first, then less often: a node that joined early asked few peers
+            # (the first met the second halfway), and more have come since.
+            delay = min(_FIRST_RESYNC, self.config.interval)
             while self.config.enabled:
-                await trio.sleep(self.config.interval * self._rng.uniform(0.9, 1.1))
+                await trio.sleep(delay * self._rng.uniform(0.9, 1.1))
                 await self.sync()
+                delay = min(2 * delay, self.config.interval)
 
     async def _serve_asks_back(self) -> None:
         async with trio.open_nursery() as nursery:

@@ -201,3 +201,17 @@ async def test_peers_ask_again_every_interval(autojump_clock: trio.testing.MockC
             skew[0] = 20.0  # e.g. a manual change of the system time
             await trio.sleep(40.0)
             assert c.clock.offset == pytest.approx(-20.0, abs=0.02)
+
+
+async def test_early_joiners_catch_up_with_later_ones(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The first node of a swarm (10 s ahead) and the first to join it meet halfway; as
+    more peers come (they ask both, which ask them back; every node asks again after 5,
+    10, 20 s...), both follow the majority."""
+    with trio.fail_after(300):
+        async with swarm([10.0, 0.0, 0.0, 0.0]) as nodes:
+            await trio.sleep(60.0)
+            assert nodes[0].clock.offset == pytest.approx(-10.0, abs=0.02)
+            for node in nodes[1:]:
+                assert node.clock.offset == 0.0
