@@ -18,6 +18,7 @@ lying clocks does not move the median, and a skewed machine follows the majority
   not feed on each other.
 - One sample per host (``peer.host.host_group``: an IPv4 address, an IPv6 /64): many
   identities on one machine count once, so that a crowd of them cannot outvote the rest.
+  On loopback each peer counts (they share this machine's clock anyway).
 - The offset moves only when the median moves by more than ``threshold``: an NTP-synced
   swarm keeps its own clocks, and round-trip jitter does not shift round slots to and fro.
 """
@@ -38,7 +39,7 @@ from protocol.identity import PeerID
 from protocol.messages import ClockRequest, ClockResponse
 
 from .calls import Reply, Request
-from .host import RpcHost, host_group
+from .host import RpcHost, host_group, is_loopback_host
 
 __all__ = ["ClockConfig", "ClockService", "NetworkClock"]
 
@@ -71,6 +72,15 @@ class ClockConfig:
             raise ValueError("ClockConfig: threshold and peers >= 0, max_samples >= 1")
 
 
+def _voice(host: str, peer_id: PeerID | None) -> str:
+    """Whose sample an answer is: its host's (one per machine or /64), except on loopback,
+    where each peer counts (peers on one machine share its clock; an experiment that gives
+    them different ``clock=`` would otherwise count as one)."""
+    if peer_id is not None and is_loopback_host(host):
+        return f"{host} {peer_id}"
+    return host_group(host)
+
+
 class NetworkClock:
     """This machine's clock (``local``) corrected by its peers' median offset.
 
@@ -94,14 +104,21 @@ class NetworkClock:
         """How many hosts' offsets count now."""
         return len(self._samples)
 
-    def record(self, host: str, remote_time: float, sent: float, received: float) -> bool:
-        """Count one answer: ``remote_time`` from ``host``, asked at local time ``sent``
-        and answered at local ``received``. False when the round trip was too slow (or
-        the local clock stepped meanwhile) to trust."""
+    def record(
+        self,
+        host: str,
+        remote_time: float,
+        sent: float,
+        received: float,
+        peer_id: PeerID | None = None,
+    ) -> bool:
+        """Count one answer: ``remote_time`` from ``peer_id`` at ``host``, asked at local
+        time ``sent`` and answered at local ``received``. False when the round trip was too
+        slow (or the local clock stepped meanwhile) to trust."""
         round_trip = received - sent
         if not 0 <= round_trip <= self.config.max_round_trip:
             return False
-        group = host_group(host)
+        group = _voice(host, peer_id)
         self._samples.pop(group, None)
         self._samples[group] = remote_time - (sent + received) / 2
         while len(self._samples) > self.config.max_samples:
@@ -164,7 +181,7 @@ class ClockService:
         ClockRequest.from_body(request.body)
         answer = Reply(ClockResponse(self.clock.local()).to_body())
         if self.config.enabled and request.remote_host != "?":
-            group = host_group(request.remote_host)
+            group = _voice(request.remote_host, request.peer_id)
             now = trio.current_time()
             if now - self._asked_back.get(group, -float("inf")) >= self.config.interval:
                 try:  # a full queue drops the ask: a crowd asking at once gets no extra calls
@@ -189,7 +206,8 @@ class ClockService:
             except (SwarmError, OSError) as exc:
                 logger.debug("clock.now to %s failed: %r", address, exc)
                 return False
-            return self.clock.record(host, answer.time, sent, self.clock.local())
+            received = self.clock.local()
+            return self.clock.record(host, answer.time, sent, received, address.peer_id)
         return False
 
     async def sync(self) -> int:

@@ -16,6 +16,7 @@ from peer.memnet import MemoryNetwork
 from peer.netclock import ClockConfig, NetworkClock
 from peer.node import Peer, PeerConfig, open_peer
 from protocol.errors import RemoteProtocolError
+from protocol.identity import Identity
 from protocol.messages import ClockResponse
 
 BASE = 1_700_000_000.0
@@ -76,6 +77,17 @@ def test_one_sample_per_host_the_latest() -> None:
     clock.record("2001:db8::1", 7.0, 0.0, 0.0)
     clock.record("2001:db8::2", 7.0, 0.0, 0.0)  # the same /64: replaces the one above
     assert clock.samples == 4
+
+
+def test_on_loopback_each_peer_counts() -> None:
+    """Peers on this machine share its clock; experiments that skew them (``clock=``) must
+    not collapse into one sample, as a remote host's identities do."""
+    clock = NetworkClock(lambda: 0.0)
+    ids = [Identity.from_seed(bytes([i]) * 32).peer_id for i in range(3)]
+    clock.record("127.0.0.1", 5.0, 0.0, 0.0, ids[0])
+    clock.record("127.0.0.1", 5.0, 0.0, 0.0, ids[1])
+    clock.record("10.0.0.7", 1.0, 0.0, 0.0, ids[2])
+    assert clock.samples == 3 and clock.offset == pytest.approx(3.0)  # [0, 1, 5, 5]
 
 
 def test_slow_or_impossible_round_trips_are_not_counted() -> None:
