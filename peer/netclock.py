@@ -47,7 +47,6 @@ logger = logging.getLogger(__name__)
 
 _UNDIALABLE = "client-mode.invalid"  # asks back go over the caller's own connection only
 _ASK_BACK_WORKERS = 4
-_FIRST_RESYNC = 5.0  # seconds; then doubling up to ClockConfig.interval
 
 
 @dataclass(frozen=True, slots=True)
@@ -155,8 +154,8 @@ class NetworkClock:
 
 
 class ClockService:
-    """Answers ``clock.now`` and asks peers for theirs: at the start (:meth:`sync`), again
-    after 5 s, 10 s, 20 s... up to every ``interval``, and back when a peer asks us."""
+    """Answers ``clock.now`` and asks peers for theirs: at the start (:meth:`sync`), every
+    ``interval`` those connected to us then, and back when a peer asks us."""
 
     def __init__(
         self,
@@ -210,11 +209,15 @@ class ClockService:
             return self.clock.record(host, answer.time, sent, received, address.peer_id)
         return False
 
-    async def sync(self) -> int:
-        """Ask up to ``peers`` routing-table contacts at once; how many answers counted."""
+    async def sync(self, *, dial: bool = True) -> int:
+        """Ask up to ``peers`` routing-table contacts at once (``dial=False``: only those
+        connected to us now); how many answers counted."""
         if not self.config.enabled:
             return 0
         contacts = self._peers()
+        if not dial:
+            connected = set(self.host.connected_peers())
+            contacts = [contact for contact in contacts if contact[0] in connected]
         chosen = self._rng.sample(contacts, min(self.config.peers, len(contacts)))
         counted = 0
 
@@ -234,13 +237,11 @@ class ClockService:
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._serve_asks_back)
             task_status.started()
-            # Soon at first, then less often: a node that joined early asked few peers
-            # (the first met the second halfway), and more have come since.
-            delay = min(_FIRST_RESYNC, self.config.interval)
             while self.config.enabled:
-                await trio.sleep(delay * self._rng.uniform(0.9, 1.1))
-                await self.sync()
-                delay = min(2 * delay, self.config.interval)
+                await trio.sleep(self.config.interval * self._rng.uniform(0.9, 1.1))
+                # over connections that are up for other reasons: no dial, and nothing
+                # that keeps an idle connection open (a clock drifts by ppm)
+                await self.sync(dial=False)
 
     async def _serve_asks_back(self) -> None:
         async with trio.open_nursery() as nursery:

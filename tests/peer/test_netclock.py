@@ -194,6 +194,7 @@ async def test_peers_ask_again_every_interval(autojump_clock: trio.testing.MockC
     """A machine whose clock is stepped while it runs follows the swarm again."""
     skew = [0.0]
     net = MemoryNetwork(latency=0.01)
+    # (connections idle out after HostConfig.idle_timeout: asking again uses those up)
     config = PeerConfig(clock=ClockConfig(interval=30.0))
     with trio.fail_after(300):
         async with (
@@ -219,8 +220,7 @@ async def test_early_joiners_catch_up_with_later_ones(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     """The first node of a swarm (10 s ahead) and the first to join it meet halfway; as
-    more peers come (they ask both, which ask them back; every node asks again after 5,
-    10, 20 s...), both follow the majority."""
+    more peers come (they ask both, which ask them back), both follow the majority."""
     with trio.fail_after(300):
         async with swarm([10.0, 0.0, 0.0, 0.0]) as nodes:
             await trio.sleep(60.0)
