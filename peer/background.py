@@ -26,7 +26,6 @@ import inspect
 import os
 import sys
 import threading
-import time
 from collections.abc import Awaitable, Callable, Iterable
 from functools import partial
 from typing import Any, TypeVar
@@ -38,6 +37,7 @@ from protocol.identity import Identity, PeerID
 from protocol.records import Subkey
 
 from .errors import PeerStoppedError
+from .netclock import wall_clock
 from .network import Network
 from .node import Peer, PeerConfig, as_list, open_peer
 
@@ -261,7 +261,7 @@ def run_in_background(
     config: PeerConfig | None = None,
     *,
     announce_host: str | None = None,
-    clock: Callable[[], float] = time.time,
+    clock: Callable[[], float] = wall_clock,
     ensure_bootstrap_success: bool = True,
 ) -> BackgroundContext:
     """Start a peer (see :func:`peer.open_peer` for the arguments) on a background thread.

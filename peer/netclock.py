@@ -26,7 +26,9 @@ lying clocks does not move the median, and a skewed machine follows the majority
 from __future__ import annotations
 
 import logging
+import math
 import random
+import time
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -41,12 +43,31 @@ from protocol.messages import ClockRequest, ClockResponse
 from .calls import Reply, Request
 from .host import RpcHost, host_group, is_loopback_host
 
-__all__ = ["ClockConfig", "ClockService", "NetworkClock"]
+__all__ = ["ClockConfig", "ClockService", "NetworkClock", "wall_clock"]
 
 logger = logging.getLogger(__name__)
 
 _UNDIALABLE = "client-mode.invalid"  # asks back go over the caller's own connection only
 _ASK_BACK_WORKERS = 4
+_ENOUGH_PICKED = 3  # picked samples below which the periodic ask dials contacts
+_CATCH_UP_EVERY = 10.0  # seconds; at most this often, a node with too few picks again
+
+
+_WALL_OFFSET: trio.lowlevel.RunVar[float] = trio.lowlevel.RunVar("swarm_wall_clock_offset")
+"""Unix time minus trio time, fixed at the first read in a run (dies with the run)."""
+
+
+def wall_clock() -> float:
+    """Unix time read through trio's clock: virtual under ``MockClock``, and never stepped
+    (trio's clock is monotonic), so that a change of the system time in the middle of a
+    run (NTP, by hand, a resumed VM) moves neither record expirations nor round slots at
+    once; the peers' median (:class:`NetworkClock`) corrects this machine's error."""
+    try:
+        offset = _WALL_OFFSET.get()
+    except LookupError:
+        offset = time.time() - trio.current_time()
+        _WALL_OFFSET.set(offset)
+    return trio.current_time() + offset
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,6 +106,12 @@ class NetworkClock:
 
     ``now()`` is what the DHT stamps expirations with and what averaging rounds are cut
     by; ``offset`` is the correction in seconds (positive: our clock is behind).
+
+    Two kinds of samples: *picked* (answers of contacts we chose from our routing table)
+    and *asked back* (answers of peers that asked us first). Anyone can ask us, so the
+    asked-back ones count only up to as many as the picked ones (at least one, for the
+    first node of a swarm): hosts that call us in a crowd to be asked back cannot outvote
+    the contacts we chose.
     """
 
     def __init__(self, local: Callable[[], float], config: ClockConfig | None = None) -> None:
@@ -92,16 +119,22 @@ class NetworkClock:
         self.config = config or ClockConfig()
         self.offset = 0.0
         self._logged = 0.0
-        self._samples: OrderedDict[str, float] = OrderedDict()  # host group -> offset
+        self._picked: OrderedDict[str, float] = OrderedDict()  # voice -> offset, oldest first
+        self._asked: OrderedDict[str, float] = OrderedDict()
 
     def now(self) -> float:
         """Unix time as the swarm's median clock reads it."""
         return self.local() + self.offset
 
     @property
+    def picked(self) -> int:
+        """How many hosts we chose to ask answered (their latest answers count)."""
+        return len(self._picked)
+
+    @property
     def samples(self) -> int:
         """How many hosts' offsets count now."""
-        return len(self._samples)
+        return len(self._picked) + len(self._counted_asks())
 
     def record(
         self,
@@ -110,27 +143,42 @@ class NetworkClock:
         sent: float,
         received: float,
         peer_id: PeerID | None = None,
+        *,
+        picked: bool = True,
     ) -> bool:
         """Count one answer: ``remote_time`` from ``peer_id`` at ``host``, asked at local
-        time ``sent`` and answered at local ``received``. False when the round trip was too
-        slow (or the local clock stepped meanwhile) to trust."""
+        time ``sent`` and answered at local ``received`` (``picked``: we chose to ask it;
+        else we asked it back). False when the round trip was too slow (or the local clock
+        stepped meanwhile) to trust."""
         round_trip = received - sent
         if not 0 <= round_trip <= self.config.max_round_trip:
             return False
-        group = _voice(host, peer_id)
-        self._samples.pop(group, None)
-        self._samples[group] = remote_time - (sent + received) / 2
-        while len(self._samples) > self.config.max_samples:
-            self._samples.popitem(last=False)
+        voice = _voice(host, peer_id)
+        if picked:
+            self._asked.pop(voice, None)
+        elif voice in self._picked:
+            return True  # already counted as picked (its latest answer stands)
+        pool = self._picked if picked else self._asked
+        pool.pop(voice, None)
+        pool[voice] = remote_time - (sent + received) / 2
+        while len(pool) > self.config.max_samples:
+            pool.popitem(last=False)
         self._follow_median()
         return True
 
-    def median(self) -> float:
-        """The median of the hosts' offsets and our own (0), within ``max_offset``."""
-        values = sorted([0.0, *self._samples.values()])
+    def _counted_asks(self) -> list[float]:
+        """The latest asked-back offsets, as many as the picked ones (at least one)."""
+        most = max(1, len(self._picked))
+        return list(self._asked.values())[-most:]
+
+    def _median(self) -> float:
+        values = sorted([0.0, *self._picked.values(), *self._counted_asks()])
         middle = len(values) // 2
-        median = values[middle] if len(values) % 2 else (values[middle - 1] + values[middle]) / 2
-        return max(-self.config.max_offset, min(self.config.max_offset, median))
+        return values[middle] if len(values) % 2 else (values[middle - 1] + values[middle]) / 2
+
+    def median(self) -> float:
+        """The median of the counted offsets and our own (0), within ``max_offset``."""
+        return max(-self.config.max_offset, min(self.config.max_offset, self._median()))
 
     def _follow_median(self) -> None:
         median = self.median()
@@ -143,13 +191,26 @@ class NetworkClock:
         if self.offset == self._logged:
             return
         self._logged = self.offset
+        median = self._median()
+        side = "behind" if median > 0 else "ahead of"
+        if abs(median) > self.config.max_offset:
+            logger.warning(
+                "this machine's clock is %.3f s %s the median of %d peers' clocks, beyond"
+                " ClockConfig.max_offset: correcting by only %.0f s; set this machine's clock"
+                " (records and rounds will not match the others')",
+                abs(median),
+                side,
+                self.samples,
+                self.config.max_offset,
+            )
+            return
         logger.log(
             logging.WARNING if abs(self.offset) >= 1.0 else logging.INFO,
             "this machine's clock is %.3f s %s the median of %d peers' clocks: following them"
             " (averaging rounds and DHT expirations use the corrected time)",
             abs(self.offset),
-            "behind" if self.offset > 0 else "ahead of",
-            len(self._samples),
+            side,
+            self.samples,
         )
 
 
@@ -172,6 +233,7 @@ class ClockService:
         self._peers = peers
         self._rng = rng or random.Random()
         self._asked_back: dict[str, float] = {}  # host group -> trio time we last asked it
+        self._catch_up_at = -math.inf  # trio time from which a catch-up sync may run
         send, self._ask_back = trio.open_memory_channel[tuple[PeerID, str]](16)
         self._ask_back_send = send
         host.register_quick(ClockRequest.METHOD, self._on_clock)
@@ -188,17 +250,19 @@ class ClockService:
                     self._asked_back[group] = now
                 except trio.WouldBlock:
                     pass
-                if len(self._asked_back) > 4 * self.config.max_samples:
-                    self._asked_back = {
-                        g: t for g, t in self._asked_back.items() if now - t < self.config.interval
-                    }
+                if len(self._asked_back) > 4 * self.config.max_samples:  # a crowd: forget
+                    self._asked_back = {group: now}
         return answer
 
-    async def ask(self, address: Address, host: str) -> bool:
+    async def ask(self, address: Address, host: str, *, picked: bool = True) -> bool:
         """Ask ``address`` for its clock and count the answer (``host``: its IP, for the
-        one-sample-per-host rule). False when it did not answer in time or usably."""
+        one-sample-per-host rule; ``picked``: see :class:`NetworkClock`). False when it did
+        not answer in time or usably."""
         sent = self.clock.local()
-        with trio.move_on_after(self.config.timeout):
+        # an ask back waits no longer than an answer may take to count: a crowd of callers
+        # that answer slowly must not hold the workers that ask back
+        timeout = self.config.timeout if picked else self.config.max_round_trip
+        with trio.move_on_after(timeout):
             try:
                 reply = await self.host.call(address, ClockRequest.METHOD, ClockRequest().to_body())
                 answer = ClockResponse.from_body(reply.body)
@@ -206,7 +270,8 @@ class ClockService:
                 logger.debug("clock.now to %s failed: %r", address, exc)
                 return False
             received = self.clock.local()
-            return self.clock.record(host, answer.time, sent, received, address.peer_id)
+            peer_id = address.peer_id
+            return self.clock.record(host, answer.time, sent, received, peer_id, picked=picked)
         return False
 
     async def sync(self, *, dial: bool = True) -> int:
@@ -239,9 +304,10 @@ class ClockService:
             task_status.started()
             while self.config.enabled:
                 await trio.sleep(self.config.interval * self._rng.uniform(0.9, 1.1))
-                # over connections that are up for other reasons: no dial, and nothing
-                # that keeps an idle connection open (a clock drifts by ppm)
-                await self.sync(dial=False)
+                # Over connections that are up for other reasons (a clock drifts by ppm):
+                # no dial, nothing that keeps an idle connection open; unless we picked
+                # too few so far (the first node of a swarm picked none at its start).
+                await self.sync(dial=self.clock.picked < _ENOUGH_PICKED)
 
     async def _serve_asks_back(self) -> None:
         async with trio.open_nursery() as nursery:
@@ -253,5 +319,11 @@ class ClockService:
             # over the connection it called us on (a client-mode peer has no address); one
             # that is already gone is not dialed
             if peer_id in self.host.connected_peers():
-                await self.ask(Address(_UNDIALABLE, 0, peer_id), remote_host)
+                await self.ask(Address(_UNDIALABLE, 0, peer_id), remote_host, picked=False)
                 self.clock.log_change()
+            # A node that picked few peers (the first of a swarm picked none) picks again
+            # now that peers come: asks back alone count for no more than one voice.
+            now = trio.current_time()
+            if self.clock.picked < _ENOUGH_PICKED and now >= self._catch_up_at:
+                self._catch_up_at = now + _CATCH_UP_EVERY
+                await self.sync()

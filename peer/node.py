@@ -17,7 +17,6 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
-import time
 from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
@@ -30,7 +29,7 @@ from protocol.identity import Identity, PeerID
 from .dht import DHT, DHTConfig
 from .errors import PeerUnavailableError
 from .host import HostConfig, RpcHost, open_rpc_host
-from .netclock import ClockConfig, ClockService, NetworkClock
+from .netclock import ClockConfig, ClockService, NetworkClock, wall_clock
 from .network import Network
 
 __all__ = ["Peer", "PeerConfig", "open_peer"]
@@ -168,7 +167,7 @@ async def open_peer(
     config: PeerConfig | None = None,
     *,
     announce_host: str | None = None,
-    clock: Callable[[], float] = time.time,
+    clock: Callable[[], float] = wall_clock,
     ensure_bootstrap_success: bool = True,
 ) -> AsyncIterator[Peer]:
     """Start a peer, bootstrap its DHT through ``initial_peers``, and yield it.
@@ -184,8 +183,10 @@ async def open_peer(
         config: host and DHT tuning.
         announce_host: the host others should dial (default: the listen host; a wildcard
             listen host announces the loopback address).
-        clock: this machine's unix time (tests pass a virtual one); the peer runs on it
-            corrected by its peers' median offset (``node.clock``, ``PeerConfig.clock``).
+        clock: this machine's unix time (default: the system time at the first reading,
+            moving with trio's monotonic clock, :func:`peer.netclock.wall_clock`; tests
+            pass a virtual one); the peer runs on it corrected by its peers' median offset
+            (``node.clock``, ``PeerConfig.clock``).
         ensure_bootstrap_success: when ``initial_peers`` are given and none answers, raise
             (a mistyped address must not leave a volunteer training alone); False starts
             alone with a warning instead (a bootstrap node whose peers are down). Named

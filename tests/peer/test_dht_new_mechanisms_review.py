@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 from contextlib import AsyncExitStack
-from functools import wraps
+from functools import partial, wraps
 from typing import Any
 
 import trio
@@ -105,8 +105,8 @@ async def test_background_stores_to_made_up_nodes_stay_bounded(
 
             victim.dht.protocol.store = counting  # type: ignore[method-assign]
             async with trio.open_nursery() as nursery:
-                for i in range(24):
-                    nursery.start_soon(victim.dht.store, f"key{i}", i)
+                for i in range(24):  # (expirations follow the virtual clock: a long ttl)
+                    nursery.start_soon(partial(victim.dht.store, ttl=3600.0), f"key{i}", i)
                     await trio.sleep(0.05)
             assert most[0] <= 32, most
             await trio.sleep(victim.dht.config.request_timeout + 1)

@@ -5,6 +5,7 @@ a minority of wrong clocks moves nobody; answers that cannot be trusted are not 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 
@@ -13,7 +14,7 @@ import trio
 import trio.testing
 
 from peer.memnet import MemoryNetwork
-from peer.netclock import ClockConfig, NetworkClock
+from peer.netclock import ClockConfig, NetworkClock, wall_clock
 from peer.node import Peer, PeerConfig, open_peer
 from protocol.errors import RemoteProtocolError
 from protocol.identity import Identity
@@ -88,6 +89,48 @@ def test_on_loopback_each_peer_counts() -> None:
     clock.record("127.0.0.1", 5.0, 0.0, 0.0, ids[1])
     clock.record("10.0.0.7", 1.0, 0.0, 0.0, ids[2])
     assert clock.samples == 3 and clock.offset == pytest.approx(3.0)  # [0, 1, 5, 5]
+
+
+def test_asked_back_answers_count_no_more_than_picked_ones() -> None:
+    """Anyone may call us and be asked back: a crowd of hosts doing so to move our clock
+    gets as many voices as the contacts we picked, never a majority."""
+    clock = NetworkClock(lambda: 0.0)
+    for i in range(10):
+        clock.record(f"10.0.1.{i}", 100.0, 0.0, 0.0, picked=False)
+    assert clock.offset == pytest.approx(50.0)  # nothing picked yet: one voice, halfway
+    for i in range(5):
+        clock.record(f"10.0.0.{i}", 0.0, 0.0, 0.0)
+    assert clock.samples == 10 and clock.offset == 0.0  # [0, 0 x5, 100 x5]
+    clock.record("10.0.0.1", 0.0, 0.0, 0.0, picked=False)  # picked already: stays picked
+    assert clock.picked == 5
+
+
+def test_beyond_max_offset_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    clock = NetworkClock(lambda: 0.0, ClockConfig(max_offset=60.0))
+    for i in range(3):
+        clock.record(f"10.0.0.{i}", 4000.0, 0.0, 0.0)
+    clock.log_change()
+    assert clock.offset == 60.0
+    assert "4000.000 s behind the median of 3 peers' clocks, beyond" in caplog.text
+    assert "correcting by only 60 s; set this machine's clock" in caplog.text
+
+
+def test_the_default_clock_does_not_follow_a_step_of_the_system_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """NTP stepping the system time (or a resumed VM) in the middle of a run would move
+    this node's rounds and expirations at once, and its offset, measured before, would
+    then be wrong until the next answers."""
+
+    async def main() -> tuple[float, float]:
+        before = wall_clock()
+        real = time.time
+        monkeypatch.setattr(time, "time", lambda: real() + 5.0)
+        await trio.sleep(1.0)
+        return before, wall_clock()
+
+    before, after = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert after - before == pytest.approx(1.0)
 
 
 def test_slow_or_impossible_round_trips_are_not_counted() -> None:
@@ -226,4 +269,16 @@ async def test_early_joiners_catch_up_with_later_ones(
             await trio.sleep(60.0)
             assert nodes[0].clock.offset == pytest.approx(-10.0, abs=0.02)
             for node in nodes[1:]:
+                assert node.clock.offset == 0.0
+
+
+async def test_a_crowd_of_lying_hosts_that_call_us_moves_nobody(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Ten hosts 100 s ahead join six honest peers and call them (they are asked back):
+    each honest peer counts them only as many times as the contacts it picked."""
+    with trio.fail_after(120):
+        async with swarm([0.0] * 6 + [100.0] * 10) as nodes:
+            await trio.sleep(30.0)
+            for node in nodes[:6]:
                 assert node.clock.offset == 0.0

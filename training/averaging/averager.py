@@ -17,7 +17,6 @@ import hashlib
 import logging
 import math
 import numbers
-import time
 import warnings
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
@@ -30,6 +29,7 @@ import torch
 import trio
 
 from peer import BackgroundPeer, Peer, PeerStoppedError, RemoteError, Reply, Request
+from peer.netclock import wall_clock
 from protocol.codecs import Codec, NonFiniteError, get_codec
 from protocol.errors import RemoteProtocolError
 from protocol.identity import PeerID
@@ -42,6 +42,7 @@ from .config import AveragerConfig, default_retain_budget
 from .feedback import ErrorFeedback
 from .grouping import DECLARATION_KEYS, MAX_DETAIL, MAX_EPOCH, Declaration, round_key
 from .layout import FlatVector, Float32Array, TensorLayout
+from .loopwatch import LoopWatch
 from .matchmaking import Matchmaker
 from .messages import ChunkHeader, method_prefix
 from .plan import Liveness, Plan
@@ -69,23 +70,10 @@ def _check_small(request: Request, keys: frozenset[str]) -> None:
         raise RemoteError("bad_request", "unexpected payload or keys in the request")
 
 
-_CLOCK_OFFSET: trio.lowlevel.RunVar[float] = trio.lowlevel.RunVar("swarm_wall_clock_offset")
-"""Unix time minus trio time, fixed at the first read in a run (dies with the run)."""
-
 MARGIN_SHARE, MIN_MARGIN, MAX_MARGIN = 0.1, 0.05, 1.0
 """Without a ``timeout``, a step under a caller's deadline ``left`` seconds away ends
 ``clamp(MARGIN_SHARE * left, MIN_MARGIN, MAX_MARGIN)`` before it (at most half of ``left``),
 so that it returns its report before the caller's cancel scope fires."""
-
-
-def wall_clock() -> float:
-    """Unix time read through trio's clock (virtual under ``MockClock``, real otherwise)."""
-    try:
-        offset = _CLOCK_OFFSET.get()
-    except LookupError:
-        offset = time.time() - trio.current_time()
-        _CLOCK_OFFSET.set(offset)
-    return trio.current_time() + offset
 
 
 def network_time(node: Peer, local: Callable[[], float]) -> Callable[[], float]:
@@ -147,6 +135,10 @@ def _check_node(node: object) -> None:
             "`async with peer.open_peer(...) as node:`)"
         )
     raise TypeError(f"node must be a running peer, got {type(node).__name__}{hint}")
+
+
+def _sentences(*notes: str) -> str:
+    return "; ".join(note for note in notes if note)
 
 
 def _shorten(indices: Sequence[int], most: int = 8) -> str:
@@ -503,9 +495,12 @@ class Averager:
             self.node, plan, self.flat, self.codec, self.config, self._methods, service,
             liveness, self._zeros, self._pool, feedback,
         )  # fmt: skip
+        watch = LoopWatch()
         async with trio.open_nursery() as nursery:  # the DHT store runs beside the butterfly
             nursery.start_soon(self._matchmaker.withdraw, match.round, max(withdraw_by, cutoff))
+            nursery.start_soon(watch.run)
             parts = await butterfly.run(cutoff, deadline)
+            watch.stop()
             self._warn_if_changed(versions)
             in_place = service.part if service is not None and service.in_place else None
             for part in parts:  # the received parts into the tensors (unless already there)
@@ -518,7 +513,8 @@ class Averager:
         return AveragingInfo(
             outcome_of(parts, self.flat.total), conf.round, plan.group, match.leader, parts,
             self.flat.total, epoch=plan.max_epoch, matchmaking_s=t1 - t0,
-            allreduce_s=allreduce_s, dropped=merge_dropped(parts), note=match.note,
+            allreduce_s=allreduce_s, dropped=merge_dropped(parts),
+            note=_sentences(match.note, watch.note(self.config.stall_timeout / 2)),
         )  # fmt: skip
 
     def _enter_round(self, number: int) -> None:

@@ -1,0 +1,45 @@
+"""How long this process's event loop stood still during an all-reduce.
+
+A peer that was suspended (SIGSTOP, a laptop lid, a debugger) or starved of CPU for
+seconds cannot tell from its own view of the round: when it runs again, the others have
+dropped it, and its report blames them (``timeout``), although they were healthy. A task
+that wakes every ``PERIOD`` and measures how late it woke tells the difference, at the
+cost of a few wake-ups per second of a step.
+"""
+
+from __future__ import annotations
+
+import trio
+
+PERIOD = 0.25
+"""Seconds between wake-ups; a stall shorter than this may go unseen (it is harmless)."""
+
+
+class LoopWatch:
+    """Run :meth:`run` beside the work, :meth:`stop` after it; ``longest`` is the longest
+    stretch (in seconds) during which the loop ran none of our wake-ups beyond ``PERIOD``."""
+
+    def __init__(self) -> None:
+        self.longest = 0.0
+        self._scope = trio.CancelScope()
+
+    async def run(self) -> None:
+        with self._scope:
+            while True:
+                before = trio.current_time()
+                await trio.sleep(PERIOD)
+                self.longest = max(self.longest, trio.current_time() - before - PERIOD)
+
+    def stop(self) -> None:
+        self._scope.cancel()
+
+    def note(self, threshold: float) -> str:
+        """A sentence for the report when the loop stood still ``threshold`` seconds or
+        more (empty otherwise)."""
+        if self.longest < threshold:
+            return ""
+        return (
+            f"this process stood still for {self.longest:.1f} s during the all-reduce "
+            "(suspended, or starved of CPU): members reported as timeout may have been "
+            "waiting for us, not frozen"
+        )
