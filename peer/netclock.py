@@ -53,21 +53,36 @@ _ENOUGH_PICKED = 3  # picked samples below which the periodic ask dials contacts
 _CATCH_UP_EVERY = 10.0  # seconds; at most this often, a node with too few picks again
 
 
-_WALL_OFFSET: trio.lowlevel.RunVar[float] = trio.lowlevel.RunVar("swarm_wall_clock_offset")
-"""Unix time minus trio time, fixed at the first read in a run (dies with the run)."""
+_WALL_ANCHOR: trio.lowlevel.RunVar[tuple[float, float]] = trio.lowlevel.RunVar("swarm_wall")
+"""(unix time minus trio time, seconds suspended) at the first read in a run."""
+_BOOTTIME = getattr(time, "CLOCK_BOOTTIME", None)
+
+
+def _suspended() -> float:
+    """Seconds this machine has spent suspended since boot: Linux's boot-time clock runs
+    on through a suspend, the monotonic clock (trio's) stops. 0 where there is none."""
+    if _BOOTTIME is None:
+        return 0.0
+    return time.clock_gettime(_BOOTTIME) - time.clock_gettime(time.CLOCK_MONOTONIC)
 
 
 def wall_clock() -> float:
     """Unix time read through trio's clock: virtual under ``MockClock``, and never stepped
     (trio's clock is monotonic), so that a change of the system time in the middle of a
-    run (NTP, by hand, a resumed VM) moves neither record expirations nor round slots at
-    once; the peers' median (:class:`NetworkClock`) corrects this machine's error."""
+    run (NTP, by hand) moves neither record expirations nor round slots at once; the peers'
+    median (:class:`NetworkClock`) corrects this machine's error. Time the machine spent
+    suspended (a laptop's sleep) is added back where the system says how long (Linux).
+    Outside a trio run (a plain script's thread): the system time."""
     try:
-        offset = _WALL_OFFSET.get()
+        now = trio.current_time()
+    except RuntimeError:
+        return time.time()
+    try:
+        offset, suspended = _WALL_ANCHOR.get()
     except LookupError:
-        offset = time.time() - trio.current_time()
-        _WALL_OFFSET.set(offset)
-    return trio.current_time() + offset
+        offset, suspended = time.time() - now, _suspended()
+        _WALL_ANCHOR.set((offset, suspended))
+    return now + offset + (_suspended() - suspended)
 
 
 @dataclass(frozen=True, slots=True)
@@ -114,9 +129,19 @@ class NetworkClock:
     the contacts we chose.
     """
 
-    def __init__(self, local: Callable[[], float], config: ClockConfig | None = None) -> None:
+    def __init__(
+        self,
+        local: Callable[[], float],
+        config: ClockConfig | None = None,
+        *,
+        count_own: bool = True,
+    ) -> None:
+        """``count_own``: our own clock is one voice of the median. A client-mode peer's
+        is not: nobody asks it back, so it follows the nodes it asked, all the way (half
+        way, with one node to ask, would leave the two apart)."""
         self.local = local
         self.config = config or ClockConfig()
+        self.count_own = count_own
         self.offset = 0.0
         self._logged = 0.0
         self._picked: OrderedDict[str, float] = OrderedDict()  # voice -> offset, oldest first
@@ -154,10 +179,9 @@ class NetworkClock:
         if not 0 <= round_trip <= self.config.max_round_trip:
             return False
         voice = _voice(host, peer_id)
-        if picked:
+        if picked or voice in self._picked:  # a host we picked stays picked, freshly
             self._asked.pop(voice, None)
-        elif voice in self._picked:
-            return True  # already counted as picked (its latest answer stands)
+            picked = True
         pool = self._picked if picked else self._asked
         pool.pop(voice, None)
         pool[voice] = remote_time - (sent + received) / 2
@@ -172,7 +196,10 @@ class NetworkClock:
         return list(self._asked.values())[-most:]
 
     def _median(self) -> float:
-        values = sorted([0.0, *self._picked.values(), *self._counted_asks()])
+        own = [0.0] if self.count_own else []
+        values = sorted([*own, *self._picked.values(), *self._counted_asks()])
+        if not values:
+            return self.offset
         middle = len(values) // 2
         return values[middle] if len(values) % 2 else (values[middle - 1] + values[middle]) / 2
 
@@ -244,7 +271,11 @@ class ClockService:
         if self.config.enabled and request.remote_host != "?":
             group = _voice(request.remote_host, request.peer_id)
             now = trio.current_time()
-            if now - self._asked_back.get(group, -float("inf")) >= self.config.interval:
+            # Only nodes of our routing table (full nodes, address proven): a client-mode
+            # caller follows us instead (see NetworkClock's count_own).
+            if now - self._asked_back.get(
+                group, -math.inf
+            ) >= self.config.interval and self._in_table(request.peer_id):
                 try:  # a full queue drops the ask: a crowd asking at once gets no extra calls
                     self._ask_back_send.send_nowait((request.peer_id, request.remote_host))
                     self._asked_back[group] = now
@@ -253,6 +284,9 @@ class ClockService:
                 if len(self._asked_back) > 4 * self.config.max_samples:  # a crowd: forget
                     self._asked_back = {group: now}
         return answer
+
+    def _in_table(self, peer_id: PeerID) -> bool:
+        return any(contact == peer_id for contact, _ in self._peers())
 
     async def ask(self, address: Address, host: str, *, picked: bool = True) -> bool:
         """Ask ``address`` for its clock and count the answer (``host``: its IP, for the

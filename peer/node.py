@@ -235,7 +235,7 @@ async def open_peer(
                 )
             sender, address = public.hostport, str(public)
             _warn_if_unreachable(public, peers)
-        network_clock = NetworkClock(clock, config.clock)
+        network_clock = NetworkClock(clock, config.clock, count_own=not client)
         dht = DHT(host, me, dht_config, sender=sender, clock=network_clock.now)
         clock_service = ClockService(host, network_clock, dht.routing_table_peers)
         async with trio.open_nursery() as nursery:

@@ -133,6 +133,34 @@ def test_the_default_clock_does_not_follow_a_step_of_the_system_time(
     assert after - before == pytest.approx(1.0)
 
 
+def test_suspended_time_is_added_back_and_outside_trio_it_is_the_system_time(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A laptop's sleep stops the monotonic clock (trio's) but not time: the default clock
+    adds what the system says it spent suspended, instead of running that far behind."""
+    from peer import netclock
+
+    async def main() -> float:
+        before = wall_clock()
+        monkeypatch.setattr(netclock, "_suspended", lambda: 600.0)  # from 0 at the anchor
+        await trio.sleep(1.0)
+        return wall_clock() - before
+
+    monkeypatch.setattr(netclock, "_suspended", lambda: 0.0)
+    moved = trio.run(main, clock=trio.testing.MockClock(autojump_threshold=0))
+    assert moved == pytest.approx(601.0)
+    assert wall_clock() == pytest.approx(time.time(), abs=1.0)  # no run: a thread's view
+
+
+def test_a_client_mode_peer_follows_all_the_way() -> None:
+    """Nobody asks a client back, so counting its own clock would leave it halfway from a
+    node it is alone with."""
+    clock = NetworkClock(lambda: 0.0, count_own=False)
+    assert clock.median() == 0.0  # nothing heard yet: as it was
+    clock.record("10.0.0.2", 3.0, 0.0, 0.0)
+    assert clock.offset == 3.0
+
+
 def test_slow_or_impossible_round_trips_are_not_counted() -> None:
     clock = NetworkClock(lambda: 0.0, ClockConfig(max_round_trip=0.5))
     assert not clock.record("10.0.0.2", 99.0, sent=10.0, received=10.6)
@@ -282,3 +310,34 @@ async def test_a_crowd_of_lying_hosts_that_call_us_moves_nobody(
             await trio.sleep(30.0)
             for node in nodes[:6]:
                 assert node.clock.offset == 0.0
+
+
+async def test_one_listening_node_and_client_mode_peers_agree(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The usual small swarm: one public node, volunteers behind NATs. The clients follow
+    the node; the node, asked by nobody in its routing table, keeps its time (it used to
+    move halfway towards whichever client asked it last)."""
+    net = MemoryNetwork(latency=0.01)
+    skews = [3.0, -2.0, 1.0]
+    with trio.fail_after(120):
+        async with AsyncExitStack() as stack:
+            server = await stack.enter_async_context(
+                open_peer("10.0.0.1:1000", network=net.interface("10.0.0.1"), clock=virtual())
+            )
+            clients = [
+                await stack.enter_async_context(
+                    open_peer(
+                        None,
+                        [server.address],
+                        client_mode=True,
+                        network=net.interface(f"10.0.1.{i}"),
+                        clock=virtual(skew),
+                    )
+                )
+                for i, skew in enumerate(skews)
+            ]
+            await trio.sleep(30.0)
+            assert server.clock.offset == 0.0
+            for client, skew in zip(clients, skews, strict=True):
+                assert client.clock.offset == pytest.approx(-skew, abs=0.02)

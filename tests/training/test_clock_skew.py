@@ -23,9 +23,12 @@ def virtual(skew: float) -> Callable[[], float]:
     return lambda: 1_700_000_000.0 + trio.current_time() + skew
 
 
-async def run_steps(skew: float, sync: bool) -> list[list[AveragingInfo]]:
+async def run_steps(
+    skew: float, sync: bool, averager_clock: bool = True
+) -> list[list[AveragingInfo]]:
     """Three peers, the third ``skew`` seconds off (its node and its averager read the
-    same wrong clock, as on a real machine); the groups of each step."""
+    same wrong clock, as on a real machine; ``averager_clock=False``: the averager is
+    given none and reads the node's); the groups of each step."""
     net = MemoryNetwork(latency=0.005)
     config = PeerConfig(clock=ClockConfig(enabled=sync))
     clocks = [virtual(0.0), virtual(0.0), virtual(skew)]
@@ -49,6 +52,8 @@ async def run_steps(skew: float, sync: bool) -> list[list[AveragingInfo]]:
     ):
         averagers = [
             Averager(node, "skew/x", [a], config=AveragerConfig(clock=clock))
+            if averager_clock
+            else Averager(node, "skew/x", [a])
             for node, a, clock in zip((first, second, third), arrays, clocks, strict=True)
         ]
         for _ in range(STEPS):
@@ -63,12 +68,12 @@ async def run_steps(skew: float, sync: bool) -> list[list[AveragingInfo]]:
     return steps
 
 
-@pytest.mark.parametrize("skew", [3.0, -5.0])
+@pytest.mark.parametrize(("skew", "averager_clock"), [(3.0, True), (-5.0, True), (3.0, False)])
 async def test_a_peer_whose_clock_is_off_averages_with_the_others(
-    autojump_clock: trio.testing.MockClock, skew: float
+    autojump_clock: trio.testing.MockClock, skew: float, averager_clock: bool
 ) -> None:
     with trio.fail_after(300):
-        steps = await run_steps(skew, sync=True)
+        steps = await run_steps(skew, sync=True, averager_clock=averager_clock)
     for infos in steps:
         assert [len(info.group) for info in infos] == [3, 3, 3]
         assert all(info.averaged_fraction == 1.0 for info in infos)

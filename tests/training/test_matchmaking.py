@@ -25,9 +25,10 @@ from test_averaging_support import (
 )
 
 from peer import Peer
+from peer.netclock import wall_clock
 from protocol.address import Address
 from training import Averager, AveragerConfig, AveragingInfo, LayoutMismatchError, Outcome
-from training.averaging.averager import _check_prefix, wall_clock
+from training.averaging.averager import _check_prefix
 from training.averaging.grouping import Declaration, rank_key, round_closing_after, round_key
 from training.averaging.matchmaking import MAX_FOREIGN_LAYOUTS
 from training.averaging.messages import method_prefix

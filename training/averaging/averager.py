@@ -29,7 +29,6 @@ import torch
 import trio
 
 from peer import BackgroundPeer, Peer, PeerStoppedError, RemoteError, Reply, Request
-from peer.netclock import wall_clock
 from protocol.codecs import Codec, NonFiniteError, get_codec
 from protocol.errors import RemoteProtocolError
 from protocol.identity import PeerID
@@ -239,7 +238,11 @@ class Averager:
         self.client_mode = client or node.rpc.listen_address is None
         self._methods = method_prefix(prefix)
         self._matchmaker = Matchmaker(
-            node, prefix, config, self.flat.total, network_time(node, config.clock or wall_clock)
+            node,
+            prefix,
+            config,
+            self.flat.total,
+            network_time(node, config.clock or node.clock.local),
         )
         self._count = 0
         self._active: _Active | None = None

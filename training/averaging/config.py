@@ -65,8 +65,9 @@ class AveragerConfig:
     # fit this budget (one sender always fits). None: max(64 MiB, a quarter of the vector).
     retain_budget: int | None = None
     # This machine's unix-time clock, for rendezvous slots; the node's network offset
-    # (peer.netclock: its peers' median clock) is added. None: wall time, read through
-    # trio's clock so that virtual-time tests (MockClock) work too.
+    # (peer.netclock: its peers' median clock) is added. None: the node's own clock
+    # (open_peer's clock=; by default wall time read through trio's clock, so that
+    # virtual-time tests under MockClock work too).
     clock: Callable[[], float] | None = None
 
     def __post_init__(self) -> None:
