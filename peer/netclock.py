@@ -208,7 +208,8 @@ class NetworkClock:
         return values[middle] if len(values) % 2 else (values[middle - 1] + values[middle]) / 2
 
     def median(self) -> float:
-        """The median of the counted offsets and our own (0), within ``max_offset``."""
+        """The median of the counted offsets and our own (0, unless ``count_own`` is off),
+        within ``max_offset``."""
         return max(-self.config.max_offset, min(self.config.max_offset, self._median()))
 
     def _follow_median(self) -> None:
