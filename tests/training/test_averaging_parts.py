@@ -248,6 +248,10 @@ def test_declaration_wire_round_trip_and_validation() -> None:
                          ("client_mode", 1), ("client_mode", "yes")]:  # fmt: skip
         with pytest.raises(RemoteProtocolError):
             Declaration.from_wire(d.peer_id, dict(d.to_wire(), **{field: value}))
+    # an address naming another peer: the group would dial that peer in its place
+    other = decl(5)
+    with pytest.raises(RemoteProtocolError, match="names another peer"):
+        Declaration.from_wire(d.peer_id, dict(d.to_wire(), address=other.address))
 
 
 # -- reducer ----------------------------------------------------------------------------

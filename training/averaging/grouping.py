@@ -117,9 +117,11 @@ class Declaration:
             raise RemoteProtocolError("a declaration without client mode needs an address")
         else:
             try:
-                Address.parse(address)
+                named = Address.parse(address).peer_id
             except ProtocolError as exc:
                 raise RemoteProtocolError(f"bad address in declaration: {exc}") from None
+            if named is not None and named != peer_id:  # others would dial that peer for us
+                raise RemoteProtocolError("a declaration's address names another peer")
         if not (math.isfinite(weight) and weight > 0):
             raise RemoteProtocolError(f"declared weight {weight} is not positive")
         if not (math.isfinite(bandwidth) and bandwidth > 0):
