@@ -297,12 +297,15 @@ class ClockService:
         """Ask ``address`` for its clock and count the answer (``host``: its IP, for the
         one-sample-per-host rule; ``picked``: see :class:`NetworkClock`). False when it did
         not answer in time or usably."""
-        sent = self.clock.local()
         # an ask back waits no longer than an answer may take to count: a crowd of callers
         # that answer slowly must not hold the workers that ask back
         timeout = self.config.timeout if picked else self.config.max_round_trip
         with trio.move_on_after(timeout):
             try:
+                # Connected first: a dial and handshake inside the timed call would shift
+                # the midpoint by half their time (a few round trips), one way only.
+                await self.host.connect(address)
+                sent = self.clock.local()
                 reply = await self.host.call(address, ClockRequest.METHOD, ClockRequest().to_body())
                 answer = ClockResponse.from_body(reply.body)
             except (SwarmError, OSError) as exc:

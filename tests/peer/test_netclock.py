@@ -13,9 +13,11 @@ import pytest
 import trio
 import trio.testing
 
+from peer.host import open_rpc_host
 from peer.memnet import MemoryNetwork
-from peer.netclock import ClockConfig, NetworkClock, wall_clock
+from peer.netclock import ClockConfig, ClockService, NetworkClock, wall_clock
 from peer.node import Peer, PeerConfig, open_peer
+from protocol.address import Address
 from protocol.errors import RemoteProtocolError
 from protocol.identity import Identity
 from protocol.messages import ClockResponse
@@ -341,3 +343,26 @@ async def test_one_listening_node_and_client_mode_peers_agree(
             assert server.clock.offset == 0.0
             for client, skew in zip(clients, skews, strict=True):
                 assert client.clock.offset == pytest.approx(-skew, abs=0.02)
+
+
+async def test_the_round_trip_timed_is_the_call_not_the_dial(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Asking a peer we are not connected to dials it first: a dial and handshake inside
+    the timed round trip (several one-way delays, all before the answer) moved the
+    midpoint by half their time (4.95 s measured for 5 s at 50 ms each way)."""
+    net = MemoryNetwork(latency=0.05)
+    ids = [Identity.from_seed(bytes([40 + i]) * 32) for i in range(2)]
+    with trio.fail_after(60):
+        async with (
+            open_rpc_host(
+                ids[0], listen=Address.parse("10.0.0.1:1000"), network=net.interface("10.0.0.1")
+            ) as there,
+            open_rpc_host(ids[1], listen=None, network=net.interface("10.0.0.2")) as here,
+        ):
+            ClockService(there, NetworkClock(virtual()), list)
+            ours = NetworkClock(virtual(5.0), count_own=False)
+            asker = ClockService(here, ours, list)
+            target = Address("10.0.0.1", 1000, ids[0].peer_id)
+            assert await asker.ask(target, "10.0.0.1")
+            assert ours.offset == pytest.approx(-5.0, abs=1e-6)
