@@ -651,6 +651,17 @@ class _RetriedOnce:
         return item
 
 
+UNDIALABLE_HOST = "client-mode.invalid"
+"""A host no lookup resolves (RFC 6761): an address at it reaches a peer only over the
+connection it already has with us (:func:`over_its_connection`)."""
+
+
+def over_its_connection(peer_id: PeerID) -> Address:
+    """An address for calls to ``peer_id`` over its pooled connection only (a client-mode
+    peer has no address to dial; a gone one fails at once instead of being dialed)."""
+    return Address(UNDIALABLE_HOST, 0, peer_id)
+
+
 def is_loopback_host(host: str) -> bool:
     """Whether a remote host (an IP, as streams report it) is this machine (loopback)."""
     try:

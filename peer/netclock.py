@@ -41,13 +41,12 @@ from protocol.identity import PeerID
 from protocol.messages import ClockRequest, ClockResponse
 
 from .calls import Reply, Request
-from .host import RpcHost, host_group, is_loopback_host
+from .host import RpcHost, host_group, is_loopback_host, over_its_connection
 
 __all__ = ["ClockConfig", "ClockService", "NetworkClock", "wall_clock"]
 
 logger = logging.getLogger(__name__)
 
-_UNDIALABLE = "client-mode.invalid"  # asks back go over the caller's own connection only
 _ASK_BACK_WORKERS = 4
 _ENOUGH_PICKED = 3  # picked samples below which the periodic ask dials contacts
 _CATCH_UP_EVERY = 10.0  # seconds; at most this often, a node with too few picks again
@@ -361,7 +360,7 @@ class ClockService:
             # over the connection it called us on (a client-mode peer has no address); one
             # that is already gone is not dialed
             if peer_id in self.host.connected_peers():
-                await self.ask(Address(_UNDIALABLE, 0, peer_id), remote_host, picked=False)
+                await self.ask(over_its_connection(peer_id), remote_host, picked=False)
                 self.clock.log_change()
             # A node that picked few peers (the first of a swarm picked none) picks again
             # now that peers come: asks back alone count for no more than one voice.

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 import trio
 
 from peer import Peer, PeerUnavailableError, RemoteError
+from peer.host import UNDIALABLE_HOST, over_its_connection
 from protocol.address import Address
 from protocol.identity import PeerID
 
@@ -21,7 +22,6 @@ from .reducer import DropReason, Member, effective_weights
 
 logger = logging.getLogger(__name__)
 
-_UNDIALABLE = "client-mode.invalid"  # a host no lookup resolves (RFC 6761)
 
 MAX_RECONNECTS = 2
 """Broken connections to one peer that a round survives: a call that fails on a reset
@@ -171,7 +171,7 @@ class Liveness:
             # Its connection to us is pooled under its PeerID and serves our calls too (no
             # scheduler pass in between: never dialed): ping it there, as a member that left
             # the round may still send us DHT traffic, and its bytes must not keep it in
-            address = Address(_UNDIALABLE, 0, peer_id)
+            address = over_its_connection(peer_id)
         answer = await self._ping(peer_id, address)
         if answer is not DropReason.FROZEN:
             return self._answered(peer_id, answer)
@@ -179,7 +179,7 @@ class Liveness:
         if heard >= started - self.timeout:  # busy, not frozen
             self._alive_at[peer_id] = heard
             return None
-        if address.host != _UNDIALABLE:
+        if address.host != UNDIALABLE_HOST:
             # Silence on the pooled connection may be the connection's, not the peer's: a
             # NAT or middlebox that dropped it loses what is written, with no reset, and
             # every round used it again (two honest peers "frozen" to each other until the
