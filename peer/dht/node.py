@@ -21,6 +21,7 @@ from __future__ import annotations
 import heapq
 import logging
 import math
+import numbers
 import random
 import time
 from collections import OrderedDict
@@ -656,8 +657,9 @@ class DHT:
             PeerStoppedError: this peer's ``open_peer`` context has ended.
         """
         key_id = check_key(key)
-        if not isinstance(ttl, int | float) or isinstance(ttl, bool):
+        if not isinstance(ttl, numbers.Real) or isinstance(ttl, bool):
             raise TypeError(f"ttl must be a number of seconds, got {type(ttl).__name__}")
+        ttl = float(ttl)  # numpy's numbers too: records hold a Python float expiration
         if not 0 < ttl <= MAX_TTL:
             raise ValueError(f"ttl must be in (0, {MAX_TTL}] seconds, got {ttl}")
         try:

@@ -6,8 +6,10 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+from fractions import Fraction
 from pathlib import Path
 
+import numpy as np
 import pytest
 import trio
 import trio.testing
@@ -151,6 +153,20 @@ async def test_a_ttl_below_the_clock_resolution_is_a_value_error() -> None:
             with pytest.raises(ValueError, match="resolution"):
                 await node.dht.store("tiny", 1, ttl=1e-9)
             assert await node.dht.store("small", 1, ttl=0.5)
+
+
+async def test_a_numpy_or_fraction_ttl_is_a_number_of_seconds() -> None:
+    """np.float64(30) used to pass the ttl check, then fail as "expiration must be a float";
+    np.float32, np.int64 and Fraction were "ttl must be a number"."""
+    with trio.fail_after(10):
+        async with open_peer() as node:
+            for ttl in (np.float64(30), np.float32(30), np.int64(30), Fraction(61, 2)):
+                assert await node.dht.store(f"ttl-{type(ttl).__name__}", 1, ttl=ttl)
+                assert await node.dht.get(f"ttl-{type(ttl).__name__}") == 1
+            with pytest.raises(ValueError, match="ttl must be in"):
+                await node.dht.store("nan", 1, ttl=np.float64("nan"))
+            with pytest.raises(TypeError, match="ttl must be a number"):
+                await node.dht.store("text", 1, ttl="30")  # type: ignore[arg-type]
 
 
 async def test_initial_peers_none_starts_a_new_swarm() -> None:
