@@ -238,6 +238,7 @@ def _parser() -> argparse.ArgumentParser:
     boot.add_argument(
         "--initial-peers",
         nargs="*",
+        action="extend",  # given twice: every address counts (the default kept the last)
         default=[],
         metavar="ADDR",
         help="PEERID@HOST:PORT of nodes to join (other bootstrap nodes)",
@@ -253,6 +254,7 @@ def _parser() -> argparse.ArgumentParser:
     status.add_argument(
         "--initial-peers",
         nargs="+",
+        action="extend",
         required=True,
         metavar="ADDR",
         help="PEERID@HOST:PORT of any node in the swarm",

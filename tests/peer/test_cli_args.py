@@ -33,6 +33,18 @@ def test_verbose_before_or_after_the_command(argv: list[str]) -> None:
     assert _parser().parse_args(argv).verbose is True
 
 
+@pytest.mark.parametrize("command", ["bootstrap", "status"])
+def test_initial_peers_given_twice_keeps_every_address(command: str) -> None:
+    """argparse's default kept only the last --initial-peers: a dead address given after
+    a live one hid the live one ("no peer answered")."""
+    argv = [command, "--initial-peers", "a@h:1", "b@h:2", "--initial-peers", "c@h:3"]
+    assert _parser().parse_args(argv).initial_peers == ["a@h:1", "b@h:2", "c@h:3"]
+    parser = _parser()
+    assert parser.parse_args([command, "--initial-peers", "a@h:1"]).initial_peers == ["a@h:1"]
+    if command == "bootstrap":  # the default list is not shared between parses
+        assert parser.parse_args([command]).initial_peers == []
+
+
 @pytest.mark.parametrize("argv", [["bootstrap"], ["status", "--initial-peers", "a@h:1"]])
 def test_not_verbose_by_default(argv: list[str]) -> None:
     assert _parser().parse_args(argv).verbose is False
