@@ -273,7 +273,9 @@ def run_in_background(
     that call (see :meth:`BackgroundPeer.run`). A process forked meanwhile (DataLoader
     workers) lets go of the peer's sockets (see the module's docstring).
     ``node = run_in_background(...).__enter__()`` (a notebook) keeps the peer running until
-    ``__exit__`` or the interpreter's exit, even once the context object is garbage.
+    the interpreter's exit, even once the context object is garbage; keep the context
+    (``ctx = run_in_background(...)``) to stop it earlier with ``ctx.__exit__(None, None,
+    None)``.
 
     Raises:
         ProtocolError, IdentityFileError, OSError, PeerUnavailableError: as
