@@ -269,6 +269,8 @@ def _parser() -> argparse.ArgumentParser:
         metavar="SECONDS",
         help="give up after SECONDS (default: 20)",
     )
+    for sub in (boot, status):  # an unknown flag is reported with its command's usage
+        sub.set_defaults(command_parser=sub)
     return parser
 
 
@@ -315,7 +317,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     command = None
     try:
         _guard_closed_stdio()  # (inside: a signal may come as soon as the handlers are in)
-        args = _parser().parse_args(argv)
+        args, unknown = _parser().parse_known_args(argv)
+        if unknown:  # (parse_args would print the top-level usage, not the command's)
+            args.command_parser.error(f"unrecognized arguments: {' '.join(unknown)}")
         command = args.command
         # a bootstrap node logs peers joining and leaving (INFO); status says what went
         # wrong in its own last line (the DHT's "no initial peer answered" repeated it)

@@ -308,3 +308,16 @@ def test_status_names_a_malformed_initial_peer_in_one_line(
     assert main(["status", "--initial-peers", given]) == 1
     captured = capsys.readouterr()
     assert (captured.out, captured.err) == ("", f"swarm status: {said}\n")
+
+
+@pytest.mark.parametrize("command", ["bootstrap", "status --initial-peers a@h:1"])
+def test_an_unknown_flag_shows_its_commands_usage(
+    command: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """It used to print the top-level usage (`swarm [-h] [-v] COMMAND ...`)."""
+    with pytest.raises(SystemExit) as exit_info:
+        main([*command.split(), "--bogus", "x"])
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert f"usage: swarm {command.split()[0]}" in err
+    assert "unrecognized arguments: --bogus x" in err
