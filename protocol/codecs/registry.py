@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 from .base import Codec
@@ -31,4 +32,11 @@ def get_codec(name: str, **params: Any) -> Codec:
         codec = CODECS[name]
     except (KeyError, TypeError):
         raise ValueError(f"unknown codec {name!r}; known: {', '.join(CODEC_NAMES)}") from None
+    accepted = [p for p in inspect.signature(codec.__init__).parameters if p != "self"]
+    unknown = sorted(set(params) - set(accepted), key=str)
+    if unknown:  # (the constructor's own error named a class, not the codec's parameters)
+        raise TypeError(
+            f"codec {name!r} takes no parameter {', '.join(map(repr, unknown))}; its "
+            f"parameters: {', '.join(accepted)}"
+        )
     return codec(**params)

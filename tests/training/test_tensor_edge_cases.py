@@ -179,6 +179,41 @@ async def test_tensors_that_cannot_be_averaged_in_place_are_refused_naming_them(
                 Averager(nodes[0], "t/x", [torch.zeros(2), make()], config=fast_config())
 
 
+@pytest.mark.parametrize("tensors", [None, 5], ids=["None", "int"])
+async def test_tensors_that_are_not_a_list_say_what_was_expected(
+    autojump_clock: trio.testing.MockClock, tensors: Any
+) -> None:
+    """None and 5 were "'NoneType' object is not iterable" and "'int' object is ..."."""
+    with trio.fail_after(30):
+        async with memnet_swarm(1) as (_, nodes):
+            with pytest.raises(TypeError, match="tensors must be a list of tensors, got"):
+                Averager(nodes[0], "t/x", tensors, config=fast_config())
+
+
+@pytest.mark.parametrize(
+    ("codec", "params", "error", "message"),
+    [
+        ("int8", {"fraction": 0.1}, TypeError, "'int8' takes no parameter 'fraction'"),
+        ("none", {"zzz": 1}, TypeError, "'none' takes no parameter 'zzz'"),
+        ("topk", {}, ValueError, "topk takes exactly one of k and fraction"),
+    ],
+)
+async def test_codec_params_the_codec_does_not_take_are_named(
+    autojump_clock: trio.testing.MockClock,
+    codec: str,
+    params: dict[str, Any],
+    error: type[Exception],
+    message: str,
+) -> None:
+    """A topk fraction left in codec_params after a switch to int8 was "Int8Codec.__init__()
+    got an unexpected keyword argument 'fraction'"."""
+    with trio.fail_after(30):
+        async with memnet_swarm(1) as (_, nodes):
+            config = fast_config(codec_params=params)
+            with pytest.raises(error, match=f"AveragerConfig.codec_params: .*{message}"):
+                Averager(nodes[0], "t/x", [torch.zeros(2)], codec=codec, config=config)
+
+
 # -- memory that changes between steps -----------------------------------------------------
 
 

@@ -220,7 +220,10 @@ class Averager:
         self.prefix = _check_prefix(prefix)
         self.config = config
         self.flat = FlatVector.of(tensors)
-        self.codec = get_codec(config.codec, **config.codec_params)
+        try:  # e.g. topk's fraction left in codec_params after a switch to int8
+            self.codec = get_codec(config.codec, **config.codec_params)
+        except (TypeError, ValueError) as exc:
+            raise type(exc)(f"AveragerConfig.codec_params: {exc}") from None
         self.codec.casts = TORCH_CASTS  # same values as numpy's, many times faster
         self.layout = self.flat.layout
         # peers must agree on the codec, the chunking, the group size (a group must fit

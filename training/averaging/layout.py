@@ -78,8 +78,8 @@ def as_list(tensors: Iterable[Any]) -> list[Any]:
     """The user's tensors as a list (a generator such as ``model.parameters()`` too).
 
     Raises:
-        TypeError: if ``tensors`` is one tensor or a mapping (a ``state_dict()``) rather than
-            a list of tensors.
+        TypeError: if ``tensors`` is one tensor, a mapping (a ``state_dict()``) or anything
+            else but an iterable of tensors.
     """
     if isinstance(tensors, torch.Tensor | np.ndarray):  # iterating it would average its rows
         # (each 0-d for a vector: millions of tensors) or, for numpy, refuse its scalars
@@ -92,7 +92,13 @@ def as_list(tensors: Iterable[Any]) -> list[Any]:
             "list(model.parameters()), or the floating tensors of state_dict().values() "
             "without tied weights ([t for t in sd.values() if t.is_floating_point()])"
         )
-    return list(tensors)
+    try:
+        iterator = iter(tensors)
+    except TypeError:  # (list() said "'NoneType' object is not iterable")
+        raise TypeError(
+            f"tensors must be a list of tensors, got {type(tensors).__name__}"
+        ) from None
+    return list(iterator)
 
 
 def as_tensors(tensors: Iterable[Any]) -> list[torch.Tensor]:
