@@ -129,7 +129,9 @@ async def test_a_lone_peer_whose_node_knows_nobody_is_told_so(
             (member,) = make_members(nodes, 100, fast_config())
             info = await member.averager.step(timeout=10.0)
     assert info.outcome is Outcome.ALONE
-    assert info.note == "no partner (this node knows no other peer in the DHT yet)"
+    assert info.note == (
+        "no partner (this node knows no other peer in the DHT: none joined yet, or all left)"
+    )
 
 
 async def test_bandwidth_sizes_parts_and_client_mode_gets_none(

@@ -62,7 +62,7 @@ def _left_alone_note(
     say so, a newcomer that joined through a freshly restarted bootstrap node sees nobody)."""
     ours = [d for d in others if d.layout == me.layout]
     if not ours and not known_peers:
-        return "no partner (this node knows no other peer in the DHT yet)"
+        return "no partner (this node knows no other peer in the DHT: none joined yet, or all left)"
     if not ours:
         return "no partner"
     note = f"no partner: {len(ours)} other peer(s) declared, "
