@@ -1,4 +1,4 @@
-"""A local swarm that really trains: one bootstrap node and three volunteers.
+"""A local swarm that really trains: one bootstrap node and N volunteers (3 by default).
 
     make demo                                  # or: .venv/bin/python examples/demo_swarm.py
     .venv/bin/python examples/demo_swarm.py --peers 4 --rounds 30
@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -45,8 +46,14 @@ def make_data(seed: int, n: int, bias: int | None):
     return x, labels
 
 
+LIVE_TTL = 10.0
+"""Seconds a volunteer's "still training" mark lasts; each round renews it, so a volunteer
+that died stops being waited for at the final meeting within this long."""
+
+
 async def barrier(node, name: str, expected: int) -> None:
-    """Announce ourselves under ``name`` and wait (bounded) until every volunteer has."""
+    """Announce ourselves under ``name`` and wait (bounded) until every volunteer has, or
+    at least every one still alive (whose "demo/live" mark has not expired)."""
     import trio
 
     with trio.move_on_after(60):
@@ -54,6 +61,9 @@ async def barrier(node, name: str, expected: int) -> None:
             await node.dht.store(name, True, ttl=120, subkey=str(node.peer_id))
             present = await node.dht.get(name) or {}
             if len(present) >= expected:
+                return
+            live = await node.dht.get("demo/live") or {}
+            if name == "demo/finished" and live and set(live) <= set(present):
                 return
             await trio.sleep(0.5)
 
@@ -86,6 +96,7 @@ async def volunteer(args: argparse.Namespace) -> None:
             with torch.no_grad():
                 info = await averager.step(weight=1.0, epoch=round_no, timeout=15.0)
             report(args.index, round_no, model, info)
+            await node.dht.store("demo/live", round_no, ttl=LIVE_TTL, subkey=str(node.peer_id))
         # Everyone finishes local work at a slightly different time: meet once more so
         # that all volunteers end with the same, averaged model.
         await barrier(node, "demo/finished", args.peers)
@@ -146,9 +157,13 @@ def solo_accuracy(steps: int) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--peers", type=int, default=3)
-    parser.add_argument("--rounds", type=int, default=15)
-    parser.add_argument("--local-steps", type=int, default=10)
+    parser.add_argument("--peers", type=int, default=3, help="volunteer processes (default 3)")
+    parser.add_argument(
+        "--rounds", type=int, default=15, help="averaging rounds, plus a last meeting (15)"
+    )
+    parser.add_argument(
+        "--local-steps", type=int, default=10, help="local SGD steps between averagings (10)"
+    )
     parser.add_argument("--volunteer", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--initial-peer", default="", help=argparse.SUPPRESS)
@@ -156,8 +171,13 @@ def main() -> int:
     if args.volunteer:
         import trio
 
-        trio.run(volunteer, args)
-        return 0
+        interrupted = False
+        try:
+            trio.run(volunteer, args)
+        except* KeyboardInterrupt:  # Ctrl-C reaches every process of the terminal's group
+            signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second one: no atexit traceback
+            interrupted = True
+        return 130 if interrupted else 0
 
     swarm = Path(sys.executable).with_name("swarm")
     boot = subprocess.Popen(
@@ -167,64 +187,79 @@ def main() -> int:
     )
     workers: list[subprocess.Popen[str]] = []
     try:
-        assert boot.stdout is not None
-        address = boot.stdout.readline().strip()
-        print(f"bootstrap node: {address}", flush=True)
-        for i in range(args.peers):
-            workers.append(
-                subprocess.Popen(
-                    [
-                        sys.executable,
-                        __file__,
-                        "--volunteer",
-                        f"--index={i}",
-                        f"--initial-peer={address}",
-                        f"--peers={args.peers}",
-                        f"--rounds={args.rounds}",
-                        f"--local-steps={args.local_steps}",
-                    ],
-                    stdout=subprocess.PIPE,
-                    text=True,
-                )
-            )
-        lines: queue.Queue[str | None] = queue.Queue()
-        for worker in workers:
-            threading.Thread(target=_pump, args=(worker, lines), daemon=True).start()
-        final: dict[int, dict[str, float]] = {}
-        running = len(workers)
-        while running:
-            line = lines.get(timeout=600)
-            if line is None:
-                running -= 1
-                continue
-            record = json.loads(line)
-            final[record["volunteer"]] = record
-            print(
-                f"volunteer {record['volunteer']} round {record['round']:3d}  "
-                f"test loss {record['test_loss']:.3f}  accuracy {record['test_accuracy']:.3f}  "
-                f"group {record['group_size']}  averaged {record['averaged_fraction']:.2f}",
-                flush=True,
-            )
-        for worker in workers:
-            worker.wait(timeout=60)
-        failed = [w.returncode for w in workers if w.returncode != 0]
-        accuracies = [final[i]["test_accuracy"] for i in sorted(final)]
-        solo = solo_accuracy(args.rounds * args.local_steps)
-        print(
-            json.dumps(
-                {
-                    "swarm_final_test_accuracy": accuracies,
-                    "solo_test_accuracy_volunteer_0": round(solo, 4),
-                    "failed_volunteers": len(failed),
-                }
-            )
-        )
-        return 1 if failed or len(final) != args.peers else 0
+        return _run(args, boot, workers)
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C: let the clean-up end
+        print("demo interrupted", file=sys.stderr)
+        return 130
     finally:
         for proc in [*workers, boot]:
             if proc.poll() is None:
                 proc.terminate()
                 proc.wait(timeout=10)
+
+
+def _run(
+    args: argparse.Namespace, boot: subprocess.Popen[str], workers: list[subprocess.Popen[str]]
+) -> int:
+    """Start the volunteers (into ``workers``), print their lines, then the summary."""
+    assert boot.stdout is not None
+    address = boot.stdout.readline().strip()
+    print(f"bootstrap node: {address}", flush=True)
+    for i in range(args.peers):
+        workers.append(
+            subprocess.Popen(
+                [
+                    sys.executable,
+                    __file__,
+                    "--volunteer",
+                    f"--index={i}",
+                    f"--initial-peer={address}",
+                    f"--peers={args.peers}",
+                    f"--rounds={args.rounds}",
+                    f"--local-steps={args.local_steps}",
+                ],
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+        )
+    lines: queue.Queue[str | None] = queue.Queue()
+    for worker in workers:
+        threading.Thread(target=_pump, args=(worker, lines), daemon=True).start()
+    final: dict[int, dict[str, float]] = {}
+    running = len(workers)
+    while running:
+        line = lines.get(timeout=600)
+        if line is None:
+            running -= 1
+            continue
+        record = json.loads(line)
+        final[record["volunteer"]] = record
+        print(
+            f"volunteer {record['volunteer']} round {record['round']:3d}  "
+            f"test loss {record['test_loss']:.3f}  accuracy {record['test_accuracy']:.3f}  "
+            f"group {record['group_size']}  averaged {record['averaged_fraction']:.2f}",
+            flush=True,
+        )
+    for worker in workers:
+        worker.wait(timeout=60)
+    failed = [i for i, w in enumerate(workers) if w.returncode != 0]
+    # a volunteer that died has no final accuracy (its last line predates its death)
+    accuracies = [
+        None if i in failed or i not in final else final[i]["test_accuracy"]
+        for i in range(args.peers)
+    ]
+    solo = solo_accuracy(args.rounds * args.local_steps)
+    print(
+        json.dumps(
+            {
+                "swarm_final_test_accuracy": accuracies,
+                "solo_test_accuracy_volunteer_0": round(solo, 4),
+                "failed_volunteers": len(failed),
+            }
+        )
+    )
+    return 1 if failed or len(final) != args.peers else 0
 
 
 if __name__ == "__main__":
