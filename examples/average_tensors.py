@@ -25,9 +25,13 @@ def main() -> None:
     parser.add_argument(
         "--initial-peers", nargs="+", default=[], help="PEERID@HOST:PORT (omit: start a new swarm)"
     )
-    parser.add_argument("--value", type=float, default=random.uniform(0, 100))
-    parser.add_argument("--rounds", type=int, default=20)
-    parser.add_argument("--codec", default="none", choices=["none", "float16", "int8"])
+    parser.add_argument(
+        "--value", type=float, default=random.uniform(0, 100), help="this process's value"
+    )
+    parser.add_argument("--rounds", type=int, default=20, help="averaging rounds (default 20)")
+    parser.add_argument(
+        "--codec", default="none", choices=["none", "float16", "int8"], help="all-reduce codec"
+    )
     args = parser.parse_args()
 
     tensor = torch.full((100_000,), args.value)

@@ -107,9 +107,11 @@ def solo(peers: int, steps: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--peers", type=int, default=3)
-    parser.add_argument("--steps", type=int, default=40)
-    parser.add_argument("--codec", default="none", choices=["none", "float16", "int8"])
+    parser.add_argument("--peers", type=int, default=3, help="worker processes (default 3)")
+    parser.add_argument("--steps", type=int, default=40, help="training steps (default 40)")
+    parser.add_argument(
+        "--codec", default="none", choices=["none", "float16", "int8"], help="all-reduce codec"
+    )
     parser.add_argument("--index", type=int, help=argparse.SUPPRESS)  # set for workers
     parser.add_argument("--bootstrap", help=argparse.SUPPRESS)
     args = parser.parse_args()
