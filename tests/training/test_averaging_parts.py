@@ -17,7 +17,7 @@ from protocol.errors import RemoteProtocolError
 from protocol.identity import Identity, PeerID
 from training.averaging.grouping import (
     Declaration,
-    grid_shape,
+    grid_sides,
     leader_of,
     make_groups,
     parse_declarations,
@@ -133,12 +133,21 @@ def test_split_spans_take_any_finite_bandwidths() -> None:
 # -- grouping ---------------------------------------------------------------------------
 
 
-def test_grid_shape() -> None:
-    assert grid_shape(4, 4) == (1, 4)
-    assert grid_shape(16, 4) == (2, 4)
-    assert grid_shape(10, 4) == (2, 4)
-    assert grid_shape(17, 4) == (3, 3)
-    assert grid_shape(1, 4) == (1, 1)
+def test_grid_sides() -> None:
+    assert grid_sides(4, 4) == (4,)
+    assert grid_sides(16, 4) == (4, 4)
+    assert grid_sides(8, 4) == (4, 2)  # was 3 x 3: a short line every round
+    assert grid_sides(12, 4) == (4, 3)
+    assert grid_sides(10, 4) == (4, 4)  # no exact fit: equal sides
+    assert grid_sides(17, 4) == (3, 3, 3)
+    assert grid_sides(1, 4) == (1,)
+    assert grid_sides(1000, 16) == (10, 10, 10)
+    assert grid_sides(7, 2) == (2, 2, 2)
+    for n in range(1, 300):
+        for group_size in (2, 3, 4, 5, 8, 16):
+            sides = grid_sides(n, group_size)
+            assert max(sides) <= group_size and math.prod(sides) >= n
+            assert group_size ** (len(sides) - 1) < n or len(sides) == 1
 
 
 def test_groups_are_deterministic_and_bounded() -> None:
@@ -151,11 +160,11 @@ def test_groups_are_deterministic_and_bounded() -> None:
         assert leader_of(group) == group[0]
 
 
-@pytest.mark.parametrize("n", [2, 3, 5, 10, 16, 17, 40])
+@pytest.mark.parametrize("n", [2, 3, 5, 8, 10, 12, 16, 17, 40])
 def test_moshpit_grid_mixes_everyone(n: int) -> None:
     """Averaging within the groups of d consecutive phases yields the global mean."""
     values = {peer(i): float(i) for i in range(n)}
-    d, _ = grid_shape(n, 4)
+    d = len(grid_sides(n, 4))
     for phase in range(d):
         decls = [decl(i, count=phase) for i in range(n)]
         groups = make_groups(decls, 4, "p")
@@ -165,7 +174,7 @@ def test_moshpit_grid_mixes_everyone(n: int) -> None:
             for x in group:
                 values[x.peer_id] = mean
     spread = max(values.values()) - min(values.values())
-    grid_full = grid_shape(n, 4)[1] ** d == n
+    grid_full = math.prod(grid_sides(n, 4)) == n
     if grid_full:
         assert spread < 1e-9
     assert spread < n - 1  # always mixes
@@ -182,7 +191,7 @@ def test_short_grid_lines_are_balanced_within_group_size(
     exceeds group_size: pairs of an odd count leave one peer out (another each round).
     Repeated rounds still mix everyone."""
     values = {peer(i): float(i) for i in range(n)}
-    d, _ = grid_shape(n, group_size)
+    d = len(grid_sides(n, group_size))
     for phase in range(2 * d):
         decls = [decl(i, count=phase) for i in range(n)]
         groups = make_groups(decls, group_size, "p")

@@ -229,11 +229,12 @@ class Averager:
         # peers must agree on the codec, the chunking, the group size (a group must fit
         # every member's) and the wire format (v2: raw result blobs reused; topk results
         # lossless with error feedback; v3: raw float32 payloads with the none codec; v4:
-        # convex sums, the group size), and on the staleness rule: each reducer applies its
+        # convex sums, the group size; v5: grids that n fills exactly, so the same groups),
+        # and on the staleness rule: each reducer applies its
         # own, so with different ones parts were weighed differently, or a reducer waited
         # until the cutoff for a sender that had found itself stale and sent nothing
         self.layout_id = self.layout.fingerprint(
-            f"{self.codec!r}|{config.chunk_bytes}|group_size={config.group_size}|v4"
+            f"{self.codec!r}|{config.chunk_bytes}|group_size={config.group_size}|v5"
             f"|S={config.max_staleness}|decay={float(config.staleness_decay)!r}"
         )
         self._detail = describe_settings(self.layout, self.codec, config)[:MAX_DETAIL]
