@@ -174,10 +174,11 @@ class Matchmaker(Confirmation):
             )
             # Alone although others were in our last rounds: most likely they arrived just
             # after us at a slot boundary and declared in the next round. Follow them, once
-            # (not when only client-mode peers came: the next round cannot be better, and our
-            # "done" marker would tell them we had found a group).
+            # (not when peers of our layout were in this round and the grouping left us out:
+            # they average now, the next round cannot be better, and our "done" marker would
+            # tell them we had found a group).
             retry = result.retry or (
-                result.alone and not result.clients_only and lone_retry and self._others_recently()
+                result.alone and not result.left_out and lone_retry and self._others_recently()
             )
             lone_retry = lone_retry and not result.alone
             if result.strangers and (strangers is None or result.strangers > strangers.strangers):
@@ -271,10 +272,9 @@ class Matchmaker(Confirmation):
             if late:
                 note += f"; {late}"
             ours = [d for d in others if d.layout == state.me.layout]
-            clients_only = bool(ours) and all(d.client_mode for d in [state.me, *ours])
             return MatchResult(
                 state.number, None, None, len(declared), note, alone=True, strangers=foreign,
-                late=late, clients_only=clients_only,
+                late=late, left_out=bool(ours),
             )  # fmt: skip
         if leader.peer_id == state.me.peer_id:
             state.is_leader = True

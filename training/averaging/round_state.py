@@ -69,4 +69,6 @@ class MatchResult:
     retry: bool = False  # the leader was no longer in the round: worth another round
     strangers: int = 0  # peers of another layout in the round (when alone)
     late: str = ""  # when alone: others of the round had their groups before we read it
-    clients_only: bool = False  # alone because every peer of our layout is client-mode
+    # when alone: peers of our layout were in the round, and the grouping left us out (all
+    # client-mode like us, no room for a client, or the odd one of pairs)
+    left_out: bool = False
