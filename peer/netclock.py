@@ -7,7 +7,8 @@ partner"); one behind by more than a declaration's lifetime stored records that 
 already expired for everyone else. A volunteer's machine without NTP is often seconds off.
 
 So each peer asks a few others for their clock (``clock.now``), estimates each offset from
-the midpoint of the round trip (wrong by at most half of it), and runs on its own clock
+the midpoint of the round trip (wrong by at most half of it, so an estimate within half
+the round trip of zero counts as zero), and runs on its own clock
 plus the median of those offsets, its own (zero) counted as one. A minority of wrong or
 lying clocks does not move the median, and a skewed machine follows the majority.
 
@@ -187,7 +188,12 @@ class NetworkClock:
             picked = True
         pool = self._picked if picked else self._asked
         pool.pop(voice, None)
-        pool[voice] = remote_time - (sent + received) / 2
+        estimate = remote_time - (sent + received) / 2
+        # The answer bounds the offset to estimate +- round_trip / 2, no closer: a request
+        # that waited on the answerer's busy loop (0.6 s making a tensor) reads as a skew
+        # of half that wait (a benchmark peer on loopback followed +0.29 s and met the
+        # others a slot late). Bounds that include no skew at all count as none.
+        pool[voice] = 0.0 if abs(estimate) <= round_trip / 2 else estimate
         while len(pool) > self.config.max_samples:
             pool.popitem(last=False)
         self._follow_median()

@@ -170,6 +170,19 @@ def test_slow_or_impossible_round_trips_are_not_counted() -> None:
     assert clock.samples == 0 and clock.offset == 0.0
 
 
+def test_an_estimate_within_half_the_round_trip_of_zero_counts_as_zero() -> None:
+    """An answer that waited 0.6 s on the answerer's busy loop reads as a skew of 0.3 s: a
+    benchmark peer on loopback (one clock for all) followed +0.29 s and met the others a
+    slot late. A skew larger than half the round trip still counts in full."""
+    clock = NetworkClock(lambda: 0.0, count_own=False)
+    assert clock.record("10.0.0.2", 10.6, sent=10.0, received=10.6)  # +0.3, round trip 0.6
+    assert clock.offset == 0.0 and clock.samples == 1
+    clock.record("10.0.0.2", 10.6, sent=10.0, received=10.2)  # +0.5, round trip 0.2
+    assert clock.offset == pytest.approx(0.5)
+    clock.record("10.0.0.2", 4.0, sent=10.0, received=10.2)  # -6.1
+    assert clock.offset == pytest.approx(-6.1)
+
+
 def test_small_moves_are_ignored_and_the_correction_is_capped() -> None:
     clock = NetworkClock(lambda: 0.0, ClockConfig(threshold=0.1, max_offset=60.0))
     clock.record("10.0.0.2", 0.05, 0.0, 0.0)
