@@ -6,9 +6,28 @@ from __future__ import annotations
 
 import numpy as np
 import trio
-from test_averaging_support import fast_config, make_members, memnet_swarm, step_all, verify_round
+from test_averaging_support import (
+    Member,
+    fast_config,
+    make_members,
+    memnet_swarm,
+    step_all,
+    verify_round,
+)
 
 from training import Averager, Outcome
+
+
+def make_clients(members: list[Member], group_size: int) -> None:
+    """Turn ``members`` into client-mode peers (their averagers made again)."""
+    for member in members:
+        member.averager.close()
+        member.averager = Averager(
+            member.averager.node,
+            "t/x",
+            [member.array],
+            config=fast_config(group_size=group_size, client_mode=True),
+        )
 
 
 async def test_a_client_beside_full_peers_that_fill_their_group_averages(
@@ -17,14 +36,7 @@ async def test_a_client_beside_full_peers_that_fill_their_group_averages(
     with trio.fail_after(120):
         async with memnet_swarm(5) as (_, nodes):
             members = make_members(nodes, 1 << 12, fast_config(group_size=4))
-            client = members[-1]
-            client.averager.close()
-            client.averager = Averager(
-                client.averager.node,
-                "t/x",
-                [client.array],
-                config=fast_config(group_size=4, client_mode=True),
-            )
+            make_clients(members[-1:], 4)
             for _round in range(3):
                 for m in members:
                     m.data = m.array.copy()
@@ -49,14 +61,7 @@ async def test_a_client_left_out_by_the_grouping_says_why_and_does_not_wait_a_ro
     with trio.fail_after(120):
         async with memnet_swarm(5) as (_, nodes):
             members = make_members(nodes, 1 << 10, fast_config(group_size=4))
-            for member in members[1:]:
-                member.averager.close()
-                member.averager = Averager(
-                    member.averager.node,
-                    "t/x",
-                    [member.array],
-                    config=fast_config(group_size=4, client_mode=True),
-                )
+            make_clients(members[1:], 4)
             for _round in range(4):
                 for m in members:
                     m.data = m.array.copy()
