@@ -230,9 +230,9 @@ class Averager:
         # every member's) and the wire format (v2: raw result blobs reused; topk results
         # lossless with error feedback; v3: raw float32 payloads with the none codec; v4:
         # convex sums, the group size; v5: grids that n fills exactly, so the same groups),
-        # and on the staleness rule: each reducer applies its
-        # own, so with different ones parts were weighed differently, or a reducer waited
-        # until the cutoff for a sender that had found itself stale and sent nothing
+        # and on the staleness rule: each reducer applies its own, so with different ones
+        # parts were weighed differently, or a reducer waited until the cutoff for a sender
+        # that had found itself stale and sent nothing
         self.layout_id = self.layout.fingerprint(
             f"{self.codec!r}|{config.chunk_bytes}|group_size={config.group_size}|v5"
             f"|S={config.max_staleness}|decay={float(config.staleness_decay)!r}"

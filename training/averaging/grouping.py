@@ -13,11 +13,10 @@ every ``d`` rounds, placed on a ``d``-dimensional grid with sides ``<= group_siz
 ``grid_sides``), and grouped by all coordinates but one; the free coordinate cycles with
 the shared ``phase`` (the largest round count declared). After ``d`` rounds over a stable
 population every peer has (indirectly) averaged with every other (exactly, when ``n``
-fills the grid). Client-mode peers join the smallest groups
-that have room; when none has, one full peer (one per round) leaves the group with the most
-of them to start one for clients. Singletons are merged or balanced away wherever
-group_size allows (see ``_merge_singletons``). Each group's leader is its first non-client
-member in hash order.
+fills the grid). Client-mode peers join the smallest groups that have room; when none has,
+one full peer (one per round) leaves the group with the most of them to start one for
+clients. Singletons are merged or balanced away wherever group_size allows (see
+``_merge_singletons``). Each group's leader is its first non-client member in hash order.
 """
 
 from __future__ import annotations
