@@ -26,6 +26,7 @@ lying clocks does not move the median, and a skewed machine follows the majority
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import random
@@ -51,6 +52,11 @@ logger = logging.getLogger(__name__)
 _ASK_BACK_WORKERS = 4
 _ENOUGH_PICKED = 3  # picked samples below which the periodic ask dials contacts
 _CATCH_UP_EVERY = 10.0  # seconds; at most this often, a node with too few picks again
+_SLOW_ROUND_TRIP = 0.2
+"""Seconds: a host whose answer took longer is asked again (twice at most, 1-3 s apart),
+and its fastest answer counts: a busy answerer (its loop computing) is seldom busy at
+every try, and the estimate errs by up to half the round trip."""
+_AGAIN = 2
 
 
 _WALL_ANCHOR: trio.lowlevel.RunVar[tuple[float, float]] = trio.lowlevel.RunVar("swarm_wall")
@@ -150,6 +156,8 @@ class NetworkClock:
         self._logged = 0.0
         self._picked: OrderedDict[str, float] = OrderedDict()  # voice -> offset, oldest first
         self._asked: OrderedDict[str, float] = OrderedDict()
+        # voice -> (round trip, local time) of the answer that counts now (see record)
+        self._round_trips: dict[str, tuple[float, float]] = {}
 
     def now(self) -> float:
         """Unix time as the swarm's median clock reads it."""
@@ -183,6 +191,14 @@ class NetworkClock:
         if not 0 <= round_trip <= self.config.max_round_trip:
             return False
         voice = _voice(host, peer_id)
+        # as strong a kind as this one (an answer we picked is not one we were asked back)
+        counted = voice in self._picked or (not picked and voice in self._asked)
+        faster, at = self._round_trips.get(voice, (math.inf, -math.inf))
+        if counted and 2 * faster < round_trip and received - at < self.config.interval:
+            return True  # a recent, much faster answer of this host bounds its offset tighter
+        self._round_trips[voice] = (round_trip, received)
+        if len(self._round_trips) > 4 * self.config.max_samples:  # of hosts long gone
+            self._round_trips = {voice: (round_trip, received)}
         if picked or voice in self._picked:  # a host we picked stays picked, freshly
             self._asked.pop(voice, None)
             picked = True
@@ -273,6 +289,9 @@ class ClockService:
         self._catch_up_at = -math.inf  # trio time from which a catch-up sync may run
         send, self._ask_back = trio.open_memory_channel[tuple[PeerID, str]](16)
         self._ask_back_send = send
+        # slow answers to ask again: (address, host, picked, tries left)
+        again, self._again = trio.open_memory_channel[tuple[Address, str, bool, int]](64)
+        self._again_send = again
         host.register_quick(ClockRequest.METHOD, self._on_clock)
 
     def _on_clock(self, request: Request) -> Reply:
@@ -298,10 +317,13 @@ class ClockService:
     def _in_table(self, peer_id: PeerID) -> bool:
         return any(contact == peer_id for contact, _ in self._peers())
 
-    async def ask(self, address: Address, host: str, *, picked: bool = True) -> bool:
+    async def ask(
+        self, address: Address, host: str, *, picked: bool = True, again: int = _AGAIN
+    ) -> bool:
         """Ask ``address`` for its clock and count the answer (``host``: its IP, for the
         one-sample-per-host rule; ``picked``: see :class:`NetworkClock`). False when it did
-        not answer in time or usably."""
+        not answer in time or usably. A slow answer is counted, and the host asked
+        ``again`` more times later (see ``_SLOW_ROUND_TRIP``)."""
         # an ask back waits no longer than an answer may take to count: a crowd of callers
         # that answer slowly must not hold the workers that ask back
         timeout = self.config.timeout if picked else self.config.max_round_trip
@@ -318,6 +340,9 @@ class ClockService:
                 return False
             received = self.clock.local()
             peer_id = address.peer_id
+            if received - sent > _SLOW_ROUND_TRIP and again > 0:
+                with contextlib.suppress(trio.WouldBlock):  # full: a crowd, enough asks
+                    self._again_send.send_nowait((address, host, picked, again - 1))
             return self.clock.record(host, answer.time, sent, received, peer_id, picked=picked)
         return False
 
@@ -348,6 +373,7 @@ class ClockService:
         """Ask back those who ask us, and :meth:`sync` every ``interval``, until cancelled."""
         async with trio.open_nursery() as nursery:
             nursery.start_soon(self._serve_asks_back)
+            nursery.start_soon(self._ask_slow_ones_again)
             task_status.started()
             while self.config.enabled:
                 await trio.sleep(self.config.interval * self._rng.uniform(0.9, 1.1))
@@ -355,6 +381,19 @@ class ClockService:
                 # no dial, nothing that keeps an idle connection open; unless we picked
                 # too few so far (the first node of a swarm picked none at its start).
                 await self.sync(dial=self.clock.picked < _ENOUGH_PICKED)
+
+    async def _ask_slow_ones_again(self) -> None:
+        async with trio.open_nursery() as nursery:
+            async for address, host, picked, again in self._again:
+
+                async def later(address: Address, host: str, picked: bool, again: int) -> None:
+                    await trio.sleep(self._rng.uniform(1.0, 3.0))
+                    # still connected (an ask back: over its connection only), else dropped
+                    if address.peer_id in self.host.connected_peers():
+                        await self.ask(address, host, picked=picked, again=again)
+                        self.clock.log_change()
+
+                nursery.start_soon(later, address, host, picked, again)
 
     async def _serve_asks_back(self) -> None:
         async with trio.open_nursery() as nursery:

@@ -183,6 +183,20 @@ def test_an_estimate_within_half_the_round_trip_of_zero_counts_as_zero() -> None
     assert clock.offset == pytest.approx(-6.1)
 
 
+def test_a_slow_answer_does_not_replace_a_much_faster_one_of_the_same_host() -> None:
+    """A busy answerer (its loop computing for 0.7 s) errs by half its round trip: the
+    fastest recent answer of a host counts (NTP's clock filter)."""
+    clock = NetworkClock(lambda: 0.0, count_own=False)
+    clock.record("10.0.0.2", 13.0, sent=10.0, received=10.02)  # +2.99, round trip 0.02
+    assert clock.offset == pytest.approx(2.99)
+    assert clock.record("10.0.0.2", 13.6, sent=10.0, received=10.7)  # +3.25 after 0.7 s
+    assert clock.offset == pytest.approx(2.99)
+    clock.record("10.0.0.2", 14.5, sent=11.0, received=11.01)  # faster still: it counts
+    assert clock.offset == pytest.approx(3.495)
+    clock.record("10.0.0.2", 400.0, sent=399.0, received=399.7)  # the faster one is old
+    assert clock.offset == pytest.approx(0.65)
+
+
 def test_small_moves_are_ignored_and_the_correction_is_capped() -> None:
     clock = NetworkClock(lambda: 0.0, ClockConfig(threshold=0.1, max_offset=60.0))
     clock.record("10.0.0.2", 0.05, 0.0, 0.0)
@@ -234,6 +248,33 @@ async def test_a_skewed_peer_follows_the_others_and_they_stay_put(
                 assert node.clock.offset == 0.0
     [line] = caplog.messages  # one line for the whole first batch of answers
     assert "clock is 10.000 s ahead of the median of" in line
+
+
+async def test_a_slow_answer_is_asked_again_twice(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An answer slower than 0.2 s round trip (here the link's latency; in a trial, an
+    answerer whose loop was busy) is asked again, twice at most, 1-3 s apart: three
+    answers for each ask on a slow link, one on a fast link."""
+    answers: list[tuple[str, bool]] = []
+    record = NetworkClock.record
+
+    def counting(self: NetworkClock, host: str, *args: object, **kwargs: object) -> bool:
+        answers.append((host, bool(kwargs.get("picked", True))))
+        return record(self, host, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(NetworkClock, "record", counting)
+    counts = []
+    for latency in (0.01, 0.15):
+        answers.clear()
+        with trio.fail_after(60):
+            async with swarm([0.0, 3.0], latency=latency) as (first, second):
+                await trio.sleep(10.0)
+                assert second.clock.offset == pytest.approx(-1.5, abs=0.02)  # halfway
+                assert first.clock.offset == pytest.approx(1.5, abs=0.02)
+        counts.append(answers.count(("10.0.0.1", True)))  # the second asked the first
+    fast, slow = counts
+    assert fast >= 1 and slow == 3 * fast, counts
 
 
 async def test_two_peers_meet_halfway(autojump_clock: trio.testing.MockClock) -> None:
