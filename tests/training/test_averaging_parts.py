@@ -208,6 +208,24 @@ def test_short_grid_lines_are_balanced_within_group_size(
     assert max(values.values()) - min(values.values()) < spread  # from n - 1
 
 
+@pytest.mark.parametrize("n", [5, 7, 9, 11, 17, 33])
+def test_the_odd_one_of_pairs_changes_every_round_of_a_block(n: int) -> None:
+    """Pairs and an odd count: the peer on the grid's short line sat out d - 1 rounds of
+    every d (9 peers: the same one 3 rounds in a row, a trial). Now a different one sits
+    out each round of a grid block (the same one at most twice in a row, across blocks)."""
+    d = len(grid_sides(n, 2))
+    out: list[bytes] = []
+    for phase in range(3 * d):
+        groups = make_groups([decl(i, count=phase) for i in range(n)], 2, "p")
+        [single] = [g for g in groups if len(g) == 1]
+        out.append(single[0].peer_id.raw)
+    for phase in range(1, 3 * d):
+        if phase % d:  # within a block
+            assert out[phase] != out[phase - 1], phase
+        if phase >= 2:
+            assert not out[phase] == out[phase - 1] == out[phase - 2], phase
+
+
 @pytest.mark.parametrize(
     ("full", "clients", "group_size", "sizes"),
     [

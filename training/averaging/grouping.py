@@ -274,6 +274,7 @@ def _group_one_layout(
         cells.setdefault(tuple(digits), []).append(decl)
     groups = [cells[key] for key in sorted(cells)]
     _merge_singletons(groups, group_size)
+    _rotate_the_odd_one(groups, ranked[phase % len(ranked)] if ranked else None)
     clients.sort(key=lambda x: rank_key(round_seed, x.peer_id))
     leftovers: list[list[Declaration]] = []
     lent = False
@@ -324,6 +325,22 @@ def _merge_singletons(groups: list[list[Declaration]], group_size: int) -> None:
             if len(largest) >= 3:
                 groups[i].append(largest.pop())
         i += 1
+
+
+def _rotate_the_odd_one(groups: list[list[Declaration]], out: Declaration | None) -> None:
+    """A peer left alone by the grid (pairs and an odd count: nobody has room) is the one
+    whose grid line is short, and it stayed out in d - 1 of every d rounds (9 peers in
+    pairs: the same peer out 3 rounds in a row, a trial). ``out`` (the caller's pick, a
+    different peer each round of a block) sits out instead: it trades places with the
+    singleton."""
+    alone = [g for g in groups if len(g) == 1]
+    if len(alone) != 1 or len(groups) < 2 or out is None:
+        return
+    for group in groups:
+        for j, decl in enumerate(group):
+            if decl is out:
+                group[j], alone[0][0] = alone[0][0], decl
+                return
 
 
 def leader_of(group: Sequence[Declaration]) -> Declaration | None:
