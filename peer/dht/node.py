@@ -448,7 +448,8 @@ class DHT:
             for node in silent:
                 if node.peer_id in self.table:  # (a failed ping may have evicted it already)
                     self.table.remove(node.peer_id)
-                    logger.info("peer left: %s (no answer to a ping)", node.peer_id.short())
+                    why = self.protocol.ping_failure(node)
+                    logger.info("peer left: %s (%s)", node.peer_id.short(), why)
                     removed += 1
 
     async def _unanswered_pings(self, nodes: Sequence[NodeInfo]) -> list[NodeInfo]:

@@ -52,7 +52,7 @@ from protocol.messages import (
 )
 from protocol.records import RecordError, key_owner, subkey_order
 
-from ..errors import PeerBusyError, RemoteError
+from ..errors import PeerBusyError, PeerUnavailableError, RemoteError
 from ..host import RpcHost, host_group, is_loopback_host
 from ..rpc import Reply, Request
 from .config import DHTConfig
@@ -107,6 +107,9 @@ class DHTProtocol:
         table.on_promoted = self._joined
         self.calls_sent = 0
         self.calls_failed = 0
+        # contacts whose last ping could not connect (their port closed: a clean exit, or
+        # a restart elsewhere), for the "peer left" line; see ping_failure
+        self._unreachable: set[PeerID] = set()
 
     def register(self) -> None:
         """Install the four handlers on the host."""
@@ -193,7 +196,7 @@ class DHTProtocol:
                 known = node.peer_id in self.table  # a failed ping may have evicted it already
                 self.table.ping_result(node.peer_id, alive=alive, now=self._now())
                 if known and node.peer_id not in self.table:
-                    logger.info("peer left: %s (no answer to a ping)", node.peer_id.short())
+                    logger.info("peer left: %s (%s)", node.peer_id.short(), self.ping_failure(node))
 
         async with trio.open_nursery() as nursery:
             for _ in range(self.config.max_parallel_pings):
@@ -329,10 +332,15 @@ class DHTProtocol:
                 except (SwarmError, OSError) as exc:
                     logger.debug("%s to %s failed: %r", method, node.peer_id.short(), exc)
                     maybe_alive = isinstance(exc, RemoteError)
+                    if method == PingRequest.METHOD and isinstance(exc, PeerUnavailableError):
+                        if len(self._unreachable) > 1024:  # (each is read once, or never)
+                            self._unreachable.clear()
+                        self._unreachable.add(node.peer_id)
                     # up, but at its limits for our address (which a neighbour behind our
                     # NAT may have used up by flooding it): no sign that it left
                     turned_away = isinstance(exc, PeerBusyError)
                 else:
+                    self._unreachable.discard(node.peer_id)
                     if self._address_proven(node, address):
                         self.learn(node)
                     return response
@@ -360,6 +368,13 @@ class DHTProtocol:
         address, into the table."""
         known = self.table.get(node.peer_id)
         return (known is not None and known.address == node.address) or self.host.dialed(address)
+
+    def ping_failure(self, node: NodeInfo) -> str:
+        """Why ``node``'s last failed ping failed, in words for the "peer left" line."""
+        if node.peer_id in self._unreachable:
+            self._unreachable.discard(node.peer_id)
+            return "its address no longer takes connections"
+        return "no answer to a ping"
 
     def record_failure(self, node: NodeInfo, *, timed_out: bool) -> None:
         """Count a failed or timed-out request against ``node`` (see the routing table's

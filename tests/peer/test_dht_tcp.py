@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import random
 import time
 from dataclasses import replace
@@ -110,3 +111,31 @@ async def test_50_tcp_peers_store_get_and_reject_forgeries() -> None:
         f"\n{N_PEERS} TCP peers joined in {joined - started:.1f} s; {N_KEYS} stores and gets "
         f"plus forgeries in {time.perf_counter() - joined:.1f} s"
     )
+
+
+async def test_a_peer_that_exits_cleanly_is_logged_as_gone_not_silent() -> None:
+    """A volunteer that stopped (its port closed) was logged "peer left: X (no answer to a
+    ping)", as if frozen: every `make demo` printed it for each volunteer (two trials)."""
+    lines: list[str] = []
+    left = trio.Event()
+
+    class Watch(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.getMessage().startswith("peer left: "):
+                lines.append(record.getMessage())
+                left.set()
+
+    logger = logging.getLogger("peer.dht")
+    watch, level = Watch(), logger.level
+    logger.addHandler(watch)
+    logger.setLevel(logging.INFO)
+    try:
+        with trio.fail_after(30):
+            async with open_peer() as first:
+                async with open_peer(initial_peers=[first.address]) as second:
+                    gone = second.peer_id.short()
+                await left.wait()
+    finally:
+        logger.removeHandler(watch)
+        logger.setLevel(level)
+    assert lines == [f"peer left: {gone} (its address no longer takes connections)"]
