@@ -186,7 +186,9 @@ class NetworkClock:
         """Count one answer: ``remote_time`` from ``peer_id`` at ``host``, asked at local
         time ``sent`` and answered at local ``received`` (``picked``: we chose to ask it;
         else we asked it back). False when the round trip was too slow (or the local clock
-        stepped meanwhile) to trust."""
+        stepped meanwhile) to trust. A host's recent answer at least twice as fast as this
+        one stays in its place; an estimate within half the round trip of zero counts as
+        zero (see the comments below)."""
         round_trip = received - sent
         if not 0 <= round_trip <= self.config.max_round_trip:
             return False
