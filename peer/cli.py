@@ -174,9 +174,14 @@ def _host(text: str) -> str:
 def _announce_host(text: str) -> str:
     """A host other peers can dial (not ``0.0.0.0``, ``::``, broadcast or multicast)."""
     from protocol.address import Address  # lazily, as the rest: --help stays instant
+    from protocol.errors import AddressError
 
     host = _host(text)
-    if not Address(host, 1).dialable:
+    try:
+        dialable = Address(host, 1).dialable
+    except AddressError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+    if not dialable:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not an address peers can dial: give this machine's public IP or DNS name"
         )

@@ -443,7 +443,8 @@ class RpcHost:
             dial.connection = self._by_peer.get(secure.remote_peer_id)
             if dial.connection is None:
                 raise PeerUnavailableError(f"the connection to {address} closed at once")
-        except (*_CONNECTION_ERRORS, trio.TooSlowError) as exc:
+        except (*_CONNECTION_ERRORS, trio.TooSlowError, UnicodeError) as exc:
+            # (UnicodeError: a host name the resolver cannot encode; Address refuses those)
             logger.debug("dial %s failed: %r", address, exc)
             dial.error = exc
         finally:

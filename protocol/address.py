@@ -32,6 +32,12 @@ class Address:
             raise AddressError("empty or oversized host")
         if not self.host.isprintable() or any(c.isspace() or c in "@[]/" for c in self.host):
             raise AddressError(f"host {self.host!r} has forbidden characters")
+        if ":" not in self.host and not _valid_dns_name(self.host):
+            # the resolver would raise UnicodeError on it, deep inside a dial
+            raise AddressError(
+                f"host {self.host!r} is not a valid host name (each dot-separated label "
+                "must have 1 to 63 characters, 253 in all)"
+            )
 
     @classmethod
     def parse(cls, text: str) -> Address:
@@ -89,6 +95,18 @@ class Address:
 
 
 @functools.lru_cache(maxsize=4096)
+def _valid_dns_name(host: str) -> bool:
+    """Whether the resolver can encode ``host`` (an IPv4 literal or a DNS name; one final
+    dot allowed): the label lengths its IDNA codec checks, without its cost for ASCII."""
+    if not host.isascii():
+        try:
+            host = host.encode("idna").decode("ascii")
+        except UnicodeError:
+            return False
+    name = host[:-1] if host.endswith(".") else host
+    return 0 < len(name) <= 253 and all(0 < len(label) <= 63 for label in name.split("."))
+
+
 def _dialable_host(host: str) -> bool:
     try:
         ip = ipaddress.ip_address(host)

@@ -308,6 +308,8 @@ def test_unknown_method_is_an_error_and_the_connection_stays(bootstrap: str, me:
         ("dht.ping", {**PING, "extra": 1}),  # a field added
         ("dht.ping", {"t": "dht.find_node.req", "sender": None}),  # another method's tag
         ("dht.ping", {"t": "dht.ping.req", "sender": "127.0.0.1:04000"}),  # not canonical
+        # a host the resolver cannot encode (empty label): dialing it ended the node
+        ("dht.ping", {"t": "dht.ping.req", "sender": "a..b:4000"}),
         (
             "dht.store",  # an entry that breaks the entry table: the whole request
             {

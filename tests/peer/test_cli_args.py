@@ -321,3 +321,17 @@ def test_an_unknown_flag_shows_its_commands_usage(
     err = capsys.readouterr().err
     assert f"usage: swarm {command.split()[0]}" in err
     assert "unrecognized arguments: --bogus x" in err
+
+
+@pytest.mark.parametrize("given", ["x..y", "a/b", "a" * 64])
+def test_bootstrap_refuses_an_announce_host_with_a_bad_name_in_one_line(
+    given: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Was "invalid _announce_host value" (the parser's function name), and ``x..y`` was
+    announced, which other nodes then failed to dial."""
+    with pytest.raises(SystemExit) as exit_:
+        _parser().parse_args(["bootstrap", "--announce-host", given])
+    assert exit_.value.code == 2
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last.startswith("swarm bootstrap: error: argument --announce-host: host ")
+    assert "_announce_host" not in last

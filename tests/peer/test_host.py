@@ -248,3 +248,36 @@ async def test_an_address_may_be_given_as_text(autojump_clock: trio.testing.Mock
                 await a.call("not an address", "echo")
             with pytest.raises(TypeError, match="PEERID@HOST:PORT"):
                 await a.call(42, "echo")  # type: ignore[arg-type]
+
+
+class _ResolverFails:
+    """A network whose resolver raises UnicodeError, as getaddrinfo does for a name its IDNA
+    codec cannot encode."""
+
+    def __init__(self, inner: trio.abc.Stream | object) -> None:
+        self.inner = inner
+
+    async def connect(self, host: str, port: int) -> trio.abc.Stream:
+        if host == "unencodable":
+            raise UnicodeError("encoding with 'idna' codec failed (label empty or too long)")
+        return await self.inner.connect(host, port)  # type: ignore[attr-defined]
+
+    async def serve(self, *args: object, **kwargs: object) -> object:
+        return await self.inner.serve(*args, **kwargs)  # type: ignore[attr-defined]
+
+
+async def test_a_resolver_error_is_an_unreachable_peer(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A dial's UnicodeError was not caught: it ended the host (and the node above it)."""
+    net = MemoryNetwork()
+    async with (
+        open_rpc_host(ID_A, listen=Address("a", 1), network=net.interface("a")) as a,
+        open_rpc_host(ID_B, listen=None, network=_ResolverFails(net.interface("b"))) as b,  # type: ignore[arg-type]
+    ):
+        a.register("whoami", whoami)
+        with trio.fail_after(5):
+            with pytest.raises(PeerUnavailableError) as info:
+                await b.call(Address("unencodable", 1), "whoami")
+            assert isinstance(info.value.__cause__, UnicodeError)
+            await b.call(Address("a", 1, ID_A.peer_id), "whoami")  # still serving
