@@ -79,7 +79,14 @@ def network_time(node: Peer, local: Callable[[], float]) -> Callable[[], float]:
     """``local`` corrected by the node's network offset (``peer.netclock``): rounds are
     cut by the clock that the DHT's expirations and every peer of the run agree on."""
     network_clock = node.clock
-    return lambda: local() + network_clock.offset
+
+    def now() -> float:
+        seconds = local()
+        if not isinstance(seconds, float | int) or isinstance(seconds, bool):
+            raise TypeError(f"AveragerConfig.clock returned {seconds!r}, not a number of seconds")
+        return seconds + network_clock.offset
+
+    return now
 
 
 def check_step_arguments(weight: float, epoch: int, timeout: float | None) -> None:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -21,6 +21,11 @@ _INTEGERS = {
     "retain_budget": 0,
 }
 """The integer fields and their least values."""
+
+MIN_GATHER_WINDOW = 0.05
+"""Seconds: below that, peers cannot see each other's declarations before a slot closes
+(a DHT store takes milliseconds even on loopback), and round numbers (time / window) grow
+absurd."""
 
 
 def default_retain_budget(vector_bytes: int) -> int:
@@ -75,20 +80,50 @@ class AveragerConfig:
             self._check_integer(name, least)
         if self.codec not in CODEC_NAMES:
             raise ValueError(f"AveragerConfig.codec must be one of {CODEC_NAMES}")
-        if not 0.0 < self.staleness_decay <= 1.0:
+        if not 0.0 < self._real("staleness_decay") <= 1.0:
             raise ValueError("AveragerConfig.staleness_decay must be in (0, 1]")
         for name in ("gather_window", "join_timeout", "stall_timeout", "default_timeout"):
-            value = getattr(self, name)
+            value = self._real(name)
             if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"AveragerConfig.{name} must be a positive number")
-        if not 0.0 < self.result_share < 1.0:
+                raise ValueError(f"AveragerConfig.{name} must be a positive number, got {value!r}")
+        if self.gather_window < MIN_GATHER_WINDOW:
+            raise ValueError(
+                f"AveragerConfig.gather_window must be at least {MIN_GATHER_WINDOW} s (peers "
+                f"need that long to see each other's declarations), got {self.gather_window!r}"
+            )
+        if not 0.0 < self._real("result_share") < 1.0:
             raise ValueError("AveragerConfig.result_share must be in (0, 1)")
-        if not (math.isfinite(self.bandwidth) and self.bandwidth > 0):
+        if not (math.isfinite(self._real("bandwidth")) and self.bandwidth > 0):
             raise ValueError("AveragerConfig.bandwidth must be a positive number")
         if self.chunk_bytes < 4096 or self.chunk_bytes % 4:
             raise ValueError("AveragerConfig.chunk_bytes must be a multiple of 4, >= 4096")
         if self.chunk_bytes > 2 * MiB:
             raise ValueError("AveragerConfig.chunk_bytes must fit a frame (<= 2 MiB)")
+        if self.client_mode is not None and not isinstance(self.client_mode, bool):
+            raise ValueError(
+                f"AveragerConfig.client_mode must be True, False or None, got {self.client_mode!r}"
+            )
+        if self.clock is not None and not callable(self.clock):
+            raise ValueError(
+                "AveragerConfig.clock must be a function returning unix time in seconds (or "
+                f"None), got {self.clock!r}"
+            )
+        if not isinstance(self.codec_params, Mapping):
+            raise ValueError(
+                f"AveragerConfig.codec_params must be a dict, got {self.codec_params!r}"
+            )
+
+    def _real(self, name: str) -> float:
+        """A real-number field (not a bool), stored as ``float``.
+
+        Raises:
+            ValueError: naming the field.
+        """
+        value = getattr(self, name)
+        if not isinstance(value, numbers.Real) or isinstance(value, bool):
+            raise ValueError(f"AveragerConfig.{name} must be a number, got {value!r}")
+        object.__setattr__(self, name, float(value))  # frozen: set once, here
+        return float(value)
 
     def _check_integer(self, name: str, least: int) -> None:
         """An integer field (numpy's too, stored as ``int``; not a bool) of at least ``least``.
