@@ -32,7 +32,13 @@ class Address:
             raise AddressError("empty or oversized host")
         if not self.host.isprintable() or any(c.isspace() or c in "@[]/" for c in self.host):
             raise AddressError(f"host {self.host!r} has forbidden characters")
-        if ":" not in self.host and not _valid_dns_name(self.host):
+        if ":" in self.host:
+            try:
+                ipaddress.IPv6Address(self.host)  # (a zone, "%eth0", is allowed)
+            except ValueError:
+                # the resolver would take it for a name, and may raise UnicodeError on it
+                raise AddressError(f"host {self.host!r} is no IPv6 address") from None
+        elif not _valid_dns_name(self.host):
             # the resolver would raise UnicodeError on it, deep inside a dial
             raise AddressError(
                 f"host {self.host!r} is not a valid host name (each dot-separated label "

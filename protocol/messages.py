@@ -26,7 +26,7 @@ from typing import Any, ClassVar, Self, TypeVar
 
 from .address import MAX_ADDRESS_LENGTH, Address
 from .dhtid import DHTID, ID_BYTES
-from .errors import LocalProtocolError, ProtocolError, RemoteProtocolError
+from .errors import LocalProtocolError, ProtocolError, RemoteProtocolError, brief
 from .identity import PeerID
 from .records import (
     MAX_ENTRIES_PER_STORE,
@@ -118,9 +118,8 @@ def decode_message(body: Any) -> Message:
 
 
 def _show(value: object) -> str:
-    """A bounded repr for error messages: received values can be long."""
-    text = repr(value)
-    return text if len(text) <= 60 else text[:57] + "..."
+    """A bounded repr for error messages: received values can be long, or deep."""
+    return brief(value)
 
 
 # --- field checks (raise LocalProtocolError; from_body turns them into remote blame) ---

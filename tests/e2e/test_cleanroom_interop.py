@@ -310,6 +310,7 @@ def test_unknown_method_is_an_error_and_the_connection_stays(bootstrap: str, me:
         ("dht.ping", {"t": "dht.ping.req", "sender": "127.0.0.1:04000"}),  # not canonical
         # a host the resolver cannot encode (empty label): dialing it ended the node
         ("dht.ping", {"t": "dht.ping.req", "sender": "a..b:4000"}),
+        ("dht.ping", {"t": "dht.ping.req", "sender": "[a..b:c]:4000"}),  # the same, bracketed
         (
             "dht.store",  # an entry that breaks the entry table: the whole request
             {

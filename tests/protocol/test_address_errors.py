@@ -93,3 +93,15 @@ def test_a_host_name_the_resolver_cannot_encode_is_refused(host: str) -> None:
 )
 def test_valid_host_names_are_kept(host: str) -> None:
     assert Address.parse(f"{host}:80").host == host
+
+
+@pytest.mark.parametrize("host", ["a..b:c", "a:b", "1::2::3", ":::"])
+def test_a_bracketed_host_must_be_an_ipv6_address(host: str) -> None:
+    """``[a..b:c]`` skipped the name check (it has a colon) and crashed the resolver too."""
+    with pytest.raises(AddressError, match="is no IPv6 address"):
+        Address.parse(f"[{host}]:80")
+
+
+@pytest.mark.parametrize("host", ["::1", "fe80::1%eth0", "::ffff:1.2.3.4"])
+def test_ipv6_hosts_with_zones_and_mapped_ipv4_are_kept(host: str) -> None:
+    assert Address.parse(f"[{host}]:80").host == host

@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from protocol.address import Address
-from protocol.errors import ProtocolError, RemoteProtocolError
+from protocol.errors import ProtocolError, RemoteProtocolError, brief
 from protocol.identity import PeerID
 
 MAX_EPOCH = 1 << 62
@@ -44,7 +44,7 @@ DECLARATION_KEYS = frozenset(
 def _number(value: object) -> float:
     """A declared int or float (msgpack's number types; text and bools are malformed)."""
     if isinstance(value, bool) or not isinstance(value, int | float):
-        raise TypeError(f"{value!r} is not a number")
+        raise TypeError(f"{type(value).__name__} is not a number")
     return float(value)
 
 
@@ -134,7 +134,7 @@ class Declaration:
         )
         for name, number in integers:
             if type(number) is not int or not 0 <= number < MAX_EPOCH:
-                raise RemoteProtocolError(f"declared {name} {number!r} is out of range")
+                raise RemoteProtocolError(f"declared {name} {brief(number)} is out of range")
         if not _is_layout(layout):
             raise RemoteProtocolError("declared layout is not a short string")
         if type(detail) is not str or len(detail) > MAX_DETAIL:

@@ -22,7 +22,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from protocol.errors import ProtocolError, RemoteProtocolError
+from protocol.errors import ProtocolError, RemoteProtocolError, brief
 from protocol.identity import PeerID
 
 from .grouping import Declaration
@@ -212,10 +212,12 @@ class ChunkHeader:
         abort = body.get("abort")
         reason = None
         if abort is not None:
+            if type(abort) is not str:  # (DropReason(x) reprs x: deep lists recurse)
+                raise RemoteProtocolError("field 'abort' must be a string")
             try:
                 reason = DropReason(abort)
             except ValueError:
-                raise RemoteProtocolError(f"unknown abort reason {abort!r}") from None
+                raise RemoteProtocolError(f"unknown abort reason {brief(abort)}") from None
         return cls(
             _int(body, "round"),
             _int(body, "part", 0, MAX_MEMBERS),
@@ -264,10 +266,12 @@ class ResultHeader:
         for item in dropped_raw:
             if not isinstance(item, Sequence) or len(item) != 2:
                 raise RemoteProtocolError("a dropped entry is [peer_id, reason]")
+            if type(item[1]) is not str:
+                raise RemoteProtocolError("a drop reason must be a string")
             try:
                 dropped.append((_peer(item[0]), DropReason(item[1])))
             except ValueError:
-                raise RemoteProtocolError(f"unknown drop reason {item[1]!r}") from None
+                raise RemoteProtocolError(f"unknown drop reason {brief(item[1])}") from None
         if not isinstance(weight, float | int) or not math.isfinite(weight) or weight < 0:
             raise RemoteProtocolError("weight must be a non-negative number")
         note = body.get("note", "")
