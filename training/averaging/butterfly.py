@@ -41,6 +41,8 @@ from .scans import all_finite, copy_finite
 
 logger = logging.getLogger(__name__)
 
+SOLO_NOTE = "only our own values reached this part: nothing to average them with"
+
 _BUSY_BACKOFF, _BUSY_BACKOFF_MAX = 0.02, 0.5
 """Seconds before a chunk refused as ``busy`` (the reducer parks no more early chunks)
 goes again, doubling up to the maximum."""
@@ -130,8 +132,10 @@ class Butterfly:
         part = self.service.part
         await self.service.load()
         outcome = await self.service.reduce(cutoff)
-        received = outcome.weight > 0
+        received = outcome.weight > 0 and not self.service.solo
         note = outcome.note or "no contributions"
+        if self.service.solo and not outcome.note:  # (an overflow's note says more)
+            note = SOLO_NOTE
         self.reports[part] = self._report(part, self.service.header, received, note)
         await self.service.publish()
         await self.service.serve()
@@ -355,6 +359,10 @@ class Butterfly:
                 raise RemoteProtocolError("empty result stream")
             received = header.weight > 0 and chunk + 1 == header.chunks
             note = "" if received else header.note or "the reducer had no contributions"
+            if received and header.contributors == (self.plan.me,):
+                # our own values back (through the codec): no group result, we keep ours.
+                # (Fetched all the same: the reducer serves until every member has it.)
+                received, note = False, SOLO_NOTE
             if received and held is not None:
                 self.held[index] = held
             return received, note

@@ -40,6 +40,6 @@ class LoopWatch:
             return ""
         return (
             f"this process stood still for {self.longest:.1f} s during the all-reduce "
-            "(suspended, or starved of CPU): members reported as timeout may have been "
-            "waiting for us, not frozen"
+            "(suspended, or starved of CPU): the members dropped in this round may have "
+            "been alive, waiting for us or gone on without us"
         )

@@ -196,6 +196,10 @@ class PartReducer:
         """Senders still expected (neither complete nor dropped)."""
         return [p for p, s in self.senders.items() if not s.done and s.reason is None]
 
+    def complete_senders(self) -> list[PeerID]:
+        """Senders whose whole part is in (and not dropped): the contributors, once final."""
+        return [p for p, s in self.senders.items() if s.done and s.reason is None]
+
     def is_pending(self, peer_id: PeerID) -> bool:
         sender = self.senders.get(peer_id)
         return sender is not None and not sender.done and sender.reason is None

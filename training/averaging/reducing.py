@@ -70,6 +70,10 @@ class ReducerService:
         # starts, and the mean goes straight back into it (no copy afterwards: ``in_place``).
         self.target = None if isinstance(codec, TopKCodec) else flat.view(start, stop)
         self.in_place = False
+        # Only our own values count in the part (every other sender dropped): that is no
+        # group result for us, and our tensor keeps its values (members that fetch the
+        # part still get them: the mean over its one contributor).
+        self.solo = False
         # The sum builds up in place, in our own span of the flat vector (it holds our values;
         # the tensors keep them too, for when the round fails).
         self.reducer = PartReducer(
@@ -315,8 +319,10 @@ class ReducerService:
                 if self.reducer.pending():
                     await self._watch_once()
         reasons = {p: self.liveness.bad.get(p, DropReason.TIMEOUT) for p in self.reducer.pending()}
+        self.solo = self.reducer.complete_senders() == [self.plan.me]
         # the division runs chunk by chunk in publish(), right before each is encoded
-        outcome = self.reducer.finalize(reasons, self.target if self.raw else None, divide=False)
+        into_target = self.raw and not self.solo
+        outcome = self.reducer.finalize(reasons, self.target if into_target else None, divide=False)
         for sender in list(self._admitted):
             self._release(sender)
         return self._announce(outcome)
@@ -424,7 +430,9 @@ class ReducerService:
             logger.warning("round %d: part %d: %s", self.plan.round, self.part, outcome.note)
         self.outcome = outcome
         # none: the division writes the mean straight into our tensor (publish, or its cleanup)
-        self.in_place = self.raw and self.target is not None and outcome.weight > 0
+        self.in_place = (
+            self.raw and self.target is not None and outcome.weight > 0 and not self.solo
+        )
         self.header = ResultHeader(
             outcome.contributors, outcome.dropped, outcome.weight, chunks, outcome.note
         )
@@ -446,12 +454,12 @@ class ReducerService:
         assert self.header is not None
         chunks = self.header.chunks
         if not chunks or self.blobs:  # nothing to send, or topk (encoded whole)
-            self.in_place = self.target is not None and chunks > 0
+            self.in_place = self.target is not None and chunks > 0 and not self.solo
             self.publish_ended = True
             return
         mean = self.reducer.mean()
         view = memoryview(self._results.get(self.part_bytes))
-        out = mean if self.target is None else self.target
+        out = mean if self.target is None or self.solo else self.target
         offset = 0
         try:
             for index in range(chunks):
@@ -473,7 +481,7 @@ class ReducerService:
             self._notify()
         # Only now: cancelled midway, our tensor holds some chunks written back and the
         # caller stores the whole mean from the flat vector over it.
-        self.in_place = self.in_place or self.target is not None
+        self.in_place = self.in_place or (self.target is not None and not self.solo)
 
     def _encode(self, values: Float32Array, out: memoryview) -> int:
         """Encode one chunk of the mean. ``finalize`` checked that the mean fits the codec,

@@ -95,10 +95,10 @@ class AveragingInfo:
         if len(self.group) <= 1 and not self.parts:
             text = f"{self.outcome} in round {self.round}"
         else:
-            text = (
-                f"{self.outcome} {self.averaged_fraction:.0%} over {len(self.group)} peers "
-                f"in round {self.round}"
-            )
+            text = f"{self.outcome} {self.averaged_fraction:.0%} over {len(self.group)} peers"
+            if self.received_fraction > self.averaged_fraction:  # parts averaged over fewer
+                text += f", {self.received_fraction:.0%} over some of them"
+            text += f" in round {self.round}"
         if self.parts:
             text += f" (parts: {' '.join(str(p.status) for p in self.parts)})"
         if self.dropped:
