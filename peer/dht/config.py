@@ -24,9 +24,9 @@ class DHTConfig:
     # connections that do not idle out, and a volunteer is better told than kept waiting.
     busy_join_timeout: float = 30.0
     # A get keeps only as many requests in flight as it still needs holders; after a silence
-    # of twice its first answer's delay, at most this long, it asks one more node (a dead or
-    # frozen node among the closest then delays it about two round trips, not
-    # request_timeout).
+    # of twice its first answer's delay (before one, of recent lookups' first answers), at
+    # most this long, it asks one more node (a dead or frozen node among the closest then
+    # delays it about two round trips, not request_timeout).
     hedge_after: float = 1.0
     # DHT RPCs this node has in flight at once (its lookups queue for a slot beyond, and
     # a slot's wait does not count toward request_timeout). Enough for one lookup's final

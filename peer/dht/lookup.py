@@ -34,7 +34,7 @@ import enum
 import heapq
 import math
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import trio
 
@@ -42,7 +42,7 @@ from protocol.identity import PeerID
 from protocol.messages import NodeInfo
 
 Query = Callable[[NodeInfo], Awaitable[Sequence[NodeInfo] | None]]
-_MIN_HEDGE_DELAY = 0.05
+MIN_HEDGE_DELAY = 0.05
 """Seconds: a very fast first answer (a neighbour on the LAN) must not make a get ask
 another node every few milliseconds while farther ones are still on their way."""
 
@@ -72,6 +72,7 @@ class LookupResult:
     rounds: int  # longest referral chain to a node that answered (0: nobody answered)
     queried: int  # requests sent
     failed: int  # requests that failed
+    first_answer_s: float | None = None  # seconds to the first answer (None: no answer)
 
 
 class LookupState:
@@ -205,6 +206,7 @@ async def iterative_lookup(
     may_hedge: Callable[[], bool] = lambda: True,
     on_given_up: Callable[[NodeInfo], None] | None = None,
     max_in_flight: int | None = None,
+    first_hedge: float | None = None,
 ) -> LookupResult:
     """Run one lookup of ``target`` from ``seeds``, with ``alpha`` queries in flight.
 
@@ -222,7 +224,10 @@ async def iterative_lookup(
     the requests this lookup gave up on, which may hold those slots, are cancelled then).
     ``on_given_up(node)`` is called for each request given up on that was still unanswered
     at the end (cancelled then). ``max_in_flight``: at most this many requests at once
-    (the caller's slots: more would only queue, and stop the hedging).
+    (the caller's slots: more would only queue, and stop the hedging). ``first_hedge``:
+    the silence before any answer instead of ``hedge_after`` (at most that), e.g. from
+    the first answers of the caller's recent lookups: frozen nodes among the first asked
+    would each cost ``hedge_after`` otherwise.
 
     Raises:
         Exception: whatever ``query`` raises (a bug there, not a dead peer).
@@ -242,7 +247,8 @@ async def iterative_lookup(
             finally:
                 del running[node.peer_id]
 
-    hedge_delay = hedge_after
+    hedge_delay = hedge_after if first_hedge is None else min(hedge_after, first_hedge)
+    first_answer: float | None = None
     start = trio.current_time()
     sent_at: dict[PeerID, float] = {}
     async with trio.open_nursery() as nursery:
@@ -274,8 +280,8 @@ async def iterative_lookup(
                 continue
             node, answer = received
             if answer is not None and state.answers == 0:
-                first = trio.current_time() - start
-                hedge_delay = min(hedge_after, max(2 * first, _MIN_HEDGE_DELAY))
+                first_answer = trio.current_time() - start
+                hedge_delay = min(hedge_after, max(2 * first_answer, MIN_HEDGE_DELAY))
             if answer is None:
                 state.on_failure(node)
             else:
@@ -286,4 +292,4 @@ async def iterative_lookup(
     if on_given_up is not None:
         for node in state.given_up():
             on_given_up(node)
-    return state.result()
+    return replace(state.result(), first_answer_s=first_answer)

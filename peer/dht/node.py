@@ -23,8 +23,9 @@ import logging
 import math
 import numbers
 import random
+import statistics
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from functools import partial
@@ -56,7 +57,7 @@ from protocol.records import (
 from ..errors import PeerBusyError, PeerStoppedError, SelfDialError
 from ..host import RpcHost
 from .config import DHTConfig
-from .lookup import LookupResult, Query, iterative_lookup
+from .lookup import MIN_HEDGE_DELAY, LookupResult, Query, iterative_lookup
 from .protocol import DHTProtocol
 from .routing import DEPARTED_MEMORY, RoutingTable
 from .storage import DHTStorage, Record, merge_entry, supersedes
@@ -65,6 +66,7 @@ logger = logging.getLogger(__name__)
 
 _REPUBLISH_PARALLEL = 4
 _HANDOVER_QUEUE = 64
+_FIRST_ANSWERS_KEPT = 32  # recent lookups' first-answer delays, for the first hedge
 _HANDOVER_MAX_KEYS = 10_000  # a handover scans every key we hold, once per new contact
 # The closest holders of a key that hand it to a newcomer: more than one, because the
 # closest may not know the newcomer, or may not hold the key yet (its own handover is
@@ -152,6 +154,9 @@ class DHT:
         host.on_connection_lost = self.protocol.check_alive
         self.host = host
         self.stats = LookupStats()
+        # seconds to the first answer of recent lookups: the silence before a lookup's
+        # first answer that means a frozen node (else hedge_after for each, in turn)
+        self._first_answers: deque[float] = deque(maxlen=_FIRST_ANSWERS_KEPT)
         self._clock = clock
         self._rng = random.Random(self.peer_id.raw)
         self._initial_peers: list[Address] = []
@@ -612,10 +617,20 @@ class DHT:
             may_hedge=self.protocol.has_free_slot,
             on_given_up=on_given_up or self._given_up,
             max_in_flight=self.config.max_concurrent_requests,
+            first_hedge=self._first_hedge(),
         )
+        if result.first_answer_s is not None:
+            self._first_answers.append(result.first_answer_s)
         self.table.mark_lookup(target, trio.current_time())
         self.stats.record(result)
         return result
+
+    def _first_hedge(self) -> float | None:
+        """Twice the median first-answer delay of recent lookups (at least 50 ms), or
+        None before there are any (then ``hedge_after``)."""
+        if not self._first_answers:
+            return None
+        return max(2 * statistics.median(self._first_answers), MIN_HEDGE_DELAY)
 
     def _check_running(self) -> None:
         if self.host.stopped:  # the nursery is gone: no lookup could run, none may lie

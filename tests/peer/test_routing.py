@@ -347,6 +347,43 @@ async def test_a_lookup_gives_up_on_a_frozen_node_and_takes_the_next_one(
     assert [DHTID.from_peer_id(n.peer_id) for n in result.closest] == list(range(101, 111))
 
 
+@pytest.mark.parametrize("first_hedge, took", [(None, 3.1), (0.05, 0.25)])
+async def test_frozen_nodes_asked_first_cost_the_first_hedge_each(
+    autojump_clock: trio.testing.MockClock, first_hedge: float | None, took: float
+) -> None:
+    """The first nodes a get asks are frozen: before any answer, each silence of
+    ``first_hedge`` (the node's recent first answers) gives one up, not ``hedge_after``
+    (a trial: a get with half the network frozen took 4-5 s, 1 s per frozen node)."""
+    frozen = {node(100 + i) for i in range(3)}
+    holders = 0
+
+    async def query(asker: NodeInfo) -> list[NodeInfo] | None:
+        nonlocal holders
+        if asker in frozen:
+            await trio.sleep(30)
+            return None
+        await trio.sleep(0.1)
+        holders += 1
+        return []
+
+    seeds = [node(i) for i in range(100, 110)]
+    start = trio.current_time()
+    await iterative_lookup(
+        0,
+        seeds,
+        query,
+        k=10,
+        alpha=3,
+        stop=lambda: holders >= 1,
+        wanted=lambda: 1 - holders,
+        hedge_after=1.0,
+        first_hedge=first_hedge,
+    )
+    assert holders == 1
+    # three silences, then the fourth node's answer after 0.1 s
+    assert trio.current_time() - start == pytest.approx(took)
+
+
 async def test_a_late_answer_still_counts(autojump_clock: trio.testing.MockClock) -> None:
     """A node given up on that answers before the lookup ends is back among the closest."""
     slow = node(100)

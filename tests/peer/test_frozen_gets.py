@@ -1,0 +1,64 @@
+"""Gets while half the network is frozen (hosts that hold their connections and answer
+nothing). A lookup gives up on a silent request after twice its first answer's delay; before
+any answer it used to wait ``hedge_after`` (1 s) for each frozen node asked first, one
+after another: a trial's gets took 4-5 s. The first silence now follows the node's recent
+first answers (``DHTNode._first_hedge``)."""
+
+from __future__ import annotations
+
+from contextlib import AsyncExitStack
+
+import trio
+import trio.testing
+
+from peer import Peer, PeerConfig
+from peer.memnet import MemoryNetwork
+from peer.node import open_peer
+from protocol.identity import Identity
+
+EPOCH = 1_700_000_000.0
+LATENCY = 0.01
+
+
+def _unix_time() -> float:
+    return EPOCH + trio.current_time()
+
+
+async def test_gets_with_half_the_network_frozen_take_round_trips_not_seconds(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    net = MemoryNetwork(latency=LATENCY)
+    with trio.fail_after(600):
+        async with AsyncExitStack() as stack:
+            nodes: list[Peer] = []
+            for i in range(9):
+                host = f"10.0.0.{i + 1}"
+                nodes.append(
+                    await stack.enter_async_context(
+                        open_peer(
+                            f"{host}:1",
+                            [nodes[0].address] if nodes else [],
+                            identity=Identity.from_seed((i + 1).to_bytes(32, "big")),
+                            network=net.interface(host),
+                            config=PeerConfig(),
+                            clock=_unix_time,
+                        )
+                    )
+                )
+            keys = [f"key-{i}" for i in range(8)]
+            for i, key in enumerate(keys):
+                assert await nodes[1 + i].dht.store(key, i, ttl=600)
+            for i in range(5, 9):
+                net.freeze_host(f"10.0.0.{i + 1}")
+            slowest = 0.0
+            for reader in nodes[1:5]:
+                assert reader.dht._first_hedge() is not None  # its join's lookups answered
+                for i, key in enumerate(keys):
+                    start = trio.current_time()
+                    assert await reader.dht.get(key) == i
+                    slowest = max(slowest, trio.current_time() - start)
+            # a few silences of 50 ms (twice the recent first answers, at least 50 ms)
+            # and round trips of 20 ms; it was up to 1 s per frozen node asked first
+            assert slowest < 0.6, slowest
+            for i in range(5, 9):  # (their open_peer blocks then close normally)
+                net.unfreeze_host(f"10.0.0.{i + 1}")
