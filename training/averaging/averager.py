@@ -390,6 +390,15 @@ class Averager:
         self._busy = True
         try:
             return await self._step(float(weight), epoch, trio.current_time() + timeout)
+        except BaseExceptionGroup as group:
+            # The open_peer block ended under the all-reduce: its tasks fail together (dials
+            # refused, the host stopped, trio's shutdown); say that, as before the butterfly.
+            if self.node.rpc.stopped or group.subgroup(PeerStoppedError) is not None:
+                raise PeerStoppedError(
+                    f"the peer stopped during a step of averager {self.prefix!r}: its "
+                    "open_peer context has ended"
+                ) from group
+            raise
         finally:
             if self._active is not None:
                 self._active.ready.set()
