@@ -16,8 +16,10 @@ Rules:
 - The lookup ends when the k closest live candidates have all answered (or fewer,
   when the network knows fewer), and nothing is in flight.
 - A request left unanswered through a silence of the hedge delay (no answer at all for
-  that long) is given up on: it stops counting as in flight and among the k closest, so
-  the next candidate takes its place, and a late answer is still used. Requests given up
+  that long, and the lookup's timer not woken more than half that late: a loop that
+  late is busy, and the answers may be waiting in it unread) is given up on: it stops
+  counting as in flight and among the k closest, so the next candidate takes its place,
+  and a late answer is still used. Requests given up
   on and still unanswered when the lookup ends are cancelled and reported (a frozen node
   costs a lookup about two round trips, not the whole request timeout). One request per
   silence, not all: where latencies differ widely, a slow node among the k closest must
@@ -267,9 +269,14 @@ async def iterative_lookup(
             if state.in_flight == 0:
                 break
             received = None
+            waited_from = trio.current_time()
             with trio.move_on_after(hedge_delay):
                 received = await receive.receive()
             if received is None:  # nothing answered for hedge_delay seconds
+                if trio.current_time() - waited_from > 1.5 * hedge_delay:
+                    # Woken that late, our own event loop is behind (a busy process): the
+                    # answers may be here, unread. The silence is ours, not the peer's.
+                    continue
                 if may_hedge():
                     waiting = state.in_flight_nodes()
                     state.give_up(min(waiting, key=lambda n: sent_at[n.peer_id]))

@@ -384,6 +384,38 @@ async def test_frozen_nodes_asked_first_cost_the_first_hedge_each(
     assert trio.current_time() - start == pytest.approx(took)
 
 
+async def test_no_hedging_after_our_own_loop_stood_still(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A hedge timer woken far later than it was due means our own loop was busy (the
+    answers may be here, unread): that silence is ours, so nobody is given up on. In a
+    busy process (the DHT benchmark's 200 concurrent gets) such false hedges had added
+    half again as many requests."""
+    slow = node(100)
+    asked: list[NodeInfo] = []
+
+    async def query(asker: NodeInfo) -> list[NodeInfo]:
+        asked.append(asker)
+        await trio.sleep(0.35 if asker == slow else 0.1)
+        return []
+
+    async def stall() -> None:  # the loop runs nothing for 0.5 s (virtual) from 0.15 s
+        await trio.sleep(0.15)
+        autojump_clock.jump(0.5)
+
+    seeds = [node(i) for i in range(100, 104)]
+    given_up: list[NodeInfo] = []
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(stall)
+        result = await iterative_lookup(
+            0, seeds, query, k=3, alpha=3, hedge_after=1.0, on_given_up=given_up.append
+        )
+    # 101 and 102 answered at 0.1 s; the 0.2 s silence was due at 0.3 s but woke at
+    # 0.65 s, with the slow node's answer due: no fourth request (103 is never asked)
+    assert node(103) not in asked and given_up == []
+    assert list(result.closest) == [slow, node(101), node(102)]
+
+
 async def test_a_late_answer_still_counts(autojump_clock: trio.testing.MockClock) -> None:
     """A node given up on that answers before the lookup ends is back among the closest."""
     slow = node(100)
