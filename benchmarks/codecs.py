@@ -25,11 +25,9 @@ from typing import Any
 
 import numpy as np
 
-try:
-    from protocol.codecs import get_codec
-except ImportError:  # a checkout without `pip install -e .`
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-    from protocol.codecs import get_codec
+# This tree's code, not the installed one (a worktree or another clone measures itself).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from protocol.codecs import get_codec
 
 INT8_TARGETS = {"encode_vs_copy": 0.3, "decode_vs_copy": 0.4, "wire_ratio": 0.26}
 

@@ -30,11 +30,17 @@ import json
 import os
 import random
 import statistics
+import sys
 import time
 from collections.abc import Awaitable, Callable
+from pathlib import Path
 from typing import Any
 
 import trio
+
+# This tree's code, not the installed one: run from a worktree or another clone, the
+# script measures that tree (the project is installed editable from the main checkout).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from peer import DHTConfig, Peer, PeerConfig, open_peer
 from protocol.identity import Identity
