@@ -33,6 +33,8 @@ def main() -> None:
         "--codec", default="none", choices=["none", "float16", "int8"], help="all-reduce codec"
     )
     args = parser.parse_args()
+    if args.rounds < 1:
+        parser.error(f"--rounds must be at least 1, got {args.rounds}")
 
     tensor = torch.full((100_000,), args.value)
     with run_in_background(listen="127.0.0.1:0", initial_peers=args.initial_peers) as node:

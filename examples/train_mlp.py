@@ -115,6 +115,8 @@ def main() -> None:
     parser.add_argument("--index", type=int, help=argparse.SUPPRESS)  # set for workers
     parser.add_argument("--bootstrap", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.peers < 1 or args.steps < 1:
+        parser.error(f"--peers and --steps must be at least 1, got {args.peers}, {args.steps}")
     if args.index is not None:
         worker(args)
         return
