@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import math
 import random
+from typing import Any
 
 import pytest
 import trio
@@ -290,38 +291,47 @@ async def test_lookup_in_flight_capped_by_wanted(autojump_clock: trio.abc.Clock)
     assert peak == 2 and result.queried == 2
 
 
-async def test_lookup_asks_one_more_node_when_the_wanted_ones_are_slow(
-    autojump_clock: trio.abc.Clock,
-) -> None:
-    """A dead node among those a get asked first costs about two round trips (twice the
-    first answer's delay), not its request's timeout."""
+async def _get(
+    silent: set[NodeInfo], silence: float, seeds: int, k: int, want: int, **options: Any
+) -> tuple[Any, int, float]:
+    """A get's lookup where every node holds the key and answers in 0.1 s, but ``silent``
+    ones answer nothing for ``silence`` seconds (then fail): (result, holders heard,
+    seconds taken)."""
     holders = 0
-    dead = node(100)
 
     async def query(asker: NodeInfo) -> list[NodeInfo] | None:
         nonlocal holders
-        if asker == dead:
-            await trio.sleep(3)  # its request times out
+        if asker in silent:
+            await trio.sleep(silence)
             return None
         await trio.sleep(0.1)
         holders += 1
         return []
 
-    seeds = [node(i) for i in range(100, 120)]
     start = trio.current_time()
     result = await iterative_lookup(
         0,
-        seeds,
+        [node(i) for i in range(100, 100 + seeds)],
         query,
-        k=20,
+        k=k,
         alpha=3,
-        stop=lambda: holders >= 2,
-        wanted=lambda: 2 - holders,
+        stop=lambda: holders >= want,
+        wanted=lambda: want - holders,
         hedge_after=1.0,
+        **options,
     )
+    return result, holders, trio.current_time() - start
+
+
+async def test_lookup_asks_one_more_node_when_the_wanted_ones_are_slow(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """A dead node among those a get asked first costs about two round trips (twice the
+    first answer's delay), not its request's timeout."""
+    result, holders, took = await _get({node(100)}, 3, seeds=20, k=20, want=2)
     assert holders == 2 and result.queried == 3
     # the live one answers at 0.1 s; 0.2 s of silence; one more request of 0.1 s
-    assert trio.current_time() - start == pytest.approx(0.4)
+    assert took == pytest.approx(0.4)
 
 
 async def test_a_lookup_gives_up_on_a_frozen_node_and_takes_the_next_one(
@@ -354,34 +364,12 @@ async def test_frozen_nodes_asked_first_cost_the_first_hedge_each(
     """The first nodes a get asks are frozen: before any answer, each silence of
     ``first_hedge`` (the node's recent first answers) gives one up, not ``hedge_after``
     (a trial: a get with half the network frozen took 4-5 s, 1 s per frozen node)."""
-    frozen = {node(100 + i) for i in range(3)}
-    holders = 0
-
-    async def query(asker: NodeInfo) -> list[NodeInfo] | None:
-        nonlocal holders
-        if asker in frozen:
-            await trio.sleep(30)
-            return None
-        await trio.sleep(0.1)
-        holders += 1
-        return []
-
-    seeds = [node(i) for i in range(100, 110)]
-    start = trio.current_time()
-    await iterative_lookup(
-        0,
-        seeds,
-        query,
-        k=10,
-        alpha=3,
-        stop=lambda: holders >= 1,
-        wanted=lambda: 1 - holders,
-        hedge_after=1.0,
-        first_hedge=first_hedge,
+    _, holders, took_now = await _get(
+        {node(100 + i) for i in range(3)}, 30, seeds=10, k=10, want=1, first_hedge=first_hedge
     )
     assert holders == 1
     # three silences, then the fourth node's answer after 0.1 s
-    assert trio.current_time() - start == pytest.approx(took)
+    assert took_now == pytest.approx(took)
 
 
 async def test_no_hedging_after_our_own_loop_stood_still(
