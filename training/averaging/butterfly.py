@@ -342,7 +342,8 @@ class Butterfly:
                     continue
                 await encoded.wait()
                 chunk += 1
-                if item.body.get("chunk") != chunk or chunk >= header.chunks:
+                number = item.body.get("chunk")
+                if type(number) is not int or number != chunk or chunk >= header.chunks:
                     raise RemoteProtocolError("result chunks out of order")
                 a, b = chunk_span(length, self.config.chunk_elements, chunk)
                 if held is not None:
@@ -359,6 +360,8 @@ class Butterfly:
                 raise RemoteProtocolError("empty result stream")
             received = header.weight > 0 and chunk + 1 == header.chunks
             note = "" if received else header.note or "the reducer had no contributions"
+            if header.weight > 0 and not received:  # (its deadline may have cut it short)
+                note = f"the result stream ended after {chunk + 1} of {header.chunks} chunks"
             if received and header.contributors == (self.plan.me,):
                 # our own values back (through the codec): no group result, we keep ours.
                 # (Fetched all the same: the reducer serves until every member has it.)

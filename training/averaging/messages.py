@@ -164,6 +164,7 @@ def raw_flag(body: Mapping[str, Any]) -> bool:
 
 
 _CHUNK_KEYS = frozenset({"round", "part", "chunk", "epoch", "weight", "abort", "raw", "retry"})
+_RESULT_KEYS = frozenset({"contributors", "dropped", "weight", "chunks", "note"})
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,6 +256,8 @@ class ResultHeader:
     def from_body(cls, body: Any) -> ResultHeader:
         """Raises: RemoteProtocolError on malformed input."""
         body = _map(body)
+        if not body.keys() <= _RESULT_KEYS:
+            raise RemoteProtocolError("unknown keys in a result header")
         contributors_raw = body.get("contributors")
         dropped_raw = body.get("dropped")
         weight = body.get("weight")
@@ -272,7 +275,12 @@ class ResultHeader:
                 dropped.append((_peer(item[0]), DropReason(item[1])))
             except ValueError:
                 raise RemoteProtocolError(f"unknown drop reason {brief(item[1])}") from None
-        if not isinstance(weight, float | int) or not math.isfinite(weight) or weight < 0:
+        if (
+            isinstance(weight, bool)
+            or not isinstance(weight, float | int)
+            or not math.isfinite(weight)
+            or weight < 0
+        ):
             raise RemoteProtocolError("weight must be a non-negative number")
         note = body.get("note", "")
         if not isinstance(note, str) or len(note) > MAX_NOTE:

@@ -1,0 +1,101 @@
+"""What a member makes of a result stream that breaks the contract in small ways (a hostile
+result-stream trial): one that ends after fewer chunks than its header announced was
+reported "the reducer had no contributions" (the header listed three); a chunk numbered
+``0.0`` or ``False`` passed for chunk 0; a header with an unknown key or a bool weight
+parsed."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import numpy as np
+import pytest
+import trio
+import trio.testing
+from test_averaging_support import fast_config, make_members, memnet_swarm, step_all, verify_round
+
+from peer import Reply
+from protocol.errors import RemoteProtocolError
+from protocol.identity import PeerID
+from training import DropReason, PartStatus
+from training.averaging.messages import ResultHeader
+from training.averaging.reducing import ReducerService
+
+SIZE = 3 * 4 * 1024  # 3 parts of 4 chunks (chunk_bytes 4096: 1024 elements)
+
+Edit = Callable[[list[Reply]], list[Reply]]
+
+
+def _drop_last(items: list[Reply]) -> list[Reply]:
+    return items[:-1]
+
+
+def _float_numbers(items: list[Reply]) -> list[Reply]:
+    return [items[0]] + [
+        Reply({**i.body, "chunk": float(i.body["chunk"])}, i.payload) for i in items[1:]
+    ]
+
+
+def _bool_first(items: list[Reply]) -> list[Reply]:
+    first = items[1]
+    return [items[0], Reply({**first.body, "chunk": False}, first.payload), *items[2:]]
+
+
+async def _round_with_liar(
+    monkeypatch: pytest.MonkeyPatch, edit: Edit
+) -> tuple[list[Any], list[Any], PeerID]:
+    serve = ReducerService.results
+    liar: list[PeerID] = []
+
+    async def results(self: ReducerService, member: PeerID) -> AsyncIterator[Reply]:
+        if self.plan.me not in liar:
+            async for item in serve(self, member):
+                yield item
+            return
+        items = [item async for item in serve(self, member)]
+        for item in edit(items):
+            yield item
+
+    monkeypatch.setattr(ReducerService, "results", results)
+    with trio.fail_after(100):
+        async with memnet_swarm(3) as (_, nodes):
+            members = make_members(nodes, SIZE, fast_config())
+            liar.append(members[0].peer_id)
+            outcome = await step_all(members, timeout=20)
+    infos = [info for info, _ in outcome]
+    verify_round(members, infos)
+    return members, infos, members[0].peer_id
+
+
+async def test_a_stream_that_ends_short_says_so(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    members, infos, liar = await _round_with_liar(monkeypatch, _drop_last)
+    for member, info in zip(members[1:], infos[1:], strict=True):
+        (part,) = [p for p in info.parts if p.reducer == liar]
+        assert part.status is PartStatus.NONE and not part.received
+        assert part.note == "the result stream ended after 3 of 4 chunks"
+        start, stop = part.span
+        np.testing.assert_array_equal(member.array[start:stop], member.data[start:stop])
+
+
+@pytest.mark.parametrize("edit", [_float_numbers, _bool_first])
+async def test_a_chunk_number_that_is_no_int_is_garbage(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch, edit: Edit
+) -> None:
+    _, infos, liar = await _round_with_liar(monkeypatch, edit)
+    for info in infos[1:]:
+        (part,) = [p for p in info.parts if p.reducer == liar]
+        assert part.status is PartStatus.NONE
+        assert part.dropped.get(liar) is DropReason.GARBAGE, part
+
+
+@pytest.mark.parametrize("change", [{"zzz": 1}, {"weight": True}])
+def test_a_result_header_with_an_unknown_key_or_a_bool_weight_is_malformed(
+    change: dict[str, object],
+) -> None:
+    body = {"contributors": [], "dropped": [], "weight": 0.0, "chunks": 0}
+    ResultHeader.from_body(body)
+    with pytest.raises(RemoteProtocolError):
+        ResultHeader.from_body({**body, **change})
