@@ -1,0 +1,111 @@
+"""When every other peer has left a node's network, the node cannot tell that apart from
+being cut off itself: its refresh pings then only count as failures, so the last contact
+of a deserted table stays listed until it has failed three requests, over two or three
+refreshes (20 to 30 minutes at the default 10-minute ``refresh_interval``), and the "peer
+left" line then says why (docs/bootstrap.md). A contact that leaves while others still
+answer goes at the next refresh."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import trio
+import trio.testing
+
+from peer import open_peer
+from peer.dht import DHTConfig
+from peer.memnet import MemoryNetwork
+from protocol.identity import Identity, PeerID
+
+BOOT = Identity.from_seed(b"b" * 32)
+REFRESH = DHTConfig().refresh_interval
+
+
+async def _serve(
+    net: MemoryNetwork,
+    host: str,
+    boot: str,
+    seed: bytes,
+    *,
+    task_status: trio.TaskStatus[trio.CancelScope],
+) -> None:
+    identity = Identity.from_seed(seed * 32)
+    with trio.CancelScope() as scope:
+        async with open_peer(f"{host}:4000", [boot], identity, network=net.interface(host)):
+            task_status.started(scope)
+            await trio.sleep_forever()
+
+
+class _Departures(logging.Handler):
+    """Sets ``left`` when the "peer left" line for ``peer_id`` is logged, keeps its text."""
+
+    def __init__(self, peer_id: PeerID) -> None:
+        super().__init__(logging.INFO)
+        self.prefix = f"peer left: {peer_id.short()} ("
+        self.left = trio.Event()
+        self.line = ""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if record.getMessage().startswith(self.prefix):
+            self.line = record.getMessage()
+            self.left.set()
+
+
+@contextmanager
+def _watch_departure(peer_id: PeerID) -> Iterator[_Departures]:
+    handler = _Departures(peer_id)
+    logger = logging.getLogger("peer")
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(handler)
+    try:
+        yield handler
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+async def test_the_last_contact_of_a_deserted_table_leaves_within_three_refreshes(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    net = MemoryNetwork(latency=0.005)
+    async with (
+        open_peer("10.0.0.1:4000", identity=BOOT, network=net.interface("10.0.0.1")) as boot,
+        trio.open_nursery() as nursery,
+    ):
+        scope = await nursery.start(_serve, net, "10.0.0.2", boot.address, b"x")
+        ((peer_id, _),) = boot.dht.routing_table_peers()
+        await trio.sleep(120)  # the connection idles out: its end will tell nobody
+        assert net.open_connections == 0
+        killed = trio.current_time()
+        with _watch_departure(peer_id) as departure, trio.fail_after(4 * REFRESH):
+            net.kill_host("10.0.0.2")
+            scope.cancel()
+            await departure.left.wait()
+        assert REFRESH < trio.current_time() - killed <= 3 * REFRESH + 20  # here: 1130 s
+        assert departure.line.endswith("(a request failed)")
+        assert (peer_id, "10.0.0.2:4000") not in boot.dht.routing_table_peers()
+
+
+async def test_a_contact_that_leaves_while_others_answer_goes_at_the_next_refresh(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    net = MemoryNetwork(latency=0.005)
+    async with (
+        open_peer("10.0.0.1:4000", identity=BOOT, network=net.interface("10.0.0.1")) as boot,
+        trio.open_nursery() as nursery,
+    ):
+        scope = await nursery.start(_serve, net, "10.0.0.2", boot.address, b"x")
+        await nursery.start(_serve, net, "10.0.0.3", boot.address, b"y")
+        victim = Identity.from_seed(b"x" * 32).peer_id
+        await trio.sleep(120)
+        killed = trio.current_time()
+        with _watch_departure(victim) as departure, trio.fail_after(2 * REFRESH):
+            net.kill_host("10.0.0.2")
+            scope.cancel()
+            await departure.left.wait()
+        assert trio.current_time() - killed <= REFRESH + 20
+        assert departure.line.endswith("(its address no longer takes connections)")
+        nursery.cancel_scope.cancel()
