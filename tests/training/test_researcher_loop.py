@@ -148,6 +148,28 @@ async def test_a_transposed_weight_is_refused_with_what_to_pass_instead(
                 await _one_averager(nodes[0], [weight.t()])
 
 
+@pytest.mark.parametrize(
+    ("array", "message"),
+    [
+        (np.asfortranarray(np.ones((3, 4), np.float32)), r"numpy array in Fortran order"),
+        (np.ones((3, 4), np.float32)[:, ::2], r"numpy array in a strided view"),
+        (np.ones((3, 4), np.float32).T, r"numpy array in Fortran order"),
+    ],
+    ids=["fortran", "step-slice", "transpose"],
+)
+async def test_a_non_c_order_numpy_array_is_refused_with_numpy_advice(
+    autojump_clock: trio.testing.MockClock, array: np.ndarray, message: str
+) -> None:
+    """The advice is numpy's (np.ascontiguousarray), not torch's .contiguous() (a trial)."""
+    with trio.fail_after(30):
+        async with memnet_swarm(1) as (_, nodes):
+            with pytest.raises(ValueError, match=message) as caught:
+                await _one_averager(nodes[0], [np.zeros(2, np.float32), array])
+            assert "tensor 1" in str(caught.value)
+            assert "np.ascontiguousarray" in str(caught.value)
+            assert "torch" not in str(caught.value)
+
+
 async def test_parameters_generator_and_mixed_dtypes_average_in_place(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

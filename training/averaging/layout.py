@@ -150,6 +150,13 @@ def as_tensors(tensors: Iterable[Any]) -> list[torch.Tensor]:
             raise ValueError(f"tensor {i} is on {tensor.device}: move it to the CPU")
         if tensor.layout != torch.strided:
             raise ValueError(f"tensor {i} is {tensor.layout}: only dense tensors average")
+        if not tensor.is_contiguous() and isinstance(item, np.ndarray):
+            order = "Fortran order" if item.flags.f_contiguous else "a strided view"
+            raise ValueError(
+                f"tensor {i} is a numpy array in {order} (strides {item.strides}): only C "
+                "order averages, in place; np.ascontiguousarray(x) would be a copy that "
+                "nobody reads, so average that copy and keep it (or the array it views)"
+            )
         if not tensor.is_contiguous():
             raise ValueError(
                 f"tensor {i} is not contiguous (a transpose, a strided slice, channels_last?): "
