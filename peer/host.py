@@ -200,6 +200,27 @@ class RpcHost:
         """Connections established so far, both directions (each one a handshake)."""
         self.stopped = False
         """True once the host's context has ended: calls raise PeerStoppedError."""
+        self._trio_token = trio.lowlevel.current_trio_token()  # made inside its nursery
+
+    def check_loop(self) -> None:
+        """Refuse a caller that is not on this host's trio loop.
+
+        A background peer's ``node.peer`` awaited from another thread's ``trio.run`` got
+        its answer and then killed the peer: the reply woke the caller's task from the
+        peer's loop (trio's internal assertion), and every later call said only "stopped".
+
+        Raises:
+            RuntimeError: when called outside this host's trio run.
+        """
+        try:
+            token = trio.lowlevel.current_trio_token()
+        except RuntimeError:
+            token = None
+        if token is not self._trio_token:
+            raise RuntimeError(
+                f"{self!r} runs on another trio loop (a background peer's thread?): await "
+                "its methods there, through node.run(...), or call the blocking methods"
+            )
 
     def __repr__(self) -> str:
         return f"<RpcHost {self.peer_id.short()} at {self.listen_address}>"
@@ -283,6 +304,7 @@ class RpcHost:
             ProtocolError: ``address`` is text that is not a valid address.
         """
         address = _as_address(address)
+        self.check_loop()
         if self.stopped:
             raise PeerStoppedError(f"{self!r} has stopped: its context has ended")
         # A pooled connection is used without a scheduler pass: the call checkpoints.
@@ -406,6 +428,7 @@ class RpcHost:
         return connection if connection is not None and not connection.closed else None
 
     async def _connection(self, address: Address) -> RpcConnection:
+        self.check_loop()
         if self.stopped:
             raise PeerStoppedError(f"{self!r} has stopped: its context has ended")
         if address.peer_id == self.peer_id:

@@ -633,6 +633,7 @@ class DHT:
         return max(2 * statistics.median(self._first_answers), MIN_HEDGE_DELAY)
 
     def _check_running(self) -> None:
+        self.host.check_loop()
         if self.host.stopped:  # the nursery is gone: no lookup could run, none may lie
             raise PeerStoppedError("this peer has stopped: its open_peer context has ended")
 
