@@ -316,6 +316,11 @@ def _guard_closed_stdio() -> None:
         sys.stderr = open(os.devnull, "w")  # noqa: SIM115 - as long as the process
 
 
+def _command_named(argv: Sequence[str]) -> str | None:
+    """The first command name in ``argv``, read without the parser."""
+    return next((arg for arg in argv if arg in ("bootstrap", "status")), None)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run one `swarm` command; returns the exit code."""
     stop = _SignalStop()  # first: a signal during the imports below must end cleanly too
@@ -343,7 +348,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         raise AssertionError(command)
     except _Interrupted:
         assert stop.signum is not None
-        return 128 + stop.signum if command == "status" else 0
+        if command is None:  # still parsing: the command line says which it was
+            command = _command_named(sys.argv[1:] if argv is None else argv)
+        # a bootstrap node stops cleanly; anything else was cut short (a health check
+        # interrupted must not read as healthy)
+        return 0 if command == "bootstrap" else 128 + stop.signum
     finally:
         stop.restore()
 

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 import trio
 
 from protocol.address import Address
+from protocol.errors import ProtocolError
 from protocol.identity import Identity, PeerID
 
 from .dht import DHT, DHTConfig
@@ -142,7 +143,8 @@ def _warn_if_unreachable(public: Address, peers: list[Address]) -> None:
         logger.warning(
             "announcing %s, which only this machine can dial, while joining %s: peers there "
             "cannot reach us; pass listen='0.0.0.0:PORT' and announce_host='PUBLIC_IP' "
-            "(or client_mode=True behind a NAT)",
+            "(swarm bootstrap: --host 0.0.0.0 --announce-host PUBLIC_IP), or "
+            "client_mode=True behind a NAT",
             public.hostport,
             remote[0].hostport,
         )
@@ -215,6 +217,9 @@ async def open_peer(
             f"listen={listen!r} names another peer: give HOST:PORT (the PeerID is the identity's)"
         )
     peers = [p if isinstance(p, Address) else Address.parse(p) for p in as_list(initial_peers)]
+    for initial in peers:
+        if initial.port == 0:  # a listen port asked of the OS, never one to dial
+            raise ProtocolError(f"initial peer {initial}: port 0 cannot be dialed")
     body_error: BaseException | None = None
     async with open_rpc_host(
         me, listen=listen_address, network=network, config=config.host

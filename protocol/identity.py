@@ -9,7 +9,9 @@ from __future__ import annotations
 import errno
 import hashlib
 import os
+import re
 import stat
+import time
 from contextlib import suppress
 from dataclasses import dataclass
 from pathlib import Path
@@ -145,6 +147,7 @@ class Identity:
             OSError: if the file cannot be written; it names ``path``.
         """
         path = Path(path)
+        _remove_stale_temps(path)
         tmp = self._write_temp(path)
         try:
             os.replace(tmp, path)
@@ -180,6 +183,7 @@ class Identity:
             OSError: if it cannot be read or created; it names ``path``.
         """
         path = Path(path)
+        _remove_stale_temps(path)
         try:
             return cls.load(path)
         except FileNotFoundError:
@@ -245,6 +249,31 @@ class Identity:
 
     def __repr__(self) -> str:
         return f"Identity({self.peer_id})"
+
+
+STALE_TEMP_AGE = 60.0
+"""Seconds after which a temp key file next to ``path`` is a leftover: a writer keeps its
+own for the milliseconds between writing it and linking or renaming it."""
+
+
+def _remove_stale_temps(path: Path) -> None:
+    """Remove the temp files (copies of a private key) that a process killed while creating
+    or saving ``path`` left behind; older than STALE_TEMP_AGE, so never another writer's."""
+    pattern = re.compile(rf"\.{re.escape(path.name)}\.[0-9a-f]{{12}}\.tmp")
+    try:
+        names = os.listdir(path.parent)
+    except OSError:
+        return  # (a missing directory: creating the file will say so)
+    now = time.time()
+    for name in names:
+        if not pattern.fullmatch(name):
+            continue
+        leftover = path.with_name(name)
+        try:
+            if now - leftover.lstat().st_mtime > STALE_TEMP_AGE:
+                leftover.unlink()
+        except OSError:
+            pass  # gone meanwhile, or not ours to remove: it harms nobody
 
 
 def _read_seed(path: Path) -> bytes:

@@ -304,3 +304,32 @@ def test_a_signal_while_the_command_checks_its_stdio_ends_it_cleanly(
     finally:
         for s, handler in saved.items():
             signal.signal(s, handler)
+
+
+@pytest.mark.parametrize(
+    ("argv", "code"),
+    [
+        (["status", "--json", "--initial-peers", "127.0.0.1:1"], 128 + signal.SIGTERM),
+        (["-v", "status", "--initial-peers", "127.0.0.1:1"], 128 + signal.SIGTERM),
+        (["bootstrap", "--host", "127.0.0.1"], 0),
+    ],
+    ids=["status", "status-after-flag", "bootstrap"],
+)
+def test_a_signal_before_the_arguments_are_parsed_exits_as_its_command_does(
+    monkeypatch: pytest.MonkeyPatch, argv: list[str], code: int
+) -> None:
+    """`swarm status` signalled while it still parsed its arguments returned 0, which a
+    health check reads as healthy (an operator trial): it is 128 + the signal number, as
+    once it runs; a bootstrap node still stops with 0."""
+    from peer import cli
+
+    def signalled_meanwhile() -> None:
+        os.kill(os.getpid(), signal.SIGTERM)
+
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    monkeypatch.setattr(cli, "_guard_closed_stdio", signalled_meanwhile)
+    try:
+        assert cli.main(argv) == code
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)

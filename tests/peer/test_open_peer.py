@@ -11,6 +11,7 @@ import trio.testing
 from peer import PeerStoppedError, open_peer
 from peer.dht import DHTConfig
 from peer.memnet import MemoryNetwork
+from protocol.errors import ProtocolError
 from protocol.identity import Identity
 
 OTHER = Identity.from_seed(bytes([9]) * 32)
@@ -118,3 +119,11 @@ async def test_a_loopback_peer_joining_peers_elsewhere_is_warned(
             ):
                 pass
             assert "only this machine can dial" not in caplog.text
+
+
+async def test_an_initial_peer_at_port_0_is_refused_as_malformed() -> None:
+    """Port 0 asks the OS for a port to listen at; dialing it was tried, then reported as
+    unreachable (an operator trial)."""
+    with trio.fail_after(10), pytest.raises(ProtocolError, match="port 0 cannot be dialed"):
+        async with open_peer(initial_peers=["127.0.0.1:0"]):
+            pass

@@ -8,11 +8,13 @@ import stat
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import pytest
 
 from protocol import Identity, IdentityFileError, PeerID
+from protocol.identity import STALE_TEMP_AGE
 
 SEED = bytes(range(32))
 
@@ -232,3 +234,27 @@ def test_a_large_file_is_refused_by_its_size_without_reading_it_all(tmp_path: Pa
     with pytest.raises(IdentityFileError) as error:
         Identity.load(path)
     assert str(error.value) == f"identity file {path} holds {1 << 26} bytes, expected 32"
+
+
+def test_a_leftover_temp_key_of_a_killed_writer_is_removed_at_the_next_start(
+    tmp_path: Path,
+) -> None:
+    """A process killed between writing its temp key and linking it left a copy of a private
+    key next to the key file for good (an operator trial); the next start removes such
+    leftovers once they are older than a writer ever keeps one, and nothing else."""
+    path = tmp_path / "id.key"
+    old = tmp_path / f".id.key.{'ab' * 6}.tmp"
+    fresh = tmp_path / f".id.key.{'cd' * 6}.tmp"  # another writer's, right now
+    other = tmp_path / f".other.key.{'ef' * 6}.tmp"
+    for leftover in (old, fresh, other):
+        leftover.write_bytes(b"k" * 32)
+    stale = time.time() - 2 * STALE_TEMP_AGE
+    os.utime(old, (stale, stale))
+    os.utime(other, (stale, stale))
+    identity = Identity.load_or_create(path)
+    assert not old.exists()
+    assert fresh.exists() and other.exists()
+    assert Identity.load_or_create(path).peer_id == identity.peer_id
+    os.utime(fresh, (stale, stale))
+    identity.save(path)
+    assert not fresh.exists() and other.exists()
