@@ -141,6 +141,9 @@ def _check_hostport(value: object, what: str) -> None:
 def _hostport_problem(value: str) -> str | None:
     """What is wrong with ``value`` as a canonical ``HOST:PORT`` (None: nothing). Cached:
     every DHT reply names up to k nodes, mostly ones seen before, and parsing is costly."""
+    if "," in value or any(c.isspace() for c in value):  # (the parser's words suit a user's
+        # list of addresses, not one field: "is several addresses: give a list")
+        return f" {_show(value)} holds a space or a comma: a HOST:PORT has none"
     try:
         address = Address.parse(value)
     except ProtocolError as exc:

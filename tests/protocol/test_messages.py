@@ -168,6 +168,15 @@ SENDERS_BAD = [
 ]
 
 
+@pytest.mark.parametrize("sender", ["bad host:1", "a:1,b:2", "host:1\n", "a\tb:1"])
+def test_a_sender_with_a_space_or_comma_says_so(sender: str) -> None:
+    """Was the address parser's "is several addresses: give a list with one address per
+    item", which a wire client never sends (a clean-room client trial)."""
+    with pytest.raises(RemoteProtocolError, match="holds a space or a comma") as caught:
+        PingRequest.from_body({"t": PingRequest.TAG, "sender": sender})
+    assert "list" not in str(caught.value)
+
+
 @pytest.mark.parametrize("sender", SENDERS_OK)
 def test_good_senders(sender: str | None) -> None:
     assert PingRequest.from_body(PingRequest(sender).to_body()).sender == sender
