@@ -13,14 +13,24 @@ venv: $(STAMP)
 # PyPI on Linux, is a multi-GB CUDA build. A local +cpu wheel (pip's find-links) is taken when
 # there is one, else PyTorch's CPU index is asked; where neither has a +cpu build (macOS, whose
 # wheels are CPU-only anyway), the plain pin.
+# One shell for the whole recipe, so that:
+# - two set-ups at once (two `make demo` in a fresh clone) take turns under a lock (flock,
+#   where there is one), and the second finds the work done: pip crashed in one of them;
+# - a venv whose creation was interrupted (a python and no pip yet) is made again from
+#   scratch: `test -x .venv/bin/python` took it for a finished one, and every later run
+#   failed with "No module named pip".
 $(STAMP): pyproject.toml
-	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/python -m pip install --quiet --upgrade pip
+	@set -e; \
+	if command -v flock >/dev/null 2>&1; then exec 9>$(VENV).lock; flock 9; fi; \
+	if [ -f $(STAMP) ] && [ $(STAMP) -nt pyproject.toml ]; then exit 0; fi; \
+	echo "setting up $(VENV): torch 2.13.0 (CPU build), then this project"; \
+	$(BIN)/python -m pip --version >/dev/null 2>&1 || $(PYTHON) -m venv --clear $(VENV); \
+	$(BIN)/python -m pip install --quiet --upgrade pip; \
 	$(BIN)/python -m pip install --quiet torch==2.13.0+cpu 2>/dev/null \
 	  || $(BIN)/python -m pip install --quiet torch==2.13.0+cpu \
 	       --index-url https://download.pytorch.org/whl/cpu 2>/dev/null \
-	  || $(BIN)/python -m pip install --quiet torch==2.13.0
-	$(BIN)/python -m pip install --quiet -e '.[dev]'
+	  || $(BIN)/python -m pip install --quiet torch==2.13.0; \
+	$(BIN)/python -m pip install --quiet -e '.[dev]'; \
 	touch $(STAMP)
 
 demo: $(STAMP)
@@ -45,4 +55,4 @@ bench: $(STAMP)
 	$(BIN)/python benchmarks/allreduce.py
 
 clean:
-	rm -rf $(VENV) *.egg-info
+	rm -rf $(VENV) $(VENV).lock *.egg-info

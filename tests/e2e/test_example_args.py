@@ -1,0 +1,31 @@
+"""The examples refuse counts below 1 with a usage line (exit code 2), before starting
+anything: `demo_swarm.py --rounds -1` crashed its volunteers with tracebacks, and
+`--local-steps 0` "trained" to chance accuracy and reported success (trials)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from tests_support_paths import ROOT, env_with_root
+
+CASES = [
+    ("demo_swarm.py", "--peers", "0"),
+    ("demo_swarm.py", "--rounds", "-1"),
+    ("demo_swarm.py", "--local-steps", "0"),
+]
+
+
+@pytest.mark.parametrize(("script", "flag", "value"), CASES)
+def test_a_count_below_one_is_a_usage_error(script: str, flag: str, value: str) -> None:
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / script), flag, value],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env_with_root(),
+    )
+    assert out.returncode == 2, out.stderr
+    assert f"error: {flag} must be at least 1, got {value}" in out.stderr
+    assert "Traceback" not in out.stderr
