@@ -23,7 +23,7 @@ from dataclasses import dataclass, field, replace
 
 import trio
 
-from protocol.address import Address
+from protocol.address import Address, canonical_host
 from protocol.errors import ProtocolError
 from protocol.identity import Identity, PeerID
 
@@ -212,6 +212,10 @@ async def open_peer(
     dht_config = replace(config.dht, client_mode=client)
     me = load_identity(identity)
     listen_address = None if client or listen is None else Address.parse(listen)
+    if listen_address is not None:  # one spelling for an IPv6 host, as the CLI's
+        listen_address = Address(
+            canonical_host(listen_address.host), listen_address.port, listen_address.peer_id
+        )
     if listen_address is not None and listen_address.peer_id not in (None, me.peer_id):
         raise ValueError(
             f"listen={listen!r} names another peer: give HOST:PORT (the PeerID is the identity's)"
@@ -232,7 +236,7 @@ async def open_peer(
                 announce_host = _WILDCARD_HOSTS.get(bound.host, bound.host)
                 if bound.host in _WILDCARD_HOSTS:
                     logger.warning("listening on %s: announcing %s", bound.host, announce_host)
-            public = Address(announce_host, bound.port, me.peer_id)
+            public = Address(canonical_host(announce_host), bound.port, me.peer_id)
             if not public.dialable:  # checked once bound: a bad listen host fails first
                 raise ValueError(
                     f"announce_host {announce_host!r} is not an address peers can dial (they"

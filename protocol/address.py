@@ -67,12 +67,16 @@ class Address:
             except ProtocolError as exc:
                 raise AddressError(str(exc)) from None
         if rest.startswith("["):
+            if rest.endswith("]"):
+                raise AddressError(f"address {text!r} has no port: give [IPV6]:PORT")
             host, sep, port_text = rest[1:].partition("]:")
             if not sep or ":" not in host:
                 raise AddressError(f"malformed IPv6 address {text!r}")
         else:
             host, sep, port_text = rest.rpartition(":")
-            if not sep or ":" in host:
+            if not sep:
+                raise AddressError(f"address {text!r} has no port: give HOST:PORT")
+            if ":" in host:
                 raise AddressError(f"address {text!r} is not HOST:PORT (IPv6 needs brackets)")
         if not (port_text.isascii() and port_text.isdigit()):
             raise AddressError(f"malformed port in {text!r}")
@@ -98,6 +102,20 @@ class Address:
         if self.peer_id is None:
             return self.hostport
         return f"{self.peer_id}@{self.hostport}"
+
+
+def canonical_host(host: str) -> str:
+    """``host`` as others will see it: an IPv6 literal (bracketed or not) in its short
+    form (``0:0:0:0:0:0:0:1`` and ``[::1]`` are ``::1``); anything else unchanged."""
+    if not isinstance(host, str):
+        return host  # (the Address built from it says what is wrong)
+    inner = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    if ":" not in inner:
+        return host
+    try:
+        return ipaddress.IPv6Address(inner).compressed
+    except ValueError:
+        return host  # (the Address built from it says what is wrong)
 
 
 @functools.lru_cache(maxsize=4096)

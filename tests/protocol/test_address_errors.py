@@ -9,8 +9,8 @@ import socket
 import pytest
 import trio
 
-from peer import PeerUnavailableError, open_peer
-from protocol.address import Address
+from peer import MemoryNetwork, PeerUnavailableError, open_peer
+from protocol.address import Address, canonical_host
 from protocol.errors import AddressError, ProtocolError
 
 
@@ -105,3 +105,53 @@ def test_a_bracketed_host_must_be_an_ipv6_address(host: str) -> None:
 @pytest.mark.parametrize("host", ["::1", "fe80::1%eth0", "::ffff:1.2.3.4"])
 def test_ipv6_hosts_with_zones_and_mapped_ipv4_are_kept(host: str) -> None:
     assert Address.parse(f"[{host}]:80").host == host
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ("127.0.0.1", r"address '127.0.0.1' has no port: give HOST:PORT"),
+        ("example.org", r"address 'example.org' has no port: give HOST:PORT"),
+        ("[::1]", r"address '\[::1\]' has no port: give \[IPV6\]:PORT"),
+        ("::1:80", r"IPv6 needs brackets"),
+    ],
+)
+def test_an_address_without_a_port_says_so(text: str, message: str) -> None:
+    """Was "is not HOST:PORT (IPv6 needs brackets)" for 127.0.0.1, and "malformed IPv6
+    address" for [::1] (an IPv6 trial)."""
+    with pytest.raises(AddressError, match=message):
+        Address.parse(text)
+
+
+@pytest.mark.parametrize(
+    ("host", "canonical"),
+    [
+        ("0:0:0:0:0:0:0:1", "::1"),
+        ("[0:0::1]", "::1"),
+        ("2001:0DB8:0::1", "2001:db8::1"),
+        ("127.0.0.1", "127.0.0.1"),
+        ("Example.org", "Example.org"),
+        ("[not-ipv6]", "[not-ipv6]"),
+    ],
+)
+def test_canonical_host_spells_ipv6_literals_one_way(host: str, canonical: str) -> None:
+    assert canonical_host(host) == canonical
+
+
+async def test_open_peer_announces_an_ipv6_host_in_its_short_form() -> None:
+    """`swarm bootstrap --host 0:0:0:0:0:0:0:1` printed [::1], open_peer kept the long
+    form in node.address and in others' tables; a bracketed announce_host was refused."""
+    net = MemoryNetwork()
+    with trio.fail_after(20):
+        async with (
+            open_peer("[0:0:0:0:0:0:0:1]:4000", network=net.interface("::1")) as first,
+            open_peer(
+                "[::1]:4001",
+                [first.address],
+                announce_host="[0:0::1]",
+                network=net.interface("::1"),
+            ) as second,
+        ):
+            assert first.address.endswith("@[::1]:4000")
+            assert second.address.endswith("@[::1]:4001")
+            assert (second.peer_id, "[::1]:4001") in first.dht.routing_table_peers()
