@@ -3,9 +3,12 @@ so in its report: the members it lists as ``timeout`` may have been waiting for 
 
 from __future__ import annotations
 
+import numpy as np
 import trio
 import trio.testing
+from test_averaging_support import fast_config, memnet_swarm
 
+from training import Averager, AveragingInfo
 from training.averaging.loopwatch import PERIOD, LoopWatch
 
 
@@ -23,3 +26,33 @@ async def test_a_loop_that_stood_still_is_measured(
     assert 7.0 - PERIOD <= watch.longest <= 7.0
     assert watch.note(1.0).startswith(f"this process stood still for {watch.longest:.1f} s")
     assert watch.note(8.0) == ""
+
+
+async def test_a_step_that_stood_still_in_matchmaking_says_so(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A laptop suspended during matchmaking read "unconfirmed ...: the timeout ended the
+    gather window" or "alone ...", with no word of why (a sleep/resume trial)."""
+    with trio.fail_after(60):
+        async with memnet_swarm(2) as (_, nodes):
+            averagers = [
+                Averager(node, "watch/mm", [np.full(8, float(i), np.float32)], config=fast_config())
+                for i, node in enumerate(nodes)
+            ]
+            infos: list[AveragingInfo] = []
+
+            async def step(averager: Averager) -> None:
+                infos.append(await averager.step(timeout=20.0))
+
+            async with trio.open_nursery() as nursery:
+                for averager in averagers:
+                    nursery.start_soon(step, averager)
+                await trio.sleep(0.3)  # both declared, gathering
+                autojump_clock.jump(7.0)  # the whole process stands still
+            for info in infos:
+                assert "stood still for" in info.note and "during matchmaking" in info.note, info
+            # a step that ran smoothly says nothing of the kind
+            async with trio.open_nursery() as nursery:
+                for averager in averagers:
+                    nursery.start_soon(step, averager)
+            assert all("stood still" not in info.note for info in infos[2:]), infos[2:]

@@ -48,6 +48,7 @@ from .plan import Liveness, Plan
 from .reducer import DropReason
 from .reducing import ReducerService
 from .report import AveragingInfo, Outcome, merge_dropped, outcome_of
+from .round_state import MatchResult
 
 logger = logging.getLogger(__name__)
 
@@ -475,7 +476,7 @@ class Averager:
             self.config.group_size,
             self._detail,
         )
-        match = await self._matchmaker.find_group(me, deadline, on_round=self._enter_round)
+        match = await self._find_group(me, deadline)
         t1 = trio.current_time()
         # Rounds the swarm has done (the grid phase): catch up if we are behind.
         self._count = max(self._count, self._matchmaker.seen_count)
@@ -539,6 +540,25 @@ class Averager:
             allreduce_s=allreduce_s, dropped=merge_dropped(parts),
             note=_sentences(match.note, watch.note(self.config.stall_timeout / 2)),
         )  # fmt: skip
+
+    async def _find_group(self, me: Declaration, deadline: float) -> MatchResult:
+        """The matchmaker's answer, its note telling when this process stood still during
+        matchmaking (a suspended laptop read "unconfirmed: the timeout ended the gather
+        window" with no word of why)."""
+        watch = LoopWatch("matchmaking")
+        error: BaseException | None = None
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(watch.run)
+            try:
+                match = await self._matchmaker.find_group(me, deadline, on_round=self._enter_round)
+            except BaseException as exc:  # re-raised below, outside the nursery (no group)
+                error = exc
+            finally:
+                watch.stop()
+        if error is not None:
+            raise error
+        stall = watch.note(self.config.stall_timeout / 2)
+        return replace(match, note=_sentences(match.note, stall)) if stall else match
 
     def _enter_round(self, number: int) -> None:
         if self._active is not None:

@@ -1,4 +1,4 @@
-"""How long this process's event loop stood still during an all-reduce.
+"""How long this process's event loop stood still during an all-reduce (or matchmaking).
 
 A peer that was suspended (SIGSTOP, a laptop lid, a debugger) or starved of CPU for
 seconds cannot tell from its own view of the round: when it runs again, the others have
@@ -19,7 +19,8 @@ class LoopWatch:
     """Run :meth:`run` beside the work, :meth:`stop` after it; ``longest`` is the longest
     stretch (in seconds) during which the loop ran none of our wake-ups beyond ``PERIOD``."""
 
-    def __init__(self) -> None:
+    def __init__(self, phase: str = "the all-reduce") -> None:
+        self.phase = phase
         self.longest = 0.0
         self._scope = trio.CancelScope()
 
@@ -38,8 +39,14 @@ class LoopWatch:
         more (empty otherwise)."""
         if self.longest < threshold:
             return ""
+        if self.phase == "matchmaking":
+            return (
+                f"this process stood still for {self.longest:.1f} s during matchmaking "
+                "(suspended, or starved of CPU): the others may have formed their groups, or "
+                "given up on us, meanwhile"
+            )
         return (
-            f"this process stood still for {self.longest:.1f} s during the all-reduce "
+            f"this process stood still for {self.longest:.1f} s during {self.phase} "
             "(suspended, or starved of CPU): the members dropped in this round may have "
             "been alive, waiting for us or gone on without us"
         )
