@@ -56,6 +56,11 @@ class SelfDialError(PeerUnavailableError):
     peers, given without a PeerID)."""
 
 
+class DuplicateIdentityError(SelfDialError):
+    """An address that is not this peer's proved this peer's own PeerID: another process
+    uses the same identity (a copied key file), and the two cannot tell their peers apart."""
+
+
 class LimitExceededError(SwarmError):
     """A configured limit refused the operation (message size, connections)."""
 

@@ -50,12 +50,18 @@ from typing import Any
 
 import trio
 
-from protocol.address import Address
+from protocol.address import Address, canonical_host
 from protocol.errors import ProtocolError
 from protocol.framing import DEFAULT_MAX_FRAME_SIZE
 from protocol.identity import Identity, PeerID
 
-from .errors import PeerBusyError, PeerStoppedError, PeerUnavailableError, SelfDialError
+from .errors import (
+    DuplicateIdentityError,
+    PeerBusyError,
+    PeerStoppedError,
+    PeerUnavailableError,
+    SelfDialError,
+)
 from .network import Network, TcpNetwork, remote_host_of
 from .ratelimit import HostRateLimiter
 from .rpc import (
@@ -201,6 +207,9 @@ class RpcHost:
         self.stopped = False
         """True once the host's context has ended: calls raise PeerStoppedError."""
         self._trio_token = trio.lowlevel.current_trio_token()  # made inside its nursery
+        self._twins_warned: set[str] = set()  # addresses that proved our own PeerID
+        self.announce_host: str | None = None
+        """The host others are told to dial us at, when it is not the listen host."""
 
     def check_loop(self) -> None:
         """Refuse a caller that is not on this host's trio loop.
@@ -431,7 +440,7 @@ class RpcHost:
         self.check_loop()
         if self.stopped:
             raise PeerStoppedError(f"{self!r} has stopped: its context has ended")
-        if address.peer_id == self.peer_id:
+        if address.peer_id == self.peer_id and self._is_own(address):
             raise SelfDialError(f"{address} is this host itself")
         if (connection := self._pooled(address)) is not None:
             await trio.lowlevel.checkpoint()
@@ -449,6 +458,31 @@ class RpcHost:
             raise error(f"cannot reach {address}: {dial.error}") from dial.error
         return dial.connection
 
+    def _is_own(self, address: Address) -> bool:
+        """Whether ``address`` may be this host's own: our port, at the host we listen at
+        or announce (or any host, when we listen on all interfaces). Any other address (any
+        at all, in client mode) that proves our PeerID is another process's: a twin on a
+        machine cloned with our key file, listening on all interfaces at our port, goes
+        unseen here (its averaging declarations still show it)."""
+        listen = self.listen_address
+        if listen is None or address.port != listen.port:
+            return False
+        host = canonical_host(address.host)
+        return listen.host in ("0.0.0.0", "::") or host in (listen.host, self.announce_host)
+
+    def _twin(self, address: Address) -> DuplicateIdentityError:
+        """The error (and a warning, once per address) for another process with our key."""
+        message = (
+            f"{address.hostport} proved this peer's own PeerID {self.peer_id.short()}...: "
+            "another process uses the same identity (a copied key file?), and peers cannot "
+            "tell the two apart; give each peer its own identity"
+        )
+        if address.hostport not in self._twins_warned:
+            if len(self._twins_warned) < 64:
+                self._twins_warned.add(address.hostport)
+            logger.warning("%s", message)
+        return DuplicateIdentityError(message)
+
     async def _dial(self, address: Address, key: tuple[str, PeerID | None], dial: _Dial) -> None:
         try:
             with trio.fail_after(self.config.dial_timeout):
@@ -458,7 +492,9 @@ class RpcHost:
                 )
             if secure.remote_peer_id == self.peer_id:
                 await secure.aclose()
-                raise SelfDialError(f"{address} is this host itself")
+                if self._is_own(address):
+                    raise SelfDialError(f"{address} is this host itself")
+                raise self._twin(address)
             if len(self._by_address) >= _MAX_REMEMBERED_ADDRESSES:
                 self._by_address.clear()
             self._by_address[address.hostport] = secure.remote_peer_id

@@ -243,6 +243,7 @@ async def open_peer(
                     " skip it): give this machine's public IP or DNS name"
                 )
             sender, address = public.hostport, str(public)
+            host.announce_host = public.host
             _warn_if_unreachable(public, peers)
         network_clock = NetworkClock(clock, config.clock, count_own=not client)
         dht = DHT(host, me, dht_config, sender=sender, clock=network_clock.now)

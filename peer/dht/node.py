@@ -54,7 +54,7 @@ from protocol.records import (
     validate_entry,
 )
 
-from ..errors import PeerBusyError, PeerStoppedError, SelfDialError
+from ..errors import DuplicateIdentityError, PeerBusyError, PeerStoppedError, SelfDialError
 from ..host import RpcHost
 from .config import DHTConfig
 from .lookup import MIN_HEDGE_DELAY, LookupResult, Query, iterative_lookup
@@ -162,6 +162,7 @@ class DHT:
         self._initial_peers: list[Address] = []
         # initial peers that did not answer at the last contact -> why (for error messages)
         self.contact_errors: dict[str, str] = {}
+        self._twins: set[str] = set()  # initial peers that proved our own PeerID
         # (key id, subkey) -> (key text, entry) of what this node stored, to republish
         self._published: OrderedDict[tuple[DHTID, Subkey], tuple[str, Entry]] = OrderedDict()
         self._service: trio.Nursery | None = None  # serve()'s nursery, while it runs
@@ -232,10 +233,11 @@ class DHT:
             await self._refresh_far_buckets()
         else:
             # our own address among them is no failure (the same list on every host)
-            others = [
+            others = [  # (a twin, another process with our key, is worth the warning)
                 a
                 for a in self._initial_peers
-                if a.peer_id != self.peer_id and self.contact_errors.get(str(a)) != _OWN_ADDRESS
+                if self.contact_errors.get(str(a)) != _OWN_ADDRESS
+                and (a.peer_id != self.peer_id or str(a) in self._twins)
             ]
             if others and warn:
                 tried = "; ".join(f"{a}: {self.contact_errors.get(str(a), '?')}" for a in others)
@@ -310,6 +312,10 @@ class DHT:
             with trio.move_on_after(self.config.request_timeout):
                 try:  # (a pooled connection is reused; a new one proves the id)
                     peer_id = await self.host.connect(address)
+                except DuplicateIdentityError as exc:  # another process with our key
+                    self.contact_errors[key] = str(exc)
+                    self._twins.add(key)
+                    return
                 except SelfDialError:  # our own HOST:PORT, given without a PeerID
                     self.contact_errors[key] = _OWN_ADDRESS
                     return

@@ -241,8 +241,18 @@ class Matchmaker(Confirmation):
         if trio.current_time() >= deadline:  # the step's timeout ended the gather
             state.closed.set()
             return self._cut_short(state, close_at - deadline)
-        if not any(d.peer_id == state.me.peer_id for d in declared):
+        mine = next((d for d in declared if d.peer_id == state.me.peer_id), None)
+        if mine is None:
             declared.append(state.me)
+        elif mine.address != state.me.address:  # another process with our key overwrote ours
+            state.closed.set()
+            note = (
+                f"another process declared under this peer's PeerID, at {mine.address} (the "
+                "same identity: a copied key file?): peers cannot tell the two apart, so this "
+                "one stays out; give each peer its own identity"
+            )
+            logger.warning("%s", note)
+            return MatchResult(state.number, None, None, len(declared), note)
         ghosts, self._ghosts = self._ghosts, set()
         self._views = [*self._views[-2:], _same_layout(declared, state.me, ghosts)]
         groups = make_groups(declared, self.config.group_size, self.prefix)
