@@ -65,6 +65,7 @@ from .storage import DHTStorage, Record, merge_entry, supersedes
 logger = logging.getLogger(__name__)
 
 _REPUBLISH_PARALLEL = 4
+_EXPIRE_INTERVAL = 30.0  # seconds between sweeps of expired records
 _HANDOVER_QUEUE = 64
 _FIRST_ANSWERS_KEPT = 32  # recent lookups' first-answer delays, for the first hedge
 _HANDOVER_MAX_KEYS = 10_000  # a handover scans every key we hold, once per new contact
@@ -189,6 +190,7 @@ class DHT:
                 nursery.start_soon(self.protocol.run_pings)
                 nursery.start_soon(self._every, self.config.refresh_interval, self.refresh)
                 nursery.start_soon(self._every, self.config.republish_interval, self.republish)
+                nursery.start_soon(self._every, _EXPIRE_INTERVAL, self._expire)
                 nursery.start_soon(self._hand_over_to_newcomers)
                 nursery.start_soon(self._recontact_soon)
                 task_status.started()
@@ -202,6 +204,14 @@ class DHT:
                 await job()
             except SwarmError:
                 logger.warning("DHT maintenance %s failed", job.__name__, exc_info=True)
+
+    async def _expire(self) -> None:
+        """Free the records that expired: stores and refreshes do it too, but a node that
+        nobody stores to held expired records for up to ``refresh_interval`` (10 minutes:
+        a bootstrap node's memory stayed at its churn peak that long)."""
+        if self.storage is not None:
+            self.storage.expire()
+        await trio.lowlevel.checkpoint()
 
     async def bootstrap(self, initial_peers: Sequence[Address], *, warn: bool = True) -> int:
         """Join through ``initial_peers``: ping them, then look up our own id.
