@@ -6,10 +6,13 @@ expired records are freed within a sweep interval, not at the next refresh."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
 import trio
 import trio.testing
 
-from peer import open_peer
+from peer import Peer, open_peer
 from peer.memnet import MemoryNetwork
 from protocol.identity import Identity
 
@@ -34,6 +37,18 @@ class _TaskCount(trio.abc.Instrument):
         self.peak = self.live
 
 
+@asynccontextmanager
+async def _holding(net: MemoryNetwork, keys: int, ttl: float) -> AsyncIterator[Peer]:
+    """A peer alone on ``net`` (so it holds every key it stores), holding ``keys`` keys."""
+    async with open_peer(
+        "10.0.0.1:4000", identity=Identity.from_seed(b"a" * 32), network=net.interface("10.0.0.1")
+    ) as node:
+        for i in range(keys):
+            assert await node.dht.store(f"held/{i}", i, ttl=ttl)
+        assert node.dht.storage is not None and len(node.dht.storage) == keys
+        yield node
+
+
 async def test_a_handover_of_many_keys_runs_from_a_few_tasks(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
@@ -42,14 +57,7 @@ async def test_a_handover_of_many_keys_runs_from_a_few_tasks(
     trio.lowlevel.add_instrument(count)
     try:
         with trio.fail_after(600):
-            async with open_peer(
-                "10.0.0.1:4000",
-                identity=Identity.from_seed(b"a" * 32),
-                network=net.interface("10.0.0.1"),
-            ) as holder:
-                for i in range(KEYS):  # alone: every key is held here
-                    assert await holder.dht.store(f"many/{i}", i, ttl=3600.0)
-                assert holder.dht.storage is not None and len(holder.dht.storage) == KEYS
+            async with _holding(net, KEYS, ttl=3600.0) as holder:
                 await trio.sleep(1)
                 count.reset()
                 before = count.live
@@ -79,14 +87,7 @@ async def test_expired_records_are_freed_without_a_store_or_refresh(
     minutes): a bootstrap node's memory stayed at its churn peak that long (a trial)."""
     net = MemoryNetwork(latency=0.005)
     with trio.fail_after(600):
-        async with open_peer(
-            "10.0.0.1:4000",
-            identity=Identity.from_seed(b"e" * 32),
-            network=net.interface("10.0.0.1"),
-        ) as node:
+        async with _holding(net, 50, ttl=5.0) as node:
             assert node.dht.storage is not None
-            for i in range(50):
-                assert await node.dht.store(f"short/{i}", i, ttl=5.0)
-            assert len(node.dht.storage) == 50
             await trio.sleep(5.0 + 31.0)  # expired, then one sweep later; no refresh yet
             assert len(node.dht.storage) == 0
