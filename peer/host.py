@@ -80,6 +80,9 @@ __all__ = ["HostConfig", "RpcHost", "open_rpc_host"]
 
 logger = logging.getLogger(__name__)
 
+WILDCARD_HOSTS = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
+"""Listen hosts that mean every interface, and the host announced for them by default."""
+
 _MAX_REMEMBERED_ADDRESSES = 4096
 """``HOST:PORT -> PeerID`` learnt by dialing, so later calls without a PeerID reuse the pool."""
 _EVICT_AFTER = 1.0
@@ -468,7 +471,7 @@ class RpcHost:
         if listen is None or address.port != listen.port:
             return False
         host = canonical_host(address.host)
-        return listen.host in ("0.0.0.0", "::") or host in (listen.host, self.announce_host)
+        return listen.host in WILDCARD_HOSTS or host in (listen.host, self.announce_host)
 
     def _twin(self, address: Address) -> DuplicateIdentityError:
         """The error (and a warning, once per address) for another process with our key."""

@@ -29,15 +29,13 @@ from protocol.identity import Identity, PeerID
 
 from .dht import DHT, DHTConfig
 from .errors import PeerUnavailableError
-from .host import HostConfig, RpcHost, open_rpc_host
+from .host import WILDCARD_HOSTS, HostConfig, RpcHost, open_rpc_host
 from .netclock import ClockConfig, ClockService, NetworkClock, wall_clock
 from .network import Network
 
 __all__ = ["Peer", "PeerConfig", "open_peer"]
 
 logger = logging.getLogger(__name__)
-
-_WILDCARD_HOSTS = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
 
 
 @dataclass(frozen=True, slots=True)
@@ -233,8 +231,8 @@ async def open_peer(
         if host.listen_address is not None:
             bound = host.listen_address
             if announce_host is None:
-                announce_host = _WILDCARD_HOSTS.get(bound.host, bound.host)
-                if bound.host in _WILDCARD_HOSTS:
+                announce_host = WILDCARD_HOSTS.get(bound.host, bound.host)
+                if bound.host in WILDCARD_HOSTS:
                     logger.warning("listening on %s: announcing %s", bound.host, announce_host)
             public = Address(canonical_host(announce_host), bound.port, me.peer_id)
             if not public.dialable:  # checked once bound: a bad listen host fails first

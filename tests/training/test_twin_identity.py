@@ -11,7 +11,7 @@ import trio
 import trio.testing
 from test_averaging_support import fast_config
 
-from peer import open_peer
+from peer import PeerUnavailableError, open_peer
 from peer.errors import DuplicateIdentityError
 from peer.memnet import MemoryNetwork
 from protocol.address import Address
@@ -29,7 +29,9 @@ async def test_a_twin_among_the_initial_peers_is_named_as_such(
         async with open_peer(
             "10.0.0.1:4000", identity=SHARED, network=net.interface("10.0.0.1")
         ) as a:
-            with pytest.raises(Exception, match="another process uses the same identity"):
+            with pytest.raises(
+                PeerUnavailableError, match="another process uses the same identity"
+            ):
                 async with open_peer(
                     "10.0.0.2:4000", [a.address], SHARED, network=net.interface("10.0.0.2")
                 ):
