@@ -393,7 +393,12 @@ class Member:
 class Soak:
     def __init__(self, args: argparse.Namespace) -> None:
         self.args = args
-        self.workdir = tempfile.mkdtemp(prefix="averaging-soak-")
+        # Kept afterwards (keys, logs, rounds.jsonl) for a post-mortem; named in the "up" line.
+        if args.workdir:
+            os.makedirs(args.workdir, exist_ok=True)
+            self.workdir = args.workdir
+        else:
+            self.workdir = tempfile.mkdtemp(prefix="averaging-soak-")
         self.samples: list[dict[str, Any]] = []
         self.events: list[dict[str, Any]] = []
         self.members: list[Member] = []
@@ -614,11 +619,15 @@ def main(argv: list[str] | None = None) -> None:
         help=f"comma-separated subset of {','.join(EVENTS)} ('' for none)",
     )  # fmt: skip
     parser.add_argument("--debug", action="store_true", help="members log matchmaking")
+    parser.add_argument(
+        "--workdir",
+        help="keys, logs and rounds.jsonl here (made if missing, kept) instead of a new "
+        "folder under the system's temporary directory (kept too, named in the 'up' line)",
+    )
     # the member process (this file, run by the driver)
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--index", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--bootstrap", help=argparse.SUPPRESS)
-    parser.add_argument("--workdir", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         _member(args)

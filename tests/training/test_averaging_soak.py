@@ -52,13 +52,14 @@ def run_soak(*args: str, timeout: float) -> dict[str, Any]:
     return summaries[0]
 
 
-def test_a_short_soak_averages_every_round_exactly_and_holds_steady() -> None:
+def test_a_short_soak_averages_every_round_exactly_and_holds_steady(tmp_path: Path) -> None:
     """Every round of every member is ``averaged`` over the whole swarm, its tensor is the
     weighted mean of everybody's inputs within the codec's error and agrees with its report,
     and nothing (tasks, connections) is left behind from one round to the next."""
     summary = run_soak(
         "--workers", str(MEMBERS), "--duration", str(ROUNDS * PERIOD), "--period", str(PERIOD),
         "--size", "20000", "--timeout", "4", "--sample-every", "1", "--events", "",
+        "--workdir", str(tmp_path),  # not a new folder under /tmp on every run
         timeout=90,
     )  # fmt: skip
     for index in range(MEMBERS):
