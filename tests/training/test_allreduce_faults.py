@@ -29,6 +29,7 @@ from protocol.address import Address
 from protocol.codecs import Codec
 from protocol.identity import PeerID
 from training import AveragingInfo, DropReason, Outcome, PartStatus
+from training.averaging.bench import BENCH_STEPS
 from training.averaging.grouping import rank_key
 from training.averaging.messages import ResultHeader
 from training.averaging.reducing import ReducerService
@@ -314,6 +315,61 @@ async def test_member_sending_garbage_is_dropped_from_that_part_only(
             await next_round_without(members, victim)
 
 
+def garble_uploads(member: Member) -> None:
+    """Every chunk the member uploads loses its last 8 bytes (a payload of the wrong size:
+    garbage to any reducer); its own reducer and its downloads stay sound."""
+    rpc = member.averager.node.rpc
+    call = rpc.call
+
+    async def garbling_call(address: Any, method: str, body: Any = None, payload: Any = b"") -> Any:
+        if method.endswith(".chunk") and len(payload) > 8:
+            payload = bytes(payload)[:-8]
+        return await call(address, method, body, payload)
+
+    rpc.call = garbling_call  # type: ignore[method-assign]
+
+
+@pytest.mark.parametrize("victim", range(4))
+async def test_a_member_that_keeps_sending_garbage_is_benched_and_the_others_average(
+    autojump_clock: trio.testing.MockClock, victim: int
+) -> None:
+    """The garbage member keeps stepping, garbling every chunk it sends. In the first round
+    it is dropped from every part but its own; from then on the others leave it out (each
+    saw its garbage first-hand), whichever of them ranks first, or the culprit itself: the
+    next rounds average the whole vector over the others, and the culprit is told why and
+    keeps its values."""
+    with trio.fail_after(120):
+        async with memnet_swarm(4) as (_, nodes):
+            members = make_members(nodes, SIZE, fast_config())
+            garble_uploads(members[victim])
+            culprit = members[victim].peer_id
+            survivors = [m for i, m in enumerate(members) if i != victim]
+            results = await step_all(members, timeout=TIMEOUT)
+            infos = check_survivors(results, members, victim)
+            for info in infos:
+                assert set(info.group) == {m.peer_id for m in members}
+                for part in info.parts:
+                    if part.reducer != culprit:
+                        assert part.dropped == {culprit: DropReason.GARBAGE}
+            for _ in range(4):  # several rounds: the leader changes from round to round
+                for m in members:
+                    m.data = m.array.copy()
+                results = await step_all(members, timeout=TIMEOUT)
+                infos = [info for info, _ in results if info is not None]
+                assert len(infos) == len(members)
+                culprit_info = infos.pop(victim)
+                verify_round(survivors, infos)
+                for info in infos:
+                    assert info.outcome is Outcome.AVERAGED, str(info)
+                    assert set(info.group) == {m.peer_id for m in survivors}
+                # refused by the leader, told why; or ranked first itself, nobody joined it
+                # (and the round it then followed was empty)
+                assert culprit_info.outcome in (Outcome.UNCONFIRMED, Outcome.ALONE)
+                if culprit_info.outcome is Outcome.UNCONFIRMED:
+                    assert "benched us: it sent us garbage" in culprit_info.note
+                np.testing.assert_array_equal(members[victim].array, members[victim].data)
+
+
 @pytest.mark.parametrize("nan_at", [[5], [0, PART, 2 * PART + 7, SIZE - 1]])
 async def test_member_with_nan_is_dropped_where_it_has_nan(
     autojump_clock: trio.testing.MockClock, nan_at: list[int]
@@ -451,6 +507,18 @@ async def test_a_result_header_that_contradicts_itself_or_the_plan_is_garbage(
                 assert part.note == "the reducer is garbage"
                 assert all(p.status is PartStatus.ALL for p in info.parts if p is not part)
             monkeypatch.setattr(ReducerService, "results", serve)
+            # mended, it is benched for BENCH_STEPS steps of the others (the members saw its
+            # garbage result themselves), then averages with them again
+            others = [m for i, m in enumerate(members) if i != victim]
+            for _ in range(BENCH_STEPS):
+                for m in members:
+                    m.data = m.array.copy()
+                results = await step_all(members, timeout=TIMEOUT)
+                infos = [info for i, (info, _) in enumerate(results) if i != victim and info]
+                verify_round(others, infos)
+                assert len(infos) == 2
+                assert all(i.outcome is Outcome.AVERAGED and len(i.group) == 2 for i in infos)
+                np.testing.assert_array_equal(members[victim].array, members[victim].data)
             for m in members:
                 m.data = m.array.copy()
             results = await step_all(members, timeout=TIMEOUT)

@@ -47,7 +47,7 @@ from .messages import ChunkHeader, method_prefix
 from .plan import Liveness, Plan
 from .reducer import DropReason
 from .reducing import ReducerService
-from .report import AveragingInfo, Outcome, merge_dropped, outcome_of
+from .report import AveragingInfo, Outcome, PartReport, merge_dropped, outcome_of
 from .round_state import MatchResult
 
 logger = logging.getLogger(__name__)
@@ -464,6 +464,7 @@ class Averager:
 
     async def _step(self, weight: float, epoch: int, deadline: float) -> AveragingInfo:
         t0 = trio.current_time()
+        self._matchmaker.bench.tick()
         me = Declaration(
             self.node.peer_id,
             None if self.client_mode else self.node.address,
@@ -534,12 +535,34 @@ class Averager:
             if feedback is not None:
                 feedback.finish(butterfly.counted)
             allreduce_s = trio.current_time() - t1  # not the DHT store's wait, if longer
+        self._bench_garbage(conf.round, parts, liveness)
         return AveragingInfo(
             outcome_of(parts, self.flat.total), conf.round, plan.group, match.leader, parts,
             self.flat.total, epoch=plan.max_epoch, matchmaking_s=t1 - t0,
             allreduce_s=allreduce_s, dropped=merge_dropped(parts),
             note=_sentences(match.note, watch.note(self.config.stall_timeout / 2)),
         )  # fmt: skip
+
+    def _bench_garbage(
+        self, round_no: int, parts: Sequence[PartReport], liveness: Liveness
+    ) -> None:
+        """Bench the peers we saw send garbage ourselves this round (see bench.py): senders
+        our own reducer dropped as such, and reducers whose result we found to be garbage.
+        Not what other reducers' headers say: that is hearsay."""
+        me = self.node.peer_id
+        seen = {p: "chunks" for part in parts if part.reducer == me
+                for p, reason in part.dropped.items() if reason is DropReason.GARBAGE}  # fmt: skip
+        seen.update(
+            (p, "a result") for p, reason in liveness.bad.items() if reason is DropReason.GARBAGE
+        )
+        for peer_id, what in seen.items():
+            if peer_id != me:
+                self._matchmaker.bench.record(
+                    peer_id, f"it sent us garbage {what} in round {round_no}"
+                )
+                logger.info(
+                    "round %d: benched %s (it sent us garbage %s)", round_no, peer_id.short(), what
+                )
 
     async def _find_group(self, me: Declaration, deadline: float) -> MatchResult:
         """The matchmaker's answer, its note telling when this process stood still during

@@ -24,6 +24,7 @@ from protocol.address import Address
 from protocol.errors import ProtocolError
 from protocol.identity import PeerID
 
+from .bench import Bench
 from .config import AveragerConfig
 from .grouping import Declaration
 from .layout import bounded_bandwidths, split_spans
@@ -58,6 +59,7 @@ class Confirmation:
     total: int
     clock: Callable[[], float]
     current: RoundState | None
+    bench: Bench
 
     def _after_slot_close(self, state: RoundState, seconds: float) -> float:
         """``seconds`` after the round's slot closes, or after now once it has closed (in
@@ -104,10 +106,22 @@ class Confirmation:
         redirect: tuple[PeerID, str] | None = None
         redirected = False
         passed: list[str] = []  # the skipped leaders and why (the report's note)
+        # ranked members that sent us garbage lately: we skip them as leaders (bench.py)
+        benched = {d.peer_id for d in ranked if d.peer_id in self.bench}
+        noted: set[PeerID] = set()
         try:
             while True:
                 if redirect is None:
-                    pick = next((d for d in ranked if d.peer_id not in state.gone), None)
+                    pick = None
+                    for d in ranked:
+                        if d.peer_id in state.gone:
+                            continue
+                        if d.peer_id not in benched:
+                            pick = d
+                            break
+                        if d.peer_id not in noted:  # skipped as if gone (see bench.py)
+                            noted.add(d.peer_id)
+                            passed.append(f"{d.peer_id.short()} (benched by us)")
                     if pick is None:  # we are in client mode, and every full member failed
                         break
                     if pick.peer_id == state.me.peer_id:
@@ -116,6 +130,9 @@ class Confirmation:
                     target, address = pick.peer_id, pick.address
                 else:
                     (target, address), redirect = redirect, None
+                    if target in self.bench:
+                        note = f"redirected to {target.short()}, which we benched"
+                        break
                 state.leader, state.leader_address = target, address
                 state.notify()
                 skipped = tuple(d.peer_id for d in ranked if d.peer_id in state.gone)
@@ -156,6 +173,11 @@ class Confirmation:
                         continue
                     if not redirected:
                         note = "the leader leads no group"
+                elif status == "benched":  # it saw garbage from us (see bench.py)
+                    reason = answer.body.get("reason")
+                    note = "the leader left us out: it benched us"
+                    if isinstance(reason, str):
+                        note += ": " + "".join(c if c.isprintable() else "?" for c in reason[:200])
                 else:
                     note = f"the leader answered {status!r}"
                     # closed, or full (its group took others: our view of the round
@@ -213,7 +235,8 @@ class Confirmation:
         me = state.me
         state.is_leader = True
         state.leader, state.leader_address = me.peer_id, me.address
-        state.expected = {d.peer_id for d in group} - {me.peer_id} - state.gone
+        state.expected = {d.peer_id for d in group if d.peer_id not in self.bench}
+        state.expected -= {me.peer_id} | state.gone
         state.joined[me.peer_id] = me
         state.notify()
         # Members that found the leader gone later than we did (its connection broke while
@@ -254,6 +277,8 @@ class Confirmation:
         if state.answered.is_set():
             return Reply({"status": "closed"})
         joiner = join.declaration.peer_id
+        if (why := self.bench.reason(joiner)) is not None:  # it sent us garbage lately
+            return Reply({"status": "benched", "reason": why})
         if joiner not in state.joined:
             if joiner in state.elsewhere:
                 # We saw it declare, and the round put it in another group: one peer that

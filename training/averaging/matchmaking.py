@@ -22,6 +22,7 @@ import trio
 from peer import Peer
 from protocol.identity import PeerID
 
+from .bench import Bench
 from .config import AveragerConfig
 from .confirmation import Confirmation
 from .grouping import (
@@ -128,6 +129,7 @@ class Matchmaker(Confirmation):
         self._subkey = str(node.peer_id)
         self._layout: str | None = None  # ours (set by find_group), named by our done markers
         self.current: RoundState | None = None
+        self.bench = Bench()  # peers that sent us garbage (the averager records them)
 
     # -- member side ---------------------------------------------------------------------
 
@@ -288,7 +290,8 @@ class Matchmaker(Confirmation):
             )  # fmt: skip
         if leader.peer_id == state.me.peer_id:
             state.is_leader = True
-            state.expected = {d.peer_id for d in group} - {state.me.peer_id}
+            state.expected = {d.peer_id for d in group if d.peer_id not in self.bench}
+            state.expected.discard(state.me.peer_id)
             state.joined[state.me.peer_id] = state.me
             state.closed.set()
             return await self._lead(state, deadline, len(declared))
