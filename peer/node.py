@@ -33,7 +33,12 @@ from .host import WILDCARD_HOSTS, HostConfig, RpcHost, open_rpc_host
 from .netclock import ClockConfig, ClockService, NetworkClock, wall_clock
 from .network import Network
 
-__all__ = ["Peer", "PeerConfig", "open_peer"]
+__all__ = ["MIN_PEER_FRAME_SIZE", "Peer", "PeerConfig", "open_peer"]
+
+MIN_PEER_FRAME_SIZE = (2 << 20) + (64 << 10)
+"""The smallest ``HostConfig.max_frame_size`` a peer accepts: the frames peers send each
+other (a DHT reply or store of 64 entries: ~1.1 MiB; an averaging chunk of the largest
+``chunk_bytes``, 2 MiB, with its header) must fit."""
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +50,17 @@ class PeerConfig:
     host: HostConfig = field(default_factory=HostConfig)
     dht: DHTConfig = field(default_factory=DHTConfig)
     clock: ClockConfig = field(default_factory=ClockConfig)
+
+    def __post_init__(self) -> None:
+        # Other peers send frames this large whatever our limit (it is a receiver's only):
+        # a node that refused them would drop its healthy peers' connections, each of its
+        # gets of a large key would come back empty, and its averagers could not send a chunk.
+        if self.host.max_frame_size < MIN_PEER_FRAME_SIZE:
+            raise ValueError(
+                f"HostConfig.max_frame_size must be at least {MIN_PEER_FRAME_SIZE} bytes (2 MiB"
+                f" + 64 KiB) for a peer, got {self.host.max_frame_size}: DHT replies and "
+                "stores reach 1.1 MiB and averaging chunks 2 MiB"
+            )
 
 
 class Peer:

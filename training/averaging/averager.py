@@ -29,6 +29,7 @@ import torch
 import trio
 
 from peer import BackgroundPeer, Peer, PeerStoppedError, RemoteError, Reply, Request
+from peer.node import MIN_PEER_FRAME_SIZE
 from protocol.codecs import Codec, NonFiniteError, get_codec
 from protocol.errors import RemoteProtocolError
 from protocol.identity import PeerID
@@ -144,6 +145,32 @@ def _check_node(node: object) -> None:
     raise TypeError(f"node must be a running peer, got {type(node).__name__}{hint}")
 
 
+CHUNK_HEADER_ROOM = 4096
+"""Bytes of a chunk's frame besides its blob (the RPC header with the chunk's body: ~200)."""
+
+
+def _check_chunk_fits(codec: Codec, config: AveragerConfig) -> None:
+    """A chunk's blob must fit the frame every peer accepts (``MIN_PEER_FRAME_SIZE``):
+    ``topk`` with a fraction over about half makes blobs larger than the chunk's float32
+    bytes (an index beside each value), and each upload then failed deep in the step.
+
+    Raises:
+        ValueError: naming ``chunk_bytes`` and the largest that fits.
+    """
+    room = MIN_PEER_FRAME_SIZE - CHUNK_HEADER_ROOM
+    blob = max(codec.encoded_size(config.chunk_elements), config.chunk_bytes)
+    if blob <= room:
+        return
+    fits = config.chunk_bytes * room // blob // 4096 * 4096
+    while fits > 4096 and codec.encoded_size(fits // 4) > room:
+        fits -= 4096
+    raise ValueError(
+        f"AveragerConfig.chunk_bytes={config.chunk_bytes} makes {codec!r} chunks of {blob} "
+        f"bytes, beyond the {MIN_PEER_FRAME_SIZE} bytes a frame to any peer may hold: use "
+        f"chunk_bytes <= {fits}"
+    )
+
+
 def _sentences(*notes: str) -> str:
     return "; ".join(note for note in notes if note)
 
@@ -233,6 +260,7 @@ class Averager:
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"AveragerConfig.codec_params: {exc}") from None
         self.codec.casts = TORCH_CASTS  # same values as numpy's, many times faster
+        _check_chunk_fits(self.codec, config)
         self.layout = self.flat.layout
         # peers must agree on the codec, the chunking, the group size (a group must fit
         # every member's) and the wire format (v2: raw result blobs reused; topk results

@@ -455,14 +455,15 @@ MAX_BANDWIDTH_SPREAD = 4.0
 
 
 def bounded_bandwidths(bandwidths: Sequence[float]) -> list[float]:
-    """``bandwidths`` clipped to ``MAX_BANDWIDTH_SPREAD`` times their median. Bandwidth is
-    declared, not measured, and a part's reducer is trusted with its values: one member
+    """``bandwidths`` clipped to ``MAX_BANDWIDTH_SPREAD`` times their lower median. Bandwidth
+    is declared, not measured, and a part's reducer is trusted with its values: one member
     declaring 1e300 was handed the whole vector (every other part empty) and could then
     send back anything as everyone's mean. Clipped, it reduces at most about 4x the
-    median member's share."""
+    median member's share. The lower median, so that in a pair (whose median is the mean)
+    a liar still gets at most 4x the other's share, not all of it."""
     if not bandwidths:
         return []
-    limit = statistics.median(bandwidths) * MAX_BANDWIDTH_SPREAD
+    limit = statistics.median_low(bandwidths) * MAX_BANDWIDTH_SPREAD
     return [min(bandwidth, limit) for bandwidth in bandwidths]
 
 

@@ -331,8 +331,11 @@ class ReducerService:
         """Serve the mean until every member fetched it, or downloads stall (the caller
         bounds it by the round's deadline). Call :meth:`publish` first."""
         expected = {m.peer_id for m in self.plan.members} - {self.plan.me}
-        if self.header is None or not self.header.chunks:
+        if self.header is None:
             return
+        # A header without chunks (an empty part, or no result) is served until fetched
+        # too: a member that fetches its parts one at a time (max_downloads=1) found our
+        # step ended and reported us dead, while the others reported the part "all".
         stall = self.config.stall_timeout
         while True:
             fetching = expected - self.downloaded
