@@ -62,7 +62,7 @@ from .errors import (
     PeerUnavailableError,
     SelfDialError,
 )
-from .network import Network, TcpNetwork, remote_host_of
+from .network import Network, TcpNetwork, open_files_limit, remote_host_of
 from .ratelimit import HostRateLimiter
 from .rpc import (
     ConnectionClosedError,
@@ -205,6 +205,15 @@ class RpcHost:
             config.handshake_rate_per_ip, config.handshake_burst_per_ip
         )
         self._admit_in_handler = False  # the network's serve() takes no ``admit`` filter
+        self.max_connections = config.max_connections
+        """``config.max_connections``, or fewer when the process may not open that many
+        files (see ``TcpNetwork.connection_budget``): a node with 1024 slots under
+        ``ulimit -n 64`` failed every accept once its files ran out, and newcomers got in
+        only when the idle timeout closed a connection."""
+        budget = getattr(network, "connection_budget", None)
+        budget = budget() if callable(budget) else None
+        if isinstance(budget, int) and budget < self.max_connections:
+            self.max_connections = budget
         self.connections_opened = 0
         """Connections established so far, both directions (each one a handshake)."""
         self.stopped = False
@@ -612,9 +621,9 @@ class RpcHost:
                 await turn_away(raw)
                 return
         else:
-            full = len(self._handshakes) + len(self._connections) >= config.max_connections
+            full = len(self._handshakes) + len(self._connections) >= self.max_connections
             if full and not (self._cut_off_oldest_handshake() or self._evict_idle_inbound()):
-                logger.debug("%r: refusing %s: %d connections", self, host, config.max_connections)
+                logger.debug("%r: refusing %s: %d connections", self, host, self.max_connections)
                 await turn_away(raw)
                 return
         self._per_host[group] += 1
@@ -768,6 +777,22 @@ def host_group(host: str) -> str:
 _UNIQUE_LOCAL = ipaddress.IPv6Network("fc00::/7")
 
 
+_few_files_warned = False
+
+
+def _warn_few_files(configured: int, budget: int) -> None:
+    """Once per process: the file limit holds the host below ``max_connections``."""
+    global _few_files_warned
+    if not _few_files_warned:
+        _few_files_warned = True
+        logger.warning(
+            "this process may open too few files (%s) for HostConfig.max_connections=%d: "
+            "at most %d connections, the idlest closed for newcomers; raise the limit "
+            "(ulimit -n, or LimitNOFILE= in a systemd unit)", open_files_limit(), configured,
+            budget,
+        )  # fmt: skip
+
+
 @asynccontextmanager
 async def open_rpc_host(
     identity: Identity,
@@ -801,6 +826,8 @@ async def open_rpc_host(
                     host._admit_in_handler = True
                 port = await nursery.start(serve, listen.host, listen.port, host._handle_inbound)
                 host.listen_address = Address(listen.host, port, identity.peer_id)
+                if host.max_connections < config.max_connections:
+                    _warn_few_files(config.max_connections, host.max_connections)
             yield host
             # a clean exit: others get what we were sending them (bounded)
             await host.drain(config.drain_timeout)

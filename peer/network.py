@@ -11,6 +11,7 @@ import errno
 import logging
 import os
 import socket
+import time
 import weakref
 from collections.abc import Awaitable, Callable
 from typing import Protocol, runtime_checkable
@@ -25,6 +26,7 @@ __all__ = [
     "Network",
     "PartialSender",
     "TcpNetwork",
+    "open_files_limit",
     "partial_sender",
     "remote_host_of",
 ]
@@ -74,16 +76,97 @@ class Network(Protocol):
         ...
 
 
+FD_RESERVE = 32
+"""File descriptors a process keeps for other uses than connections (listeners, the event
+loop, files, a thread's pipes): see :meth:`TcpNetwork.connection_budget`."""
+_OUT_OF_FILES = {errno.EMFILE, errno.ENFILE}
+_OUT_OF_FILES_EVERY = 60.0
+"""Seconds between two warnings that this process is out of file descriptors."""
+
+
+class _OutOfFiles:
+    """Warns, at most once a minute, that sockets fail for want of file descriptors: each
+    accept and dial then fails, and one line each (every 100 ms while accepting) buried
+    the log, while dials failed at DEBUG only, reading as the remote peer's fault."""
+
+    def __init__(self) -> None:
+        self._last = -float("inf")
+        self._missed = 0
+
+    def warn(self, what: str) -> None:
+        now = time.monotonic()  # (any trio run's: a process may run several)
+        if now - self._last < _OUT_OF_FILES_EVERY:
+            self._missed += 1
+            return
+        missed = f" ({self._missed} more since the last warning)" if self._missed else ""
+        self._last, self._missed = now, 0
+        logger.warning(
+            "this process is out of file descriptors (%s): cannot %s%s; raise the limit "
+            "(ulimit -n, or LimitNOFILE= in a systemd unit)", open_files_limit(), what, missed
+        )  # fmt: skip
+
+
+_OUT_OF_FILES_LOG = _OutOfFiles()
+
+
+def open_files_limit() -> str:
+    """This process's file limit, for messages: ``"ulimit -n 1024"``."""
+    try:
+        import resource
+
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    except (ImportError, OSError, ValueError):
+        return "limit unknown"
+    return "no limit" if soft == resource.RLIM_INFINITY else f"ulimit -n {soft}"
+
+
+def _out_of_files(exc: BaseException | None, depth: int = 0) -> bool:
+    """Whether ``exc`` (or what caused it, or one of a group's) is EMFILE or ENFILE."""
+    if exc is None or depth > 8:
+        return False
+    if isinstance(exc, OSError) and exc.errno in _OUT_OF_FILES:
+        return True
+    if isinstance(exc, BaseExceptionGroup):
+        return any(_out_of_files(e, depth + 1) for e in exc.exceptions)
+    return _out_of_files(exc.__cause__ or exc.__context__, depth + 1)
+
+
 class TcpNetwork:
     """Real TCP through trio; ``TCP_NODELAY`` on every stream."""
+
+    def connection_budget(self) -> int | None:
+        """Connections this process can hold beside its other files: the file limit's
+        soft value less ``FD_RESERVE`` (at least 8); None without a limit. The host takes
+        it as its ``max_connections`` when lower, so that a full node evicts an idle
+        connection for a newcomer instead of failing every accept."""
+        try:
+            import resource
+
+            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        except (ImportError, OSError, ValueError):
+            return None
+        if soft == resource.RLIM_INFINITY:
+            return None
+        return max(soft - FD_RESERVE, 8)
 
     async def connect(self, host: str, port: int) -> trio.abc.Stream:
         """Open a TCP stream to ``host:port``.
 
         Raises:
-            OSError: on refusal, unreachable host or a failed lookup.
+            OSError: on refusal, unreachable host or a failed lookup; ``EMFILE`` naming this
+                process's file limit when it has no descriptor left for a socket.
         """
-        stream = await trio.open_tcp_stream(host, port)
+        try:
+            stream = await trio.open_tcp_stream(host, port)
+        except OSError as exc:
+            if not _out_of_files(exc):
+                raise
+            _OUT_OF_FILES_LOG.warn(f"dial {host}:{port}")
+            raise OSError(
+                errno.EMFILE,
+                f"this process is out of file descriptors ({open_files_limit()}): no socket to "
+                f"dial {host}:{port}",
+            ) from exc
         _set_nodelay(stream)
         _OPEN_SOCKETS.add(stream.socket)
         return stream
@@ -147,6 +230,10 @@ async def _accept_loop(
             conn, address = await sock.accept()
         except OSError as exc:
             if exc.errno in _ACCEPT_RETRY:
+                continue
+            if exc.errno in _OUT_OF_FILES:
+                _OUT_OF_FILES_LOG.warn("accept a connection")
+                await trio.sleep(_RESOURCE_PAUSE)
                 continue
             if exc.errno in _ACCEPT_OUT_OF_RESOURCES:
                 logger.error("cannot accept a connection (%s); retrying shortly", exc)

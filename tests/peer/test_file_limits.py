@@ -1,0 +1,195 @@
+"""A process short of file descriptors (a new-user trial under ``ulimit -n``): a bootstrap
+node with 1024 connection slots under ``ulimit -n 64`` failed every accept once its files
+ran out (an ERROR line every 100 ms) and let newcomers in only when the idle timeout closed
+a connection; a research peer's dials failed at DEBUG only, reading as the remote's fault,
+and its gets came back empty with nothing said."""
+
+from __future__ import annotations
+
+import logging
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+import trio
+import trio.testing
+
+from peer.host import HostConfig, open_rpc_host
+from peer.memnet import MemoryInterface, MemoryNetwork
+from peer.network import TcpNetwork
+from peer.rpc import Reply, Request
+from protocol.address import Address
+from protocol.identity import Identity
+
+SERVER = Identity.from_seed(b"s" * 32)
+
+
+async def echo(request: Request) -> Reply:
+    return Reply(request.body)
+
+
+class FewFiles(MemoryInterface):
+    """A memory network interface in a process that may hold ``budget`` connections."""
+
+    budget = 3
+
+    def connection_budget(self) -> int:
+        return self.budget
+
+
+async def test_a_host_short_of_files_closes_an_idle_connection_for_a_newcomer(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    net = MemoryNetwork()
+    interface = net.interface("s")
+    interface.__class__ = FewFiles
+    with trio.fail_after(30), caplog.at_level(logging.WARNING, logger="peer.host"):
+        async with open_rpc_host(SERVER, listen=Address("s", 1), network=interface) as server:
+            server.register("echo", echo)
+            assert server.max_connections == FewFiles.budget < HostConfig().max_connections
+            assert server.listen_address is not None
+            clients = []
+            for i in range(5):
+                identity = Identity.from_seed(bytes([i + 1]) * 32)
+                host = open_rpc_host(identity, listen=None, network=net.interface(f"c{i}"))
+                clients.append(host)
+            async with (
+                clients[0] as c0, clients[1] as c1, clients[2] as c2, clients[3] as c3,
+                clients[4] as c4,
+            ):  # fmt: skip
+                for client in (c0, c1, c2):
+                    await client.call(server.listen_address, "echo", {"hi": 1})
+                await trio.sleep(2.0)  # idle for longer than a newcomer's eviction needs
+                for client in (c3, c4):  # each newcomer takes an idle one's place
+                    reply = await client.call(server.listen_address, "echo", {"new": 1})
+                    assert reply.body == {"new": 1}
+                    await trio.sleep(2.0)
+                await trio.testing.wait_all_tasks_blocked()
+                assert server.num_connections <= FewFiles.budget
+    warnings = [r.getMessage() for r in caplog.records if "too few files" in r.getMessage()]
+    assert len(warnings) <= 1  # once per process
+    assert not warnings or "at most 3 connections" in warnings[0]
+
+
+SHORT_OF_FILES = textwrap.dedent(
+    """
+    import logging, resource, socket, sys, trio
+    sys.path.insert(0, sys.argv[1])
+    from peer.network import TcpNetwork
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    port = listener.getsockname()[1]
+
+    async def main():
+        hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+        resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
+        held = []
+        try:
+            while True:  # every descriptor left, once trio's own are open
+                held.append(socket.socket())
+        except OSError:
+            pass
+        for _ in range(5):
+            try:
+                await TcpNetwork().connect("127.0.0.1", port)
+            except OSError as exc:
+                print("dial failed:", exc.errno, exc.strerror, flush=True)
+
+    trio.run(main)
+    """
+)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="no RLIMIT_NOFILE")
+def test_a_dial_without_a_file_descriptor_says_so_once() -> None:
+    root = str(Path(__file__).resolve().parents[2])
+    out = subprocess.run(
+        [sys.executable, "-c", SHORT_OF_FILES, root], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    lines = out.stdout.splitlines()
+    assert len(lines) == 5, out.stdout
+    assert all(
+        line.startswith("dial failed: 24 this process is out of file descriptors (ulimit -n 64)")
+        for line in lines
+    ), lines
+    warnings = [line for line in out.stderr.splitlines() if line.startswith("WARNING")]
+    assert len(warnings) == 1, out.stderr  # not one per dial
+    assert "out of file descriptors (ulimit -n 64): cannot dial 127.0.0.1:" in warnings[0]
+    assert "raise the limit" in warnings[0]
+
+
+def test_the_connection_budget_leaves_room_for_other_files() -> None:
+    import resource
+
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    budget = TcpNetwork().connection_budget()
+    if soft == resource.RLIM_INFINITY:
+        assert budget is None
+    else:
+        assert budget == max(soft - 32, 8)
+
+
+FULL_LISTENER = textwrap.dedent(
+    """
+    import logging, resource, socket, sys, trio
+    sys.path.insert(0, sys.argv[1])
+    from peer.network import TcpNetwork
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(message)s")
+
+    async def held(stream):
+        await trio.sleep_forever()
+
+    async def main():
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(TcpNetwork().serve, "127.0.0.1", 0, held)
+            hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+            resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
+            files = []
+            try:
+                while True:
+                    files.append(socket.socket())
+            except OSError:
+                pass
+            print(port, flush=True)
+            await trio.sleep(1.5)  # the test connects meanwhile: accepts fail
+            nursery.cancel_scope.cancel()
+
+    trio.run(main)
+    """
+)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="no RLIMIT_NOFILE")
+def test_a_listener_without_file_descriptors_warns_once_not_every_accept() -> None:
+    root = str(Path(__file__).resolve().parents[2])
+    proc = subprocess.Popen(
+        [sys.executable, "-c", FULL_LISTENER, root],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    dialers: list[socket.socket] = []
+    try:
+        assert proc.stdout is not None
+        port = int(proc.stdout.readline())
+        for _ in range(10):  # each waits in the backlog; the listener retries every 100 ms
+            dialers.append(socket.create_connection(("127.0.0.1", port), timeout=5))
+            time.sleep(0.05)
+        _, err = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait()
+        for dialer in dialers:
+            dialer.close()
+    assert proc.returncode == 0, err
+    lines = [line for line in err.splitlines() if line.startswith(("WARNING", "ERROR"))]
+    assert lines == [lines[0]] and lines[0].startswith("WARNING"), err  # was an ERROR each time
+    assert "out of file descriptors (ulimit -n 64): cannot accept a connection" in lines[0]
