@@ -442,14 +442,27 @@ def _start_in_background(
             trio.from_thread.run_sync(stop[0].set, trio_token=node._token)
         thread.join()
 
+    pending = [shut_down]  # emptied once stopped: the hook left behind then holds nothing
+
+    def at_exit() -> None:
+        if pending:
+            pending.pop()()
+
     def leave(raise_failure: bool) -> None:
-        atexit.unregister(shut_down)
-        if not sys.is_finalizing():  # else the atexit hook already stopped it
-            shut_down(now=not raise_failure)
+        atexit.unregister(at_exit)
+        if pending and not sys.is_finalizing():  # else an exit hook already stopped it
+            pending.pop()(now=not raise_failure)
+        pending.clear()
         if failure and raise_failure:  # the loop crashed while the block ran
             raise failure[0]
 
-    # a script that ends inside the block: stop the peer at exit, while its thread still
-    # runs (once the interpreter finalizes, the thread is frozen and joining it hangs)
-    atexit.register(shut_down)
+    # A script that ends inside the block: stop the peer at exit, while its thread still
+    # runs (once the interpreter finalizes, the thread is frozen and joining it hangs).
+    # Before Python waits for the script's own (non-daemon) threads, too: one that loops
+    # until the peer stops (PeerStoppedError) held the exit forever, atexit's hooks coming
+    # only after it. (``threading._register_atexit``: what concurrent.futures uses; it has
+    # no unregister, hence ``pending``.)
+    atexit.register(at_exit)
+    with contextlib.suppress(AttributeError, RuntimeError):  # too late: atexit's will do
+        threading._register_atexit(at_exit)  # type: ignore[attr-defined]
     return node, leave

@@ -6,8 +6,11 @@ took 3 s to leave the block, and its partner waited those 3 s for nothing."""
 from __future__ import annotations
 
 import contextlib
+import subprocess
+import sys
 import threading
 import time
+from pathlib import Path
 
 import pytest
 import trio
@@ -61,3 +64,37 @@ def test_leaving_by_an_exception_does_not_drain(by_exception: bool) -> None:
         assert took < drain / 2, took  # (3 s before: the drain)
     else:
         assert took >= drain * 0.9, took  # it waited for the request it served
+
+
+NEVER_LEFT = """
+import sys, threading, time
+sys.path.insert(0, sys.argv[1])
+from peer import PeerStoppedError, run_in_background
+
+node = run_in_background().__enter__()  # a notebook's style: never left
+
+
+def progress():  # the script's own (non-daemon) thread, until the peer stops
+    try:
+        while True:
+            node.dht.store("progress", time.time(), ttl=30.0)
+            time.sleep(0.05)
+    except PeerStoppedError:
+        print("stopped", flush=True)
+
+
+threading.Thread(target=progress).start()
+time.sleep(0.3)
+"""
+
+
+def test_a_peer_never_left_stops_before_python_waits_for_the_scripts_threads() -> None:
+    """The peer stops at the interpreter's exit (dht.md); Python waits for non-daemon
+    threads before atexit's hooks run, so a thread looping until PeerStoppedError held the
+    exit forever (a trial: killed by its timeout)."""
+    root = str(Path(__file__).resolve().parents[2])
+    out = subprocess.run(
+        [sys.executable, "-c", NEVER_LEFT, root], capture_output=True, text=True, timeout=60
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout == "stopped\n", out.stdout
