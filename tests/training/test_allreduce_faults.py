@@ -24,14 +24,16 @@ from test_averaging_support import (
     verify_round,
 )
 
-from peer import Reply
+from peer import PeerUnavailableError, RemoteError, Reply
 from protocol.address import Address
 from protocol.codecs import Codec
 from protocol.identity import PeerID
 from training import AveragingInfo, DropReason, Outcome, PartStatus
 from training.averaging.bench import BENCH_STEPS
+from training.averaging.butterfly import Butterfly
 from training.averaging.grouping import rank_key
 from training.averaging.messages import ResultHeader
+from training.averaging.plan import Liveness
 from training.averaging.reducing import ReducerService
 
 SIZE = 16_384  # 4 equal parts of 4 chunks (1024 elements each) in a group of 4
@@ -560,3 +562,41 @@ async def test_a_member_whose_step_was_cancelled_costs_the_others_a_stall_timeou
                 assert info.allreduce_s <= 2 * members[0].averager.config.stall_timeout
                 assert info.dropped == {victim_id: DropReason.DEAD}
             await next_round_without(members, victim)
+
+
+async def test_a_download_retried_after_a_reset_that_the_reducer_no_longer_serves_says_so(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A trial over flaky links: a member's result stream broke after the reducer had sent
+    it all (so the reducer's step ended, and its next step began in the same slot); the
+    retry was refused ``bad_request: part 0 is not reduced here for you``, which read as a
+    wrong request of ours. The part stays ``none``, and the note now says what happened."""
+    fetch = Butterfly._fetch
+    calls: list[int] = []
+
+    async def breaking_fetch(self: Butterfly, index: int, *args: Any) -> tuple[bool, str]:
+        if self.plan.me != victim_id or self.plan.reducers[index].peer_id != reducer_id:
+            return await fetch(self, index, *args)
+        calls.append(index)
+        if len(calls) == 1:
+            raise PeerUnavailableError("connection reset")
+        raise RemoteError("bad_request", f"part {index} is not reduced here for you")
+
+    async def always(self: Liveness, peer_id: PeerID) -> bool:
+        return True
+
+    with trio.fail_after(120):
+        async with memnet_swarm(3) as (_, nodes):
+            members = make_members(nodes, 3 * 4096, fast_config())
+            victim_id, reducer_id = members[0].peer_id, members[1].peer_id
+            monkeypatch.setattr(Butterfly, "_fetch", breaking_fetch)
+            monkeypatch.setattr(Liveness, "reconnect", always)
+            results = await step_all(members, timeout=TIMEOUT)
+    info = results[0][0]
+    assert info is not None and calls and len(calls) == 2
+    (part,) = [p for p in info.parts if p.reducer == reducer_id]
+    assert part.status is PartStatus.NONE and not part.received
+    assert part.note.startswith(
+        "the connection broke during the download, and by our retry the reducer no longer "
+        "served this round's result (bad_request: part"
+    ), part.note

@@ -275,17 +275,24 @@ class Butterfly:
                 self.config.stall_timeout,
                 nursery.cancel_scope,
             )
+            retried = False
             while True:
                 try:
                     received, note = await self._fetch(index, address, encoded, progress, fetched)
                 except RemoteError as exc:
                     note = f"the reducer refused: {exc}"
+                    if retried:  # the step that served us may have ended and another begun
+                        note = (
+                            "the connection broke during the download, and by our retry the "
+                            f"reducer no longer served this round's result ({exc})"
+                        )
                     if exc.code in ("not_found", "unknown_method"):
                         # its step ended (or its averager is closed): gone from the round,
                         # as a ping would find (Liveness.probe), and dropped as such
                         self.liveness.mark(reducer, DropReason.DEAD)
                 except PeerUnavailableError as exc:
                     if await self.liveness.reconnect(reducer):
+                        retried = True
                         continue
                     note = f"the reducer is unreachable: {exc}"
                 except ProtocolError as exc:
