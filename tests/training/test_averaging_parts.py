@@ -399,6 +399,9 @@ def test_messages_round_trip() -> None:
     assert GroupConfirmation.from_body(conf.to_body(), 100) == conf
     with pytest.raises(RemoteProtocolError):
         GroupConfirmation.from_body(conf.to_body(), 99)
+    for budget in (True, 0, -1.0, math.inf, "12"):  # a bool passed for one second
+        with pytest.raises(RemoteProtocolError, match="budget"):
+            GroupConfirmation.from_body({**conf.to_body(), "budget": budget}, 100)
     head = ChunkHeader(9, 1, 3, 7, 2.0, DropReason.NONFINITE)
     assert ChunkHeader.from_body(head.to_body()) == head
     retried = ChunkHeader(9, 1, 3, 7, 2.0, raw=True, retry=True)

@@ -146,7 +146,11 @@ class GroupConfirmation:
             check_spans(spans, total)
         except ValueError as exc:
             raise RemoteProtocolError(str(exc)) from None
-        if not isinstance(budget, int | float) or not (math.isfinite(budget) and budget > 0):
+        if (
+            isinstance(budget, bool)  # (True passed for one second)
+            or not isinstance(budget, int | float)
+            or not (math.isfinite(budget) and budget > 0)
+        ):
             raise RemoteProtocolError("budget must be a positive number")
         return cls(_int(body, "round"), tuple(members), tuple(spans), float(budget))
 
