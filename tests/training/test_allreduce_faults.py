@@ -600,3 +600,26 @@ async def test_a_download_retried_after_a_reset_that_the_reducer_no_longer_serve
         "the connection broke during the download, and by our retry the reducer no longer "
         "served this round's result (bad_request: part"
     ), part.note
+
+
+async def test_a_client_that_benched_every_full_member_says_so(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A client-mode member skips the full members it benched as leaders; with none left it
+    has nobody to join, and its note says that (it read "the leader did not confirm in
+    time"). The full members, which benched nobody, average between themselves."""
+    with trio.fail_after(120):
+        async with memnet_swarm(3) as (_, nodes):
+            members = make_members(nodes[:2], SIZE, fast_config())
+            members += make_members(nodes[2:], SIZE, fast_config(client_mode=True), seed=1)
+            client = members[2]
+            for full in members[:2]:
+                client.averager._matchmaker.bench.record(full.peer_id, "it sent us garbage")
+            results = await step_all(members, timeout=TIMEOUT)
+    info = results[2][0]
+    assert info is not None and info.outcome is Outcome.UNCONFIRMED
+    assert "every full member of our group failed or was benched by us" in info.note, info.note
+    np.testing.assert_array_equal(client.array, client.data)
+    for full_info, _ in results[:2]:
+        assert full_info is not None and full_info.outcome is Outcome.AVERAGED
+        assert len(full_info.group) == 2

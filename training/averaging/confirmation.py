@@ -123,6 +123,8 @@ class Confirmation:
                             noted.add(d.peer_id)
                             passed.append(f"{d.peer_id.short()} (benched by us)")
                     if pick is None:  # we are in client mode, and every full member failed
+                        if noted:
+                            note = "every full member of our group failed or was benched by us"
                         break
                     if pick.peer_id == state.me.peer_id:
                         return await self._take_over(state, group, deadline, declared, passed)
