@@ -418,6 +418,35 @@ async def test_a_slow_sender_that_keeps_pace_keeps_its_slot_while_others_wait(
     assert outcome.contributors == (peer(0), peer(1), peer(2)) and not outcome.dropped
 
 
+async def test_the_pace_counts_from_when_our_own_part_is_loaded(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A sender admitted while the reducer still loads its own part cannot deliver (its
+    chunks wait for the load), so that time is not its: a trial at 1 GiB with 3 peers had
+    the load take ~1 s against a slot of 0.22 s a chunk, and working senders were dropped
+    as ``timeout`` with none of their chunks read (9 of 11 rounds partial)."""
+    service = queued_service()
+    codec = get_codec("none")
+    values = [np.full(1024, float(i + 1), np.float32) for i in range(3)]
+
+    async def sender(i: int) -> None:
+        for index in range(4):
+            blob = codec.encode(values[i])
+            await service.on_chunk(peer(i), ChunkHeader(1, 0, index, 0, 1.0), blob)
+
+    async def slow_load() -> None:
+        await trio.sleep(3.0)  # longer than a chunk's share of the time to the cutoff
+        await service.load()
+
+    start = trio.current_time()
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(sender, 1)  # admitted at once; its chunks wait for the load
+        nursery.start_soon(sender, 2)  # queued behind it
+        nursery.start_soon(slow_load)
+        outcome = await service.reduce(start + 10.0)
+    assert outcome.contributors == (peer(0), peer(1), peer(2)) and not outcome.dropped
+
+
 # -- requests and declarations it has no right to ---------------------------------------
 
 

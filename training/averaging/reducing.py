@@ -108,6 +108,7 @@ class ReducerService:
         self.progress: dict[PeerID, list[float]] = {}
         self._admitted: set[PeerID] = set()
         self._admitted_at: dict[PeerID, float] = {}
+        self._loaded_at = math.inf  # when our own values were in (chunks wait for them)
         self.cutoff = math.inf  # set by reduce()
         self._released: set[PeerID] = set()
         self._queue: list[PeerID] = []
@@ -141,6 +142,7 @@ class ReducerService:
             for _ in self.reducer.load_steps():
                 await trio.lowlevel.checkpoint()
         finally:  # cancelled (the round is over): waiting chunks are refused
+            self._loaded_at = trio.current_time()
             self.loaded.set()
             self._notify()
 
@@ -403,8 +405,14 @@ class ReducerService:
         for peer_id in self.reducer.pending():
             admitted = self._admitted_at.get(peer_id)
             if admitted is not None and peer_id not in self._released:
+                # The pace counts from when its chunks could be taken: admitted while we
+                # still loaded our own part (358 MB took ~1 s), a sender was dropped as
+                # `timeout` with none of its chunks read (a trial at 1 GiB, 3 peers).
+                start = max(admitted, self._loaded_at)
+                if start >= self.cutoff:
+                    continue
                 pace = min(1.0, (self.reducer.received_chunks(peer_id) + 1) / chunks)
-                ends[peer_id] = admitted + (self.cutoff - admitted) * pace
+                ends[peer_id] = start + (self.cutoff - start) * pace
         return ends
 
     async def _probe(self, peer_id: PeerID) -> None:
