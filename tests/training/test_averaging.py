@@ -136,7 +136,8 @@ async def test_a_lone_peer_whose_node_knows_nobody_is_told_so(
             info = await member.averager.step(timeout=10.0)
     assert info.outcome is Outcome.ALONE
     assert info.note == (
-        "no partner (this node knows no other peer in the DHT: none joined yet, or all left)"
+        "no partner (this node knows no other peer in the DHT: none joined yet, all left, "
+        "or our link was too busy to answer their pings)"
     )
 
 
