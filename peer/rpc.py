@@ -42,6 +42,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from typing import Any
@@ -721,6 +722,8 @@ class RpcConnection:
             return None
         if (stream_handler := self._handlers.streaming.get(method)) is not None:
             items = stream_handler(request)
+            # this stream's frames that may still be queued (no more than a queue holds)
+            queued: deque[list[bytes | memoryview]] = deque(maxlen=self._outbox.capacity)
             try:
                 async for item in items:
                     # queued, never written here: this task's scope may be cancelled
@@ -728,7 +731,17 @@ class RpcConnection:
                     item_frame = RpcFrame(
                         FrameKind.ITEM, request_id, body=item.body, payload=item.payload
                     )
-                    await self._queue(*self._encode(item_frame))
+                    pieces, size = self._encode(item_frame)
+                    queued.append(pieces)
+                    await self._queue(pieces, size)
+            except trio.Cancelled:
+                # The caller gave up (its cancel, or its deadline): the items still queued
+                # would only fill the link, up to 4 MiB a connection, ahead of everything
+                # else we send (a slow volunteer's link stayed full for seconds after its
+                # step ended, and its DHT pings failed behind it).
+                for pieces in queued:
+                    self._outbox.withdraw(pieces)
+                raise
             finally:
                 if (aclose := getattr(items, "aclose", None)) is not None:
                     await aclose()  # an async generator: run its finally blocks now

@@ -131,6 +131,11 @@ class Outbox:
         return len(self._items) < self._capacity and self._queued_bytes < self._max_bytes
 
     @property
+    def capacity(self) -> int:
+        """The most frames either queue holds."""
+        return self._capacity
+
+    @property
     def empty(self) -> bool:
         """Nothing queued, nothing being written."""
         return not (self._busy or self._items or self._urgent)

@@ -240,3 +240,28 @@ async def test_a_deadline_at_any_moment_of_a_call_or_stream_costs_only_that_call
 async def counted_blobs(request: Request) -> AsyncIterator[Reply]:
     for i in range(request.body["n"]):
         yield Reply({"i": i}, bytes(30_000))
+
+
+async def test_a_stream_left_early_sends_none_of_its_queued_items(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The items a stream handler had queued when its caller left were written all the
+    same: up to 4 MiB a connection of data nobody reads, ahead of everything else we send
+    (a volunteer on a 10 Mbit/s link kept receiving results for seconds after its step had
+    ended, and its DHT pings failed behind them). They are withdrawn now."""
+    net = MemoryNetwork(latency=LATENCY, window=WINDOW)
+    async with two_hosts(net) as (a, b, address):
+        b.register_stream("endless", endless)
+        b.register("echo", echo)
+        with trio.fail_after(30):
+            async with a.stream(address, "endless", {"size": 128 << 10}) as items:
+                async for _ in items:
+                    break  # one item, then leave: the callee has queued megabytes by now
+            sent_at_leave = net.bytes_sent_by["10.0.0.2"]
+            await trio.sleep(5.0)  # everything still queued would have arrived by now
+            after = net.bytes_sent_by["10.0.0.2"] - sent_at_leave
+            # what the writer had taken (a batch of up to 1 MiB) still goes; was 5.4 MB
+            assert after < 2 << 20, after
+            reply = await a.call(address, "echo", {"still": 1})
+            assert reply.body == {"still": 1}
+            assert_settled(a, b)
