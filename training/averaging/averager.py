@@ -563,7 +563,7 @@ class Averager:
             if feedback is not None:
                 feedback.finish(butterfly.counted)
             allreduce_s = trio.current_time() - t1  # not the DHT store's wait, if longer
-        self._bench_garbage(conf.round, parts, liveness)
+        self._bench_garbage(conf.round, match.leader, parts, liveness)
         return AveragingInfo(
             outcome_of(parts, self.flat.total), conf.round, plan.group, match.leader, parts,
             self.flat.total, epoch=plan.max_epoch, matchmaking_s=t1 - t0,
@@ -572,19 +572,31 @@ class Averager:
         )  # fmt: skip
 
     def _bench_garbage(
-        self, round_no: int, parts: Sequence[PartReport], liveness: Liveness
+        self,
+        round_no: int,
+        leader: PeerID | None,
+        parts: Sequence[PartReport],
+        liveness: Liveness,
     ) -> None:
         """Bench the peers we saw send garbage ourselves this round (see bench.py): senders
         our own reducer dropped as such, and reducers whose result we found to be garbage.
-        Not what other reducers' headers say: that is hearsay."""
+        Not what other reducers' headers say: that is hearsay.
+
+        Only in a round we led, or the culprit's own: sizes, epochs and weights are checked
+        against the confirmation, and a lying leader that told members different things
+        (each join gets its own answer) would make honest peers' data look like garbage to
+        each other, and bench each other, for rounds after its own. What we told everyone
+        ourselves, or what the culprit told us itself, it cannot disown."""
         me = self.node.peer_id
+        if leader is None:
+            return
         seen = {p: "chunks" for part in parts if part.reducer == me
                 for p, reason in part.dropped.items() if reason is DropReason.GARBAGE}  # fmt: skip
         seen.update(
             (p, "a result") for p, reason in liveness.bad.items() if reason is DropReason.GARBAGE
         )
         for peer_id, what in seen.items():
-            if peer_id != me:
+            if peer_id != me and leader in (me, peer_id):
                 self._matchmaker.bench.record(
                     peer_id, f"it sent us garbage {what} in round {round_no}"
                 )
