@@ -109,15 +109,21 @@ class _OutOfFiles:
 _OUT_OF_FILES_LOG = _OutOfFiles()
 
 
-def open_files_limit() -> str:
-    """This process's file limit, for messages: ``"ulimit -n 1024"``."""
+def _soft_file_limit() -> int | None:
+    """This process's soft limit on open files; None when unlimited or unknown."""
     try:
         import resource
 
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
     except (ImportError, OSError, ValueError):
-        return "limit unknown"
-    return "no limit" if soft == resource.RLIM_INFINITY else f"ulimit -n {soft}"
+        return None
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def open_files_limit() -> str:
+    """This process's file limit, for messages: ``"ulimit -n 1024"``."""
+    soft = _soft_file_limit()
+    return "no limit (or unknown)" if soft is None else f"ulimit -n {soft}"
 
 
 def _out_of_files(exc: BaseException | None, depth: int = 0) -> bool:
@@ -139,15 +145,8 @@ class TcpNetwork:
         soft value less ``FD_RESERVE`` (at least 8); None without a limit. The host takes
         it as its ``max_connections`` when lower, so that a full node evicts an idle
         connection for a newcomer instead of failing every accept."""
-        try:
-            import resource
-
-            soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-        except (ImportError, OSError, ValueError):
-            return None
-        if soft == resource.RLIM_INFINITY:
-            return None
-        return max(soft - FD_RESERVE, 8)
+        soft = _soft_file_limit()
+        return None if soft is None else max(soft - FD_RESERVE, 8)
 
     async def connect(self, host: str, port: int) -> trio.abc.Stream:
         """Open a TCP stream to ``host:port``.

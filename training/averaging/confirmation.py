@@ -61,6 +61,12 @@ class Confirmation:
     current: RoundState | None
     bench: Bench
 
+    def _expected(self, state: RoundState, group: Sequence[Declaration]) -> set[PeerID]:
+        """The members a leader waits for: its group, less itself, those found gone and
+        those it benched (refused when they join)."""
+        expected = {d.peer_id for d in group if d.peer_id not in self.bench}
+        return expected - {state.me.peer_id} - state.gone
+
     def _after_slot_close(self, state: RoundState, seconds: float) -> float:
         """``seconds`` after the round's slot closes, or after now once it has closed (in
         trio time)."""
@@ -237,8 +243,7 @@ class Confirmation:
         me = state.me
         state.is_leader = True
         state.leader, state.leader_address = me.peer_id, me.address
-        state.expected = {d.peer_id for d in group if d.peer_id not in self.bench}
-        state.expected -= {me.peer_id} | state.gone
+        state.expected = self._expected(state, group)
         state.joined[me.peer_id] = me
         state.notify()
         # Members that found the leader gone later than we did (its connection broke while

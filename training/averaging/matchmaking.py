@@ -303,8 +303,7 @@ class Matchmaker(Confirmation):
             )  # fmt: skip
         if leader.peer_id == state.me.peer_id:
             state.is_leader = True
-            state.expected = {d.peer_id for d in group if d.peer_id not in self.bench}
-            state.expected.discard(state.me.peer_id)
+            state.expected = self._expected(state, group)
             state.joined[state.me.peer_id] = state.me
             state.closed.set()
             return await self._lead(state, deadline, len(declared))
