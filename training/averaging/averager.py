@@ -44,7 +44,7 @@ from .grouping import DECLARATION_KEYS, MAX_DETAIL, MAX_EPOCH, Declaration, roun
 from .layout import FlatVector, Float32Array, TensorLayout
 from .loopwatch import LoopWatch
 from .matchmaking import Matchmaker
-from .messages import ChunkHeader, method_prefix
+from .messages import ChunkHeader, method_prefix, parse_ping, parse_result_request
 from .plan import Liveness, Plan
 from .reducer import DropReason
 from .reducing import ReducerService
@@ -633,10 +633,8 @@ class Averager:
     async def _on_ping(self, request: Request) -> Reply:
         """``{}``: alive. ``{round}``: alive *and* in that round, else ``not_found``: a peer
         whose step ended (or was cancelled) answers pings, but will not send or serve."""
-        round_no = request.body.get("round")
+        round_no = parse_ping(request.body)
         if round_no is not None:
-            if type(round_no) is not int:
-                raise RemoteProtocolError("a ping names a round (an int) or nothing")
             active = self._active
             if active is None or active.round != round_no:
                 raise RemoteError("not_found", f"not in round {round_no}")
@@ -722,10 +720,7 @@ class Averager:
 
     async def _on_result(self, request: Request) -> AsyncIterator[Reply]:
         _check_small(request, _RESULT_KEYS)
-        body = request.body
-        round_no, part = body.get("round"), body.get("part")
-        if type(round_no) is not int or type(part) is not int:
-            raise RemoteProtocolError("a result request names a round and a part")
+        round_no, part = parse_result_request(request.body)
         service = await self._service(round_no)
         if part != service.part or service.plan.member(request.peer_id) is None:
             raise RemoteError("bad_request", f"part {part} is not reduced here for you")

@@ -111,9 +111,11 @@ class Declaration:
             raise RemoteProtocolError(f"malformed declaration: {exc!r}") from None
         if type(client_mode) is not bool:
             raise RemoteProtocolError("declared client_mode is not a bool")
+        if address is not None and not isinstance(address, str):
+            raise RemoteProtocolError("a declared address is a str or nil")
         if client_mode:
             address = None
-        elif not isinstance(address, str):
+        elif address is None:
             raise RemoteProtocolError("a declaration without client mode needs an address")
         else:
             try:

@@ -60,6 +60,23 @@ def _map(body: Any) -> Mapping[str, Any]:
     return body
 
 
+def parse_ping(body: Any) -> int | None:
+    """The round a ping asks about, or None for a plain ``{}`` (alive?).
+
+    Raises: RemoteProtocolError when ``round`` is present but not an int in [0, 2**62)
+    (nil included: nil never stands in for an absent key)."""
+    body = _map(body)
+    return _int(body, "round") if "round" in body else None
+
+
+def parse_result_request(body: Any) -> tuple[int, int]:
+    """``(round, part)`` of a result request.
+
+    Raises: RemoteProtocolError unless both are ints in range ([0, 2**62), [0, 256))."""
+    body = _map(body)
+    return _int(body, "round"), _int(body, "part", 0, MAX_MEMBERS)
+
+
 @dataclass(frozen=True, slots=True)
 class JoinRequest:
     """A member asking to join. ``skipped``: members ranked before the callee in the group
@@ -84,6 +101,8 @@ class JoinRequest:
         Raises: RemoteProtocolError on malformed input."""
         body = _map(body)
         skipped = body.get("skipped", [])
+        if "skipped" in body and not skipped:  # sent only when non-empty (see to_body)
+            raise RemoteProtocolError("skipped must be omitted when empty")
         if not isinstance(skipped, list | tuple) or len(skipped) > max_skipped:
             raise RemoteProtocolError(f"skipped must be a list of at most {max_skipped} peer ids")
         return cls(

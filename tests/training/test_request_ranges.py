@@ -1,0 +1,123 @@
+"""Averaging requests with a field out of range or of the wrong type are ``bad_request``,
+as protocol.md's introduction says, whatever round the callee is in (a wire-fuzz trial:
+``result`` with round -1 or part 2**62, and ``ping`` with round -1, 2**62 or nil, were
+answered ``not_found`` as if well-formed; a join with ``skipped: []`` was accepted though
+the key is sent only when non-empty; a client-mode declaration took an address of any
+type)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import trio
+from test_averaging_support import fast_config, make_members, memnet_swarm
+
+from peer import RemoteError
+from protocol.errors import RemoteProtocolError
+from protocol.identity import Identity
+from training.averaging.grouping import Declaration
+from training.averaging.messages import JoinRequest, parse_ping, parse_result_request
+
+PEER = Identity.from_seed(b"r" * 32).peer_id
+BAD_ROUNDS = [-1, 2**62, None, True, 1.0, "1", [1]]
+
+
+def declaration(**changes: object) -> dict[str, object]:
+    base: dict[str, object] = {
+        "address": "127.0.0.1:4000",
+        "weight": 1.0,
+        "epoch": 0,
+        "bandwidth": 1.0,
+        "layout": "v5:abc",
+        "count": 1,
+    }
+    base.update(changes)
+    return base
+
+
+@pytest.mark.parametrize("value", BAD_ROUNDS)
+def test_a_ping_round_out_of_range_or_nil_is_malformed(value: Any) -> None:
+    with pytest.raises(RemoteProtocolError):
+        parse_ping({"round": value})
+    assert parse_ping({}) is None
+    assert parse_ping({"round": 2**62 - 1}) == 2**62 - 1
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        *({"round": r, "part": 0} for r in BAD_ROUNDS),
+        {"round": 5, "part": -1},
+        {"round": 5, "part": 256},
+        {"round": 5, "part": 2**62},
+        {"round": 5, "part": None},
+        {"round": 5},
+        {"part": 0},
+    ],
+)
+def test_a_result_request_out_of_range_is_malformed(body: dict[str, Any]) -> None:
+    with pytest.raises(RemoteProtocolError):
+        parse_result_request(body)
+
+
+def test_a_result_request_in_range_parses() -> None:
+    assert parse_result_request({"round": 0, "part": 255}) == (0, 255)
+
+
+def test_an_empty_skipped_list_is_malformed() -> None:
+    with pytest.raises(RemoteProtocolError, match="omitted when empty"):
+        JoinRequest.from_body(PEER, {"round": 1, "decl": declaration(), "skipped": []})
+    request = JoinRequest.from_body(PEER, {"round": 1, "decl": declaration()})
+    assert request.skipped == ()
+
+
+@pytest.mark.parametrize("address", [5, 1.5, {"a": 1}, ["x"], b"127.0.0.1:4000", True])
+@pytest.mark.parametrize("client_mode", [True, False])
+def test_a_declared_address_is_a_str_or_nil(address: Any, client_mode: bool) -> None:
+    with pytest.raises(RemoteProtocolError, match="str or nil"):
+        Declaration.from_wire(PEER, declaration(address=address, client_mode=client_mode))
+
+
+def test_a_client_declaration_without_an_address_parses() -> None:
+    parsed = Declaration.from_wire(PEER, declaration(address=None))
+    assert parsed.client_mode and parsed.address is None
+    parsed = Declaration.from_wire(PEER, declaration(address="127.0.0.1:4000", client_mode=True))
+    assert parsed.client_mode and parsed.address is None  # ignored, as documented
+
+
+async def test_a_live_averager_answers_bad_request_not_not_found(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    with trio.fail_after(60):
+        async with memnet_swarm(2) as (_, nodes):
+            (member,) = make_members(nodes[:1], 64, fast_config())
+            methods = member.averager._methods
+            address = nodes[0].address
+            caller = nodes[1]
+            codes: list[str] = []
+
+            async def ask(method: str, body: dict[str, Any]) -> None:
+                try:
+                    if method == "result":
+                        async with caller.rpc.stream(address, f"{methods}.result", body) as items:
+                            async for _ in items:
+                                pass
+                    else:
+                        await caller.rpc.call(address, f"{methods}.{method}", body)
+                    codes.append("ok")
+                except RemoteError as exc:
+                    codes.append(exc.code)
+
+            for value in (-1, 2**62, None):
+                await ask("ping", {"round": value})
+                await ask("result", {"round": value, "part": 0})
+            await ask("result", {"round": 5, "part": -1})
+            await ask("result", {"round": 5, "part": 2**62})
+            assert codes == ["bad_request"] * 8, codes
+            codes.clear()
+            await ask("ping", {})
+            await ask("ping", {"round": 5})  # well-formed, not in that round
+            await ask("result", {"round": 5, "part": 0})
+            assert codes == ["ok", "not_found", "not_found"], codes
+            member.averager.close()
