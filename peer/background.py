@@ -42,6 +42,7 @@ from .network import Network
 from .node import Peer, PeerConfig, as_list, open_peer
 
 __all__ = [
+    "BackgroundClock",
     "BackgroundContext",
     "BackgroundDHT",
     "BackgroundPeer",
@@ -63,6 +64,7 @@ class BackgroundPeer:
         self.peer_id: PeerID = peer.peer_id
         self.address: str = peer.address
         self.dht = BackgroundDHT(self)
+        self.clock = BackgroundClock(self)
 
     @property
     def peer(self) -> Peer:
@@ -185,6 +187,34 @@ class _InterruptibleCall:
         with contextlib.suppress(trio.RunFinishedError):
             trio.from_thread.run_sync(scope.cancel, trio_token=token)
         self._done.wait()
+
+
+class BackgroundClock:
+    """The blocking twin of the peer's network clock (:class:`peer.netclock.NetworkClock`),
+    read on the peer's own loop: there "this machine's clock" is the system time read once,
+    moving on monotonically (``wall_clock``), while a read from another thread would take
+    the system time as it is now, jumps included."""
+
+    def __init__(self, owner: BackgroundPeer) -> None:
+        self._owner = owner
+
+    def now(self) -> float:
+        """Network time: this machine's clock plus ``offset`` (see ``NetworkClock.now``).
+
+        Raises:
+            PeerStoppedError: the peer is no longer running.
+        """
+        return self._owner.run_sync(self._owner.peer.clock.now)
+
+    @property
+    def offset(self) -> float:
+        """Seconds added to this machine's clock (positive: it is behind its peers').
+
+        Raises:
+            PeerStoppedError: the peer is no longer running.
+        """
+        clock = self._owner.peer.clock
+        return self._owner.run_sync(lambda: clock.offset)
 
 
 class BackgroundDHT:

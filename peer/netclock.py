@@ -259,6 +259,14 @@ class NetworkClock:
                 self.config.max_offset,
             )
             return
+        if abs(self.offset) <= self.config.threshold:  # back in line after a correction
+            logger.info(
+                "this machine's clock agrees with the median of %d peers' clocks again"
+                " (within %.3f s)",
+                self.samples,
+                abs(self.offset),
+            )
+            return
         logger.log(
             logging.WARNING if abs(self.offset) >= 1.0 else logging.INFO,
             "this machine's clock is %.3f s %s the median of %d peers' clocks: following them"

@@ -93,6 +93,7 @@ _RECONTACTS_AT_ONCE = 8
 # spreads out (the limit refills at 16 connections per second).
 _BUSY_RETRY_FIRST = 0.5
 _BUSY_RETRY_MAX = 4.0
+_LEAST_CORRECTION = 0.01  # seconds our time must have moved back (netclock moves >= 0.1 s)
 
 
 @dataclass(slots=True)
@@ -166,6 +167,9 @@ class DHT:
         self._twins: set[str] = set()  # initial peers that proved our own PeerID
         # (key id, subkey) -> (key text, entry) of what this node stored, to republish
         self._published: OrderedDict[tuple[DHTID, Subkey], tuple[str, Entry]] = OrderedDict()
+        # (key id, subkey) -> (expiration, trio time, our time) of our latest store there
+        # (see _carry_over)
+        self._stamped: OrderedDict[tuple[DHTID, Subkey], tuple[float, float, float]] = OrderedDict()
         self._service: trio.Nursery | None = None  # serve()'s nursery, while it runs
         self._background_stores = 0
         # departed contact -> (when to ping it next, the delay after that); see
@@ -705,6 +709,7 @@ class DHT:
         expiration = now + ttl
         if expiration <= now:  # a unix time has ~0.2 us steps: a smaller ttl adds nothing
             raise ValueError(f"ttl of {ttl} s is below the clock's resolution")
+        expiration = self._carry_over((key_id, subkey), now, expiration)
         owner = key_owner(key)
         if owner is not None or owner_of(subkey) is not None:
             entry = sign_entry(self.identity, key_id, subkey, data, expiration, key_owner=owner)
@@ -714,6 +719,37 @@ class DHT:
         self._check_running()  # before it joins the republish list
         self._note_published(key, key_id, entry, ttl)
         return await self._store_entries(key, (entry,))
+
+    def _carry_over(self, slot: tuple[DHTID, Subkey], now: float, expiration: float) -> float:
+        """The expiration to store under ``slot``: ``expiration``, unless our time moved
+        back (network time following peers whose clocks are behind ours) since our last
+        store there, stamped in the time before. In that time this store is the later one,
+        but its expiration reads earlier, so every node would keep the old value until
+        the old expiration (up to the size of the correction: a trial's peer, corrected
+        15 s back, had its averaging declarations refused for three rounds). Such a store
+        goes out just after the old expiration: it replaces the old value, and lives at
+        most the correction longer than its ttl."""
+        elapsed = trio.current_time()
+        last = self._stamped.get(slot)
+        if last is not None:
+            old_expiration, then, stamped_at = last
+            moved_back = (elapsed - then) - (now - stamped_at)
+            if (
+                moved_back > _LEAST_CORRECTION
+                and expiration <= old_expiration < expiration + moved_back
+            ):
+                later = math.nextafter(old_expiration, math.inf)
+                if later - now <= MAX_TTL:
+                    expiration = later
+        self._stamped[slot] = (expiration, elapsed, now)
+        self._stamped.move_to_end(slot)
+        stamped = self._stamped  # oldest first: drop the expired and beyond the bound
+        while stamped and (
+            len(stamped) > self.config.max_republished_records
+            or next(iter(stamped.values()))[0] < now
+        ):
+            stamped.popitem(last=False)
+        return expiration
 
     def _note_published(self, key: str, key_id: DHTID, entry: Entry, ttl: float) -> None:
         """Republish ``entry`` from now on, unless the record we republish outlives it: a

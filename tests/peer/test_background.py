@@ -7,6 +7,7 @@ import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
@@ -49,6 +50,18 @@ def test_blocking_store_get_run_and_clean_shutdown() -> None:
             first.run(fails)
     with pytest.raises(peer.PeerStoppedError):
         first.dht.get("bg/plain")
+
+
+def test_the_network_clock_as_dht_md_names_it() -> None:
+    """``node.clock.now()`` and ``node.clock.offset`` (a clock-skew trial: the facade had
+    no ``clock``), read on the peer's loop."""
+    with peer.run_in_background() as node:
+        assert node.clock.offset == 0.0  # alone: nobody to follow
+        first = node.clock.now()
+        assert abs(first - time.time()) < 60.0
+        assert node.run_sync(node.peer.clock.now) >= first
+    with pytest.raises(peer.PeerStoppedError):
+        node.clock.now()
 
 
 def test_startup_errors_reach_the_caller() -> None:

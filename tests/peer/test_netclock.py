@@ -420,3 +420,57 @@ async def test_the_round_trip_timed_is_the_call_not_the_dial(
             target = Address("10.0.0.1", 1000, ids[0].peer_id)
             assert await asker.ask(target, "10.0.0.1")
             assert ours.offset == pytest.approx(-5.0, abs=1e-6)
+
+
+@pytest.mark.parametrize("owned", [False, True])
+async def test_a_store_after_our_time_moved_back_replaces_our_earlier_one(
+    autojump_clock: trio.testing.MockClock, owned: bool
+) -> None:
+    """A clock-skew trial: a peer that first met one peer (halfway: 15 s ahead), stored,
+    and was then corrected 15 s back by the swarm's median, could not replace its own
+    value for 15 s: the new store expired earlier than the old one by the numbers, every
+    node kept the old value (get read v1 with 44.5 s left of a 30 s ttl), and store said
+    False; its averaging declarations were refused so for three rounds."""
+    with trio.fail_after(120):
+        async with swarm([0.0, 0.0, 0.0, 0.0]) as nodes:
+            writer, reader = nodes[-1], nodes[1]
+            subkey = str(writer.peer_id) if owned else None
+            assert await writer.dht.store("run/state", "v1", ttl=30.0, subkey=subkey)
+            await trio.sleep(2.0)
+            writer.clock.offset -= 15.0  # what following the others' median does
+            assert await writer.dht.store("run/state", "v2", ttl=30.0, subkey=subkey)
+            entries = await reader.dht.get_entries("run/state")
+            value, expiration = entries[subkey]
+            assert value == "v2"
+            # just after v1's expiration (28 s away), which is 43 s away in the writer's
+            # corrected time: at most the correction longer than the ttl
+            assert expiration - reader.clock.now() == pytest.approx(28.0, abs=0.1)
+            assert expiration - writer.clock.now() == pytest.approx(43.0, abs=0.1)
+            await trio.sleep(29.0)  # gone once that passed, as any record
+            assert await reader.dht.get("run/state") is None
+
+
+async def test_without_a_correction_a_shorter_ttl_still_does_not_replace(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The expiration stays the version: only a correction of our own time carries over."""
+    with trio.fail_after(120):
+        async with swarm([0.0, 0.0, 0.0]) as nodes:
+            writer, reader = nodes[-1], nodes[1]
+            assert await writer.dht.store("run/state", "v1", ttl=60.0)
+            await trio.sleep(2.0)
+            assert not await writer.dht.store("run/state", "v2", ttl=30.0)
+            assert await reader.dht.get("run/state") == "v1"
+
+
+def test_a_clock_back_in_line_says_so(caplog: pytest.LogCaptureFixture) -> None:
+    """Not "0.000 s ahead of the median ...: following them" (a clock-skew trial)."""
+    clock = NetworkClock(lambda: 100.0)
+    with caplog.at_level(logging.INFO, logger="peer.netclock"):
+        clock.record("10.0.0.2", 110.0, sent=100.0, received=100.0)  # +10: halfway
+        clock.log_change()
+        clock.record("10.0.0.2", 100.0, sent=100.0, received=100.0)  # now agrees
+        clock.log_change()
+    first, second = (r.getMessage() for r in caplog.records)
+    assert "5.000 s behind the median of 1 peers' clocks: following them" in first
+    assert "agrees with the median of 1 peers' clocks again" in second
