@@ -88,6 +88,7 @@ _MAX_REMEMBERED_ADDRESSES = 4096
 _EVICT_AFTER = 1.0
 """Seconds an inbound connection must have been idle to be closed for a newcomer when every
 slot is taken (a flood of new connections must not evict each other at once)."""
+_STOPPED = "this peer has stopped: its open_peer context has ended"  # (the DHT's words too)
 _CONNECTION_ERRORS = (
     PeerUnavailableError,
     ProtocolError,
@@ -327,7 +328,7 @@ class RpcHost:
         address = _as_address(address)
         self.check_loop()
         if self.stopped:
-            raise PeerStoppedError(f"{self!r} has stopped: its context has ended")
+            raise PeerStoppedError(_STOPPED)
         # A pooled connection is used without a scheduler pass: the call checkpoints.
         connection = self._pooled(address) if address.peer_id != self.peer_id else None
         if connection is None:
@@ -451,7 +452,7 @@ class RpcHost:
     async def _connection(self, address: Address) -> RpcConnection:
         self.check_loop()
         if self.stopped:
-            raise PeerStoppedError(f"{self!r} has stopped: its context has ended")
+            raise PeerStoppedError(_STOPPED)
         if address.peer_id == self.peer_id and self._is_own(address):
             raise SelfDialError(f"{address} is this host itself")
         if (connection := self._pooled(address)) is not None:

@@ -196,6 +196,9 @@ async def test_a_stopped_peer_refuses_gets_its_own_copy_could_answer() -> None:
             assert await node.dht.store("mine", 1, ttl=30.0)
         with pytest.raises(peer.PeerStoppedError):
             await node.dht.get("mine", latest=False)
+        # the RPC layer's own words name no internal object (they read "<RpcHost 8hYh...>")
+        with pytest.raises(peer.PeerStoppedError, match=r"^this peer has stopped: its open_peer"):
+            await node.rpc.call(node.address, "dht.ping", {})
 
 
 def _run_script(body: str) -> str:

@@ -253,6 +253,9 @@ async def test_close_during_a_step_lets_the_step_serve_its_group(
                 members[0].averager.close()
                 with pytest.raises(RuntimeError, match="closed"):
                     await members[0].averager.step()
+                # not "already open: close() it first" (a trial had just called close())
+                with pytest.raises(ValueError, match=r"closed during a step.*once that step"):
+                    Averager(nodes[0], "t/x", [np.zeros(3000, dtype=np.float32)])
             Averager(nodes[0], "t/x", [members[0].array])  # the prefix is free again
     infos = [info for info, _ in done[0]]
     verify_round(members, infos)  # type: ignore[arg-type]

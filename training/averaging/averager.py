@@ -18,6 +18,7 @@ import logging
 import math
 import numbers
 import warnings
+import weakref
 from collections import Counter
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import aclosing
@@ -205,6 +206,10 @@ class _Active:
     parked_bytes: int = 0
 
 
+_CLOSING: weakref.WeakSet[Averager] = weakref.WeakSet()
+"""Averagers closed during a step: they keep their prefix until it ends (see ``close``)."""
+
+
 class Averager:
     """Averages ``tensors`` (in place) with peers that step under the same ``prefix``.
 
@@ -316,6 +321,12 @@ class Averager:
         try:
             rpc.register(f"{self._methods}.ping", self._on_ping)
         except ValueError:
+            if any(a.node is self.node and a.prefix == self.prefix for a in list(_CLOSING)):
+                raise ValueError(
+                    f"the Averager for prefix {self.prefix!r} on this node was closed during a"
+                    " step, which still serves its group: the prefix is free once that step"
+                    " returns (by its timeout at the latest)"
+                ) from None
             raise ValueError(
                 f"an Averager for prefix {self.prefix!r} is already open on this node: "
                 "close() it first, or use another prefix"
@@ -350,10 +361,13 @@ class Averager:
                 self._background.run_sync(self._release)
 
     def _release(self) -> None:
-        if not self._busy:  # else the step unregisters when it ends
+        if not self._busy:
             self._unregister()
+        else:  # the step unregisters when it ends
+            _CLOSING.add(self)
 
     def _unregister(self) -> None:
+        _CLOSING.discard(self)
         if self._registered:
             self._registered = False
             for name in ("ping", "join", "chunk", "result"):
