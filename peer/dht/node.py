@@ -93,7 +93,7 @@ _RECONTACTS_AT_ONCE = 8
 # spreads out (the limit refills at 16 connections per second).
 _BUSY_RETRY_FIRST = 0.5
 _BUSY_RETRY_MAX = 4.0
-_LEAST_CORRECTION = 0.01  # seconds our time must have moved back (netclock moves >= 0.1 s)
+_LATER = 1e-6  # seconds one of our stores must outlast our last one by (float noise aside)
 
 
 @dataclass(slots=True)
@@ -722,26 +722,24 @@ class DHT:
 
     def _carry_over(self, slot: tuple[DHTID, Subkey], now: float, expiration: float) -> float:
         """The expiration to store under ``slot``: ``expiration``, unless our time moved
-        back (network time following peers whose clocks are behind ours) since our last
-        store there, stamped in the time before. In that time this store is the later one,
-        but its expiration reads earlier, so every node would keep the old value until
-        the old expiration (up to the size of the correction: a trial's peer, corrected
-        15 s back, had its averaging declarations refused for three rounds). Such a store
-        goes out just after the old expiration: it replaces the old value, and lives at
-        most the correction longer than its ttl."""
-        elapsed = trio.current_time()
+        back (network time following peers whose clocks are behind ours) since one of our
+        earlier stores there. Counted on trio's monotonic clock, which no correction moves,
+        this store expires later than that one; by our time it expires earlier, and every
+        node would keep the old value until the old expiration (up to the size of the
+        correction: a trial's peer, corrected 15 s back, had its averaging declarations
+        refused for three rounds). Such a store goes out just after the old expiration: it
+        replaces the old value, and lives at most the correction longer than its ttl. So
+        do our next stores there, until their own expirations are the later ones (a
+        recheck found the next store after the first refused again)."""
+        lasts_until = trio.current_time() + (expiration - now)  # on the monotonic clock
         last = self._stamped.get(slot)
         if last is not None:
-            old_expiration, then, stamped_at = last
-            moved_back = (elapsed - then) - (now - stamped_at)
-            if (
-                moved_back > _LEAST_CORRECTION
-                and expiration <= old_expiration < expiration + moved_back
-            ):
+            old_expiration, old_lasts_until = last
+            if expiration <= old_expiration and lasts_until > old_lasts_until + _LATER:
                 later = math.nextafter(old_expiration, math.inf)
                 if later - now <= MAX_TTL:
                     expiration = later
-        self._stamped[slot] = (expiration, elapsed, now)
+        self._stamped[slot] = (expiration, lasts_until)
         self._stamped.move_to_end(slot)
         stamped = self._stamped  # oldest first: drop the expired and beyond the bound
         while stamped and (

@@ -446,7 +446,17 @@ async def test_a_store_after_our_time_moved_back_replaces_our_earlier_one(
             # corrected time: at most the correction longer than the ttl
             assert expiration - reader.clock.now() == pytest.approx(28.0, abs=0.1)
             assert expiration - writer.clock.now() == pytest.approx(43.0, abs=0.1)
-            await trio.sleep(29.0)  # gone once that passed, as any record
+            # and so does the next store (a recheck found it refused again: v3 expired
+            # before the stretched v2 by the numbers)
+            await trio.sleep(1.0)
+            assert await writer.dht.store("run/state", "v3", ttl=30.0, subkey=subkey)
+            assert (await reader.dht.get_entries("run/state"))[subkey][0] == "v3"
+            await trio.sleep(14.0)  # past the stretch: a store's own expiration is later
+            assert await writer.dht.store("run/state", "v4", ttl=30.0, subkey=subkey)
+            value, expiration = (await reader.dht.get_entries("run/state"))[subkey]
+            assert value == "v4"
+            assert expiration - writer.clock.now() == pytest.approx(30.0, abs=0.1)
+            await trio.sleep(31.0)  # gone once that passed, as any record
             assert await reader.dht.get("run/state") is None
 
 
