@@ -167,9 +167,9 @@ class DHT:
         self._twins: set[str] = set()  # initial peers that proved our own PeerID
         # (key id, subkey) -> (key text, entry) of what this node stored, to republish
         self._published: OrderedDict[tuple[DHTID, Subkey], tuple[str, Entry]] = OrderedDict()
-        # (key id, subkey) -> (expiration, trio time, our time) of our latest store there
-        # (see _carry_over)
-        self._stamped: OrderedDict[tuple[DHTID, Subkey], tuple[float, float, float]] = OrderedDict()
+        # (key id, subkey) -> (expiration, the same on trio's clock) of our latest store
+        # there (see _carry_over)
+        self._stamped: OrderedDict[tuple[DHTID, Subkey], tuple[float, float]] = OrderedDict()
         self._service: trio.Nursery | None = None  # serve()'s nursery, while it runs
         self._background_stores = 0
         # departed contact -> (when to ping it next, the delay after that); see
