@@ -102,6 +102,43 @@ async def test_repeated_rounds_mix_sixteen_peers_in_groups_of_four(
     assert spreads[1] < 1e-5  # a 4x4 grid: two rounds average everyone exactly
 
 
+@pytest.mark.parametrize("carry_weight", [True, False])
+async def test_unequal_weights_reach_the_weighted_mean_when_each_passes_its_groups_weight(
+    autojump_clock: trio.testing.MockClock, carry_weight: bool
+) -> None:
+    """A grid trial (16 processes' peers, weight i + 1): two full rounds left a spread of
+    1.0, not the exact weighted mean: the second round weighs each peer by the weight it
+    passes, not by the total its values already stand for. Passing the part's total weight
+    of the first round (``info.parts[i].weight``) makes it exact, as averaging.md says."""
+    with trio.fail_after(300):
+        async with memnet_swarm(16) as (_, nodes):
+            members = make_members(nodes, 2_000, fast_config(group_size=4))
+            for i, m in enumerate(members):
+                m.weight = float(i + 1)
+            weights = np.array([m.weight for m in members])
+            data = np.array([m.data.astype(np.float64) for m in members])
+            target = weights @ data / weights.sum()
+            spreads = []
+            for _round in range(2):
+                for m in members:
+                    m.data = m.array.copy()
+                results = await step_all(members, timeout=30.0)
+                infos = [info for info, _ in results]
+                verify_round(members, infos)  # type: ignore[arg-type]
+                for m, info in zip(members, infos, strict=True):
+                    assert info is not None and info.outcome is Outcome.AVERAGED
+                    assert len({part.weight for part in info.parts}) == 1
+                    if carry_weight:
+                        m.weight = info.parts[0].weight
+                spread = max(float(np.abs(m.array - target).max()) for m in members)
+                spreads.append(spread)
+                print(f"round {_round}: max distance to the weighted mean {spread:.3g}")
+    if carry_weight:
+        assert spreads[1] < 1e-5
+    else:
+        assert spreads[1] > 0.01
+
+
 async def test_a_lone_peer_gets_a_clear_answer_and_keeps_its_tensors(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
