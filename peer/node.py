@@ -211,7 +211,8 @@ async def open_peer(
     Raises:
         ProtocolError: if ``listen`` or an initial peer is not a valid address.
         ValueError: if ``listen`` names a PeerID other than this peer's, or
-            ``announce_host`` is one no peer dials (``0.0.0.0``, multicast: they skip it).
+            ``announce_host`` is one no peer dials (``0.0.0.0``, multicast: they skip it),
+            or is given to a client-mode peer.
         TypeError: if an argument has the wrong type.
         IdentityFileError: if the identity file exists but is not a key file.
         OSError: if the listen address cannot be bound, or the identity file cannot be
@@ -225,7 +226,14 @@ async def open_peer(
     client = client_mode or listen is None or config.dht.client_mode
     dht_config = replace(config.dht, client_mode=client)
     me = load_identity(identity)
-    listen_address = None if client or listen is None else Address.parse(listen)
+    parsed = None if listen is None else Address.parse(listen)  # (checked in client mode too)
+    listen_address = None if client else parsed
+    if client and announce_host is not None:
+        raise ValueError(
+            f"announce_host={announce_host!r} with a client-mode peer, which listens nowhere"
+            " and is never dialed: drop client_mode (and give a reachable listen address) to"
+            " be dialed, or drop announce_host"
+        )
     if listen_address is not None:  # one spelling for an IPv6 host, as the CLI's
         listen_address = Address(
             canonical_host(listen_address.host), listen_address.port, listen_address.peer_id
@@ -235,6 +243,12 @@ async def open_peer(
             f"listen={listen!r} names another peer: give HOST:PORT (the PeerID is the identity's)"
         )
     peers = [p if isinstance(p, Address) else Address.parse(p) for p in as_list(initial_peers)]
+    if client and not peers:
+        logger.warning(
+            "a client-mode peer without initial peers knows nobody, and nobody can dial it:"
+            " it cannot start a network (its stores and gets find no node); give"
+            " initial_peers"
+        )
     for initial in peers:
         if initial.port == 0:  # a listen port asked of the OS, never one to dial
             raise ProtocolError(f"initial peer {initial}: port 0 cannot be dialed")

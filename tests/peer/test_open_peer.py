@@ -28,6 +28,9 @@ OTHER = Identity.from_seed(bytes([9]) * 32)
         ({"config": DHTConfig()}, TypeError, "config must be a PeerConfig"),
         ({"announce_host": "0.0.0.0"}, ValueError, "not an address peers can dial"),
         ({"announce_host": "224.0.0.1"}, ValueError, "not an address peers can dial"),
+        # a client-mode trial: both were ignored without a word
+        ({"client_mode": True, "announce_host": "203.0.113.7"}, ValueError, "client-mode"),
+        ({"client_mode": True, "listen": "garbage"}, ProtocolError, "no port"),
     ],
 )
 async def test_wrong_arguments_are_named(
@@ -127,3 +130,21 @@ async def test_an_initial_peer_at_port_0_is_refused_as_malformed() -> None:
     with trio.fail_after(10), pytest.raises(ProtocolError, match="port 0 cannot be dialed"):
         async with open_peer(initial_peers=["127.0.0.1:0"]):
             pass
+
+
+async def test_a_client_without_initial_peers_is_warned(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """It started without a word and every store was False (a client-mode trial)."""
+    net = MemoryNetwork()
+    with trio.fail_after(30):
+        async with open_peer(None, client_mode=True, network=net.interface("10.0.0.3")) as node:
+            assert "cannot start a network" in caplog.text
+            assert not await node.dht.store("k", 1, ttl=30.0)
+        caplog.clear()
+        async with (
+            open_peer("10.0.0.1:0", network=net.interface("10.0.0.1")) as first,
+            open_peer(None, [first.address], client_mode=True, network=net.interface("10.0.0.3")),
+        ):
+            pass
+        assert "cannot start a network" not in caplog.text

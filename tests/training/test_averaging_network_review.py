@@ -549,7 +549,7 @@ async def test_peer_whose_declaration_lands_late_is_told_the_others_went_on(
             infos, _ = await one_round(members)
             assert fully_averaged(infos[:2], 2), describe(members, infos)
             assert infos[2].outcome is Outcome.ALONE
-            assert "2 other peer(s) had formed their groups" in infos[2].note, infos[2].note
+            assert "2 other peer(s) had finished matchmaking" in infos[2].note, infos[2].note
             assert "storing our declaration took 1.2" in infos[2].note, infos[2].note
 
 

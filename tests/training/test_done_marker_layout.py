@@ -119,7 +119,7 @@ async def test_a_newcomer_of_another_layout_after_an_early_close_is_told(
     round, its note suggesting the others had just been faster."""
     result, _ = await _newcomer_after_early_close(999)
     assert isinstance(result, LayoutMismatchError), result
-    assert "3 peer(s) that had formed their groups" in str(result), result
+    assert "3 peer(s) that had finished matchmaking" in str(result), result
 
 
 async def test_a_newcomer_of_our_layout_after_an_early_close_is_only_late(
@@ -128,7 +128,7 @@ async def test_a_newcomer_of_our_layout_after_an_early_close_is_only_late(
     result, newcomer = await _newcomer_after_early_close(1000)
     assert isinstance(result, AveragingInfo), result
     assert result.outcome is Outcome.ALONE
-    assert "3 other peer(s) had formed their groups" in result.note, result.note
+    assert "3 other peer(s) had finished matchmaking" in result.note, result.note
     assert "another layout" not in result.note, result.note
     assert newcomer._matchmaker._own_layout_seen
 
@@ -148,7 +148,7 @@ async def test_a_marker_of_unknown_layout_counts_for_nothing(
     result, newcomer = await _newcomer_after_early_close(999, rewrite)
     assert isinstance(result, AveragingInfo), result
     assert result.outcome is Outcome.ALONE
-    assert "3 other peer(s) had formed their groups" in result.note, result.note
+    assert "3 other peer(s) had finished matchmaking" in result.note, result.note
     assert "another layout" not in result.note, result.note
     assert not newcomer._matchmaker._own_layout_seen
 
@@ -186,7 +186,7 @@ async def test_a_newcomer_reading_after_the_lone_correct_peer_withdrew_is_told(
     assert reads, "the newcomer never read the round"
     [error] = outcome
     assert isinstance(error, LayoutMismatchError), error
-    assert "had formed their groups" in str(error), error
+    assert "had finished matchmaking" in str(error), error
     assert info.outcome is Outcome.ALONE, info
     assert "another layout" in info.note, info.note
     np.testing.assert_array_equal(members[0].array, values)  # untouched
@@ -210,7 +210,7 @@ async def test_done_strangers_with_company_count_toward_being_outnumbered(
             matchmaker._check_layouts(me, [], Counter({"ours": 1, "theirs": 3}))  # ...reset
             for _ in range(OUTNUMBERED_ROUNDS - 1):
                 matchmaker._check_layouts(me, [], Counter({"theirs": 2}))
-            with pytest.raises(LayoutMismatchError, match="formed their groups"):
+            with pytest.raises(LayoutMismatchError, match="finished matchmaking"):
                 matchmaker._check_layouts(me, [], Counter({"theirs": 2}))
 
 

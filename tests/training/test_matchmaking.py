@@ -583,7 +583,7 @@ async def test_client_mode_peers_alone_together_are_told_so_even_after_a_group(
         for info in second:
             assert info.outcome is Outcome.ALONE
             assert "all client-mode like us" in info.note, info.note
-            assert "formed their groups" not in info.note, info.note
+            assert "finished matchmaking" not in info.note, info.note
         assert second[0].round == second[1].round
 
 

@@ -91,7 +91,7 @@ def _late_note(state: RoundState, window: float) -> str:
     done = state.others_done
     if not done:
         return ""
-    note = f"{done.total()} other peer(s) had formed their groups when we read the round"
+    note = f"{done.total()} other peer(s) had finished matchmaking in this round when we read it"
     foreign = sum(n for layout, n in done.items() if layout not in (None, state.me.layout))
     if foreign:  # not a peer that was too slow for the swarm: one of another swarm's kind
         note += f" ({foreign} of another layout)"
@@ -364,7 +364,7 @@ class Matchmaker(Confirmation):
             sides = [f"ours: {me.describe_layout()}"] + [f"theirs: {foreign}"] * bool(foreign)
             if done_kinds:  # all a marker tells of its peer is the layout fingerprint
                 sides.append(
-                    f"{done_kinds.total()} peer(s) that had formed their groups before we read "
+                    f"{done_kinds.total()} peer(s) that had finished matchmaking before we read "
                     f"the round: layout {sorted(done_kinds)}"
                 )
             if not self._own_layout_seen:
@@ -449,7 +449,7 @@ def _with_strangers(result: MatchResult, strangers: MatchResult | None) -> Match
 
 def _with_missed(result: MatchResult, missed: MatchResult | None) -> MatchResult:
     """A step that followed a lone round into the next one, alone again, still says that
-    the others of the first had formed their groups before our read got through."""
+    the others of the first had finished matchmaking before our read got through."""
     if missed is None or missed is result or not result.alone:
         return result
     return replace(result, note=f"{result.note}; round {missed.round}: {missed.late}")
