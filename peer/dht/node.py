@@ -739,8 +739,9 @@ class DHT:
                 later = math.nextafter(old_expiration, math.inf)
                 if later - now <= MAX_TTL:
                     expiration = later
-        self._stamped[slot] = (expiration, lasts_until)
-        self._stamped.move_to_end(slot)
+        if last is None or expiration > last[0]:  # else refused: the old one stays live
+            self._stamped[slot] = (expiration, lasts_until)
+            self._stamped.move_to_end(slot)
         stamped = self._stamped  # oldest first: drop the expired and beyond the bound
         while stamped and (
             len(stamped) > self.config.max_republished_records

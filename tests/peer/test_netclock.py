@@ -460,6 +460,25 @@ async def test_a_store_after_our_time_moved_back_replaces_our_earlier_one(
             assert await reader.dht.get("run/state") is None
 
 
+async def test_a_refused_store_does_not_hide_the_live_one_from_the_next_correction(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A review: a store refused for its shorter ttl took the live one's place in what the
+    writer remembered, and the next store after a correction was compared with it and
+    refused as well."""
+    with trio.fail_after(120):
+        async with swarm([0.0, 0.0, 0.0, 0.0]) as nodes:
+            writer, reader = nodes[-1], nodes[1]
+            assert await writer.dht.store("run/state", "v1", ttl=60.0)
+            await trio.sleep(1.0)
+            assert not await writer.dht.store("run/state", "v2", ttl=10.0)
+            await trio.sleep(1.0)
+            writer.clock.offset -= 15.0
+            # expires at 57 by the numbers, before v1's 60; at 72 on the monotonic clock
+            assert await writer.dht.store("run/state", "v3", ttl=70.0)
+            assert await reader.dht.get("run/state") == "v3"
+
+
 async def test_without_a_correction_a_shorter_ttl_still_does_not_replace(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
