@@ -71,3 +71,50 @@ def test_the_detail_names_the_shapes_when_they_fit() -> None:
     many = TensorLayout.of([torch.zeros(i + 1, 7) for i in range(40)])
     text = describe_settings(many, get_codec("none"), config)
     assert "shapes hash " in text and len(text) <= MAX_DETAIL
+
+
+async def test_a_peer_of_another_version_is_named_as_such(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A mixed-versions trial: a newcomer beside peers of the layout before v5 read both
+    sides' settings word for word the same, apart from the fingerprints, and went looking
+    for a tensor or codec difference that did not exist."""
+    with trio.fail_after(300):
+        async with memnet_swarm(3) as (_, nodes):
+            newcomer = Averager(nodes[2], "t/x", [np.zeros(500, np.float32)], config=fast_config())
+            old = [
+                Averager(node, "t/x", [np.zeros(500, np.float32)], config=fast_config())
+                for node in nodes[:2]
+            ]
+            ours = newcomer._detail
+            assert ours.endswith(", layout v5")
+            for averager in old:  # what an older version declares: no version in its words
+                averager.layout_id = "0123456789abcdef"
+                averager._detail = ours.removesuffix(", layout v5")
+            errors: list[LayoutMismatchError] = []
+
+            async def step_newcomer() -> None:
+                with pytest.raises(LayoutMismatchError) as info:
+                    await newcomer.step(timeout=20.0)
+                errors.append(info.value)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(step_newcomer)
+                for averager in old:
+                    nursery.start_soon(averager.step)
+    message = str(errors[0])
+    print(message)
+    assert "another version of swarm" in message and "update the older side" in message
+
+
+def test_only_the_same_words_read_as_another_version() -> None:
+    peer = Identity.from_seed(b"d" * 32).peer_id
+    words = "1 tensors (1 float32; shapes 10), codec none"
+    me = Declaration(peer, None, 1.0, 0, 1.0, "aaa", 0, 10, 4, f"{words}, layout v5")
+    assert me.reads_like(Declaration(peer, None, 1.0, 0, 1.0, "bbb", 0, 10, 4, words))
+    assert me.reads_like(
+        Declaration(peer, None, 1.0, 0, 1.0, "bbb", 0, 10, 4, f"{words}, layout v6")
+    )
+    assert not me.reads_like(Declaration(peer, None, 1.0, 0, 1.0, "bbb", 0, 10, 4, ""))
+    assert not me.reads_like(Declaration(peer, None, 1.0, 0, 1.0, "bbb", 0, 10, 8, words))
+    assert not me.reads_like(Declaration(peer, None, 1.0, 0, 1.0, "bbb", 0, 11, 4, words))

@@ -41,7 +41,14 @@ from .butterfly import Butterfly
 from .casts import TORCH_CASTS
 from .config import AveragerConfig, default_retain_budget
 from .feedback import ErrorFeedback
-from .grouping import DECLARATION_KEYS, MAX_DETAIL, MAX_EPOCH, Declaration, round_key
+from .grouping import (
+    DECLARATION_KEYS,
+    LAYOUT_VERSION,
+    MAX_DETAIL,
+    MAX_EPOCH,
+    Declaration,
+    round_key,
+)
 from .layout import FlatVector, Float32Array, TensorLayout
 from .loopwatch import LoopWatch
 from .matchmaking import Matchmaker
@@ -275,7 +282,7 @@ class Averager:
         # parts were weighed differently, or a reducer waited until the cutoff for a sender
         # that had found itself stale and sent nothing
         self.layout_id = self.layout.fingerprint(
-            f"{self.codec!r}|{config.chunk_bytes}|group_size={config.group_size}|v5"
+            f"{self.codec!r}|{config.chunk_bytes}|group_size={config.group_size}|{LAYOUT_VERSION}"
             f"|S={config.max_staleness}|decay={float(config.staleness_decay)!r}"
         )
         self._detail = describe_settings(self.layout, self.codec, config)[:MAX_DETAIL]
@@ -752,7 +759,8 @@ def describe_settings(layout: TensorLayout, codec: Codec, config: AveragerConfig
     codec_text = f"{codec.name}({args})" if args else codec.name
     rest = (
         f"codec {codec_text}, chunk_bytes {config.chunk_bytes}, max_staleness "
-        f"{config.max_staleness}, staleness_decay {config.staleness_decay}"
+        f"{config.max_staleness}, staleness_decay {config.staleness_decay}, layout"
+        f" {LAYOUT_VERSION}"
     )
     # The shapes themselves when they fit the declaration's detail (a transposed weight
     # then reads as such), else a hash of them.

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import re
 from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -35,6 +36,10 @@ from protocol.identity import PeerID
 MAX_EPOCH = 1 << 62
 MAX_LAYOUT = 64  # characters of a layout fingerprint on the wire (a short hash)
 MAX_DETAIL = 200  # characters of a declaration's detail (words for error messages)
+LAYOUT_VERSION = "v5"
+"""The averaging wire's version, part of every layout fingerprint (``Averager.layout_id``)
+and named at the end of a declaration's detail: peers of other versions group apart."""
+_VERSION_WORDS = re.compile(r", layout v\d+$")
 DECLARATION_KEYS = frozenset(
     {"address", "weight", "epoch", "bandwidth", "client_mode", "layout", "count", "total"}
     | {"group_size", "detail"}
@@ -66,6 +71,15 @@ class Declaration:
     @property
     def client_mode(self) -> bool:
         return self.address is None
+
+    def reads_like(self, other: Declaration) -> bool:
+        """Whether ``other`` declares the same settings in words (its version aside): with
+        another fingerprint, it runs another version of swarm (older details name none)."""
+        return bool(other.detail) and (
+            other.total,
+            other.group_size,
+            _VERSION_WORDS.sub("", other.detail),
+        ) == (self.total, self.group_size, _VERSION_WORDS.sub("", self.detail))
 
     def describe_layout(self) -> str:
         """What the layout fingerprint covers, as far as the declaration says it."""

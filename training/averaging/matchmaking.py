@@ -26,6 +26,7 @@ from .bench import Bench
 from .config import AveragerConfig
 from .confirmation import Confirmation
 from .grouping import (
+    LAYOUT_VERSION,
     Declaration,
     done_marker,
     find_group,
@@ -81,6 +82,12 @@ def _left_alone_note(
             " 3 or more full peers, one per round)"
         )
     return note
+
+
+_OTHER_VERSION = (
+    "the settings read the same on both sides: peers of another version of swarm (ours"
+    f" averages with layout {LAYOUT_VERSION}); update the older side"
+)
 
 
 def _late_note(state: RoundState, window: float) -> str:
@@ -345,6 +352,7 @@ class Matchmaker(Confirmation):
             layout, and no peer of ours ever came beside us (declared or done), or none did
             for ``OUTNUMBERED_ROUNDS`` rounds in which strangers had company."""
         foreign = sorted({d.describe_layout() for d in others if d.layout != me.layout})
+        other_version = any(me.reads_like(d) for d in others if d.layout != me.layout)
         kinds = Counter(d.layout for d in others if d.layout != me.layout)
         # Done strangers count toward OUTNUMBERED_ROUNDS too: two markers of one layout are
         # a group of it that averaged in our round, as much evidence as two declarations;
@@ -362,6 +370,8 @@ class Matchmaker(Confirmation):
             self._outnumbered += 1
         if kinds and not ours:
             sides = [f"ours: {me.describe_layout()}"] + [f"theirs: {foreign}"] * bool(foreign)
+            if other_version:
+                sides.append(_OTHER_VERSION)
             if done_kinds:  # all a marker tells of its peer is the layout fingerprint
                 sides.append(
                     f"{done_kinds.total()} peer(s) that had finished matchmaking before we read "
@@ -383,8 +393,9 @@ class Matchmaker(Confirmation):
             self._foreign.update(new)
             logger.warning(
                 "peers under %r average another tensor layout, codec, group_size or staleness "
-                "rule, in groups of their own (ours: %s; theirs: %s)",
+                "rule, in groups of their own (ours: %s; theirs: %s%s)",
                 self.prefix, me.describe_layout(), foreign,
+                f"; {_OTHER_VERSION}" if other_version else "",
             )  # fmt: skip
 
     async def _gather(
