@@ -43,6 +43,20 @@ def fast_config(**changes: object) -> AveragerConfig:
     return AveragerConfig(**base)  # type: ignore[arg-type]
 
 
+def declaration_wire(**changes: object) -> dict[str, object]:
+    """A well-formed declaration as it travels (grouping.Declaration.from_wire reads it)."""
+    base: dict[str, object] = {
+        "address": "127.0.0.1:4000",
+        "weight": 1.0,
+        "epoch": 0,
+        "bandwidth": 1.0,
+        "layout": "v5:abc",
+        "count": 1,
+    }
+    base.update(changes)
+    return base
+
+
 def host_of(i: int) -> str:
     return f"10.0.{i // 200}.{i % 200 + 1}"
 

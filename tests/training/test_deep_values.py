@@ -6,6 +6,7 @@ are malformed input, not an ``internal`` error: a message that put the received 
 from __future__ import annotations
 
 import pytest
+from test_averaging_support import declaration_wire
 
 from protocol.errors import RemoteProtocolError, brief
 from protocol.identity import Identity
@@ -31,21 +32,10 @@ def test_brief_is_short_and_survives_any_depth() -> None:
     assert brief(3) == "3"
 
 
-def declaration() -> dict[str, object]:
-    return {
-        "address": "127.0.0.1:4000",
-        "weight": 1.0,
-        "epoch": 0,
-        "bandwidth": 1.0,
-        "layout": "v5:abc",
-        "count": 1,
-    }
-
-
 @pytest.mark.parametrize("field", ["weight", "bandwidth", "epoch", "count", "total", "layout"])
 def test_a_deep_declaration_field_is_malformed(field: str) -> None:
     with pytest.raises(RemoteProtocolError):
-        Declaration.from_wire(PEER, {**declaration(), field: deep()})
+        Declaration.from_wire(PEER, declaration_wire(**{field: deep()}))
 
 
 def test_a_deep_abort_reason_is_malformed() -> None:

@@ -11,7 +11,7 @@ from typing import Any
 
 import pytest
 import trio
-from test_averaging_support import fast_config, make_members, memnet_swarm
+from test_averaging_support import declaration_wire, fast_config, make_members, memnet_swarm
 
 from peer import RemoteError
 from protocol.errors import RemoteProtocolError
@@ -21,19 +21,6 @@ from training.averaging.messages import JoinRequest, parse_ping, parse_result_re
 
 PEER = Identity.from_seed(b"r" * 32).peer_id
 BAD_ROUNDS = [-1, 2**62, None, True, 1.0, "1", [1]]
-
-
-def declaration(**changes: object) -> dict[str, object]:
-    base: dict[str, object] = {
-        "address": "127.0.0.1:4000",
-        "weight": 1.0,
-        "epoch": 0,
-        "bandwidth": 1.0,
-        "layout": "v5:abc",
-        "count": 1,
-    }
-    base.update(changes)
-    return base
 
 
 @pytest.mark.parametrize("value", BAD_ROUNDS)
@@ -67,8 +54,8 @@ def test_a_result_request_in_range_parses() -> None:
 
 def test_an_empty_skipped_list_is_malformed() -> None:
     with pytest.raises(RemoteProtocolError, match="omitted when empty"):
-        JoinRequest.from_body(PEER, {"round": 1, "decl": declaration(), "skipped": []})
-    request = JoinRequest.from_body(PEER, {"round": 1, "decl": declaration()})
+        JoinRequest.from_body(PEER, {"round": 1, "decl": declaration_wire(), "skipped": []})
+    request = JoinRequest.from_body(PEER, {"round": 1, "decl": declaration_wire()})
     assert request.skipped == ()
 
 
@@ -76,13 +63,14 @@ def test_an_empty_skipped_list_is_malformed() -> None:
 @pytest.mark.parametrize("client_mode", [True, False])
 def test_a_declared_address_is_a_str_or_nil(address: Any, client_mode: bool) -> None:
     with pytest.raises(RemoteProtocolError, match="str or nil"):
-        Declaration.from_wire(PEER, declaration(address=address, client_mode=client_mode))
+        Declaration.from_wire(PEER, declaration_wire(address=address, client_mode=client_mode))
 
 
 def test_a_client_declaration_without_an_address_parses() -> None:
-    parsed = Declaration.from_wire(PEER, declaration(address=None))
+    parsed = Declaration.from_wire(PEER, declaration_wire(address=None))
     assert parsed.client_mode and parsed.address is None
-    parsed = Declaration.from_wire(PEER, declaration(address="127.0.0.1:4000", client_mode=True))
+    wire = declaration_wire(address="127.0.0.1:4000", client_mode=True)
+    parsed = Declaration.from_wire(PEER, wire)
     assert parsed.client_mode and parsed.address is None  # ignored, as documented
 
 
