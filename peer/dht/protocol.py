@@ -231,8 +231,8 @@ class DHTProtocol:
         self._unparsable.add(request.peer_id)
         self._next_unparsable_warning = now + _UNPARSABLE_WARNING_INTERVAL
         logger.warning(
-            "peer %s at %s sent a %s this node cannot parse (%s): another version of swarm?"
-            " Its DHT requests are refused; it should update",
+            "peer %s at %s sent a %s this node cannot parse (%s): another version of swarm"
+            " (then it should update), or a faulty peer? Its DHT requests are refused",
             request.peer_id.short(),
             request.remote_host,
             request.method,
