@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 import torch
@@ -160,6 +162,35 @@ async def test_a_lone_peer_gets_a_clear_answer_and_keeps_its_tensors(
     assert info.note == note
     assert str(info) == f"alone in round {info.round}; {note}"  # was "0% over 1 peers"
     np.testing.assert_array_equal(member.array, member.data)
+
+
+async def test_a_leader_the_others_grouped_without_says_what_it_can_tell(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A grid trial (1 step in 240): a peer whose declaration the others' reads missed led
+    its group by its own read, nobody joined, and its note said only "nobody joined".
+    (Where it does not rank first in its own read, it joins the others' leader, which
+    takes it: first_seed 4 makes it the leader here.)"""
+    with trio.fail_after(60):
+        async with memnet_swarm(3, first_seed=4) as (_, nodes):
+            members = make_members(nodes, 64, fast_config())
+            hidden = str(nodes[0].peer_id)
+            for node in nodes[1:]:  # their reads miss the first peer's declaration
+                read = node.dht.get_entries
+
+                async def without(key: str, *, latest: bool = True, read: Any = read) -> Any:
+                    entries = await read(key, latest=latest)
+                    return {k: v for k, v in entries.items() if k != hidden}
+
+                node.dht.get_entries = without  # type: ignore[method-assign]
+            results = await step_all(members, timeout=10.0)
+    infos = [info for info, _ in results]
+    verify_round(members, infos)  # type: ignore[arg-type]
+    first = infos[0]
+    assert first is not None and first.outcome is Outcome.ALONE
+    assert first.note.startswith("nobody joined: we led 2 other peer(s) by our read of the")
+    assert "grouped without us, or be gone" in first.note
+    assert all(i is not None and i.outcome is Outcome.AVERAGED for i in infos[1:])
 
 
 async def test_a_lone_peer_whose_node_knows_nobody_is_told_so(

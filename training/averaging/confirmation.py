@@ -38,6 +38,20 @@ broken connection (``PeerUnavailableError``, but not ``PeerBusyError``: that one
 they make a member skip that leader for the next-ranked member (``Confirmation._join``)."""
 
 
+def _nobody_joined(state: RoundState) -> str:
+    """Why a leader is alone, as far as it can tell: its expected members read the round
+    otherwise (a grid trial: 1 step in 240, the others grouped without our declaration) or
+    are gone."""
+    waited = len(state.expected)
+    if not waited:
+        return "nobody joined"
+    return (
+        f"nobody joined: we led {waited} other peer(s) by our read of the round; they may"
+        f" have read it before our declaration reached them (storing it took"
+        f" {state.store_s:.2f} s) and grouped without us, or be gone"
+    )
+
+
 @dataclass(frozen=True, slots=True)
 class _Failed:
     """A join call that brought no answer: why, and whether the callee is gone (a fast,
@@ -91,8 +105,9 @@ class Confirmation:
         state.budget = max(deadline - trio.current_time(), 1e-3)
         if len(members) < 2:
             state.answered.set()
-            note = "nobody joined"
-            return MatchResult(state.number, None, state.me.peer_id, declared, note, alone=True)
+            return MatchResult(
+                state.number, None, state.me.peer_id, declared, _nobody_joined(state), alone=True
+            )
         reducers = [m.bandwidth for m in members if not m.client_mode]
         spans = split_spans(self.total, bounded_bandwidths(reducers))
         state.confirmation = GroupConfirmation(
