@@ -39,14 +39,15 @@ class LoopWatch:
         more (empty otherwise)."""
         if self.longest < threshold:
             return ""
+        why = "suspended, starved of CPU, or another thread holding Python's GIL"
         if self.phase == "matchmaking":
             return (
                 f"this process stood still for {self.longest:.1f} s during matchmaking "
-                "(suspended, or starved of CPU): the others may have formed their groups, or "
-                "given up on us, meanwhile"
+                f"({why}): the others may have formed their groups, or given up on us, "
+                "meanwhile"
             )
         return (
             f"this process stood still for {self.longest:.1f} s during {self.phase} "
-            "(suspended, or starved of CPU): the members dropped in this round may have "
-            "been alive, waiting for us or gone on without us"
+            f"({why}): the members dropped in this round may have been alive, waiting "
+            "for us or gone on without us"
         )
