@@ -415,7 +415,8 @@ class DHTProtocol:
         known = node.peer_id in self.table
         self.table.record_failure(node.peer_id, timed_out=timed_out)
         if known and node.peer_id not in self.table:
-            why = "requests timed out" if timed_out else "a request failed"
+            # timed out, or answered with an error (slow, busy, or another version)
+            why = "requests timed out or were refused" if timed_out else "a request failed"
             logger.info("peer left: %s (%s)", node.peer_id.short(), why)
 
     def _address_of(self, hostport: str, peer_id: PeerID) -> Address:

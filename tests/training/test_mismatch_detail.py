@@ -71,6 +71,13 @@ def test_the_detail_names_the_shapes_when_they_fit() -> None:
     many = TensorLayout.of([torch.zeros(i + 1, 7) for i in range(40)])
     text = describe_settings(many, get_codec("none"), config)
     assert "shapes hash " in text and len(text) <= MAX_DETAIL
+    # words too long even with the hash are cut before the version, which stays last (a
+    # docs check: 4000 tensors of 4 dtypes, topk, a long staleness_decay lost it)
+    dtypes = [torch.float16, torch.float32, torch.float64, torch.bfloat16]
+    huge = TensorLayout.of([torch.zeros(2, dtype=dtypes[i % 4]) for i in range(4000)])
+    odd = AveragerConfig(max_staleness=1000, staleness_decay=0.30000000000000004)
+    text = describe_settings(huge, get_codec("topk", fraction=0.012345), odd)
+    assert len(text) == MAX_DETAIL and text.endswith(", layout v5"), text
 
 
 async def test_a_peer_of_another_version_is_named_as_such(

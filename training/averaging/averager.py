@@ -285,7 +285,7 @@ class Averager:
             f"{self.codec!r}|{config.chunk_bytes}|group_size={config.group_size}|{LAYOUT_VERSION}"
             f"|S={config.max_staleness}|decay={float(config.staleness_decay)!r}"
         )
-        self._detail = describe_settings(self.layout, self.codec, config)[:MAX_DETAIL]
+        self._detail = describe_settings(self.layout, self.codec, config)
         client = node.client_mode if config.client_mode is None else config.client_mode
         self.client_mode = client or node.rpc.listen_address is None
         self._methods = method_prefix(prefix)
@@ -752,21 +752,22 @@ class Averager:
 
 def describe_settings(layout: TensorLayout, codec: Codec, config: AveragerConfig) -> str:
     """What the layout fingerprint covers, in words, for the error a peer of another
-    layout gets (the fingerprint alone does not say which setting differs)."""
+    layout gets (the fingerprint alone does not say which setting differs); at most
+    ``MAX_DETAIL`` characters, always ending with the layout version (``reads_like``)."""
     dtypes = Counter(layout.dtypes)
     kinds = ", ".join(f"{n} {dtype}" for dtype, n in sorted(dtypes.items()))
     args = ", ".join(f"{k}={v}" for k, v in codec.params.items() if k != "max_elements")
     codec_text = f"{codec.name}({args})" if args else codec.name
     rest = (
         f"codec {codec_text}, chunk_bytes {config.chunk_bytes}, max_staleness "
-        f"{config.max_staleness}, staleness_decay {config.staleness_decay}, layout"
-        f" {LAYOUT_VERSION}"
+        f"{config.max_staleness}, staleness_decay {config.staleness_decay}"
     )
+    version = f", layout {LAYOUT_VERSION}"
     # The shapes themselves when they fit the declaration's detail (a transposed weight
-    # then reads as such), else a hash of them.
+    # then reads as such), else a hash of them, else the words cut short before the version.
     shapes = " ".join("x".join(map(str, shape)) or "()" for shape in layout.shapes)
     text = f"{len(layout.shapes)} tensors ({kinds}; shapes {shapes}), {rest}"
-    if len(text) <= MAX_DETAIL:
-        return text
-    digest = hashlib.sha256(repr(layout.shapes).encode()).hexdigest()[:8]
-    return f"{len(layout.shapes)} tensors ({kinds}; shapes hash {digest}), {rest}"
+    if len(text) + len(version) > MAX_DETAIL:
+        digest = hashlib.sha256(repr(layout.shapes).encode()).hexdigest()[:8]
+        text = f"{len(layout.shapes)} tensors ({kinds}; shapes hash {digest}), {rest}"
+    return text[: MAX_DETAIL - len(version)] + version
