@@ -39,6 +39,7 @@ from protocol.dhtid import DHTID
 from protocol.errors import SwarmError
 from protocol.identity import Identity, PeerID
 from protocol.messages import Entry, NodeInfo
+from protocol.noise import IdentityMismatchError
 from protocol.records import (
     MAX_ENTRIES_PER_STORE,
     MAX_SUBKEYS_PER_KEY,
@@ -165,6 +166,8 @@ class DHT:
         # initial peers that did not answer at the last contact -> why (for error messages)
         self.contact_errors: dict[str, str] = {}
         self._twins: set[str] = set()  # initial peers that proved our own PeerID
+        # initial peers whose address proved another PeerID, each said once (with it)
+        self._changed_identities: set[tuple[str, PeerID]] = set()
         # (key id, subkey) -> (key text, entry) of what this node stored, to republish
         self._published: OrderedDict[tuple[DHTID, Subkey], tuple[str, Entry]] = OrderedDict()
         # (key id, subkey) -> (expiration, the same on trio's clock) of our latest store
@@ -341,6 +344,8 @@ class DHT:
                 except (SwarmError, OSError) as exc:
                     logger.debug("initial peer %s: %r", address, exc)
                     self.contact_errors[key] = str(exc) or type(exc).__name__
+                    if (mismatch := _cause_of_type(exc, IdentityMismatchError)) is not None:
+                        self._identity_changed(key, address, mismatch)
                     return
                 if peer_id == self.peer_id:
                     self.contact_errors[key] = _OWN_ADDRESS
@@ -361,6 +366,25 @@ class DHT:
                 background.start_soon(one, address)
             await settled.wait()
         return reached, list(busy)
+
+    def _identity_changed(self, key: str, address: Address, exc: IdentityMismatchError) -> None:
+        """An initial peer's address proved another identity: its node lost its key file
+        (or another program took its port). Said once per address and identity, at
+        WARNING, since it is re-tried at every refresh and nothing else would tell (a
+        trial: volunteers given a restarted bootstrap's old address never found it again,
+        and only DEBUG said why)."""
+        hostport = address.hostport
+        text = (
+            f"{hostport} now answers with another identity, {exc.actual}, not {exc.expected}:"
+            f" that node lost its key file (or another program took its port); give"
+            f" {exc.actual}@{hostport}, or {hostport} to accept any identity there"
+        )
+        self.contact_errors[key] = text
+        if (key, exc.actual) not in self._changed_identities:
+            if len(self._changed_identities) >= 1024:
+                self._changed_identities.clear()
+            self._changed_identities.add((key, exc.actual))
+            logger.warning("initial peer %s: %s", address, text)
 
     async def _recontact_departed(self) -> None:
         """Ping a few contacts that left the table after failures (our former neighbours
@@ -1019,6 +1043,20 @@ def _live(record: Record, values: dict[Subkey, Any], now: float) -> dict[Subkey,
 
 
 _Job = TypeVar("_Job")
+
+
+_E = TypeVar("_E", bound=BaseException)
+
+
+def _cause_of_type(exc: BaseException, kind: type[_E]) -> _E | None:
+    """The first exception of ``kind`` in ``exc``'s chain of causes (``exc`` included)."""
+    seen = 0
+    current: BaseException | None = exc
+    while current is not None and seen < 16:
+        if isinstance(current, kind):
+            return current
+        current, seen = current.__cause__, seen + 1
+    return None
 
 
 class _NewcomerGone(Exception):

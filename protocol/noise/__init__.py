@@ -16,6 +16,7 @@ from .handshake import MAX_HANDSHAKE_MESSAGE_LENGTH as MAX_HANDSHAKE_MESSAGE_LEN
 from .handshake import PROLOGUE as PROLOGUE
 from .handshake import NoiseHandshake as NoiseHandshake
 from .payload import SIGNATURE_PREFIX as SIGNATURE_PREFIX
+from .payload import IdentityMismatchError as IdentityMismatchError
 from .state import HandshakeState as HandshakeState
 from .transport import MAX_MESSAGE_LENGTH as MAX_MESSAGE_LENGTH
 from .transport import MAX_PLAINTEXT_PER_MESSAGE as MAX_PLAINTEXT_PER_MESSAGE
@@ -35,6 +36,7 @@ __all__ = [
     "ChaChaPoly",
     "CipherState",
     "HandshakeState",
+    "IdentityMismatchError",
     "NoiseHandshake",
     "NoiseTransport",
     "sealed_size",

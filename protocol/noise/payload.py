@@ -35,6 +35,16 @@ MAX_PAYLOAD_LENGTH = 256
 _KEYS = frozenset({"identity", "signature"})
 
 
+class IdentityMismatchError(RemoteProtocolError):
+    """The remote proved another identity (``actual``) than the one dialed (``expected``):
+    the node at that address lost its key file, or another program took its port."""
+
+    def __init__(self, actual: PeerID, expected: PeerID) -> None:
+        super().__init__(f"remote proved identity {actual}, expected {expected}")
+        self.actual = actual
+        self.expected = expected
+
+
 @dataclass(frozen=True, slots=True)
 class IdentityPayload:
     """A decoded (not yet verified) identity payload."""
@@ -96,7 +106,5 @@ def verify_payload(
     if expected_peer_id is not None:
         actual = PeerID.from_public_key(payload.identity)
         if actual != expected_peer_id:
-            raise RemoteProtocolError(
-                f"remote proved identity {actual}, expected {expected_peer_id}"
-            )
+            raise IdentityMismatchError(actual, expected_peer_id)
     return payload
