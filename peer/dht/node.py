@@ -257,7 +257,10 @@ class DHT:
                 and (a.peer_id != self.peer_id or str(a) in self._twins)
             ]
             if others and warn:
-                tried = "; ".join(f"{a}: {self.contact_errors.get(str(a), '?')}" for a in others)
+                tried = "; ".join(
+                    f"{a}: {self._said(str(a)) or self.contact_errors.get(str(a), '?')}"
+                    for a in others
+                )
                 logger.warning("no initial peer answered (tried %s)", tried)
         return reached
 
@@ -366,6 +369,13 @@ class DHT:
                 background.start_soon(one, address)
             await settled.wait()
         return reached, list(busy)
+
+    def _said(self, key: str) -> str:
+        """A short stand-in for an initial peer's error already logged in full (the
+        changed identity), so that a summary does not repeat ~300 characters."""
+        if any(warned == key for warned, _ in self._changed_identities):
+            return "answers with another identity (the warning above)"
+        return ""
 
     def _identity_changed(self, key: str, address: Address, exc: IdentityMismatchError) -> None:
         """An initial peer's address proved another identity: its node lost its key file

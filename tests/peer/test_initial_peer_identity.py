@@ -36,6 +36,22 @@ async def test_an_initial_peer_with_a_new_identity_is_named_with_what_to_give(
                 message = str(error.value)
                 assert "10.0.0.1:1000 now answers with another identity" in message
                 assert f"give {NEW.peer_id}@10.0.0.1:1000, or 10.0.0.1:1000" in message
+            # a node that starts alone all the same (swarm bootstrap) logs it in full once,
+            # and its "no initial peer answered" refers to it (a re-check read the same
+            # ~330 characters twice in a row)
+            caplog.clear()
+            async with open_peer(
+                "10.0.0.2:1000",
+                [old_address],
+                network=net.interface("10.0.0.2"),
+                ensure_bootstrap_success=False,
+            ):
+                pass
+            lines = [r.getMessage() for r in caplog.records]
+            full = [line for line in lines if "now answers with another identity" in line]
+            summary = [line for line in lines if "no initial peer answered" in line]
+            assert len(full) == 1 and len(summary) == 1, lines
+            assert "answers with another identity (the warning above)" in summary[0]
             # a running peer re-tries it at every refresh: said at WARNING, once
             async with open_peer("10.0.0.3:1000", network=net.interface("10.0.0.3")) as other:
                 caplog.clear()
