@@ -13,10 +13,12 @@ from __future__ import annotations
 
 import argparse
 import random
+import sys
 
 import torch
 
-from peer import run_in_background
+from peer import PeerUnavailableError, run_in_background
+from protocol.errors import AddressError
 from training import Averager
 
 
@@ -50,4 +52,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except (AddressError, PeerUnavailableError) as exc:  # a wrong or gone initial peer
+        sys.exit(f"average_tensors: {exc}")
+    except KeyboardInterrupt:  # Ctrl-C: the peer has stopped on the way out
+        sys.exit(130)

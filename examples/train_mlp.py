@@ -157,4 +157,7 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except KeyboardInterrupt:  # Ctrl-C reaches every worker too; each stops its own peer
+        sys.exit(130)

@@ -29,3 +29,24 @@ def test_a_count_below_one_is_a_usage_error(script: str, flag: str, value: str) 
     assert out.returncode == 2, out.stderr
     assert f"error: {flag} must be at least 1, got {value}" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+@pytest.mark.parametrize(
+    ("address", "words"),
+    [
+        ("notanaddress", "address 'notanaddress' has no port"),
+        ("127.0.0.1:1", "no initial peer answered"),  # nothing listens on port 1
+    ],
+)
+def test_a_wrong_initial_peer_is_one_line_not_a_traceback(address: str, words: str) -> None:
+    """An examples walk: 27-33 lines of traceback around the one line that said it."""
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "average_tensors.py"), "--initial-peers", address],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env_with_root(),
+    )
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.startswith("average_tensors: ") and words in out.stderr, out.stderr
+    assert "Traceback" not in out.stderr and out.stderr.count("\n") == 1, out.stderr
