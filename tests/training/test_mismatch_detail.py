@@ -5,6 +5,9 @@ float64 tensor among float32 ones: both sides read the same)."""
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable
+from functools import partial
+
 import numpy as np
 import pytest
 import torch
@@ -20,6 +23,23 @@ from training.averaging.grouping import DECLARATION_KEYS, MAX_DETAIL, Declaratio
 from training.averaging.layout import TensorLayout
 
 
+async def mismatch_beside(newcomer: Averager, *others: Callable[[], Awaitable[object]]) -> str:
+    """The text of the LayoutMismatchError that ``newcomer``'s step raises while ``others``
+    (the swarm's steps) run beside it."""
+    errors: list[LayoutMismatchError] = []
+
+    async def step_newcomer() -> None:
+        with pytest.raises(LayoutMismatchError) as info:
+            await newcomer.step(timeout=20.0)
+        errors.append(info.value)
+
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(step_newcomer)
+        for other in others:
+            nursery.start_soon(other)
+    return str(errors[0])
+
+
 async def test_a_newcomer_with_another_dtype_is_told_the_dtypes(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
@@ -27,17 +47,7 @@ async def test_a_newcomer_with_another_dtype_is_told_the_dtypes(
         async with memnet_swarm(3) as (_, nodes):
             members = make_members(nodes[:2], 500, fast_config())
             newcomer = Averager(nodes[2], "t/x", [np.zeros(500, np.float64)], config=fast_config())
-            error: list[LayoutMismatchError] = []
-
-            async def step_newcomer() -> None:
-                with pytest.raises(LayoutMismatchError) as info:
-                    await newcomer.step(timeout=20.0)
-                error.append(info.value)
-
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(step_newcomer)
-                await step_all(members, timeout=20.0)
-    message = str(error[0])
+            message = await mismatch_beside(newcomer, partial(step_all, members, timeout=20.0))
     print(message)
     assert "1 float64" in message and "1 float32" in message
     assert "codec" in message and "max_staleness" in message
@@ -98,18 +108,7 @@ async def test_a_peer_of_another_version_is_named_as_such(
             for averager in old:  # what an older version declares: no version in its words
                 averager.layout_id = "0123456789abcdef"
                 averager._detail = ours.removesuffix(", layout v5")
-            errors: list[LayoutMismatchError] = []
-
-            async def step_newcomer() -> None:
-                with pytest.raises(LayoutMismatchError) as info:
-                    await newcomer.step(timeout=20.0)
-                errors.append(info.value)
-
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(step_newcomer)
-                for averager in old:
-                    nursery.start_soon(averager.step)
-    message = str(errors[0])
+            message = await mismatch_beside(newcomer, *(averager.step for averager in old))
     print(message)
     assert "another version of swarm" in message and "update the older side" in message
 
