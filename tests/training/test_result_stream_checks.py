@@ -2,7 +2,8 @@
 result-stream trial): one that ends after fewer chunks than its header announced was
 reported "the reducer had no contributions" (the header listed three); a chunk numbered
 ``0.0`` or ``False`` passed for chunk 0; a header with an unknown key or a bool weight
-parsed."""
+parsed. With int8 and float16, result chunks are decoded into the tensor as they come: a
+part that does not count gets its local values back (the ``codec`` parameters)."""
 
 from __future__ import annotations
 
@@ -43,7 +44,7 @@ def _bool_first(items: list[Reply]) -> list[Reply]:
 
 
 async def _round_with_liar(
-    monkeypatch: pytest.MonkeyPatch, edit: Edit
+    monkeypatch: pytest.MonkeyPatch, edit: Edit, codec: str = "none"
 ) -> tuple[list[Any], list[Any], PeerID]:
     serve = ReducerService.results
     liar: list[PeerID] = []
@@ -60,18 +61,19 @@ async def _round_with_liar(
     monkeypatch.setattr(ReducerService, "results", results)
     with trio.fail_after(100):
         async with memnet_swarm(3) as (_, nodes):
-            members = make_members(nodes, SIZE, fast_config())
+            members = make_members(nodes, SIZE, fast_config(codec=codec))
             liar.append(members[0].peer_id)
             outcome = await step_all(members, timeout=20)
     infos = [info for info, _ in outcome]
-    verify_round(members, infos)
+    verify_round(members, infos, codec=codec)
     return members, infos, members[0].peer_id
 
 
+@pytest.mark.parametrize("codec", ["none", "int8", "float16"])
 async def test_a_stream_that_ends_short_says_so(
-    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch, codec: str
 ) -> None:
-    members, infos, liar = await _round_with_liar(monkeypatch, _drop_last)
+    members, infos, liar = await _round_with_liar(monkeypatch, _drop_last, codec)
     for member, info in zip(members[1:], infos[1:], strict=True):
         (part,) = [p for p in info.parts if p.reducer == liar]
         assert part.status is PartStatus.NONE and not part.received
@@ -80,11 +82,17 @@ async def test_a_stream_that_ends_short_says_so(
         np.testing.assert_array_equal(member.array[start:stop], member.data[start:stop])
 
 
-@pytest.mark.parametrize("edit", [_float_numbers, _bool_first])
+def _short_third(items: list[Reply]) -> list[Reply]:
+    third = items[3]  # (items[0] is the header)
+    return [*items[:3], Reply(third.body, bytes(memoryview(third.payload)[:-4])), *items[4:]]
+
+
+@pytest.mark.parametrize("codec", ["none", "int8", "float16"])
+@pytest.mark.parametrize("edit", [_float_numbers, _bool_first, _short_third])
 async def test_a_chunk_number_that_is_no_int_is_garbage(
-    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch, edit: Edit
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch, edit: Edit, codec: str
 ) -> None:
-    _, infos, liar = await _round_with_liar(monkeypatch, edit)
+    _, infos, liar = await _round_with_liar(monkeypatch, edit, codec)
     for info in infos[1:]:
         (part,) = [p for p in info.parts if p.reducer == liar]
         assert part.status is PartStatus.NONE
@@ -99,3 +107,60 @@ def test_a_result_header_with_an_unknown_key_or_a_bool_weight_is_malformed(
     ResultHeader.from_body(body)
     with pytest.raises(RemoteProtocolError):
         ResultHeader.from_body({**body, **change})
+
+
+@pytest.mark.parametrize("codec", ["int8", "float16"])
+async def test_a_step_cancelled_midway_through_a_part_leaves_none_of_it(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch, codec: str
+) -> None:
+    """Results decoded into the tensor as they come: a step cancelled from outside after
+    two chunks of a part (the reducer holding back the rest) puts their local values back,
+    as it did when results went through the flat vector (no part is left half averaged)."""
+    from training.averaging.butterfly import Butterfly
+
+    serve = ReducerService.results
+    slow: list[PeerID] = []
+
+    async def results(self: ReducerService, member: PeerID) -> AsyncIterator[Reply]:
+        items = [item async for item in serve(self, member)]
+        for sent, item in enumerate(items):
+            if self.plan.me in slow and sent == 3:  # after the header and two chunks
+                await trio.sleep_forever()
+            yield item
+
+    taken: dict[PeerID, int] = {}
+    plans: dict[PeerID, Any] = {}
+    two_in = trio.Event()
+    take = Butterfly._take
+
+    def counting_take(self: Butterfly, *args: Any) -> None:
+        take(self, *args)
+        plans[self.plan.me] = self.plan
+        if len(args) == 5 and args[4] is not None:  # into the tensor
+            taken[self.plan.me] = taken.get(self.plan.me, 0) + 1
+            if taken[self.plan.me] == 2 and self.plan.me == watched[0]:
+                two_in.set()
+
+    monkeypatch.setattr(ReducerService, "results", results)
+    monkeypatch.setattr(Butterfly, "_take", counting_take)
+    with trio.fail_after(100):
+        async with memnet_swarm(2) as (_, nodes):
+            members = make_members(nodes, SIZE, fast_config(codec=codec))
+            slow.append(members[0].peer_id)
+            watched = [members[1].peer_id]
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(members[0].averager.step)
+                with trio.CancelScope() as scope:
+                    nursery.start_soon(_cancel_when, two_in, scope)
+                    await members[1].averager.step(timeout=20)
+                assert scope.cancelled_caught
+    member = members[1]
+    plan = plans[member.peer_id]
+    start, stop = plan.spans[[r.peer_id for r in plan.reducers].index(members[0].peer_id)]
+    assert stop - start == SIZE // 2 and taken[member.peer_id] == 2
+    np.testing.assert_array_equal(member.array[start:stop], member.data[start:stop])
+
+
+async def _cancel_when(event: trio.Event, scope: trio.CancelScope) -> None:
+    await event.wait()
+    scope.cancel()

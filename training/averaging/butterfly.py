@@ -3,6 +3,7 @@
     for each part j (reduced by member j), concurrently:
         upload:   chunks of flat[span j], encoded, several calls in flight -> member j
         download: member j's result stream -> decoded straight into flat[span j]
+                  (int8, float16 into one float32 tensor: into the tensor itself)
     our own part: a ReducerService (see reducing) runs beside them
 
 A part whose upload failed is still downloaded (the reducer averaged the others). Its
@@ -10,8 +11,10 @@ result header stops the encoding of our remaining chunks of the part (it is fina
 that the results are read while our last calls wait for their answers: both ways share
 one connection, whose reader stops behind 32 unread result items. A part
 whose download did not complete keeps our local values: ``FlatVector.store`` copies back
-into the tensors only the spans that were fully received, so the tensors are exactly what
-the report says. Everything ends by the round's deadline.
+into the tensors only the spans that were fully received, and a part decoded into its
+tensor as it came gets its local values back from flat[span j], where each chunk's were
+kept before it was overwritten; so the tensors are exactly what the report says.
+Everything ends by the round's deadline.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import trio
 
 from peer import Peer, PeerUnavailableError, RemoteError
 from protocol.address import Address
-from protocol.codecs import Codec, Int8Codec, NoneCodec, NonFiniteError
+from protocol.codecs import Codec, Float16Codec, Int8Codec, NoneCodec, NonFiniteError
 from protocol.errors import ProtocolError, RemoteProtocolError
 
 from .buffers import BufferPool
@@ -78,7 +81,8 @@ class Butterfly:
         self.feedback = feedback  # topk: we send flat (values + residual) and note the blobs
         self.reports: dict[int, PartReport] = {}
         self.counted: set[int] = set()  # parts whose result header lists us (error feedback)
-        self.held: dict[int, list[bytes | memoryview]] = {}  # see _download and commit
+        # parts decoded into their tensor as they came: elements done (see _fetch, commit)
+        self.in_tensor: dict[int, int] = {}
         # per part: cancelled by the result header, it ends the encoding of our chunks
         self._encoding: dict[int, trio.CancelScope] = {}
         remote = max(1, len(plan.reducers) - (service is not None))
@@ -86,23 +90,31 @@ class Butterfly:
         self._downloads = trio.Semaphore(config.max_downloads)
 
     async def run(self, cutoff: float, deadline: float) -> tuple[PartReport, ...]:
-        with trio.move_on_at(deadline):
-            async with trio.open_nursery() as nursery:
-                for index, reducer in enumerate(self.plan.reducers):
-                    if reducer.peer_id != self.plan.me:
-                        nursery.start_soon(self._exchange, index)
-                if self.service is not None:  # it loads our part while the uploads start
-                    nursery.start_soon(self._reduce, cutoff)
-        for index, reducer in enumerate(self.plan.reducers):
-            if index in self.reports:
-                continue
-            if reducer.peer_id == self.plan.me:
-                note = "the deadline passed before our own reduction finished"
-            else:  # frozen, or too slow: out of this part either way
-                self.liveness.mark(reducer.peer_id, DropReason.TIMEOUT)
-                note = "the deadline passed before the reducer's result arrived"
-            self.reports[index] = self._report(index, None, False, note)
-        return tuple(self.reports[i] for i in range(len(self.plan.reducers)))
+        try:
+            with trio.move_on_at(deadline):
+                async with trio.open_nursery() as nursery:
+                    for index, reducer in enumerate(self.plan.reducers):
+                        if reducer.peer_id != self.plan.me:
+                            nursery.start_soon(self._exchange, index)
+                    if self.service is not None:  # it loads our part while uploads start
+                        nursery.start_soon(self._reduce, cutoff)
+            for index, reducer in enumerate(self.plan.reducers):
+                if index in self.reports:
+                    continue
+                if reducer.peer_id == self.plan.me:
+                    note = "the deadline passed before our own reduction finished"
+                else:  # frozen, or too slow: out of this part either way
+                    self.liveness.mark(reducer.peer_id, DropReason.TIMEOUT)
+                    note = "the deadline passed before the reducer's result arrived"
+                self.reports[index] = self._report(index, None, False, note)
+            return tuple(self.reports[i] for i in range(len(self.plan.reducers)))
+        finally:
+            # a part whose whole result came, then the deadline (or a cancellation) cut
+            # its report short, does not count: its tensor gets our values back too
+            for index in list(self.in_tensor):
+                report = self.reports.get(index)
+                if report is None or not report.received:
+                    self._restore(index)
 
     def _report(
         self, index: int, header: ResultHeader | None, received: bool, note: str = ""
@@ -324,13 +336,38 @@ class Butterfly:
             ProtocolError: the reducer sent garbage.
         """
         start, stop = self.plan.spans[index]
+        # int8 and float16 results that one float32 tensor will hold are decoded into it
+        # as they come (our uploads of the part were encoded copies: once ``encoded``,
+        # nothing reads its span), each chunk's local values kept in the flat vector first
+        # (its span of a remote part is unused): no decoding or copying pass after the last
+        # chunk, which held the step ~10 ms at 32 MiB int8. Unless the whole part counts,
+        # _restore puts the local values back.
+        tensor = None
+        if isinstance(self.codec, (Int8Codec, Float16Codec)) and self.feedback is None:
+            tensor = self.flat.view(start, stop)
+        done = False
+        try:
+            received, note = await self._fetch_into(
+                index, address, encoded, progress, fetched, tensor
+            )
+            done = received
+            return received, note
+        finally:
+            if not done:
+                self._restore(index)
+
+    async def _fetch_into(
+        self,
+        index: int,
+        address: Address,
+        encoded: trio.Event,
+        progress: list[float],
+        fetched: list[ResultHeader],
+        tensor: Float32Array | None,
+    ) -> tuple[bool, str]:
+        start, stop = self.plan.spans[index]
         length = stop - start
         expected_chunks = chunk_count(length, self.config.chunk_elements)
-        # int8 results that one float32 tensor will hold are checked now, kept (a quarter
-        # of the floats' size) and decoded straight into the tensor by commit(): no pass
-        # through the flat vector
-        defer = isinstance(self.codec, Int8Codec) and self.flat.view(start, stop) is not None
-        held: list[bytes | memoryview] | None = [] if defer else None
         header: ResultHeader | None = None
         body = {"round": self.plan.round, "part": index}
         async with self.node.rpc.stream(address, f"{self.methods}.result", body) as items:
@@ -353,14 +390,16 @@ class Butterfly:
                 if type(number) is not int or number != chunk or chunk >= header.chunks:
                     raise RemoteProtocolError("result chunks out of order")
                 a, b = chunk_span(length, self.config.chunk_elements, chunk)
-                if held is not None:
-                    # kept until commit(): exactly the round codec's size, so a
-                    # reducer cannot make us hold more (int8 with block 1 is 5x)
+                if tensor is not None:
+                    # exactly the round codec's size (int8 with block 1 is 5x: a reducer
+                    # could make us decode more than the codec sends)
                     if memoryview(item.payload).nbytes != self.codec.encoded_size(b - a) or (
                         self.codec.validate(item.payload).n_elements != b - a
                     ):
                         raise RemoteProtocolError("a result chunk of the wrong size")
-                    held.append(item.payload)
+                    np.copyto(self.flat.array[start + a : start + b], tensor[a:b])
+                    self.in_tensor[index] = b  # before the decoding: a failed one is undone
+                    self._take(item.body, item.payload, start + a, start + b, tensor[a:b])
                 else:
                     self._take(item.body, item.payload, start + a, start + b)
             if header is None:
@@ -373,19 +412,23 @@ class Butterfly:
                 # our own values back (through the codec): no group result, we keep ours.
                 # (Fetched all the same: the reducer serves until every member has it.)
                 received, note = False, SOLO_NOTE
-            if received and held is not None:
-                self.held[index] = held
             return received, note
 
     def _take(
-        self, body: dict[str, object], payload: bytes | memoryview, start: int, stop: int
+        self,
+        body: dict[str, object],
+        payload: bytes | memoryview,
+        start: int,
+        stop: int,
+        target: Float32Array | None = None,
     ) -> None:
-        """Decode one result chunk into ``flat[start:stop]``.
+        """Decode one result chunk into ``flat[start:stop]`` (or ``target``, of its size).
 
         Raises:
             RemoteProtocolError: undecodable, of the wrong size, or not finite.
         """
-        target = self.flat.array[start:stop]
+        if target is None:
+            target = self.flat.array[start:stop]
         if raw_flag(body) and self.codec.name in ("none", "topk"):  # (topk: a dense chunk)
             finite = copy_finite(target, decode_raw(payload, stop - start), self._zeros)
         else:
@@ -395,18 +438,19 @@ class Butterfly:
             raise RemoteProtocolError("the reducer sent non-finite values")
 
     def commit(self, index: int) -> bool:
-        """Decode part ``index``'s kept results into the tensors; False if none were kept
-        (the part was decoded into the flat vector: store it from there)."""
-        held = self.held.pop(index, None)
-        if held is None:
-            return False
-        start, stop = self.plan.spans[index]
-        view = self.flat.view(start, stop)
-        assert view is not None
-        for chunk, blob in enumerate(held):
-            a, b = chunk_span(stop - start, self.config.chunk_elements, chunk)
-            self.codec.decode_into(blob, view[a:b])
-        return True
+        """Whether part ``index`` (received) is in its tensor already; False when it was
+        decoded into the flat vector (store it from there)."""
+        return index in self.in_tensor
+
+    def _restore(self, index: int) -> None:
+        """Put back the local values of part ``index``'s chunks decoded into its tensor
+        (kept in the flat vector by _fetch_into)."""
+        done = self.in_tensor.pop(index, 0)
+        if done:
+            start, stop = self.plan.spans[index]
+            tensor = self.flat.view(start, stop)
+            assert tensor is not None
+            np.copyto(tensor[:done], self.flat.array[start : start + done])
 
     def _check_header(self, header: ResultHeader, expected_chunks: int) -> None:
         """What a member can check of a result header: it names group members only, each
