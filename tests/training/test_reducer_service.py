@@ -156,13 +156,15 @@ async def test_a_publication_cut_short_ends_the_result_streams() -> None:
                 await service.publish()
     assert len(service.blobs) == 1 and len(fetched) == 2  # the header and chunk 0
     assert [e.code for e in errors] == ["unavailable"]  # the stream ended, it did not hang
-    # chunk 0 went back into our tensor, the rest still holds our values; not in place, so
-    # the averager stores the whole mean from the flat vector over it
+    # chunk 0 went back into our tensor as the others decode it, the rest as the mean (a
+    # caller that cancelled the step stores nothing: no part is left half averaged); not
+    # in place, so on the round's deadline the averager stores the whole mean over it
     assert not service.in_place
     np.testing.assert_array_equal(
         tensor.numpy()[:CHUNK], get_codec("int8").decode(fetched[1].payload)
     )
-    np.testing.assert_array_equal(tensor.numpy()[CHUNK:], mine[CHUNK:])
+    np.testing.assert_array_equal(tensor.numpy()[CHUNK:], service.reducer.mean()[CHUNK:])
+    assert not np.array_equal(tensor.numpy()[CHUNK:], mine[CHUNK:])
 
 
 async def test_a_mean_rounded_up_to_infinity_is_clamped_back() -> None:
