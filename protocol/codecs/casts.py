@@ -29,16 +29,25 @@ _HALF_TO_FLOAT: npt.NDArray[np.float32] = (
 """float32 value of every float16 bit pattern (256 KiB)."""
 
 
+def _numpy_scale_rows(src: AnyArray, factors: AnyArray, dst: AnyArray) -> None:
+    np.multiply(src, factors[:, None], out=dst)
+
+
 @dataclass(frozen=True, slots=True)
 class Casts:
     """Conversions ``dst[...] = src`` between flat, C-contiguous arrays of equal size.
 
     ``to_half(src, dst)``: float32 to float16, rounding to nearest even (beyond float16's
     range: infinity). ``to_float(src, dst)``: float16 or int8 to float32 (exact).
+    ``scale_rows(src, factors, dst)``: ``dst = src * factors[:, None]`` for 2-D float32
+    ``src`` and ``dst`` (the same array allowed) and one float32 factor per row, each
+    product rounded once (int8's scales; numpy's broadcast multiply runs at half the speed
+    of a plain one here).
     """
 
     to_half: Callable[[AnyArray, AnyArray], None]
     to_float: Callable[[AnyArray, AnyArray], None]
+    scale_rows: Callable[[AnyArray, AnyArray, AnyArray], None] = _numpy_scale_rows
 
 
 def _numpy_to_half(src: AnyArray, dst: AnyArray) -> None:

@@ -140,7 +140,7 @@ class Int8Codec(Codec):
             inverse.fill(0)
             np.divide(np.float32(1), sc, out=inverse, where=normal)
             t = work[: rows * width].reshape(rows, width)
-            np.multiply(xc, inverse[:, None], out=t)
+            self.casts.scale_rows(xc, inverse, t)
             np.rint(t, out=t)
             np.copyto(q[start:stop], t, casting="unsafe")  # |t| <= 127: exact
 
@@ -194,4 +194,4 @@ class Int8Codec(Codec):
             # beat numpy's mixed int8 x float32 multiply
             rows = out2[start:stop]
             self.casts.to_float(q[start:stop].reshape(-1), rows.reshape(-1))
-            np.multiply(rows, scales[start:stop, None], out=rows)
+            self.casts.scale_rows(rows, scales[start:stop], rows)

@@ -24,15 +24,29 @@ def test_codecs_use_their_casts() -> None:
         calls.append(f"float<-{src.dtype}")
         NUMPY_CASTS.to_float(src, dst)
 
+    def scale_rows(src: npt.NDArray[Any], factors: npt.NDArray[Any], dst: npt.NDArray[Any]) -> None:
+        calls.append(f"rows{src.shape}")
+        NUMPY_CASTS.scale_rows(src, factors, dst)
+
     x = np.random.default_rng(0).standard_normal(5000).astype(np.float32)
     for name in ("float16", "int8"):
         plain, hooked = get_codec(name), get_codec(name)
-        hooked.casts = Casts(to_half=to_half, to_float=to_float)
+        hooked.casts = Casts(to_half=to_half, to_float=to_float, scale_rows=scale_rows)
         assert plain.casts is NUMPY_CASTS
         blob = hooked.encode(x)
         assert blob == plain.encode(x)
         np.testing.assert_array_equal(hooked.decode(blob), plain.decode(blob))
-    assert calls == ["half", "float<-float16", "float<-int8", "float<-int8"]  # int8: 2 runs
+    # float16: one conversion each way; int8 (block 4096): a full block and the tail
+    assert calls == [
+        "half",
+        "float<-float16",
+        "rows(1, 4096)",
+        "rows(1, 904)",
+        "float<-int8",
+        "rows(1, 4096)",
+        "float<-int8",
+        "rows(1, 904)",
+    ]
 
 
 def test_numpy_casts_are_exact() -> None:

@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 
 from protocol.codecs import get_codec
+from protocol.codecs.casts import NUMPY_CASTS
 from protocol.errors import RemoteProtocolError
 from protocol.identity import Identity, PeerID
 from training.averaging.casts import TORCH_CASTS
@@ -199,3 +200,20 @@ def test_flat_vector_views_only_single_float32_tensors() -> None:
     assert view is not None and np.shares_memory(view, a)
     assert flat.view(4, 8) is None  # spans two tensors
     assert flat.view(6, 8) is None  # float64: converted through the flat vector
+
+
+def test_torch_row_scaling_equals_numpys_bit_for_bit() -> None:
+    """int8's per-block scaling through torch must round as numpy does (senders and
+    receivers may use either), across the float32 range and into subnormals."""
+    rng = np.random.default_rng(3)
+    rows = rng.integers(-127, 128, (64, 512)).astype(np.float32)  # decoding: q * scale
+    rows[::2] /= np.float32(7)  # and fractions
+    factors = np.float32(10.0) ** rng.uniform(-44, 30, 64).astype(np.float32)
+    factors[:3] = (0.0, np.finfo(np.float32).tiny, 2.6e36)  # (int8 scales stay finite)
+    expected = np.empty_like(rows)
+    NUMPY_CASTS.scale_rows(rows, factors, expected)
+    got = np.empty_like(rows)
+    TORCH_CASTS.scale_rows(rows, factors, got)
+    np.testing.assert_array_equal(got.view(np.uint32), expected.view(np.uint32))
+    TORCH_CASTS.scale_rows(rows, factors, rows)  # in place, as decoding does
+    np.testing.assert_array_equal(rows.view(np.uint32), expected.view(np.uint32))

@@ -1,7 +1,8 @@
 """torch-backed bulk conversions for the codecs (``protocol.codecs.casts``).
 
 torch converts float32 to float16 with a vectorized loop, ~20x faster here than numpy (which
-converts one scalar at a time); float16 and int8 to float32 ~3x and ~2x faster. The results
+converts one scalar at a time); float16 and int8 to float32 ~3x and ~2x faster; it scales
+int8's rows (one factor per block) 2-3x faster than numpy's broadcast multiply. The results
 equal numpy's for every finite and infinite value (NaN stays NaN; torch quiets signalling
 NaNs). The averager installs them on its codec instance.
 """
@@ -24,5 +25,11 @@ def _torch_cast(src: npt.NDArray[Any], dst: npt.NDArray[Any]) -> None:
     torch.from_numpy(dst).copy_(as_tensor(src))
 
 
-TORCH_CASTS = Casts(to_half=_torch_cast, to_float=_torch_cast)
+def _torch_scale_rows(
+    src: npt.NDArray[Any], factors: npt.NDArray[Any], dst: npt.NDArray[Any]
+) -> None:
+    torch.mul(as_tensor(src), as_tensor(factors)[:, None], out=torch.from_numpy(dst))
+
+
+TORCH_CASTS = Casts(to_half=_torch_cast, to_float=_torch_cast, scale_rows=_torch_scale_rows)
 """Conversions through torch's vectorized copy kernels."""
