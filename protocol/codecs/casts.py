@@ -35,11 +35,13 @@ def _numpy_scale_rows(src: AnyArray, factors: AnyArray, dst: AnyArray) -> None:
 
 @dataclass(frozen=True, slots=True)
 class Casts:
-    """Conversions ``dst[...] = src`` between flat, C-contiguous arrays of equal size.
+    """The codecs' bulk array operations. Conversions ``dst[...] = src`` between flat,
+    C-contiguous arrays of equal size:
 
     ``to_half(src, dst)``: float32 to float16, rounding to nearest even (beyond float16's
     range: infinity). ``to_float(src, dst)``: float16 or int8 to float32 (exact).
-    ``scale_rows(src, factors, dst)``: ``dst = src * factors[:, None]`` for 2-D float32
+
+    And ``scale_rows(src, factors, dst)``: ``dst = src * factors[:, None]`` for 2-D float32
     ``src`` and ``dst`` (the same array allowed) and one float32 factor per row, each
     product rounded once (int8's scales; numpy's broadcast multiply runs at half the speed
     of a plain one here).

@@ -8,6 +8,7 @@ import math
 from typing import Any
 
 import numpy as np
+import pytest
 import torch
 import trio
 import trio.testing
@@ -157,14 +158,45 @@ async def test_a_publication_cut_short_ends_the_result_streams() -> None:
     assert len(service.blobs) == 1 and len(fetched) == 2  # the header and chunk 0
     assert [e.code for e in errors] == ["unavailable"]  # the stream ended, it did not hang
     # chunk 0 went back into our tensor as the others decode it, the rest as the mean (a
-    # caller that cancelled the step stores nothing: no part is left half averaged); not
-    # in place, so on the round's deadline the averager stores the whole mean over it
-    assert not service.in_place
+    # caller that cancelled the step stores nothing: no part is left half averaged); in
+    # place: the averager stores nothing over it either
+    assert service.in_place
     np.testing.assert_array_equal(
         tensor.numpy()[:CHUNK], get_codec("int8").decode(fetched[1].payload)
     )
     np.testing.assert_array_equal(tensor.numpy()[CHUNK:], service.reducer.mean()[CHUNK:])
     assert not np.array_equal(tensor.numpy()[CHUNK:], mine[CHUNK:])
+
+
+@pytest.mark.parametrize("codec", ["int8", "float16"])
+async def test_a_deadline_right_after_the_last_chunk_keeps_what_the_members_decode(
+    codec: str,
+) -> None:
+    """The round's deadline at publish's checkpoint after its last chunk: every member
+    fetches the whole part and decodes it; our tensor holds the same values (in place), not
+    the mean stored over them from the flat vector (which differed by up to the codec's
+    error: a review)."""
+    rng = np.random.default_rng(2)
+    service, tensor = service_for(codec, rng.standard_normal(CHUNKS * CHUNK, dtype=np.float32))
+    with trio.fail_after(5):
+        await service.load()
+        await send_all(service, codec, rng.standard_normal(CHUNKS * CHUNK, dtype=np.float32))
+        await service.reduce(math.inf)
+        encode = service._encode
+        with trio.CancelScope() as deadline:
+
+            def encode_then_expire(values: Any, out: Any) -> int:
+                size = encode(values, out)
+                if len(service.blobs) == CHUNKS - 1:  # the last one
+                    deadline.cancel()
+                return size
+
+            service._encode = encode_then_expire  # type: ignore[method-assign]
+            await service.publish()
+        assert deadline.cancelled_caught
+    assert len(service.blobs) == CHUNKS and service.in_place
+    decoded = np.concatenate([get_codec(codec).decode(blob) for blob in service.blobs])
+    np.testing.assert_array_equal(tensor.numpy(), decoded)
 
 
 async def test_a_mean_rounded_up_to_infinity_is_clamped_back() -> None:

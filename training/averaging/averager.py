@@ -482,14 +482,15 @@ class Averager:
     def _warn_if_changed(self, versions: Sequence[int]) -> None:
         """Warn when torch changed tensors in place while the all-reduce read and wrote them
         (another task, or another thread while :meth:`step_blocking` waits): some of the
-        change may have been sent, and the parts received overwrite it."""
+        change may have been sent, and the step's writes overwrite it."""
         changed = self.flat.changed_since(versions)
         if changed:
             warnings.warn(
                 f"Averager {self.prefix!r}: tensors {_shorten(changed)} were changed in "
                 "place during the all-reduce (by another task or thread): part of the change "
-                "may have been averaged, and the received parts overwrote the rest. Change "
-                "the tensors only between steps",
+                "may have been averaged, and the step's writes (the received parts; with "
+                "int8 or float16, also our own values put back where a part failed) "
+                "overwrote the rest. Change the tensors only between steps",
                 RuntimeWarning,
                 stacklevel=2,
             )
@@ -578,7 +579,8 @@ class Averager:
             self._warn_if_changed(versions)
             in_place = service.part if service is not None and service.in_place else None
             for part in parts:  # the received parts into the tensors (unless already there)
-                if part.received and part.index != in_place and not butterfly.commit(part.index):
+                there = part.index == in_place or butterfly.in_its_tensor(part.index)
+                if part.received and not there:
                     self.flat.store(part.span)
             self.flat.mark_written(part.span for part in parts if part.received)
             if feedback is not None:

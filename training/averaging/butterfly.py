@@ -81,7 +81,7 @@ class Butterfly:
         self.feedback = feedback  # topk: we send flat (values + residual) and note the blobs
         self.reports: dict[int, PartReport] = {}
         self.counted: set[int] = set()  # parts whose result header lists us (error feedback)
-        # parts decoded into their tensor as they came: elements done (see _fetch, commit)
+        # parts decoded into their tensor as they came: elements done (see _fetch_into)
         self.in_tensor: dict[int, int] = {}
         # per part: cancelled by the result header, it ends the encoding of our chunks
         self._encoding: dict[int, trio.CancelScope] = {}
@@ -391,11 +391,9 @@ class Butterfly:
                     raise RemoteProtocolError("result chunks out of order")
                 a, b = chunk_span(length, self.config.chunk_elements, chunk)
                 if tensor is not None:
-                    # exactly the round codec's size (int8 with block 1 is 5x: a reducer
-                    # could make us decode more than the codec sends)
-                    if memoryview(item.payload).nbytes != self.codec.encoded_size(b - a) or (
-                        self.codec.validate(item.payload).n_elements != b - a
-                    ):
+                    # the bytes the round's codec makes of the chunk (int8 with block 1 is
+                    # 5x: more to read and decode); the decoding checks the rest
+                    if memoryview(item.payload).nbytes != self.codec.encoded_size(b - a):
                         raise RemoteProtocolError("a result chunk of the wrong size")
                     np.copyto(self.flat.array[start + a : start + b], tensor[a:b])
                     self.in_tensor[index] = b  # before the decoding: a failed one is undone
@@ -437,7 +435,7 @@ class Butterfly:
         if not finite:
             raise RemoteProtocolError("the reducer sent non-finite values")
 
-    def commit(self, index: int) -> bool:
+    def in_its_tensor(self, index: int) -> bool:
         """Whether part ``index`` (received) is in its tensor already; False when it was
         decoded into the flat vector (store it from there)."""
         return index in self.in_tensor

@@ -491,14 +491,16 @@ class ReducerService:
         finally:  # cancelled midway (the round's deadline): the streams stop waiting,
             self.reducer.divide_all()  # and the whole mean is there to be stored
             if written and out is not mean:
-                # Our tensor lost its local values up to ``written``: the rest gets the
-                # mean too, so that the part is all of it. A caller that cancelled the step
-                # stores nothing (a trial found 20-30 of 46 chunks averaged, the rest not).
+                # Our tensor lost its local values up to ``written``: it keeps the part.
+                # Cut short, the rest gets the mean too (a caller that cancelled the step
+                # stores nothing: a trial found 20-30 of 46 chunks averaged, the rest
+                # not), and no member got the whole stream. After the last chunk, it holds
+                # what every member decodes: the mean stored over it differed from theirs
+                # by up to the codec's error (a review).
                 np.copyto(out[written:], mean[written:])
+                self.in_place = True
             self.publish_ended = True
             self._notify()
-        # Only now: cancelled midway by the round's deadline, the caller stores the whole
-        # mean from the flat vector over our tensor (the chunks written back included).
         self.in_place = self.in_place or (self.target is not None and not self.solo)
 
     def _encode(self, values: Float32Array, out: memoryview) -> int:
