@@ -648,8 +648,9 @@ async def test_result_streams_never_read_cost_the_others_nothing(
 async def test_a_reducer_cannot_make_us_keep_int8_results_larger_than_the_codec_makes(
     autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """int8 results bound for one float32 tensor are kept until commit(); a reducer that
-    re-encodes them with block_size 1 (5x the bytes, still valid int8) is refused."""
+    """int8 results bound for one float32 tensor are decoded into it as they come; a
+    reducer that re-encodes them with block_size 1 (5x the bytes to read and decode, still
+    valid int8) is refused."""
     from peer import Reply
     from training.averaging.butterfly import SOLO_NOTE
     from training.averaging.reducing import ReducerService
