@@ -137,6 +137,7 @@ async def test_a_step_cancelled_midway_through_a_part_leaves_none_of_it(
 
     taken: dict[PeerID, int] = {}
     plans: dict[PeerID, Any] = {}
+    watched: list[PeerID] = []  # the member whose step is cancelled
     two_in = trio.Event()
     take = Butterfly._take
 
@@ -150,22 +151,34 @@ async def test_a_step_cancelled_midway_through_a_part_leaves_none_of_it(
 
     monkeypatch.setattr(ReducerService, "results", results)
     monkeypatch.setattr(Butterfly, "_take", counting_take)
-    with trio.fail_after(100):
-        async with memnet_swarm(2) as (_, nodes):
-            members = make_members(nodes, SIZE, fast_config(codec=codec))
-            slow.append(members[0].peer_id)
-            watched = [members[1].peer_id]
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(members[0].averager.step)
-                with trio.CancelScope() as scope:
-                    nursery.start_soon(_cancel_when, two_in, scope)
-                    await members[1].averager.step(timeout=20)
-                assert scope.cancelled_caught
+    def setup(members: list[Any]) -> None:
+        slow.append(members[0].peer_id)
+        watched.append(members[1].peer_id)
+
+    members = await _step_two_cancelling_the_second(codec, two_in, setup)
     member = members[1]
     plan = plans[member.peer_id]
     start, stop = plan.spans[[r.peer_id for r in plan.reducers].index(members[0].peer_id)]
     assert stop - start == SIZE // 2 and taken[member.peer_id] == 2
     np.testing.assert_array_equal(member.array[start:stop], member.data[start:stop])
+
+
+async def _step_two_cancelling_the_second(
+    codec: str, when: trio.Event, setup: Callable[[list[Any]], None]
+) -> list[Any]:
+    """Two members step together (weight 1 each); the second's step is cancelled from
+    outside once ``when`` is set. ``setup(members)`` runs before the steps."""
+    with trio.fail_after(100):
+        async with memnet_swarm(2) as (_, nodes):
+            members = make_members(nodes, SIZE, fast_config(codec=codec))
+            setup(members)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(members[0].averager.step)
+                with trio.CancelScope() as scope:
+                    nursery.start_soon(_cancel_when, when, scope)
+                    await members[1].averager.step(timeout=20)
+                assert scope.cancelled_caught
+    return members
 
 
 async def _cancel_when(event: trio.Event, scope: trio.CancelScope) -> None:
@@ -184,6 +197,7 @@ async def test_a_step_cancelled_while_its_reducer_publishes_leaves_its_part_whol
     encode = ReducerService._encode
     encoded: dict[PeerID, int] = {}
     spans: dict[PeerID, tuple[int, int]] = {}
+    watched: list[PeerID] = []  # the member whose step is cancelled
     two_out = trio.Event()
 
     def counting_encode(self: ReducerService, *args: Any) -> int:
@@ -195,16 +209,9 @@ async def test_a_step_cancelled_while_its_reducer_publishes_leaves_its_part_whol
         return size
 
     monkeypatch.setattr(ReducerService, "_encode", counting_encode)
-    with trio.fail_after(100):
-        async with memnet_swarm(2) as (_, nodes):
-            members = make_members(nodes, SIZE, fast_config(codec=codec))
-            watched = [members[1].peer_id]
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(members[0].averager.step)
-                with trio.CancelScope() as scope:
-                    nursery.start_soon(_cancel_when, two_out, scope)
-                    await members[1].averager.step(timeout=20)
-                assert scope.cancelled_caught
+    members = await _step_two_cancelling_the_second(
+        codec, two_out, lambda members: watched.append(members[1].peer_id)
+    )
     member = members[1]
     start, stop = spans[member.peer_id]
     assert stop - start == SIZE // 2 and encoded[member.peer_id] < 6  # cut short
