@@ -151,6 +151,7 @@ async def test_a_step_cancelled_midway_through_a_part_leaves_none_of_it(
 
     monkeypatch.setattr(ReducerService, "results", results)
     monkeypatch.setattr(Butterfly, "_take", counting_take)
+
     def setup(members: list[Any]) -> None:
         slow.append(members[0].peer_id)
         watched.append(members[1].peer_id)
