@@ -81,7 +81,7 @@ class Butterfly:
         self.feedback = feedback  # topk: we send flat (values + residual) and note the blobs
         self.reports: dict[int, PartReport] = {}
         self.counted: set[int] = set()  # parts whose result header lists us (error feedback)
-        # parts decoded into their tensor as they came: elements done (see _fetch_into)
+        # parts decoded into their tensor as they came: elements done (see _fetch)
         self.in_tensor: dict[int, int] = {}
         # per part: cancelled by the result header, it ends the encoding of our chunks
         self._encoding: dict[int, trio.CancelScope] = {}
@@ -310,6 +310,9 @@ class Butterfly:
                 except ProtocolError as exc:
                     note = f"the reducer sent garbage: {exc}"
                     self.liveness.mark(reducer, DropReason.GARBAGE)
+                finally:
+                    if not received:  # chunks decoded into its tensor: our values back
+                        self._restore(index)
                 break
             nursery.cancel_scope.cancel()
         if not received and reducer in self.liveness.bad:
@@ -336,38 +339,17 @@ class Butterfly:
             ProtocolError: the reducer sent garbage.
         """
         start, stop = self.plan.spans[index]
+        length = stop - start
+        expected_chunks = chunk_count(length, self.config.chunk_elements)
         # int8 and float16 results that one float32 tensor will hold are decoded into it
         # as they come (our uploads of the part were encoded copies: once ``encoded``,
         # nothing reads its span), each chunk's local values kept in the flat vector first
         # (its span of a remote part is unused): no decoding or copying pass after the last
         # chunk, which held the step ~10 ms at 32 MiB int8. Unless the whole part counts,
-        # _restore puts the local values back.
+        # _restore puts the local values back (see _download and run).
         tensor = None
         if isinstance(self.codec, (Int8Codec, Float16Codec)) and self.feedback is None:
             tensor = self.flat.view(start, stop)
-        done = False
-        try:
-            received, note = await self._fetch_into(
-                index, address, encoded, progress, fetched, tensor
-            )
-            done = received
-            return received, note
-        finally:
-            if not done:
-                self._restore(index)
-
-    async def _fetch_into(
-        self,
-        index: int,
-        address: Address,
-        encoded: trio.Event,
-        progress: list[float],
-        fetched: list[ResultHeader],
-        tensor: Float32Array | None,
-    ) -> tuple[bool, str]:
-        start, stop = self.plan.spans[index]
-        length = stop - start
-        expected_chunks = chunk_count(length, self.config.chunk_elements)
         header: ResultHeader | None = None
         body = {"round": self.plan.round, "part": index}
         async with self.node.rpc.stream(address, f"{self.methods}.result", body) as items:
@@ -442,7 +424,7 @@ class Butterfly:
 
     def _restore(self, index: int) -> None:
         """Put back the local values of part ``index``'s chunks decoded into its tensor
-        (kept in the flat vector by _fetch_into)."""
+        (kept in the flat vector by _fetch)."""
         done = self.in_tensor.pop(index, 0)
         if done:
             start, stop = self.plan.spans[index]
