@@ -689,8 +689,10 @@ class DHT:
 
     def _given_up(self, node: NodeInfo) -> None:
         # A request outlasted a lookup's hedging: as a timeout (it counts toward
-        # max_failures, so a frozen node leaves the table after a few lookups).
-        self.protocol.record_failure(node, timed_out=True)
+        # max_failures, so a frozen node leaves the table after a few lookups), unless the
+        # node's bytes came lately (a busy link, not a frozen node: DHTProtocol's rules).
+        if not self.protocol.heard_lately(node):
+            self.protocol.record_failure(node, timed_out=True)
 
     def _among_closest(self, target: DHTID, closest: Sequence[NodeInfo]) -> bool:
         if len(closest) < self.config.k:

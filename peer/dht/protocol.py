@@ -14,7 +14,12 @@ Learning rules (the routing table's only inputs):
   proved its id (or the table holds it at that address already): a reply over a pooled
   connection the peer opened proves its id, not the address a third party named for it.
   Nodes named *inside* replies are only lookup candidates until they answer.
-- A failed call (timeout, refused, malformed or error reply) counts against the node.
+- A failed call (timeout, refused, malformed or error reply) counts against the node,
+  except a timeout (or a lookup giving up on it) while the node's bytes keep arriving (a
+  connection of ours to it received some within the last ``request_timeout``): its link
+  is busy, not gone. A volunteer on a slow link whose averaging round was cut short keeps
+  receiving what its peers had queued for it for seconds, its DHT answers behind those
+  bytes; counting those timeouts emptied its table after every failed round.
 - At most ``max_concurrent_requests`` calls are in flight; the deadline of a call
   starts when it gets its slot, so a node overloaded by its own lookups does not
   blame its peers for the wait.
@@ -309,9 +314,12 @@ class DHTProtocol:
         return not self._limiter.statistics().tasks_waiting
 
     async def ping(self, node: NodeInfo, *, take_slot: bool = True) -> bool:
-        """True when ``node`` answered a ping in time (``take_slot``: as :meth:`store`)."""
+        """True when ``node`` answered a ping in time, or its bytes kept arriving while the
+        ping waited (busy, not gone: see the module's rules). ``take_slot``: as
+        :meth:`store`."""
         request = PingRequest(self.sender)
-        return await self._call(node, request, PingResponse, take_slot=take_slot) is not None
+        response, busy = await self._request(node, request, PingResponse, take_slot=take_slot)
+        return response is not None or busy
 
     async def find_node(self, node: NodeInfo, target: DHTID) -> FindNodeResponse | None:
         """``node``'s closest contacts to ``target``; None when it failed."""
@@ -344,6 +352,14 @@ class DHTProtocol:
     async def _call(
         self, node: NodeInfo, request: Message, response_type: type[_M], *, take_slot: bool = True
     ) -> _M | None:
+        response, _ = await self._request(node, request, response_type, take_slot=take_slot)
+        return response
+
+    async def _request(
+        self, node: NodeInfo, request: Message, response_type: type[_M], *, take_slot: bool = True
+    ) -> tuple[_M | None, bool]:
+        """``node``'s response (None when the call failed), and whether the call timed out
+        while ``node``'s bytes kept arriving (then it does not count against ``node``)."""
         assert node.address is not None
         address = self._address_of(node.address, node.peer_id)
         method: str = getattr(request, "METHOD")  # noqa: B009 - a ClassVar of request types
@@ -358,7 +374,7 @@ class DHTProtocol:
             self.calls_sent += 1
             maybe_alive = True  # a timeout, or an error answer: slow or busy, not dead
             turned_away = False
-            with trio.move_on_after(self.config.request_timeout):
+            with trio.move_on_after(self.config.request_timeout) as deadline:
                 try:
                     reply = await self.host.call(address, method, request.to_body())
                     response = response_type.from_body(reply.body)
@@ -376,14 +392,17 @@ class DHTProtocol:
                     self._unreachable.discard(node.peer_id)
                     if self._address_proven(node, address):
                         self.learn(node)
-                    return response
+                    return response, False
         finally:
             if take_slot:
                 self._limiter.release()
         self.calls_failed += 1
+        if deadline.cancelled_caught and self.heard_lately(node):
+            logger.debug("%s to %s timed out; its bytes keep coming", method, node.peer_id.short())
+            return None, True
         if not turned_away or self._busy_too_long(node):
             self.record_failure(node, timed_out=maybe_alive or turned_away)
-        return None
+        return None, False
 
     def _busy_too_long(self, node: NodeInfo) -> bool:
         """Whether a contact that turned us away as busy has not been heard from for a
@@ -408,6 +427,13 @@ class DHTProtocol:
             self._unreachable.discard(node.peer_id)
             return "its address no longer takes connections"
         return "no answer to a ping"
+
+    def heard_lately(self, node: NodeInfo) -> bool:
+        """Whether bytes from ``node`` arrived, on any of our connections to it, within the
+        last ``request_timeout``: a request to it that timed out (or that a lookup gave up
+        on) meanwhile waited behind them."""
+        since = trio.current_time() - self.config.request_timeout
+        return self.host.last_heard(node.peer_id) > since
 
     def record_failure(self, node: NodeInfo, *, timed_out: bool) -> None:
         """Count a failed or timed-out request against ``node`` (see the routing table's
