@@ -16,10 +16,12 @@ Learning rules (the routing table's only inputs):
   Nodes named *inside* replies are only lookup candidates until they answer.
 - A failed call (timeout, refused, malformed or error reply) counts against the node,
   except a timeout (or a lookup giving up on it) while the node's bytes keep arriving (a
-  connection of ours to it received some within the last ``request_timeout``): its link
-  is busy, not gone. A volunteer on a slow link whose averaging round was cut short keeps
+  connection with it received some within the last ``request_timeout``): its link is
+  busy, not gone. A volunteer on a slow link whose averaging round was cut short keeps
   receiving what its peers had queued for it for seconds, its DHT answers behind those
-  bytes; counting those timeouts emptied its table after every failed round.
+  bytes; counting those timeouts emptied its table after every failed round. Such a ping
+  keeps the contact but does not refresh it; and only while the contact was seen (it
+  answered or asked us something) within ``refresh_interval``.
 - At most ``max_concurrent_requests`` calls are in flight; the deadline of a call
   starts when it gets its slot, so a node overloaded by its own lookups does not
   blame its peers for the wait.
@@ -202,9 +204,12 @@ class DHTProtocol:
 
         async def worker(receive: trio.MemoryReceiveChannel[NodeInfo]) -> None:
             async for node in receive:
-                alive = await self.ping(node)
+                response, busy = await self._request(node, PingRequest(self.sender), PingResponse)
                 known = node.peer_id in self.table  # a failed ping may have evicted it already
-                self.table.ping_result(node.peer_id, alive=alive, now=self._now())
+                if busy:  # kept, but not refreshed: it has not answered
+                    self.table.ping_result(node.peer_id, alive=None, now=self._now())
+                    continue
+                self.table.ping_result(node.peer_id, alive=response is not None, now=self._now())
                 if known and node.peer_id not in self.table:
                     logger.info("peer left: %s (%s)", node.peer_id.short(), self.ping_failure(node))
 
@@ -429,11 +434,14 @@ class DHTProtocol:
         return "no answer to a ping"
 
     def heard_lately(self, node: NodeInfo) -> bool:
-        """Whether bytes from ``node`` arrived, on any of our connections to it, within the
-        last ``request_timeout``: a request to it that timed out (or that a lookup gave up
-        on) meanwhile waited behind them."""
+        """Whether bytes from ``node`` arrived, on any connection with it, within the last
+        ``request_timeout``: a request to it that timed out (or that a lookup gave up on)
+        meanwhile waited behind them. Only for so long, as for a busy signal: a contact
+        that sends bytes but has not answered nor asked us anything for a whole
+        ``refresh_interval`` counts as failing after all (any stream or unknown method
+        would keep it listed otherwise)."""
         since = trio.current_time() - self.config.request_timeout
-        return self.host.last_heard(node.peer_id) > since
+        return self.host.last_heard(node.peer_id) > since and not self._busy_too_long(node)
 
     def record_failure(self, node: NodeInfo, *, timed_out: bool) -> None:
         """Count a failed or timed-out request against ``node`` (see the routing table's

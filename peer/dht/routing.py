@@ -218,14 +218,15 @@ class RoutingTable:
         bucket.pending_ping = oldest.node.peer_id
         return oldest.node
 
-    def ping_result(self, peer_id: PeerID, alive: bool, now: float) -> None:
-        """Report the outcome of a ping asked for by :meth:`update`."""
+    def ping_result(self, peer_id: PeerID, alive: bool | None, now: float) -> None:
+        """Report the outcome of a ping asked for by :meth:`update` (None: no answer, but
+        its bytes kept coming: the contact stays as it was, neither refreshed nor evicted)."""
         index = self._bucket_of(peer_id)
         bucket = self._buckets[index]
         if bucket.pending_ping == peer_id:
             bucket.pending_ping = None
         contact = bucket.contacts.get(peer_id)
-        if contact is None:
+        if contact is None or alive is None:
             return
         if alive:
             self.update(contact.node, now)

@@ -105,3 +105,46 @@ async def test_lookups_that_give_up_on_a_busy_contact_keep_it(
 
     with trio.fail_after(300):
         await _with_slow_contact(body, busy=busy, third=True)
+
+
+async def test_the_eviction_ping_keeps_a_busy_contact_as_it_was(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A full bucket pings its least-recently-seen contact before a newcomer may take its
+    place: a busy one that did not answer stays, but is not refreshed (it answered nothing:
+    its failures stand and it stays first in line for the next ping)."""
+
+    async def body(a: Peer, b: Peer, info: NodeInfo) -> None:
+        table = a.dht.table
+        bucket = table._buckets[table._index[B.peer_id]]
+        contact = bucket.contacts[B.peer_id]
+        contact.failures = 2
+        seen = contact.last_seen
+        bucket.pending_ping = B.peer_id
+        a.dht.protocol._ping_send.send_nowait(info)  # as a newcomer meeting a full bucket
+        await trio.sleep(CONFIG.request_timeout + 1)
+        assert bucket.pending_ping is None  # the ping ended
+        assert bucket.contacts.get(B.peer_id) is contact
+        assert (contact.failures, contact.last_seen) == (2, seen)
+
+    with trio.fail_after(120):
+        await _with_slow_contact(body, busy=True)
+
+
+async def test_bytes_keep_a_contact_only_while_it_was_seen_lately(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Busy counts as alive only for ``refresh_interval`` after the contact last answered or
+    asked us anything: a peer that only sends bytes (a stream, any unknown method) would
+    stay listed forever otherwise."""
+
+    async def body(a: Peer, b: Peer, info: NodeInfo) -> None:
+        table = a.dht.table
+        contact = table._buckets[table._index[B.peer_id]].contacts[B.peer_id]
+        contact.last_seen = trio.current_time() - CONFIG.refresh_interval - 1
+        answered = [await a.dht.protocol.ping(info) for _ in range(CONFIG.max_failures)]
+        assert answered == [False] * CONFIG.max_failures
+        assert B.peer_id not in table
+
+    with trio.fail_after(120):
+        await _with_slow_contact(body, busy=True)
