@@ -7,6 +7,7 @@ from .lookup import LookupResult as LookupResult
 from .lookup import LookupState as LookupState
 from .lookup import iterative_lookup as iterative_lookup
 from .node import DHT as DHT
+from .node import EntriesRead as EntriesRead
 from .node import LookupStats as LookupStats
 from .routing import RoutingTable as RoutingTable
 from .storage import DHTStorage as DHTStorage
@@ -16,6 +17,7 @@ __all__ = [
     "DHT",
     "DHTConfig",
     "DHTStorage",
+    "EntriesRead",
     "LookupResult",
     "LookupState",
     "LookupStats",

@@ -97,6 +97,15 @@ _BUSY_RETRY_MAX = 4.0
 _LATER = 1e-6  # seconds one of our stores must outlast our last one by (float noise aside)
 
 
+@dataclass(frozen=True, slots=True)
+class EntriesRead:
+    """What a read of a key found (:meth:`DHT.read_entries`)."""
+
+    entries: dict[Subkey, tuple[Any, float]]  # as get_entries returns them
+    asked: int  # requests sent to other nodes (0: this node's own copy was enough)
+    answered: int  # of them answered (asked but none answered: only our own copy counted)
+
+
 @dataclass(slots=True)
 class LookupStats:
     """Counters over this node's lookups (tests and benchmarks read them)."""
@@ -862,7 +871,15 @@ class DHT:
     async def get_entries(
         self, key: str, *, latest: bool = True
     ) -> dict[Subkey, tuple[Any, float]]:
-        """Every live ``subkey -> (value, expiration)`` under ``key`` (empty when none).
+        """Every live ``subkey -> (value, expiration)`` under ``key`` (empty when none);
+        see :meth:`read_entries`."""
+        return (await self.read_entries(key, latest=latest)).entries
+
+    async def read_entries(self, key: str, *, latest: bool = True) -> EntriesRead:
+        """Every live ``subkey -> (value, expiration)`` under ``key`` (empty when none),
+        and how many other nodes were asked and answered: a read that asked others and
+        heard from none saw only this node's own copy (a busy link, a partition), which an
+        empty or lone result alone cannot tell from a key nobody else stored.
 
         ``latest=True`` merges what the first ``value_quorum`` holders of the key among
         its k closest nodes answer (this node counts when it holds the key; a holder with
@@ -894,11 +911,16 @@ class DHT:
             holders.answered(self.peer_id, self.node_id, bool(local))
         holders.learn(self.table.nearest(key_id, 2 * self.config.k))  # the lookup's seeds
 
+        asked = answered = 0
+
         async def query(node: NodeInfo) -> Sequence[NodeInfo] | None:
+            nonlocal asked, answered
+            asked += 1
             response = await self.protocol.find_value(node, key_id)
             if response is None:
                 holders.failed(node)
                 return None
+            answered += 1
             nodes = response.nodes
             holds = bool(response.entries)
             budget = MAX_SUBKEYS_PER_KEY  # entries one holder may make us check
@@ -938,7 +960,7 @@ class DHT:
                 return holders.missing() if holders.any else self.config.k
 
             await self._lookup(key_id, query, stop=holders.enough, wanted=wanted)
-        return _live(record, values, self._clock())
+        return EntriesRead(_live(record, values, self._clock()), asked, answered)
 
     def _merge(
         self,

@@ -148,3 +148,26 @@ async def test_bytes_keep_a_contact_only_while_it_was_seen_lately(
 
     with trio.fail_after(120):
         await _with_slow_contact(body, busy=True)
+
+
+async def test_a_read_says_whether_other_nodes_answered(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """``read_entries`` tells a lone copy of our own from a key nobody else holds: the
+    averaging's matchmaking read "nobody declared" where its read had heard from nobody."""
+    net = MemoryNetwork(latency=0.005)
+    with trio.fail_after(120):
+        async with (
+            open_peer("10.0.0.1:4000", [], A, network=net.interface("10.0.0.1")) as a,
+            open_peer("10.0.0.2:4000", [a.address], B, network=net.interface("10.0.0.2")) as b,
+        ):
+            assert await b.dht.store("k", 1, ttl=600.0)
+            read = await b.dht.read_entries("k")
+            assert read.entries[None][0] == 1
+            assert read.asked >= 1 and read.answered == read.asked  # a answered
+            net.freeze_host("10.0.0.1")
+            read = await b.dht.read_entries("k")
+            assert read.entries[None][0] == 1  # b's own copy
+            assert read.asked >= 1 and read.answered == 0
+            assert await b.dht.get_entries("k") == read.entries
+            net.unfreeze_host("10.0.0.1")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -10,6 +11,7 @@ import torch
 import trio
 from test_averaging_support import (
     fast_config,
+    host_of,
     make_members,
     memnet_swarm,
     step_all,
@@ -164,6 +166,29 @@ async def test_a_lone_peer_gets_a_clear_answer_and_keeps_its_tensors(
     np.testing.assert_array_equal(member.array, member.data)
 
 
+async def test_a_peer_whose_read_nobody_answered_does_not_say_nobody_declared(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A trial: a 10 Mbit/s peer among 1 Gbit/s ones, its link still busy after a round
+    cut short, was told "nobody declared in this round; peers meet only with the same
+    prefix and gather_window" in rounds where the three others had declared: its read of
+    the round asked other nodes and heard from none, and got only its own copy. Here its
+    link is far (5 s each way): every request it sends outlasts the request timeout."""
+    with trio.fail_after(120):
+        async with memnet_swarm(3, first_seed=40) as (net, nodes):
+            members = make_members(nodes, 100, fast_config())
+            net.slow_host(host_of(2), 5.0)
+            results = await step_all(members, timeout=20.0)
+    slow = results[2][0]
+    assert slow is not None and slow.outcome is Outcome.ALONE
+    assert "nobody declared" not in slow.note
+    assert slow.note.startswith(
+        "no partner (none of the nodes our read of this round asked answered in time: a "
+        "busy or slow link, ours or theirs?)"
+    )
+    np.testing.assert_array_equal(members[2].array, members[2].data)
+
+
 async def test_a_leader_the_others_grouped_without_says_what_it_can_tell(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
@@ -176,13 +201,14 @@ async def test_a_leader_the_others_grouped_without_says_what_it_can_tell(
             members = make_members(nodes, 64, fast_config())
             hidden = str(nodes[0].peer_id)
             for node in nodes[1:]:  # their reads miss the first peer's declaration
-                read = node.dht.get_entries
+                read = node.dht.read_entries
 
                 async def without(key: str, *, latest: bool = True, read: Any = read) -> Any:
-                    entries = await read(key, latest=latest)
-                    return {k: v for k, v in entries.items() if k != hidden}
+                    got = await read(key, latest=latest)
+                    entries = {k: v for k, v in got.entries.items() if k != hidden}
+                    return replace(got, entries=entries)
 
-                node.dht.get_entries = without  # type: ignore[method-assign]
+                node.dht.read_entries = without  # type: ignore[method-assign]
             results = await step_all(members, timeout=10.0)
     infos = [info for info, _ in results]
     verify_round(members, infos)  # type: ignore[arg-type]

@@ -169,15 +169,15 @@ async def test_a_newcomer_reading_after_the_lone_correct_peer_withdrew_is_told(
             newcomer = Averager(nodes[2], "t/x", [np.ones(65, np.float32)], config=fast_config())
             withdrawn = _on_done_markers(members[:1], 1)
             reads: list[float] = []
-            get_entries = nodes[2].dht.get_entries
+            read_entries = nodes[2].dht.read_entries
 
             async def late_read(key: str, **kwargs: Any) -> Any:
                 if newcomer._matchmaker.current is not None:
                     await withdrawn.wait()  # the gather's read, not the choice of a round
                     reads.append(trio.current_time())
-                return await get_entries(key, **kwargs)
+                return await read_entries(key, **kwargs)
 
-            nodes[2].dht.get_entries = late_read  # type: ignore[method-assign,assignment]
+            nodes[2].dht.read_entries = late_read  # type: ignore[method-assign,assignment]
             await trio.sleep(WINDOW - trio.current_time() % WINDOW + 0.05)
             outcome: list[AveragingInfo | LayoutMismatchError] = []
             async with trio.open_nursery() as nursery:

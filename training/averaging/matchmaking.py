@@ -293,6 +293,14 @@ class Matchmaker(Confirmation):
             foreign = sum(d.layout != state.me.layout for d in others)
             if foreign:
                 note += f" of our layout ({foreign} peer(s) of another layout declared)"
+            elif not others and state.unheard:
+                # Our read got only our own copy: not a sign of an empty round (a trial: a
+                # 10 Mbit/s peer among 1 Gbit/s ones, its link still busy after a round cut
+                # short, read "nobody declared" in rounds where three had).
+                note += (
+                    " (none of the nodes our read of this round asked answered in time: a "
+                    "busy or slow link, ours or theirs?)"
+                )
             elif not others and len(self.node.dht.table):
                 # Rounds are slots of gather_window: peers with another one never read the
                 # same round key, and nothing else tells them from an empty swarm (a trial:
@@ -429,8 +437,9 @@ class Matchmaker(Confirmation):
             declared: list[Declaration] = []
             done: Counter[str | None] = Counter()
             with trio.move_on_at(close_at if early else deadline):
-                entries = await self.node.dht.get_entries(key)
-                values = {s: v for s, (v, _) in entries.items()}
+                read = await self.node.dht.read_entries(key)
+                state.unheard = read.asked > 0 and not read.answered
+                values = {s: v for s, (v, _) in read.entries.items()}
                 declared = parse_declarations(values)
                 others = [d.count for d in declared if d.peer_id != state.me.peer_id]
                 self.seen_count = max([self.seen_count, *others])

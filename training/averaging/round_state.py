@@ -44,6 +44,7 @@ class RoundState:
     # the "done" markers of others (see withdraw) by layout, from the read that found most
     others_done: Counter[str | None] = field(default_factory=Counter)
     store_s: float = 0.0  # how long storing our declaration took
+    unheard: bool = False  # our last read of the round asked other nodes and none answered
     # -- a member's walk down the ranked members (see Confirmation._join) --
     give_up: float = 0.0  # when a member stops waiting for any leader of this round
     gone: set[PeerID] = field(default_factory=set)  # failed at once: skipped this round
