@@ -36,6 +36,7 @@ from protocol.address import Address
 from protocol.identity import Identity, PeerID
 from protocol.records import Subkey
 
+from .dht import EntriesRead
 from .errors import PeerStoppedError
 from .netclock import wall_clock
 from .network import Network
@@ -264,6 +265,21 @@ class BackgroundDHT:
             return await dht.get_entries(key, latest=latest)
 
         return self._owner.run(get_entries)
+
+    def read_entries(self, key: str, *, latest: bool = True) -> EntriesRead:
+        """See :meth:`peer.dht.DHT.read_entries`.
+
+        Raises:
+            RecordTooLargeError: (a ValueError) the key is over its limit.
+            RecordError: the key is not a str.
+            PeerStoppedError: the peer is no longer running.
+        """
+        dht = self._owner.peer.dht
+
+        async def read_entries() -> EntriesRead:
+            return await dht.read_entries(key, latest=latest)
+
+        return self._owner.run(read_entries)
 
     def find_peers(self) -> list[tuple[PeerID, str]]:
         """See :meth:`peer.dht.DHT.find_peers`.

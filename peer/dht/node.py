@@ -102,8 +102,9 @@ class EntriesRead:
     """What a read of a key found (:meth:`DHT.read_entries`)."""
 
     entries: dict[Subkey, tuple[Any, float]]  # as get_entries returns them
-    asked: int  # requests sent to other nodes (0: this node's own copy was enough)
-    answered: int  # of them answered (asked but none answered: only our own copy counted)
+    asked: int  # other nodes asked (0: this node's own copy was enough)
+    answered: int  # of them, those whose whole copy came (asked but none answered: the
+    # entries are only what this node stores itself, nothing for a client)
 
 
 @dataclass(slots=True)
@@ -878,8 +879,9 @@ class DHT:
     async def read_entries(self, key: str, *, latest: bool = True) -> EntriesRead:
         """Every live ``subkey -> (value, expiration)`` under ``key`` (empty when none),
         and how many other nodes were asked and answered: a read that asked others and
-        heard from none saw only this node's own copy (a busy link, a partition), which an
-        empty or lone result alone cannot tell from a key nobody else stored.
+        heard from none saw only what this node stores itself (nothing, for a client; a
+        busy link, a partition), which an empty or lone result cannot tell from a key
+        nobody else stored.
 
         ``latest=True`` merges what the first ``value_quorum`` holders of the key among
         its k closest nodes answer (this node counts when it holds the key; a holder with
@@ -920,7 +922,6 @@ class DHT:
             if response is None:
                 holders.failed(node)
                 return None
-            answered += 1
             nodes = response.nodes
             holds = bool(response.entries)
             budget = MAX_SUBKEYS_PER_KEY  # entries one holder may make us check
@@ -946,7 +947,8 @@ class DHT:
                     logger.debug("%s failed after %d pages of %s", node.peer_id.short(), page, key)
                     holders.failed(node)
                     return None
-            for entry in received:  # a whole copy only
+            answered += 1  # a whole copy (a node that fails partway did not answer)
+            for entry in received:
                 self._merge(key_id, owner, record, values, entry, verified=False)
             holders.learn(nodes)
             holders.answered(node.peer_id, DHTID.from_peer_id(node.peer_id), holds)

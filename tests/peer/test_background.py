@@ -31,6 +31,8 @@ def test_blocking_store_get_run_and_clean_shutdown() -> None:
         assert second.dht.store("bg/dict", 7, ttl=30.0, subkey=str(second.peer_id))
         entries = first.dht.get_entries("bg/dict")
         assert list(entries) == [str(second.peer_id)] and entries[str(second.peer_id)][0] == 7
+        read = first.dht.read_entries("bg/dict")
+        assert read.entries == entries and read.answered == read.asked >= 1
         hostport = first.address.split("@")[1]
         assert second.dht.routing_table_peers() == [(first.peer_id, hostport)]
 

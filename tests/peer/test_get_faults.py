@@ -106,6 +106,25 @@ async def test_a_sole_holder_that_dies_between_pages_gives_none_not_part_of_the_
             assert await reader.dht.get("big") is None
 
 
+async def test_a_holder_that_dies_between_pages_did_not_answer_the_read(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``read_entries`` counts a node as answered once its whole copy came: one that fails
+    partway gave nothing usable (a review: it counted after its first page)."""
+    net = MemoryNetwork(latency=LATENCY)
+    with trio.fail_after(120):
+        async with AsyncExitStack() as stack:
+            holder = await _open(stack, net, 1, [])
+            for subkey, value in BIG.items():
+                assert await holder.dht.store("big", value, ttl=600.0, subkey=subkey)
+            reader = await _open(stack, net, 2, [holder.address], client_mode=True)
+            read = await reader.dht.read_entries("big")
+            assert (read.asked, read.answered, len(read.entries)) == (1, 1, len(BIG))
+            _before_second_page(monkeypatch, reader, lambda _: net.kill_host(_host(1)))
+            read = await reader.dht.read_entries("big")
+            assert (read.asked, read.answered, read.entries) == (1, 0, {})
+
+
 async def test_a_holder_that_dies_between_pages_is_replaced_by_another(
     autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -183,8 +183,8 @@ async def test_a_peer_whose_read_nobody_answered_does_not_say_nobody_declared(
     assert slow is not None and slow.outcome is Outcome.ALONE
     assert "nobody declared" not in slow.note
     assert slow.note.startswith(
-        "no partner (none of the nodes our read of this round asked answered in time: a "
-        "busy or slow link, ours or theirs?)"
+        "no partner (none of the nodes our read of this round asked answered: a busy or "
+        "slow link, ours or theirs, or nodes that left?)"
     )
     np.testing.assert_array_equal(members[2].array, members[2].data)
 

@@ -293,13 +293,14 @@ class Matchmaker(Confirmation):
             foreign = sum(d.layout != state.me.layout for d in others)
             if foreign:
                 note += f" of our layout ({foreign} peer(s) of another layout declared)"
-            elif not others and state.unheard:
+            elif not others and state.unheard and len(self.node.dht.table):
                 # Our read got only our own copy: not a sign of an empty round (a trial: a
                 # 10 Mbit/s peer among 1 Gbit/s ones, its link still busy after a round cut
-                # short, read "nobody declared" in rounds where three had).
+                # short, read "nobody declared" in rounds where three had). (An empty table
+                # has its own note above.)
                 note += (
-                    " (none of the nodes our read of this round asked answered in time: a "
-                    "busy or slow link, ours or theirs?)"
+                    " (none of the nodes our read of this round asked answered: a busy or "
+                    "slow link, ours or theirs, or nodes that left?)"
                 )
             elif not others and len(self.node.dht.table):
                 # Rounds are slots of gather_window: peers with another one never read the
