@@ -86,6 +86,14 @@ def _before_second_page(
 # ---- a holder that dies partway --------------------------------------------------------
 
 
+async def _sole_holder_and_reader(stack: AsyncExitStack, net: MemoryNetwork) -> Peer:
+    """Node 1 holds the 200 subkeys of ``BIG`` under "big"; returns node 2, a client."""
+    holder = await _open(stack, net, 1, [])
+    for subkey, value in BIG.items():
+        assert await holder.dht.store("big", value, ttl=600.0, subkey=subkey)
+    return await _open(stack, net, 2, [holder.address], client_mode=True)
+
+
 async def test_a_sole_holder_that_dies_between_pages_gives_none_not_part_of_the_key(
     autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -95,10 +103,7 @@ async def test_a_sole_holder_that_dies_between_pages_gives_none_not_part_of_the_
     net = MemoryNetwork(latency=LATENCY)
     with trio.fail_after(120):
         async with AsyncExitStack() as stack:
-            holder = await _open(stack, net, 1, [])
-            for subkey, value in BIG.items():
-                assert await holder.dht.store("big", value, ttl=600.0, subkey=subkey)
-            reader = await _open(stack, net, 2, [holder.address], client_mode=True)
+            reader = await _sole_holder_and_reader(stack, net)
             assert await reader.dht.get("big") == BIG  # (whole while the holder lives)
             killed = _before_second_page(monkeypatch, reader, lambda _: net.kill_host(_host(1)))
             assert await reader.dht.get("big") is None
@@ -114,10 +119,7 @@ async def test_a_holder_that_dies_between_pages_did_not_answer_the_read(
     net = MemoryNetwork(latency=LATENCY)
     with trio.fail_after(120):
         async with AsyncExitStack() as stack:
-            holder = await _open(stack, net, 1, [])
-            for subkey, value in BIG.items():
-                assert await holder.dht.store("big", value, ttl=600.0, subkey=subkey)
-            reader = await _open(stack, net, 2, [holder.address], client_mode=True)
+            reader = await _sole_holder_and_reader(stack, net)
             read = await reader.dht.read_entries("big")
             assert (read.asked, read.answered, len(read.entries)) == (1, 1, len(BIG))
             _before_second_page(monkeypatch, reader, lambda _: net.kill_host(_host(1)))
