@@ -163,8 +163,16 @@ def _check_chunk_fits(codec: Codec, config: AveragerConfig) -> None:
     bytes (an index beside each value), and each upload then failed deep in the step.
 
     Raises:
-        ValueError: naming ``chunk_bytes`` and the largest that fits.
+        ValueError: naming ``chunk_bytes`` and the largest that fits; or naming
+            ``max_elements`` when ``codec_params`` set it below a chunk's element count
+            (every chunk is encoded on its own, so a chunk must fit, not the vector).
     """
+    if codec.max_elements < config.chunk_elements:
+        raise ValueError(
+            f"AveragerConfig.codec_params: max_elements={codec.max_elements} is below the "
+            f"{config.chunk_elements} elements of a chunk (chunk_bytes={config.chunk_bytes} "
+            f"/ 4): use max_elements >= {config.chunk_elements}, or leave it out"
+        )
     room = MIN_PEER_FRAME_SIZE - CHUNK_HEADER_ROOM
     blob = max(codec.encoded_size(config.chunk_elements), config.chunk_bytes)
     if blob <= room:
