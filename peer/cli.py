@@ -238,7 +238,8 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         metavar="FILE",
         help="Ed25519 key file, created (mode 0600) when missing; keeps the address across "
-        "restarts",
+        "restarts. The node's contacts are kept in FILE.contacts and dialed at a restart, "
+        "so that it finds its swarm again on another port too",
     )
     boot.add_argument(
         "--initial-peers",
@@ -364,6 +365,7 @@ async def _bootstrap(args: argparse.Namespace, stop: _SignalStop) -> int:
     from protocol.errors import SwarmError
     from protocol.identity import Identity
 
+    from .contacts import contacts_file, keep_contacts, load_contacts
     from .dht import DHTConfig
     from .node import PeerConfig, open_peer
     from .wire import FRAME_POOL
@@ -381,6 +383,7 @@ async def _bootstrap(args: argparse.Namespace, stop: _SignalStop) -> int:
         return _fail("bootstrap", str(exc))
     except OSError as exc:  # the key file cannot be read or created (it names the file)
         return _fail("bootstrap", f"identity file {args.identity}: {exc.strerror or exc}")
+    contacts = None if args.identity is None else contacts_file(args.identity)
     if args.identity is not None:
         _warn_if_others_can_use(args.identity)
     announce = args.announce_host or _WILDCARD_HOSTS.get(args.host, args.host)
@@ -420,7 +423,10 @@ async def _bootstrap(args: argparse.Namespace, stop: _SignalStop) -> int:
                             "bootstrap", f"cannot print the address: {exc.strerror or exc}"
                         )
                     logger.info("bootstrap node %s is up", node.address)
-                    await trio.sleep_forever()
+                    if contacts is None:
+                        await trio.sleep_forever()
+                    # after the address is out: dead contacts must not delay the start
+                    await keep_contacts(node.dht, contacts, load_contacts(contacts))
                 if stop.signum is not None:
                     logger.info("received %s, stopping", signal.Signals(stop.signum).name)
     except SwarmError as exc:

@@ -75,6 +75,7 @@ _HANDOVER_MAX_KEYS = 10_000  # a handover scans every key we hold, once per new 
 # still on the way when the newcomer meets it).
 _HANDOVER_SENDERS = 3
 _BACKGROUND_STORES = 32  # stores re-sent after their lookup gave up on them, at once
+_CONTACT_AT_ONCE = 32  # known contacts dialed at once (see DHT.contact)
 _HANDOVER_PARALLEL = 8  # STOREs in flight to one newcomer (a round trip each, one key each)
 _HANDOVER_NEWCOMERS = 4  # newcomers served at once
 # A key holds at most 1024 subkeys of 16 KiB: 17 replies of 1 MiB; a node that keeps
@@ -272,6 +273,43 @@ class DHT:
                     for a in others
                 )
                 logger.warning("no initial peer answered (tried %s)", tried)
+        return reached
+
+    async def contact(self, addresses: Sequence[Address]) -> int:
+        """Dial and ping each of ``addresses`` (those with our own PeerID skipped), each
+        within ``request_timeout``, at most ``_CONTACT_AT_ONCE`` at a time: those that answer
+        join the routing table and learn our address. Then, if any answered, look up our
+        own id, as a join does. For contacts known from before, such as a restarted
+        bootstrap node's saved ones (``peer.contacts``): unlike initial peers, one that does
+        not answer is said at DEBUG only and never tried again.
+
+        Returns:
+            How many answered.
+        """
+        self._check_running()
+        reached = 0
+        limiter = trio.CapacityLimiter(_CONTACT_AT_ONCE)
+
+        async def one(address: Address) -> None:
+            nonlocal reached
+            async with limiter:
+                with trio.move_on_after(self.config.request_timeout):
+                    try:
+                        peer_id = await self.host.connect(address)
+                    except (SwarmError, OSError) as exc:
+                        logger.debug("contact %s: %r", address, exc)
+                        return
+                    if peer_id != self.peer_id and await self.protocol.ping(
+                        NodeInfo(peer_id, address.hostport)
+                    ):
+                        reached += 1
+
+        wanted = [a for a in dict.fromkeys(addresses) if a.peer_id != self.peer_id]
+        async with trio.open_nursery() as nursery:
+            for address in wanted:
+                nursery.start_soon(one, address)
+        if reached:
+            await self.find_nodes(self.node_id)
         return reached
 
     async def _retry_busy(self, busy: list[Address], deadline: float) -> int:

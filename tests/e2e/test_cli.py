@@ -153,6 +153,37 @@ def test_bootstrap_keeps_its_address_across_restarts(
     assert again.address.split("@")[0] == first_id
 
 
+def test_a_bootstrap_killed_and_restarted_on_another_port_finds_its_swarm_again(
+    bootstraps: list[Bootstrap], tmp_path: Path
+) -> None:
+    """(a trial: without its saved contacts it served an empty network, and newcomers that
+    joined through it averaged alone)"""
+    key = tmp_path / "boot.key"
+    first = Bootstrap("--identity", str(key))
+    bootstraps.append(first)
+    other = Bootstrap("--initial-peers", first.address)  # stands for a volunteer
+    bootstraps.append(other)
+    contacts = tmp_path / "boot.key.contacts"
+    deadline = time.monotonic() + 20
+    while other.address not in (contacts.read_text() if contacts.exists() else ""):
+        assert time.monotonic() < deadline, "the contact was not saved within 20 s"
+        time.sleep(0.1)
+    first.proc.kill()  # no clean stop: what was saved is all there is
+    first.stop()
+    again = Bootstrap("--identity", str(key))  # port 0: another port
+    bootstraps.append(again)
+    assert again.address.split("@")[0] == first.address.split("@")[0]
+    assert again.address != first.address
+    deadline = time.monotonic() + 20  # (it dials its saved contacts once its address is out)
+    while True:
+        report = _status(again.address)
+        seen = {p["address"] for p in report["peers"]}  # type: ignore[index,union-attr]
+        if seen == {other.address, again.address} or time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
+    assert seen == {other.address, again.address}
+
+
 def test_bootstrap_refuses_a_corrupt_identity_file(tmp_path: Path) -> None:
     key = tmp_path / "bad.key"
     key.write_bytes(b"not a key")
