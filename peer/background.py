@@ -109,9 +109,12 @@ class BackgroundPeer:
             # interrupt), or a signal handler's exception (SystemExit on SIGTERM, a
             # "preempted" error on SIGUSR1). It must stop the call, not leave it running
             # on the loop: an averaging step would go on writing into the caller's
-            # tensors (while the caller saves a checkpoint), and refuse the next step
-            if not call.finished:
-                call.cancel()
+            # tensors (while the caller saves a checkpoint), and refuse the next step.
+            # A second Ctrl-C while it unwinds (`timeout` sends the signal on once more,
+            # an impatient user) must not cut that short: the first one is raised.
+            while not call.finished:
+                with contextlib.suppress(KeyboardInterrupt):
+                    call.cancel()
             raise
 
     def run_sync(self, fn: Callable[..., T], *args: Any) -> T:

@@ -242,6 +242,37 @@ def test_ctrl_c_during_a_blocking_call_cancels_that_call() -> None:
 
 
 @pytest.mark.slow
+def test_a_second_ctrl_c_does_not_cut_the_cancel_of_the_call_short() -> None:
+    """A trial: Ctrl-C on a script run under `timeout` (which sends the signal on once
+    more) raised the second KeyboardInterrupt while the first one's cancel waited for the
+    call to unwind: run() returned with the call still running on the loop, and printed a
+    chained traceback."""
+    out = _run_script(
+        """
+        import os, signal, trio
+        import peer
+        state = []
+        async def interrupted():
+            try:
+                os.kill(os.getpid(), signal.SIGINT)  # the main thread waits in run()
+                await trio.sleep(5)
+            except trio.Cancelled:  # the main thread now waits for us to unwind
+                os.kill(os.getpid(), signal.SIGINT)
+                with trio.CancelScope(shield=True):
+                    await trio.sleep(0.5)  # a slow unwind, as a step's
+                state.append("unwound")
+                raise
+        with peer.run_in_background() as node:
+            try:
+                node.run(interrupted)
+            except KeyboardInterrupt as exc:
+                print("interrupted", state, exc.__context__)
+        """
+    )
+    assert out == "interrupted ['unwound'] None\n"
+
+
+@pytest.mark.slow
 def test_ctrl_c_during_the_start_leaves_no_peer_running() -> None:
     """An interrupt while the peer bootstraps (here: waiting for a silent initial peer)
     used to return at once and leave the half-started peer running on its thread. (The
