@@ -112,9 +112,13 @@ class BackgroundPeer:
             # tensors (while the caller saves a checkpoint), and refuse the next step.
             # A second Ctrl-C while it unwinds (`timeout` sends the signal on once more,
             # an impatient user) must not cut that short: the first one is raised.
-            while not call.finished:
-                with contextlib.suppress(KeyboardInterrupt):
-                    call.cancel()
+            if not call.finished:
+                while True:
+                    try:
+                        call.cancel()
+                        break
+                    except KeyboardInterrupt:
+                        continue
             raise
 
     def run_sync(self, fn: Callable[..., T], *args: Any) -> T:
