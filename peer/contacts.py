@@ -104,7 +104,10 @@ def save_contacts(path: str | os.PathLike[str], contacts: Sequence[Address]) -> 
     entries = [str(a) for a in contacts[:MAX_SAVED_CONTACTS]]
     data = json.dumps({"format": FORMAT, "contacts": entries}, indent=1).encode() + b"\n"
     temporary = path.with_name(path.name + ".tmp")
-    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    # a new file each time: a stale one (a killed write) is removed, and a link found
+    # there is removed, never written through
+    temporary.unlink(missing_ok=True)
+    fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o644)
     try:
         with os.fdopen(fd, "wb") as file:
             file.write(data)

@@ -117,6 +117,15 @@ def test_a_temporary_file_left_by_a_killed_write_does_not_matter(tmp_path: Path)
     assert load_contacts(path) == [_address(B)]
 
 
+def test_a_link_at_the_temporary_name_is_never_written_through(tmp_path: Path) -> None:
+    victim = tmp_path / "victim"
+    victim.write_bytes(b"keep me")
+    (tmp_path / "k.contacts.tmp").symlink_to(victim)
+    save_contacts(tmp_path / "k.contacts", [_address(A)])
+    assert victim.read_bytes() == b"keep me"
+    assert load_contacts(tmp_path / "k.contacts") == [_address(A)]
+
+
 # -- keeping them --------------------------------------------------------------------------
 
 
