@@ -47,16 +47,23 @@ def test_topk_chunks_beyond_any_frame_are_refused_with_a_chunk_size_that_fits() 
 
 
 def test_a_codec_max_elements_below_a_chunk_is_a_value_error_naming_it() -> None:
-    # (a new-user trial: max_elements=1000 for a 10-element vector raised the codec's
+    # (a new-user trial: max_elements=1000 for a 2M-element vector raised the codec's
     # LocalProtocolError about "524288 elements", the chunk size it never named)
     with run_in_background() as node:
-        tensor = np.zeros(10, dtype=np.float32)
+        tensor = np.zeros(2_000_000, dtype=np.float32)
         for limit in (0, 1000):
             config = AveragerConfig(codec_params={"max_elements": limit})
             with pytest.raises(ValueError, match=rf"max_elements={limit} is below the 524288"):
                 Averager(node, "t/max", [tensor], config=config)
         small = AveragerConfig(codec_params={"max_elements": 1024}, chunk_bytes=4096)
         Averager(node, "t/max", [tensor], config=small).close()
+        # a vector smaller than a chunk is one chunk of its own size (a review)
+        tiny = AveragerConfig(codec_params={"max_elements": 10})
+        Averager(node, "t/max", [np.zeros(10, dtype=np.float32)], config=tiny).close()
+        with pytest.raises(ValueError, match=r"max_elements=9 is below the 10 elements"):
+            Averager(node, "t/max", [np.zeros(10, dtype=np.float32)], config=AveragerConfig(
+                codec_params={"max_elements": 9}
+            ))  # fmt: skip
 
 
 async def test_topk_with_every_value_averages_in_chunks_that_fit(

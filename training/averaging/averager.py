@@ -157,28 +157,31 @@ CHUNK_HEADER_ROOM = 4096
 """Bytes of a chunk's frame besides its blob (the RPC header with the chunk's body: ~200)."""
 
 
-def _check_chunk_fits(codec: Codec, config: AveragerConfig) -> None:
+def _check_chunk_fits(codec: Codec, config: AveragerConfig, n_elements: int) -> None:
     """A chunk's blob must fit the frame every peer accepts (``MIN_PEER_FRAME_SIZE``):
     ``topk`` with a fraction over about half makes blobs larger than the chunk's float32
     bytes (an index beside each value), and each upload then failed deep in the step.
 
     Raises:
         ValueError: naming ``chunk_bytes`` and the largest that fits; or naming
-            ``max_elements`` when ``codec_params`` set it below a chunk's element count
-            (every chunk is encoded on its own, so a chunk must fit, not the vector).
+            ``max_elements`` when ``codec_params`` set it below the elements of a chunk
+            (every chunk is encoded on its own, so the largest chunk must fit: the
+            vector's ``n_elements``, or ``chunk_bytes / 4`` when the vector is larger).
     """
-    if codec.max_elements < config.chunk_elements:
+    largest = min(config.chunk_elements, n_elements)
+    if codec.max_elements < largest:
         raise ValueError(
             f"AveragerConfig.codec_params: max_elements={codec.max_elements} is below the "
-            f"{config.chunk_elements} elements of a chunk (chunk_bytes={config.chunk_bytes} "
-            f"/ 4): use max_elements >= {config.chunk_elements}, or leave it out"
+            f"{largest} elements of a chunk (the vector's {n_elements} in chunks of "
+            f"chunk_bytes={config.chunk_bytes} / 4): use max_elements >= {largest}, or "
+            "leave it out"
         )
     room = MIN_PEER_FRAME_SIZE - CHUNK_HEADER_ROOM
-    blob = max(codec.encoded_size(config.chunk_elements), config.chunk_bytes)
+    blob = max(codec.encoded_size(largest), 4 * largest)
     if blob <= room:
         return
     fits = config.chunk_bytes * room // blob // 4096 * 4096
-    while fits > 4096 and codec.encoded_size(fits // 4) > room:
+    while fits > 4096 and codec.encoded_size(min(fits // 4, codec.max_elements)) > room:
         fits -= 4096
     raise ValueError(
         f"AveragerConfig.chunk_bytes={config.chunk_bytes} makes {codec!r} chunks of {blob} "
@@ -280,7 +283,7 @@ class Averager:
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"AveragerConfig.codec_params: {exc}") from None
         self.codec.casts = TORCH_CASTS  # same values as numpy's, many times faster
-        _check_chunk_fits(self.codec, config)
+        _check_chunk_fits(self.codec, config, self.flat.total)
         self.layout = self.flat.layout
         # peers must agree on the codec, the chunking, the group size (a group must fit
         # every member's) and the wire format (v2: raw result blobs reused; topk results
