@@ -23,6 +23,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import inspect
+import logging
 import os
 import sys
 import threading
@@ -52,6 +53,17 @@ __all__ = [
 ]
 
 T = TypeVar("T")
+
+logger = logging.getLogger(__name__)
+
+_STILL_UNWINDING = (
+    "interrupted: waiting for the call to unwind on the peer's loop (an averaging step "
+    "puts your tensors back first); press Ctrl-C once more to stop waiting"
+)
+_ABANDONED = (
+    "stopped waiting: the interrupted call may still run on the peer's loop (and write "
+    "into your tensors) until it unwinds"
+)
 
 
 class BackgroundPeer:
@@ -111,14 +123,20 @@ class BackgroundPeer:
             # on the loop: an averaging step would go on writing into the caller's
             # tensors (while the caller saves a checkpoint), and refuse the next step.
             # A second Ctrl-C while it unwinds (`timeout` sends the signal on once more,
-            # an impatient user) must not cut that short: the first one is raised.
+            # an impatient user) must not cut that short: the first one is raised. A
+            # third gives up waiting (an unwind that hangs must not trap the user).
             if not call.finished:
+                waited_through = 0
                 while True:
                     try:
                         call.cancel()
                         break
                     except KeyboardInterrupt:
-                        continue
+                        waited_through += 1
+                        if waited_through > 1:
+                            logger.warning(_ABANDONED)
+                            raise
+                        logger.warning(_STILL_UNWINDING)
             raise
 
     def run_sync(self, fn: Callable[..., T], *args: Any) -> T:

@@ -273,6 +273,37 @@ def test_a_second_ctrl_c_does_not_cut_the_cancel_of_the_call_short() -> None:
 
 
 @pytest.mark.slow
+def test_a_third_ctrl_c_stops_waiting_for_a_call_that_does_not_unwind() -> None:
+    """(a review: with every further Ctrl-C swallowed, a call whose unwind hung held the
+    script until SIGKILL)"""
+    out = _run_script(
+        """
+        import logging, os, signal, time, trio
+        import peer
+        logging.basicConfig(format="%(message)s")
+        async def stuck():
+            try:
+                os.kill(os.getpid(), signal.SIGINT)
+                await trio.sleep(5)
+            except trio.Cancelled:
+                with trio.CancelScope(shield=True):  # an unwind that hangs
+                    os.kill(os.getpid(), signal.SIGINT)
+                    await trio.sleep(0.2)  # (the main thread: one warning, then this)
+                    os.kill(os.getpid(), signal.SIGINT)
+                    await trio.sleep(3)  # (the exit waits for it)
+                raise
+        with peer.run_in_background() as node:
+            started = time.monotonic()
+            try:
+                node.run(stuck)
+            except KeyboardInterrupt:
+                print("out after", round(time.monotonic() - started))
+        """
+    )
+    assert out == "out after 0\n"
+
+
+@pytest.mark.slow
 def test_ctrl_c_during_the_start_leaves_no_peer_running() -> None:
     """An interrupt while the peer bootstraps (here: waiting for a silent initial peer)
     used to return at once and leave the half-started peer running on its thread. (The
