@@ -275,42 +275,41 @@ class DHT:
                 logger.warning("no initial peer answered (tried %s)", tried)
         return reached
 
-    async def contact(self, addresses: Sequence[Address]) -> int:
-        """Dial and ping each of ``addresses`` (those with our own PeerID skipped), each
-        within ``request_timeout``, at most ``_CONTACT_AT_ONCE`` at a time: those that answer
-        join the routing table and learn our address. Then, if any answered, look up our
-        own id, as a join does. For contacts known from before, such as a restarted
-        bootstrap node's saved ones (``peer.contacts``): unlike initial peers, one that does
-        not answer is said at DEBUG only and never tried again.
+    async def contact(self, addresses: Sequence[Address]) -> list[Address]:
+        """Dial and ping each of ``addresses`` (those with our own PeerID skipped), at most
+        ``_CONTACT_AT_ONCE`` at a time, each dial within the host's ``dial_timeout`` and its
+        ping within ``request_timeout``: those that answer join the routing table and learn
+        our address. Then, if any answered, look up our own id, as a join does. For
+        contacts known from before, such as a restarted bootstrap node's saved ones
+        (``peer.contacts``): unlike initial peers, one that does not answer is said at
+        DEBUG only and never tried again here.
 
         Returns:
-            How many answered.
+            Those that answered.
         """
         self._check_running()
-        reached = 0
+        answered: list[Address] = []
         limiter = trio.CapacityLimiter(_CONTACT_AT_ONCE)
 
         async def one(address: Address) -> None:
-            nonlocal reached
-            async with limiter:
-                with trio.move_on_after(self.config.request_timeout):
-                    try:
-                        peer_id = await self.host.connect(address)
-                    except (SwarmError, OSError) as exc:
-                        logger.debug("contact %s: %r", address, exc)
-                        return
-                    if peer_id != self.peer_id and await self.protocol.ping(
-                        NodeInfo(peer_id, address.hostport)
-                    ):
-                        reached += 1
+            async with limiter:  # (held while the dial runs: a dial outlives no waiter here)
+                try:
+                    peer_id = await self.host.connect(address)
+                except (SwarmError, OSError) as exc:
+                    logger.debug("contact %s: %r", address, exc)
+                    return
+                if peer_id != self.peer_id and await self.protocol.ping(
+                    NodeInfo(peer_id, address.hostport)
+                ):
+                    answered.append(address)
 
         wanted = [a for a in dict.fromkeys(addresses) if a.peer_id != self.peer_id]
         async with trio.open_nursery() as nursery:
             for address in wanted:
                 nursery.start_soon(one, address)
-        if reached:
+        if answered:
             await self.find_nodes(self.node_id)
-        return reached
+        return answered
 
     async def _retry_busy(self, busy: list[Address], deadline: float) -> int:
         """Dial the initial peers in ``busy`` again, backing off, until one answers, none
