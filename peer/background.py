@@ -60,6 +60,7 @@ _STILL_UNWINDING = (
     "interrupted: waiting for the call to unwind on the peer's loop (an averaging step "
     "puts your tensors back first); press Ctrl-C once more to stop waiting"
 )
+_ABANDONED_JOIN_S = 2.0  # how long a stop waits for a loop that a given-up call holds
 _ABANDONED = (
     "stopped waiting: the interrupted call may still run on the peer's loop (and write "
     "into your tensors) until it unwinds"
@@ -73,6 +74,7 @@ class BackgroundPeer:
         self._peer = peer
         self._token = token
         self._pid = os.getpid()  # a forked child has a copy of this object, not the thread
+        self.abandoned_calls = 0  # interrupted calls given up on before they unwound
         self.identity: Identity = peer.identity
         self.peer_id: PeerID = peer.peer_id
         self.address: str = peer.address
@@ -135,6 +137,7 @@ class BackgroundPeer:
                         waited_through += 1
                         if waited_through > 1:
                             logger.warning(_ABANDONED)
+                            self.abandoned_calls += 1  # (the stop does not wait for it)
                             raise
                         logger.warning(_STILL_UNWINDING)
             raise
@@ -511,7 +514,13 @@ def _start_in_background(
             at_once.append(True)  # (read by the loop after stop is set: ordered)
         with contextlib.suppress(trio.RunFinishedError):
             trio.from_thread.run_sync(stop[0].set, trio_token=node._token)
-        thread.join()
+        # A call given up on (a third Ctrl-C) may never unwind, and the loop's end waits
+        # for it: the user who insisted is not held here either (the thread is a daemon).
+        thread.join(_ABANDONED_JOIN_S if node.abandoned_calls else None)
+        if thread.is_alive():
+            logger.warning(
+                "the peer's thread still waits for an interrupted call to unwind: left behind"
+            )
 
     pending = [shut_down]  # emptied once stopped: the hook left behind then holds nothing
 

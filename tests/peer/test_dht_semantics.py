@@ -290,17 +290,18 @@ def test_a_third_ctrl_c_stops_waiting_for_a_call_that_does_not_unwind() -> None:
                     os.kill(os.getpid(), signal.SIGINT)
                     await trio.sleep(0.2)  # (the main thread: one warning, then this)
                     os.kill(os.getpid(), signal.SIGINT)
-                    await trio.sleep(3)  # (the exit waits for it)
+                    await trio.sleep(20)  # (the block's exit waits 2 s for it at most)
                 raise
+        started = time.monotonic()
         with peer.run_in_background() as node:
-            started = time.monotonic()
             try:
                 node.run(stuck)
             except KeyboardInterrupt:
-                print("out after", round(time.monotonic() - started))
+                print("run", time.monotonic() - started < 5)
+        print("block", time.monotonic() - started < 10)
         """
     )
-    assert out == "out after 0\n"
+    assert out == "run True\nblock True\n"
 
 
 @pytest.mark.slow
