@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import os
 import random
 import stat
@@ -124,11 +125,12 @@ def _read_small_regular_file(path: Path) -> bytes:
             larger than ``MAX_FILE_BYTES``.
     """
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # (a FIFO: opens, refused below)
-    with os.fdopen(fd, "rb") as file:
-        info = os.fstat(fd)
-        if not stat.S_ISREG(info.st_mode):
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
             raise ValueError("not a regular file")
-        data = file.read(MAX_FILE_BYTES + 1)
+        data = os.read(fd, MAX_FILE_BYTES + 1)  # (a regular file: read whole, or to the cap)
+    finally:
+        os.close(fd)
     if len(data) > MAX_FILE_BYTES:
         raise ValueError(f"larger than {MAX_FILE_BYTES} bytes")
     return data
@@ -175,56 +177,79 @@ def save_contacts(path: str | os.PathLike[str], contacts: Sequence[Address]) -> 
         raise
 
 
-def _table_contacts(dht: DHT) -> list[Address]:
+def _table_texts(dht: DHT) -> list[str]:
+    """The routing table's contacts as ``PEERID@HOST:PORT`` (no parsing: checked each second)."""
+    return [f"{peer_id}@{hostport}" for peer_id, hostport in dht.routing_table_peers()]
+
+
+def _parsed(texts: Sequence[str]) -> list[Address]:
     contacts = []
-    for peer_id, hostport in dht.routing_table_peers():
+    for text in texts:
         try:
-            contacts.append(Address.parse(hostport).with_peer_id(peer_id))
+            contacts.append(Address.parse(text))
         except ProtocolError:  # (the table holds parsed addresses: not expected)
             continue
     return contacts
 
 
-class _SavedContacts:
-    """The saved contacts that have not answered yet: when each is tried next, and since
-    when it has not answered. They stay in the file meanwhile, so that a node restarted
-    while its own network was down (a reboot) does not forget its swarm at its first save."""
+class _Untried:
+    """Contacts to dial until they answer, kept in the file meanwhile: the saved ones, at a
+    start (a node restarted while its own network was down, a reboot, must not forget its
+    swarm at its first save), and the last table of a running node that lost every contact
+    (cut off: its first newcomer must not replace them). Each is tried again after
+    ``RETRY_FIRST`` seconds, doubling up to ``RETRY_MAX``, and dropped once it has not
+    answered for ``FORGET_AFTER``; at most ``MAX_SAVED_CONTACTS``, the oldest dropped."""
 
-    def __init__(self, saved: Sequence[Address], now: float) -> None:
+    def __init__(self) -> None:
         self._rng = random.Random()
-        # address -> (next try, current delay, first try)
-        self.pending = {a: (now, RETRY_FIRST, now) for a in saved}
+        # text -> (address, next try, current delay, first try)
+        self.pending: dict[str, tuple[Address, float, float, float]] = {}
+        self.added = trio.Event()
+
+    def add(self, addresses: Sequence[Address], now: float) -> None:
+        for address in addresses:
+            self.pending.setdefault(str(address), (address, now, RETRY_FIRST, now))
+        while len(self.pending) > MAX_SAVED_CONTACTS:
+            del self.pending[next(iter(self.pending))]
+        self.added.set()
 
     def due(self, now: float) -> list[Address]:
-        return [a for a, (at, _, _) in self.pending.items() if at <= now]
+        return [entry[0] for entry in self.pending.values() if entry[1] <= now]
 
-    def tried(self, addresses: Sequence[Address], answered: Sequence[Address], now: float) -> None:
+    def tried(self, addresses: Sequence[Address], settled: set[str], now: float) -> None:
+        """``settled``: the texts of those that answered and are in the routing table (one
+        that answered into a full bucket's replacement cache is in neither the table nor
+        the file otherwise)."""
         for address in addresses:
-            _, delay, first = self.pending.pop(address)
-            if address in answered or now - first >= FORGET_AFTER:
+            text = str(address)
+            entry = self.pending.pop(text, None)
+            if entry is None or text in settled or now - entry[3] >= FORGET_AFTER:
                 continue
+            _, _, delay, first = entry
             wait = delay * self._rng.uniform(0.75, 1.25)
-            self.pending[address] = (now + wait, min(2 * delay, RETRY_MAX), first)
+            self.pending[text] = (address, now + wait, min(2 * delay, RETRY_MAX), first)
 
     def next_try(self) -> float:
-        return min(at for at, _, _ in self.pending.values())
+        return min(entry[1] for entry in self.pending.values())
 
 
-async def _try_saved(dht: DHT, saved: _SavedContacts, path: Path) -> None:
-    """Dial the saved contacts until each answered or was dropped (see DHT.contact)."""
+async def _try_untried(dht: DHT, untried: _Untried, path: Path) -> None:
+    """Dial the untried contacts when due (see DHT.contact), forever."""
     first = True
-    while saved.pending:
-        now = trio.current_time()
-        due = saved.due(now)
+    while True:
+        untried.added = trio.Event()
+        due = untried.due(trio.current_time())
         if due:
             answered = await dht.contact(due)
-            saved.tried(due, answered, trio.current_time())
+            in_table = set(_table_texts(dht))
+            settled = {str(a) for a in answered} & in_table
+            untried.tried(due, settled, trio.current_time())
             level = logging.INFO if first else logging.DEBUG
             text = "%d of %d saved contacts answered (%s)"
             logger.log(level, text, len(answered), len(due), path)
             first = False
-        if saved.pending:
-            await trio.sleep_until(saved.next_try())
+        with trio.move_on_at(untried.next_try() if untried.pending else math.inf):
+            await untried.added.wait()
 
 
 async def keep_contacts(
@@ -235,61 +260,59 @@ async def keep_contacts(
     check_interval: float = CHECK_INTERVAL,
     save_interval: float = SAVE_INTERVAL,
 ) -> None:
-    """Dial the ``saved`` contacts, and those that do not answer again later (after
-    ``RETRY_FIRST`` seconds, doubling up to ``RETRY_MAX``, for up to ``FORGET_AFTER``); save
-    the routing table's contacts, with the saved ones not yet answered, to ``path``
-    whenever they changed: within ``check_interval`` for the first ``EAGER_FOR`` seconds,
-    then at most once per ``save_interval``, and once more when cancelled. Runs until
-    cancelled.
+    """Dial the ``saved`` contacts, and those that do not answer again later (see
+    :class:`_Untried`); save the routing table's contacts, with the untried ones, to
+    ``path`` whenever they changed: within ``check_interval`` for the first ``EAGER_FOR``
+    seconds, then at most once per ``save_interval``, and once more when cancelled. Runs
+    until cancelled.
 
-    An empty list is never saved (a node cut off for a while keeps the contacts it had). A
+    An empty list is never saved, and a table that lost every contact puts its last
+    contacts among the untried (a node cut off for a while keeps the contacts it had). A
     file that cannot be written is said once, at WARNING, and tried again each
     ``save_interval``; the node goes on without it.
     """
     path = Path(path)
     eager_until = trio.current_time() + EAGER_FOR
-    untried = _SavedContacts(saved, trio.current_time())
-    written: set[str] | None = None
-    last_write = -float("inf")
+    untried = _Untried()
+    untried.add(saved, trio.current_time())
+    written: list[str] = []
+    last_table: list[str] = []
+    last_write = -math.inf
     failed = False
 
-    def changed() -> list[Address] | None:
-        contacts = _table_contacts(dht)
-        contacts += [a for a in untried.pending if a not in contacts]
-        texts = {str(a) for a in contacts}
-        return contacts if texts and texts != written else None
+    def changed() -> list[str] | None:
+        nonlocal last_table
+        table = _table_texts(dht)
+        if not table and last_table:  # cut off from everyone
+            untried.add(_parsed(last_table), trio.current_time())
+        last_table = table
+        texts = list(dict.fromkeys([*table, *untried.pending]))
+        return texts if texts and set(texts) != set(written) else None
 
-    def saved_now(contacts: list[Address]) -> None:
+    def write(texts: list[str]) -> None:
         nonlocal written, failed
-        written, failed = {str(a) for a in contacts}, False
-
-    def failure(exc: OSError) -> None:
-        nonlocal failed
-        if not failed:
-            logger.warning("cannot save contacts to %s: %s", path, exc)
-        failed = True
+        try:
+            save_contacts(path, _parsed(texts))
+        except OSError as exc:
+            if not failed:
+                logger.warning("cannot save contacts to %s: %s", path, exc)
+            failed = True
+        else:
+            written, failed = texts, False
 
     try:
         async with trio.open_nursery() as nursery:
-            nursery.start_soon(_try_saved, dht, untried, path)
+            nursery.start_soon(_try_untried, dht, untried, path)
             while True:
-                contacts = changed()
+                texts = changed()
                 now = trio.current_time()
                 gap = 0.0 if now < eager_until and not failed else save_interval
-                if contacts is not None and now - last_write >= gap:
-                    last_write = trio.current_time()  # (a failed write waits as long)
-                    try:  # (on the loop, ~1 ms: in a thread, virtual-time tests raced it)
-                        save_contacts(path, contacts)
-                    except OSError as exc:
-                        failure(exc)
-                    else:
-                        saved_now(contacts)
+                if texts is not None and now - last_write >= gap:
+                    last_write = now  # (a failed write waits as long)
+                    write(texts)  # (on the loop, ~1 ms: in a thread, virtual-time tests raced it)
                 await trio.sleep(check_interval)
     finally:
         # (here, synchronous: the node's shutdown is cancelling us, and the table is
         # still whole; a few milliseconds at most)
-        if (contacts := changed()) is not None:
-            try:
-                save_contacts(path, contacts)
-            except OSError as exc:
-                failure(exc)
+        if (texts := changed()) is not None:
+            write(texts)

@@ -116,6 +116,11 @@ def test_what_is_no_small_regular_file_is_refused_unread(
         reader.join(10)  # (a FIFO's reader would block for good)
     assert loaded == [[]]
     assert "cannot read the contacts file" in caplog.text
+    if kind == "directory":  # (a review: each load of a directory leaked a descriptor)
+        before = len(os.listdir("/proc/self/fd"))
+        for _ in range(20):
+            load_contacts(path)
+        assert len(os.listdir("/proc/self/fd")) == before
 
 
 def test_entries_that_are_no_full_address_are_skipped(
@@ -394,4 +399,38 @@ async def test_the_first_contacts_are_saved_while_saved_ones_are_still_dialed(
             await nursery.start(_volunteer, net, "10.0.0.2", A, boot.address)
             await trio.sleep(1.5)
             assert set(load_contacts(path)) == {silent, Address("10.0.0.2", 4000, A.peer_id)}
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_running_node_cut_off_keeps_its_contacts_and_finds_them_again(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path
+) -> None:
+    """A review: a bootstrap node cut off from its volunteers emptied its table, and its
+    first newcomer on its side of the cut then replaced all of them in the file: a restart
+    before the network healed, on another port, came back alone."""
+    path = tmp_path / "boot.key.contacts"
+    net = MemoryNetwork(latency=0.005)
+    a_at, b_at = Address("10.0.0.2", 4000, A.peer_id), Address("10.0.0.3", 4000, B.peer_id)
+    with trio.fail_after(4 * 3600):
+        async with trio.open_nursery() as nursery:
+            boot = await nursery.start(_bootstrap, net, 4000, path)
+            a = await nursery.start(_volunteer, net, "10.0.0.2", A, boot.address)
+            await nursery.start(_volunteer, net, "10.0.0.3", B, boot.address)
+            await trio.sleep(2)
+            assert set(load_contacts(path)) == {a_at, b_at}
+            net.partition(["10.0.0.1", "10.0.0.4"], ["10.0.0.2", "10.0.0.3"])
+            for _ in range(600):
+                await trio.sleep(10)
+                if not boot.dht.routing_table_peers():
+                    break
+            assert not boot.dht.routing_table_peers()
+            await nursery.start(_volunteer, net, "10.0.0.4", NEW, boot.address)
+            await trio.sleep(11)
+            new_at = Address("10.0.0.4", 4000, NEW.peer_id)
+            assert set(load_contacts(path)) == {a_at, b_at, new_at}
+            net.heal()
+            await trio.sleep(400)  # (tried again at doubling intervals, up to 5 min)
+            assert {A.peer_id, B.peer_id} <= {p for p, _ in boot.dht.routing_table_peers()}
+            assert (BOOT.peer_id, "10.0.0.1:4000") in a.dht.routing_table_peers()
+            assert set(load_contacts(path)) == {a_at, b_at, new_at}
             nursery.cancel_scope.cancel()
