@@ -244,7 +244,7 @@ async def _try_untried(dht: DHT, untried: _Untried, path: Path) -> None:
             in_table = set(_table_texts(dht))
             settled = {str(a) for a in answered} & in_table
             untried.tried(due, settled, trio.current_time())
-            level = logging.INFO if first else logging.DEBUG
+            level = logging.INFO if first or settled else logging.DEBUG
             text = "%d of %d saved contacts answered (%s)"
             logger.log(level, text, len(answered), len(due), path)
             first = False
