@@ -4,7 +4,10 @@
 
 Prints JSON: seconds from exec to the printed address (best and median of 5 starts),
 then the resident memory (VmRSS now, VmHWM peak) of one bootstrap process while
-N peers in this process join through it and each stores and gets a few keys.
+N peers in this process join through it and each stores and gets a few keys. The node runs
+with ``--identity`` as a deployed one does, so it saves its contacts; restarted on another
+port while the peers run, it dials them: the report says how many it saved, how long that
+start took, and how many peers learnt its new address within 2 s.
 """
 
 from __future__ import annotations
@@ -15,8 +18,10 @@ import json
 import statistics
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
+from typing import Any
 
 import trio
 
@@ -24,12 +29,15 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from peer import open_peer  # noqa: E402
+from peer.contacts import contacts_file, load_contacts  # noqa: E402
+
+BOOTSTRAP = [sys.executable, "-m", "peer.cli", "bootstrap", "--host", "127.0.0.1"]
 
 
-def start_bootstrap() -> tuple[subprocess.Popen[str], str, float]:
+def start_bootstrap(identity: Path) -> tuple[subprocess.Popen[str], str, float]:
     t0 = time.perf_counter()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "peer.cli", "bootstrap", "--host", "127.0.0.1"],
+        [*BOOTSTRAP, "--identity", str(identity)],
         stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL,
         text=True,
@@ -49,7 +57,13 @@ def memory_kib(pid: int) -> dict[str, int]:
     return fields
 
 
-async def serve_peers(address: str, n: int) -> dict[str, float]:
+async def serve_peers(
+    proc: subprocess.Popen[str], address: str, n: int, identity: Path
+) -> dict[str, Any]:
+    """N peers join through the node and store and get; its memory is read; then, with the
+    peers still up, it is stopped and started again on another port (``--port 0``): how
+    many contacts it saved, how long the start took, how many peers learnt its new address
+    within 2 s."""
     ok = total = 0
     async with contextlib.AsyncExitStack() as stack:
         nodes = [
@@ -64,27 +78,53 @@ async def serve_peers(address: str, n: int) -> dict[str, float]:
         for i in range(n):
             total += 1
             ok += await nodes[(i + 7) % n].dht.get(f"bench/{i}") == i
-    return {"ops": total, "ok": ok}
+        loaded = memory_kib(proc.pid)
+        proc.terminate()
+        code = await trio.to_thread.run_sync(proc.wait)
+        saved = len(load_contacts(contacts_file(identity)))
+        again, new_address, seconds = await trio.to_thread.run_sync(start_bootstrap, identity)
+        try:
+            await trio.sleep(2)
+            hostport = new_address.split("@", 1)[1]
+            learnt = sum(
+                any(known == hostport for _, known in node.dht.routing_table_peers())
+                for node in nodes
+            )
+        finally:
+            again.terminate()
+            await trio.to_thread.run_sync(again.wait)
+    return {
+        "ops": total,
+        "ok": ok,
+        "loaded": loaded,
+        "exit_code": code,
+        "saved": saved,
+        "restart_seconds": seconds,
+        "learnt": learnt,
+    }
 
 
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--peers", type=int, default=50)
     args = parser.parse_args()
-    starts = []
-    for _ in range(5):
-        proc, _, seconds = start_bootstrap()
-        starts.append(seconds)
-        proc.terminate()
-        proc.wait()
-    proc, address, _ = start_bootstrap()
-    try:
-        idle = memory_kib(proc.pid)
-        result = trio.run(serve_peers, address, args.peers)
-        loaded = memory_kib(proc.pid)
-    finally:
-        proc.terminate()
-        code = proc.wait()
+    with tempfile.TemporaryDirectory() as directory:
+        identity = Path(directory) / "bootstrap.key"
+        starts = []
+        for _ in range(5):
+            proc, _, seconds = start_bootstrap(identity)
+            starts.append(seconds)
+            proc.terminate()
+            proc.wait()
+        proc, address, _ = start_bootstrap(identity)
+        try:
+            idle = memory_kib(proc.pid)
+            result = trio.run(serve_peers, proc, address, args.peers, identity)
+        finally:
+            if proc.poll() is None:
+                proc.terminate()
+                proc.wait()
+    loaded = result["loaded"]
     print(
         json.dumps(
             {
@@ -98,7 +138,12 @@ def main() -> None:
                 "rss_mib_after_serving": round(loaded["VmRSS"] / 1024, 1),
                 "peak_rss_mib": round(loaded["VmHWM"] / 1024, 1),
                 "rss_target_mib": 60,
-                "exit_code_on_sigterm": code,
+                "exit_code_on_sigterm": result["exit_code"],
+                "restart_on_another_port": {
+                    "saved_contacts": result["saved"],
+                    "start_seconds": round(result["restart_seconds"], 3),
+                    "peers_with_its_new_address_2s_later": result["learnt"],
+                },
             },
             indent=2,
         )
