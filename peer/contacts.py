@@ -195,10 +195,11 @@ def _parsed(texts: Sequence[str]) -> list[Address]:
 class _Untried:
     """Contacts to dial until they answer, kept in the file meanwhile: the saved ones, at a
     start (a node restarted while its own network was down, a reboot, must not forget its
-    swarm at its first save), and the last table of a running node that lost every contact
-    (cut off: its first newcomer must not replace them). Each is tried again after
-    ``RETRY_FIRST`` seconds, doubling up to ``RETRY_MAX``, and dropped once it has not
-    answered for ``FORGET_AFTER``; at most ``MAX_SAVED_CONTACTS``, the oldest dropped."""
+    swarm at its first save), and those that left the routing table of a running node (a
+    node cut off from its peers loses them all, at once or one by one, and its first
+    newcomer must not replace them). Each is tried again after ``RETRY_FIRST`` seconds,
+    doubling up to ``RETRY_MAX``, and dropped once it has not answered for
+    ``FORGET_AFTER``; at most ``MAX_SAVED_CONTACTS``, the oldest dropped."""
 
     def __init__(self) -> None:
         self._rng = random.Random()
@@ -206,9 +207,10 @@ class _Untried:
         self.pending: dict[str, tuple[Address, float, float, float]] = {}
         self.added = trio.Event()
 
-    def add(self, addresses: Sequence[Address], now: float) -> None:
+    def add(self, addresses: Sequence[Address], now: float, wait: float = 0.0) -> None:
+        """Add ``addresses`` (those already in keep their schedule), tried in ``wait`` s."""
         for address in addresses:
-            self.pending.setdefault(str(address), (address, now, RETRY_FIRST, now))
+            self.pending.setdefault(str(address), (address, now + wait, RETRY_FIRST, now))
         while len(self.pending) > MAX_SAVED_CONTACTS:
             del self.pending[next(iter(self.pending))]
         self.added.set()
@@ -266,8 +268,8 @@ async def keep_contacts(
     seconds, then at most once per ``save_interval``, and once more when cancelled. Runs
     until cancelled.
 
-    An empty list is never saved, and a table that lost every contact puts its last
-    contacts among the untried (a node cut off for a while keeps the contacts it had). A
+    An empty list is never saved, and contacts that leave the table join the untried (a
+    node cut off for a while keeps the contacts it had). A
     file that cannot be written is said once, at WARNING, and tried again each
     ``save_interval``; the node goes on without it.
     """
@@ -283,8 +285,10 @@ async def keep_contacts(
     def changed() -> list[str] | None:
         nonlocal last_table
         table = _table_texts(dht)
-        if not table and last_table:  # cut off from everyone
-            untried.add(_parsed(last_table), trio.current_time())
+        gone = set(last_table).difference(table)
+        if gone:  # (the DHT pings them again soon itself: ours come later)
+            left = [text for text in last_table if text in gone]
+            untried.add(_parsed(left), trio.current_time(), RETRY_FIRST)
         last_table = table
         texts = list(dict.fromkeys([*table, *untried.pending]))
         return texts if texts and set(texts) != set(written) else None

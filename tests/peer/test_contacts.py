@@ -278,14 +278,18 @@ async def test_saves_follow_the_table_eagerly_then_at_most_every_interval_never_
             assert len(load_contacts(path)) == 3
             await trio.sleep(written_at + 11 - trio.current_time())
             assert len(load_contacts(path)) == 4
-            # A leaves; once the table forgets it, the file follows
+            # A dies; once the table forgets it, it is tried again for an hour, kept in the
+            # file meanwhile (a node cut off from A could not tell), then dropped
             a_scope.cancel()
             net.kill_host("10.0.0.2")
             for _ in range(300):
                 await trio.sleep(10)
                 if len(boot.dht.routing_table_peers()) == 3:
                     break
+            assert len(boot.dht.routing_table_peers()) == 3
             await trio.sleep(11)
+            assert len(load_contacts(path)) == 4
+            await trio.sleep(FORGET_AFTER + 1.25 * RETRY_MAX)
             assert set(load_contacts(path)) == {at["b"], at["new"], at["x"]}
             nursery.cancel_scope.cancel()
 
