@@ -247,7 +247,7 @@ async def _try_untried(dht: DHT, untried: _Untried, path: Path) -> None:
             settled = {str(a) for a in answered} & in_table
             untried.tried(due, settled, trio.current_time())
             level = logging.INFO if first or settled else logging.DEBUG
-            text = "%d of %d saved contacts answered (%s)"
+            text = "%d of %d saved or lost contacts answered (%s)"
             logger.log(level, text, len(answered), len(due), path)
             first = False
         with trio.move_on_at(untried.next_try() if untried.pending else math.inf):
@@ -269,9 +269,9 @@ async def keep_contacts(
     until cancelled.
 
     An empty list is never saved, and contacts that leave the table join the untried (a
-    node cut off for a while keeps the contacts it had). A
-    file that cannot be written is said once, at WARNING, and tried again each
-    ``save_interval``; the node goes on without it.
+    node cut off for a while keeps the contacts it had). A file that cannot be written is
+    said once, at WARNING, and tried again each ``save_interval``; the node goes on
+    without it.
     """
     path = Path(path)
     eager_until = trio.current_time() + EAGER_FOR
