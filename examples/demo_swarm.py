@@ -205,6 +205,8 @@ def main() -> int:
             if proc.poll() is None:
                 proc.terminate()
                 proc.wait(timeout=10)
+            if proc.stdout is not None:
+                proc.stdout.close()
 
 
 def _run(

@@ -150,6 +150,8 @@ def main() -> None:
                 if proc.poll() is None:
                     proc.kill()
                     proc.wait()
+                if proc.stdout is not None:
+                    proc.stdout.close()
     for index, loss in sorted(results.items()):
         print(f"worker {index}: test loss {loss:.4f}")
     batch = args.peers * BATCH

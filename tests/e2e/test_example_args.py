@@ -50,3 +50,28 @@ def test_a_wrong_initial_peer_is_one_line_not_a_traceback(address: str, words: s
     assert out.returncode == 1, out.stderr
     assert out.stderr.startswith("average_tensors: ") and words in out.stderr, out.stderr
     assert "Traceback" not in out.stderr and out.stderr.count("\n") == 1, out.stderr
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "args",
+    [
+        ("demo_swarm.py", "--rounds", "1", "--peers", "2"),
+        ("train_mlp.py", "--steps", "2", "--peers", "2"),
+    ],
+    ids=["demo_swarm", "train_mlp"],
+)
+def test_the_examples_close_what_they_open(args: tuple[str, ...]) -> None:
+    """A trial under `python -X dev`: both left each child's stdout pipe open
+    ("ResourceWarning: unclosed file", under `-W error` "Exception ignored in")."""
+    script, *rest = args
+    strict = [sys.executable, "-X", "dev", "-W", "error::ResourceWarning"]
+    out = subprocess.run(
+        [*strict, str(ROOT / "examples" / script), *rest],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env_with_root(),
+    )
+    assert out.returncode == 0, out.stderr
+    assert "ResourceWarning" not in out.stderr and "Exception ignored" not in out.stderr, out.stderr
