@@ -182,6 +182,11 @@ def _table_texts(dht: DHT) -> list[str]:
     return [f"{peer_id}@{hostport}" for peer_id, hostport in dht.routing_table_peers()]
 
 
+def _peer_ids(texts: Sequence[str]) -> set[str]:
+    """The PeerID part of each ``PEERID@HOST:PORT``."""
+    return {text.partition("@")[0] for text in texts}
+
+
 def _parsed(texts: Sequence[str]) -> list[Address]:
     contacts = []
     for text in texts:
@@ -218,6 +223,13 @@ class _Untried:
     def due(self, now: float) -> list[Address]:
         return [entry[0] for entry in self.pending.values() if entry[1] <= now]
 
+    def settle(self, peer_ids: set[str]) -> None:
+        """Drop those whose PeerID is in the table again (back on their own, or at another
+        address: dialing the old one would reach the peer over its pooled connection,
+        answer, and put the dead address back in the table, a review found)."""
+        for text in [t for t in self.pending if t.partition("@")[0] in peer_ids]:
+            del self.pending[text]
+
     def tried(self, addresses: Sequence[Address], settled: set[str], now: float) -> None:
         """``settled``: the texts of those that answered and are in the routing table (one
         that answered into a full bucket's replacement cache is in neither the table nor
@@ -240,6 +252,7 @@ async def _try_untried(dht: DHT, untried: _Untried, path: Path) -> None:
     first = True
     while True:
         untried.added = trio.Event()
+        untried.settle(_peer_ids(_table_texts(dht)))
         due = untried.due(trio.current_time())
         if due:
             answered = await dht.contact(due)
@@ -285,10 +298,13 @@ async def keep_contacts(
     def changed() -> list[str] | None:
         nonlocal last_table
         table = _table_texts(dht)
-        gone = set(last_table).difference(table)
-        if gone:  # (the DHT pings them again soon itself: ours come later)
-            left = [text for text in last_table if text in gone]
+        in_table = _peer_ids(table)
+        # (by PeerID: one whose address changed has not left; the DHT pings those that
+        # left again soon itself, ours come later)
+        left = [text for text in last_table if text.partition("@")[0] not in in_table]
+        if left:
             untried.add(_parsed(left), trio.current_time(), RETRY_FIRST)
+        untried.settle(in_table)
         last_table = table
         texts = list(dict.fromkeys([*table, *untried.pending]))
         return texts if texts and set(texts) != set(written) else None

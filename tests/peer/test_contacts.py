@@ -438,3 +438,50 @@ async def test_a_running_node_cut_off_keeps_its_contacts_and_finds_them_again(
             assert (BOOT.peer_id, "10.0.0.1:4000") in a.dht.routing_table_peers()
             assert set(load_contacts(path)) == {a_at, b_at, new_at}
             nursery.cancel_scope.cancel()
+
+
+async def test_a_peer_back_at_another_port_is_not_dialed_at_its_old_one(
+    autojump_clock: trio.testing.MockClock, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A review: the old address of a volunteer restarted on another port (same key) was
+    dialed again as a contact that left; the call went over the pooled connection to the
+    same PeerID, "answered", and put the dead address back in the table, which then
+    flipped between the two ports every 5 s for half an hour."""
+    path = tmp_path / "boot.key.contacts"
+    net = MemoryNetwork(latency=0.005)
+    dialed: list[list[Address]] = []
+    with trio.fail_after(3600):
+        async with trio.open_nursery() as nursery:
+            boot = await nursery.start(_bootstrap, net, 4000, path)
+            contact = boot.dht.contact
+
+            async def counted(addresses: list[Address]) -> list[Address]:
+                dialed.append(list(addresses))
+                return await contact(addresses)
+
+            monkeypatch.setattr(boot.dht, "contact", counted)
+            _, first = await _start_stoppable(nursery, _volunteer, net, "10.0.0.2", A, boot.address)
+            await trio.sleep(70)
+            await boot.dht.host.close_connections()  # idle, then dialed by the node itself
+            assert await boot.dht.host.connect(Address("10.0.0.2", 4000, A.peer_id)) == A.peer_id
+            first.cancel()
+            await trio.sleep(1)
+            interface = net.interface("10.0.0.2")
+            await nursery.start(_serve_at, interface, "10.0.0.2:4001", A, boot.address)
+            seen = []
+            for _ in range(120):
+                await trio.sleep(5)
+                seen += [hostport for _, hostport in boot.dht.routing_table_peers()]
+            assert seen == ["10.0.0.2:4001"] * 120  # never the dead port again
+            assert not dialed
+            assert load_contacts(path) == [Address("10.0.0.2", 4001, A.peer_id)]
+            nursery.cancel_scope.cancel()
+
+
+async def _serve_at(
+    interface: Any, listen: str, identity: Identity, initial: str, *,
+    task_status: trio.TaskStatus[Peer],
+) -> None:  # fmt: skip
+    async with open_peer(listen, [initial], identity, network=interface) as node:
+        task_status.started(node)
+        await trio.sleep_forever()
