@@ -276,13 +276,13 @@ class DHT:
         return reached
 
     async def contact(self, addresses: Sequence[Address]) -> list[Address]:
-        """Dial and ping each of ``addresses`` (those with our own PeerID skipped), at most
-        ``_CONTACT_AT_ONCE`` at a time, each dial within the host's ``dial_timeout`` and its
-        ping within ``request_timeout``: those that answer join the routing table and learn
-        our address. Then, if any answered, look up our own id, as a join does. For
-        contacts known from before, such as a restarted bootstrap node's saved ones
-        (``peer.contacts``): unlike initial peers, one that does not answer is said at
-        DEBUG only and never tried again here.
+        """Dial and ping each of ``addresses`` (those with our own PeerID, or one already in
+        the routing table, skipped), at most ``_CONTACT_AT_ONCE`` at a time, each dial
+        within the host's ``dial_timeout`` and its ping within ``request_timeout``: those
+        that answer join the routing table and learn our address. Then, if any answered,
+        look up our own id, as a join does. For contacts known from before, such as a
+        restarted bootstrap node's saved ones (``peer.contacts``): unlike initial peers,
+        one that does not answer is said at DEBUG only and never tried again here.
 
         Returns:
             Those that answered.
@@ -303,7 +303,13 @@ class DHT:
                 ):
                     answered.append(address)
 
-        wanted = [a for a in dict.fromkeys(addresses) if a.peer_id != self.peer_id]
+        # (one in the table already is skipped: at an old address, the call would reach it
+        # over its pooled connection, answer, and put that address back in the table)
+        wanted = [
+            a
+            for a in dict.fromkeys(addresses)
+            if a.peer_id != self.peer_id and (a.peer_id is None or a.peer_id not in self.table)
+        ]
         async with trio.open_nursery() as nursery:
             for address in wanted:
                 nursery.start_soon(one, address)

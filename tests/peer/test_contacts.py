@@ -475,6 +475,11 @@ async def test_a_peer_back_at_another_port_is_not_dialed_at_its_old_one(
             assert seen == ["10.0.0.2:4001"] * 120  # never the dead port again
             assert not dialed
             assert load_contacts(path) == [Address("10.0.0.2", 4001, A.peer_id)]
+            # nor by DHT.contact, whoever asks: a PeerID in the table is skipped (a call
+            # would go over the pooled connection to A, and answer)
+            assert await boot.dht.host.connect(Address("10.0.0.2", 4001, A.peer_id))
+            assert await contact([Address("10.0.0.2", 4000, A.peer_id)]) == []
+            assert [hp for _, hp in boot.dht.routing_table_peers()] == ["10.0.0.2:4001"]
             nursery.cancel_scope.cancel()
 
 
