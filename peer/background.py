@@ -126,20 +126,21 @@ class BackgroundPeer:
             # tensors (while the caller saves a checkpoint), and refuse the next step.
             # A second Ctrl-C while it unwinds (`timeout` sends the signal on once more,
             # an impatient user) must not cut that short: the first one is raised. A
-            # third gives up waiting (an unwind that hangs must not trap the user).
-            if not call.finished:
-                waited_through = 0
-                while True:
-                    try:
+            # third gives up waiting (an unwind that hangs must not trap the user). The
+            # first call (where a signal can land) is inside the try: none slips past it.
+            waited_through = 0
+            while True:
+                try:
+                    if not call.finished:
                         call.cancel()
-                        break
-                    except KeyboardInterrupt:
-                        waited_through += 1
-                        if waited_through > 1:
-                            logger.warning(_ABANDONED)
-                            self.abandoned_calls += 1  # (the stop does not wait for it)
-                            raise
-                        logger.warning(_STILL_UNWINDING)
+                    break
+                except KeyboardInterrupt:
+                    waited_through += 1
+                    if waited_through > 1:
+                        logger.warning(_ABANDONED)
+                        self.abandoned_calls += 1  # (the stop does not wait for it)
+                        raise
+                    logger.warning(_STILL_UNWINDING)
             raise
 
     def run_sync(self, fn: Callable[..., T], *args: Any) -> T:
