@@ -126,8 +126,9 @@ class BackgroundPeer:
             # tensors (while the caller saves a checkpoint), and refuse the next step.
             # A second Ctrl-C while it unwinds (`timeout` sends the signal on once more,
             # an impatient user) must not cut that short: the first one is raised. A
-            # third gives up waiting (an unwind that hangs must not trap the user). The
-            # first call (where a signal can land) is inside the try: none slips past it.
+            # third gives up waiting (an unwind that hangs must not trap the user). CPython
+            # runs signal handlers at calls and backward jumps: the first such point here
+            # is inside the try, so a second Ctrl-C cannot slip in before it.
             waited_through = 0
             while True:
                 try:
