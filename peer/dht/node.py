@@ -476,7 +476,7 @@ class DHT:
         512 s after each silence (while the delay stays within ``refresh_interval``): one
         that answers comes back (and learns us). After a partition heals, both sides had
         dropped each other and met again only at the next refresh, up to 10 minutes later:
-        averaging stayed split that long (tests/training/test_averaging_network_review.py).
+        averaging stayed split that long (tests/training/test_averaging_bad_networks.py).
         A peer that is really gone costs 5 failed pings (a refused dial, or a timeout
         outside the request slots)."""
         while True:

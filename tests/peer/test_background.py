@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing
+import signal
 import subprocess
 import sys
 import textwrap
@@ -16,6 +17,7 @@ import trio
 import trio.lowlevel
 
 import peer
+from peer.background import run_in_background
 from protocol.errors import ProtocolError
 from protocol.records import MAX_VALUE_BYTES
 
@@ -182,3 +184,32 @@ def test_a_block_runs_once() -> None:
     assert address
     with pytest.raises(RuntimeError, match="has already run"), block:
         pass
+
+
+def test_ctrl_c_during_a_blocking_call_cancels_it_on_the_loop() -> None:
+    # SIGINT while the caller blocks in node.run(): the call is cancelled on the loop (not
+    # left running), KeyboardInterrupt reaches the caller, and the peer still serves calls.
+    entered = threading.Event()
+    unwound: list[bool] = []
+
+    async def slow() -> None:
+        entered.set()
+        try:
+            await trio.sleep(60)
+        finally:
+            unwound.append(True)
+
+    def interrupt() -> None:
+        if entered.wait(10):
+            signal.pthread_kill(threading.main_thread().ident or 0, signal.SIGINT)
+
+    with run_in_background("127.0.0.1:0") as node:
+        helper = threading.Thread(target=interrupt)
+        helper.start()
+        try:
+            with pytest.raises(KeyboardInterrupt):
+                node.run(slow)
+        finally:
+            helper.join()
+        assert unwound == [True]
+        assert node.run_sync(lambda: 7) == 7

@@ -8,17 +8,23 @@ off, for up to ``DHTConfig.busy_join_timeout``. Any other failure still fails at
 
 from __future__ import annotations
 
+import contextlib
 import logging
+import socket
+import threading
+import time
 
 import pytest
 import trio
 import trio.testing
 
 from peer import PeerConfig, PeerUnavailableError, open_peer
+from peer.cli import main
 from peer.dht import DHTConfig
 from peer.host import HostConfig
 from peer.memnet import MemoryNetwork
 from protocol.identity import Identity
+from protocol.noise import BUSY_SIGNAL
 
 BOOTSTRAP = Identity.from_seed(b"B" * 32)
 OTHER = Identity.from_seed(b"O" * 32)
@@ -159,3 +165,61 @@ def test_the_deadline_is_checked() -> None:
     with pytest.raises(ValueError, match="busy_join_timeout"):
         DHTConfig(busy_join_timeout=float("nan"))
     DHTConfig(busy_join_timeout=0.0)  # no retries
+
+
+def _status_against_a_listener(signal: bytes, timeout: str) -> int:
+    """``swarm status`` against a listener that accepts, sends ``signal`` and closes."""
+    server = socket.create_server(("127.0.0.1", 0))
+    server.settimeout(0.05)
+    stop = threading.Event()
+
+    def turn_away() -> None:
+        while not stop.is_set():
+            try:
+                connection, _ = server.accept()
+            except TimeoutError:
+                continue
+            with contextlib.suppress(OSError):
+                connection.sendall(signal)
+            connection.close()
+
+    thread = threading.Thread(target=turn_away)
+    thread.start()
+    try:
+        address = f"{Identity.generate().peer_id}@127.0.0.1:{server.getsockname()[1]}"
+        return main(["status", "--initial-peers", address, "--timeout", timeout])
+    finally:
+        stop.set()
+        thread.join()
+        server.close()
+
+
+def test_status_says_an_initial_peer_is_busy_within_its_timeout(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """`swarm status` against a node that turns us away before its handshake (busy): the
+    join's retries (30 s) outlasted the command's --timeout (20 s by default), which then
+    cut the start short and said only "no complete answer within 2.0 s (no peer answered
+    by then)", where it used to say at once that the node was busy. The retries now end
+    within half the timeout, and the report names the node as busy."""
+    monkeypatch.setattr("peer.cli._configure_logging", lambda *args: None)  # other tests' levels
+    assert _status_against_a_listener(BUSY_SIGNAL, "2") == 1
+    captured = capsys.readouterr()
+    assert captured.out == "0 peer(s) reachable\n"
+    assert "no peer answered (tried" in captured.err
+    assert "busy at each of" in captured.err
+
+
+def test_status_fails_at_once_on_a_listener_that_just_closes(
+    monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A bare close before the handshake (a proxy in front of a peer that is gone, as
+    docker-proxy does) is not "busy": no retries, a report at once that says what happened
+    (it was taken for busy, and retried until the timeout)."""
+    monkeypatch.setattr("peer.cli._configure_logging", lambda *args: None)
+    started = time.monotonic()
+    assert _status_against_a_listener(b"", "20") == 1
+    assert time.monotonic() - started < 5
+    captured = capsys.readouterr()
+    assert "closed the connection before its handshake" in captured.err
+    assert "busy" not in captured.err

@@ -66,3 +66,17 @@ async def test_a_full_urgent_queue_waits_for_the_writer() -> None:
             outbox.release()
             await queued.wait()
         assert await outbox.get_batch() == [b"answer2"]
+
+
+async def test_outbox_wakes_a_waiting_put_when_the_frames_taken_were_empty() -> None:
+    # The queue is bounded in frames and in bytes; taking frames that hold no bytes still
+    # frees frame slots, and a put waiting for one must wake.
+    outbox = Outbox(capacity=1)
+    await outbox.put([b""])
+    with trio.fail_after(5):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(outbox.put, [b"x"])
+            await trio.testing.wait_all_tasks_blocked()
+            assert await outbox.get_batch() == []  # nothing to write: empty pieces are dropped
+            outbox.release()
+        assert await outbox.get_batch() == [b"x"]

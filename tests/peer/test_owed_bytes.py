@@ -15,12 +15,12 @@ from contextlib import asynccontextmanager
 import pytest
 import trio
 import trio.testing
-from test_cancellation_review import assert_settled, echo
 from test_rpc import two_hosts
+from test_rpc_cancellation import assert_settled, echo
 
 from peer.memnet import MemoryNetwork, MemoryStream
 from peer.network import partial_sender
-from peer.rpc import Reply
+from peer.rpc import Reply, Request
 from peer.secure import SecureStream, secure_handshake
 from protocol.identity import Identity
 
@@ -211,3 +211,55 @@ def test_a_wrapper_forwarding_attributes_does_not_lend_its_inner_streams_send_so
     inner = MemoryStream.__new__(MemoryStream)  # the class is what matters
     assert partial_sender(inner) is not None
     assert partial_sender(Forwarding(inner)) is None
+
+
+async def test_a_call_cancelled_during_its_direct_write_cancels_the_callees_handler(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A call cancelled while its own task wrote its request to a full window: the
+    request still reaches the callee (the secure stream sends what it owed), so the callee
+    must get the cancel too. Without it, a handler with no deadline (the caller's scope
+    was cancelled, not timed out) ran on for nothing: an endless one held its task and an
+    in-flight slot for as long as the connection lived."""
+    net = MemoryNetwork(latency=0.01, window=WINDOW)
+    async with two_hosts(net) as (a, b, address):
+        started = trio.Event()
+        ended: list[float] = []
+
+        async def record(request: Request) -> Reply:
+            return Reply({}, b"")
+
+        async def hang(request: Request) -> Reply:
+            started.set()
+            try:
+                await trio.sleep_forever()
+            finally:
+                ended.append(trio.current_time())
+            raise AssertionError("unreachable")
+
+        b.register("echo", echo)
+        b.register("record", record)
+        b.register("hang", hang)
+        with trio.fail_after(60):
+            await a.call(address, "echo", {})
+            opened = a.connections_opened
+            net.freeze_host("10.0.0.2")
+            async with trio.open_nursery() as nursery:
+                for _ in range(3):  # 3 x 24 KiB direct writes fill the 64 KiB window
+                    nursery.start_soon(a.call, address, "record", {}, bytes(24_000))
+                    await trio.testing.wait_all_tasks_blocked()
+                with trio.CancelScope() as scope:  # no deadline: the callee gets none
+
+                    async def cancel_soon() -> None:
+                        await trio.sleep(1)
+                        scope.cancel()
+
+                    nursery.start_soon(cancel_soon)
+                    await a.call(address, "hang", {}, bytes(20_000))
+                assert scope.cancelled_caught
+                net.unfreeze_host("10.0.0.2")
+            await started.wait()  # the request did go out
+            await trio.sleep(1)
+            assert ended, "the callee's handler of a cancelled call still runs"
+            assert a.connections_opened == opened
+            assert_settled(a, b)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import socket
+import struct
+
 import pytest
 import trio
 import trio.testing
@@ -12,6 +15,7 @@ from peer.secure import SecureStream, secure_handshake
 from peer.wire import FramePool, FrameReader
 from protocol.framing import encode_frame
 from protocol.identity import Identity
+from protocol.noise import NoiseHandshake
 
 
 def _identity(n: int) -> Identity:
@@ -181,3 +185,43 @@ async def test_frame_reader_frames_outlive_the_read_loop() -> None:
                 del frame
         assert [bytes(f) for f in kept] == payloads[::2]
         assert pool.allocated == 4  # three kept, one reused by the others
+
+
+async def test_a_peer_that_resets_right_after_its_handshake_keeps_its_address() -> None:
+    """A peer may send its last handshake message, a request, and a reset at once: the
+    request is still read (the kernel keeps what arrived before the reset), but the
+    socket no longer has a peer address once the reset came. Read then, the address was
+    '?': an unknown host, exempt from the storage quota. It is read before the handshake,
+    when the dialer cannot have reset yet (it needs our reply to finish)."""
+    identity = Identity.generate()
+    with trio.fail_after(30):
+        listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+        async with listeners[0]:
+            port = listeners[0].socket.getsockname()[1]
+            client = socket.create_connection(("127.0.0.1", port))
+            client.setblocking(False)
+            raw = await listeners[0].accept()
+            handshake = NoiseHandshake(Identity.generate(), initiator=True)
+            accepted: list[SecureStream] = []
+
+            async def respond() -> None:
+                accepted.append(await secure_handshake(raw, identity, initiator=False))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(respond)
+                client.sendall(handshake.data_to_send())
+                while not handshake.complete:
+                    await trio.lowlevel.wait_readable(client)
+                    handshake.receive_data(client.recv(4096))
+                last = handshake.data_to_send()
+                request = bytearray()
+                handshake.into_transport().seal_into(b"STORE", request)
+                # the last message, a request and a reset, with no checkpoint between
+                client.setblocking(True)
+                client.sendall(last + bytes(request))
+                client.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+                client.close()
+            secure = accepted[0]
+            assert await secure.receive_some() == b"STORE"
+            assert secure.remote_host == "127.0.0.1"
+            await secure.aclose()

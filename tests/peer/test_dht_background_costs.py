@@ -1,5 +1,5 @@
-"""Review of the DHT mechanisms added for slow and departed peers (background re-stores,
-re-contact pings), as an adversary and under churn: what they cost stays bounded."""
+"""What the DHT's work for slow and departed peers (background re-stores, re-contact pings)
+costs, against an adversary and under churn: it stays bounded."""
 
 from __future__ import annotations
 

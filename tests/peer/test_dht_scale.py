@@ -1,4 +1,4 @@
-"""A distributed-systems review of the DHT's claims (issue 3) at scale, on virtual time.
+"""The DHT's claims (issue 3) at scale, on virtual time.
 
 Each scenario is a plain ``async def scenario_*(seed, ...) -> dict`` that builds its own
 swarm on :class:`peer.memnet.MemoryNetwork` under ``MockClock(autojump_threshold=0)``
@@ -6,8 +6,8 @@ and returns its figures; the tests run them at sizes that fit CI (2 cores) and c
 issue's bars, and the figures are printed (``-s``). The same scenarios run at the issue's
 scale (500 to 1,000 peers, several seeds, minutes of CPU each) with::
 
-    .venv/bin/python tests/peer/test_dht_scale_review.py join N KEYS SEED [KILL NEW K]
-    .venv/bin/python tests/peer/test_dht_scale_review.py partition N KEYS SEED [GROUPS SECONDS]
+    .venv/bin/python tests/peer/test_dht_scale.py join N KEYS SEED [KILL NEW K]
+    .venv/bin/python tests/peer/test_dht_scale.py partition N KEYS SEED [GROUPS SECONDS]
 
 (see ``_main`` at the end for every scenario and its arguments; 1,000 peers with 300 keys
 took 25 minutes of a loaded 2-core machine).

@@ -6,14 +6,16 @@ from __future__ import annotations
 
 from collections.abc import AsyncIterator
 
+import pytest
 import trio
 import trio.testing
 from test_rpc import two_hosts
 
 from peer.host import RpcHost
 from peer.memnet import MemoryNetwork
-from peer.rpc import Reply, Request
+from peer.rpc import Reply, Request, RpcConnection
 from protocol.address import Address
+from protocol.rpc import FrameKind, RpcFrame
 
 LATENCY = 0.01
 WINDOW = 1 << 16
@@ -265,3 +267,66 @@ async def test_a_stream_left_early_sends_none_of_its_queued_items(
             reply = await a.call(address, "echo", {"still": 1})
             assert reply.body == {"still": 1}
             assert_settled(a, b)
+
+
+UPLOAD = (4 << 20) - 4096
+
+
+async def pong(request: Request) -> Reply:
+    return Reply({})
+
+
+def only_connection(connections: dict[RpcConnection, object]) -> RpcConnection:
+    (connection,) = connections
+    return connection
+
+
+@pytest.mark.parametrize("kind", ["call", "stream"])
+async def test_a_reply_that_comes_before_the_upload_is_written_stops_reading_the_buffer(
+    autojump_clock: trio.testing.MockClock, kind: str
+) -> None:
+    """A peer may answer a call (or end a stream) before it has read the whole request (a
+    hostile one knows the request ids: they count up). The call then returns, and the
+    caller reuses its buffer (an averaging sender hands it back to its pool): the rest of
+    the frame must go out from a copy, never from the buffer the caller now writes (docs:
+    a call never reads its payload after it returned)."""
+    net = MemoryNetwork(latency=LATENCY, window=WINDOW)
+    received: list[bytes] = []
+    arrived = trio.Event()
+
+    async def keep(request: Request) -> Reply:
+        received.append(bytes(request.payload))
+        arrived.set()
+        return Reply({})
+
+    async def keep_stream(request: Request) -> AsyncIterator[Reply]:
+        yield await keep(request)
+
+    async def upload(a: RpcHost, address: Address, payload: bytearray) -> None:
+        if kind == "call":
+            await a.call(address, "keep", {}, payload)
+            return
+        async with a.stream(address, "keep_stream", {}, payload) as items:
+            async for _ in items:
+                pass
+
+    async with two_hosts(net) as (a, b, address):
+        b.register("keep", keep)
+        b.register_stream("keep_stream", keep_stream)
+        b.register("ping", pong)
+        with trio.fail_after(60):
+            await a.call(address, "ping")
+            ours, theirs = only_connection(a._connections), only_connection(b._connections)
+            payload = bytearray(b"u" * UPLOAD)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(upload, a, address, payload)
+                await trio.testing.wait_all_tasks_blocked()
+                assert ours._outbox._batch, "the writer is not on the 4 MiB payload"
+                request_id = ours._next_id - 1
+                answer = FrameKind.RESPONSE if kind == "call" else FrameKind.END
+                early = RpcFrame(answer, request_id)
+                theirs._outbox.put_nowait(theirs._encode(early)[0], urgent=True)
+            # the call returned (answered early): the caller reuses its buffer at once
+            payload[:] = b"X" * UPLOAD
+            await arrived.wait()
+            assert received[0] == b"u" * UPLOAD, "the payload was read after the call returned"

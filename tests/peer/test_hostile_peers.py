@@ -1,5 +1,5 @@
-"""Attacks built from the wire spec alone (docs/protocol.md), second round: each hostile peer
-must cost the node little memory and CPU, and everyone else keeps being served."""
+"""Hostile peers built from the wire spec alone (docs/protocol.md): each must cost the node
+little memory and CPU, and everyone else keeps being served."""
 
 from __future__ import annotations
 

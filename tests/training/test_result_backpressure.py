@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import pytest
 import trio
-from test_averaging_network_review import Link, bad_swarm, describe
+from test_averaging_bad_networks import Link, bad_swarm, describe
 from test_averaging_support import fast_config, host_of, make_members, step_all, verify_round
 
 from training import DropReason
