@@ -435,8 +435,8 @@ def test_bootstrap_warns_naming_each_initial_peer_that_did_not_answer(
     node = Bootstrap("--initial-peers", NOBODY)
     bootstraps.append(node)
     log = _read_until(node.proc.stderr, " is up\n")
-    warning = next(line for line in log.splitlines() if " WARNING peer.dht.node: " in line)
-    assert warning.split(" WARNING peer.dht.node: ")[1].startswith(
+    warning = next(line for line in log.splitlines() if " WARNING peer.dht.joining: " in line)
+    assert warning.split(" WARNING peer.dht.joining: ")[1].startswith(
         f"no initial peer answered (tried {NOBODY}: "
     )
 
@@ -456,5 +456,5 @@ def test_bootstrap_does_not_count_itself_among_the_initial_peers(
     with_another = Bootstrap("--identity", str(key), "--initial-peers", itself, NOBODY)
     bootstraps.append(with_another)
     log = _read_until(with_another.proc.stderr, " is up\n")
-    warning = next(line for line in log.splitlines() if " WARNING peer.dht.node: " in line)
+    warning = next(line for line in log.splitlines() if " WARNING peer.dht.joining: " in line)
     assert f"(tried {NOBODY}: " in warning and itself not in warning

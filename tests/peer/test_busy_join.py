@@ -44,7 +44,7 @@ async def test_a_crowd_behind_one_nat_over_the_burst_all_join(
 ) -> None:
     """Eight peers from one host dial a node that admits two at once, then one per
     second: the others are turned away at first, come back with backoff, and all join."""
-    caplog.set_level(logging.INFO, logger="peer.dht.node")
+    caplog.set_level(logging.INFO, logger="peer.dht")
     net = MemoryNetwork(latency=0.005)
     crowd = 8
     failures: list[BaseException] = []

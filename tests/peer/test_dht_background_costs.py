@@ -62,12 +62,12 @@ async def test_recontact_pings_under_churn_of_hundreds_stay_bounded(
                 node = NodeInfo(Identity.from_seed(i.to_bytes(32, "big")).peer_id, hostport)
                 dht.table.update(node, trio.current_time())
                 dht.table.remove(node.peer_id)
-            assert len(dht._recontacts) <= DEPARTED_MEMORY
+            assert len(dht._upkeep._recontacts) <= DEPARTED_MEMORY
             await trio.sleep(1500)
             assert most[0] <= 8, most
             assert per_node and max(per_node.values()) <= 5, per_node
             assert len(per_node) <= DEPARTED_MEMORY
-            assert not dht._recontacts
+            assert not dht._upkeep._recontacts
 
 
 async def test_background_stores_to_made_up_nodes_stay_bounded(

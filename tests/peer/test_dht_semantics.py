@@ -365,7 +365,7 @@ async def test_every_getter_sees_every_writer_of_a_shared_key(
     """40 peers each store their own subkey under one key (matchmaking, progress). Nodes
     that a store's lookup asked on the way hold a copy of that one subkey; getters far
     from the key met three of those first and stopped there, seeing 25 of 40. The get
-    now counts only holders with fewer than k nodes known closer (node.py ``_Holders``),
+    now counts only holders with fewer than k nodes known closer (reading.py ``Holders``),
     which needs holders' replies to name their closest contacts (protocol.py)."""
     net = MemoryNetwork(latency=0.01)
     config = PeerConfig(dht=peer.DHTConfig(k=5))

@@ -25,7 +25,7 @@ async def test_an_initial_peer_with_a_new_identity_is_named_with_what_to_give(
 ) -> None:
     net = MemoryNetwork()
     old_address = f"{OLD.peer_id}@10.0.0.1:1000"
-    with trio.fail_after(120), caplog.at_level(logging.WARNING, logger="peer.dht.node"):
+    with trio.fail_after(120), caplog.at_level(logging.WARNING, logger="peer.dht"):
         async with open_peer("10.0.0.1:1000", identity=NEW, network=net.interface("10.0.0.1")):
             for _ in range(2):
                 with pytest.raises(PeerUnavailableError) as error:

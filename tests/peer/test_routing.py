@@ -449,7 +449,7 @@ def test_the_handover_rule_decides_as_among_the_k_plus_1_nearest() -> None:
     exactly as the rule stated over the k + 1 nearest contacts does."""
     import random
 
-    from peer.dht.node import _HANDOVER_SENDERS, should_hand_over
+    from peer.dht.handover import _HANDOVER_SENDERS, should_hand_over
 
     rng = random.Random(7)
     for trial in range(300):

@@ -457,7 +457,8 @@ async def test_next_round_after_a_partition_heals_averages_everybody(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     """Each half's DHT dropped the other half's contacts during the partition; they come
-    back within seconds of the heal (DHT._recontact_soon), not at the next refresh."""
+    back within seconds of the heal (``Upkeep.recontact_soon`` in peer/dht/upkeep.py), not
+    at the next refresh."""
     with trio.fail_after(300):
         async with bad_swarm(4) as (net, nodes):
             members = make_members(nodes, SIZE, fast_config(max_inflight=3))

@@ -1,0 +1,174 @@
+"""The DHT's upkeep: refreshes that re-dial missing initial peers, ping quiet contacts and
+look up stale buckets; departed contacts pinged again soon after they left; far buckets
+filled right after a join. A part of :class:`peer.dht.node.DHT`, kept apart from its lookups
+and records.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from collections.abc import Sequence
+from functools import partial
+from typing import TYPE_CHECKING
+
+import trio
+
+from protocol.dhtid import DHTID
+from protocol.identity import PeerID
+from protocol.messages import NodeInfo
+
+from .routing import DEPARTED_MEMORY
+
+if TYPE_CHECKING:
+    from .node import DHT
+
+logger = logging.getLogger(__name__)
+
+_RECONTACTS_PER_REFRESH = 8  # departed contacts a refresh pings (see Upkeep.refresh)
+# A contact that left the table is pinged again this long after, then 4x as long after
+# each silence, until the next delay would pass refresh_interval (refreshes take over):
+# 5 pings in 10 minutes (see Upkeep.recontact_soon)
+_RECONTACT_FIRST = 2.0
+_RECONTACT_GROWTH = 4.0
+_RECONTACTS_AT_ONCE = 8
+
+
+class Upkeep:
+    """What keeps a :class:`DHT`'s routing table true as peers come, go and fall silent."""
+
+    def __init__(self, dht: DHT) -> None:
+        self._dht = dht
+        # departed contact -> (when to ping it next, the delay after that, the contact);
+        # see recontact_soon
+        self._recontacts: dict[PeerID, tuple[float, float, NodeInfo]] = {}
+        self._recontact_added = trio.Event()
+
+    def on_departed(self, node: NodeInfo) -> None:
+        """``node`` left the routing table: ping it again soon (see :meth:`recontact_soon`)."""
+        self._recontacts.pop(node.peer_id, None)  # (newest last: the oldest go first)
+        due = trio.current_time() + _RECONTACT_FIRST
+        self._recontacts[node.peer_id] = (due, _RECONTACT_FIRST * _RECONTACT_GROWTH, node)
+        while len(self._recontacts) > DEPARTED_MEMORY:
+            del self._recontacts[next(iter(self._recontacts))]
+        self._recontact_added.set()
+
+    async def recontact_soon(self) -> None:
+        """Ping each contact that left the table 2 s after it left, then 8, 32, 128 and
+        512 s after each silence (while the delay stays within ``refresh_interval``): one
+        that answers comes back (and learns us). After a partition heals, both sides had
+        dropped each other and met again only at the next refresh, up to 10 minutes later:
+        averaging stayed split that long (tests/training/test_averaging_bad_networks.py).
+        A peer that is really gone costs 5 failed pings (a refused dial, or a timeout
+        outside the request slots)."""
+        while True:
+            first = min((due for due, _, _ in self._recontacts.values()), default=math.inf)
+            with trio.move_on_at(first):
+                await self._recontact_added.wait()
+            self._recontact_added = trio.Event()
+            now = trio.current_time()
+            due = [p for p, (when, _, _) in self._recontacts.items() if when <= now]
+            async with trio.open_nursery() as nursery:
+                for peer_id in due[:_RECONTACTS_AT_ONCE]:
+                    _, delay, node = self._recontacts.pop(peer_id)
+                    if not self._dht.table.has_departed(peer_id):
+                        continue  # back already, or forgotten
+                    if delay <= self._dht.config.refresh_interval:
+                        self._recontacts[peer_id] = (now + delay, delay * _RECONTACT_GROWTH, node)
+                    nursery.start_soon(partial(self._dht.protocol.ping, take_slot=False), node)
+
+    async def _recontact_departed(self) -> None:
+        """Ping a few contacts that left the table after failures (our former neighbours
+        first, then some at random): one that answers comes back, and learns us."""
+        departed = sorted(
+            self._dht.table.departed_nodes(),
+            key=lambda n: DHTID.from_peer_id(n.peer_id) ^ self._dht.node_id,
+        )
+        half = _RECONTACTS_PER_REFRESH // 2
+        rest = departed[half:]
+        chosen = departed[:half] + self._dht._rng.sample(rest, min(len(rest), half))
+        async with trio.open_nursery() as nursery:
+            for node in chosen:
+                nursery.start_soon(self._dht.protocol.ping, node)
+
+    async def refresh_far_buckets(self) -> None:
+        """After joining, look up a random id in every bucket farther than our closest
+        neighbour (the Kademlia paper's join, section 2.3): the lookup of our own id fills
+        the near buckets only, and a far bucket left empty until the first refresh pass
+        (10 minutes) keeps every lookup of a key in that range inside our half of the
+        network (1,000 peers: 2 of 300 keys stored there, and not found)."""
+        now = trio.current_time()
+        stale = self._dht.table.stale_buckets(now, self._dht.config.refresh_interval)
+        async with trio.open_nursery() as nursery:
+            for index in stale:
+                target = self._dht.table.random_id_in_bucket(index, self._dht._rng)
+                nursery.start_soon(self._dht.find_nodes, target)
+
+    async def refresh(self) -> None:
+        """One maintenance round: drop expired records, re-contact initial peers missing
+        from the table (heals partitions), ping quiet contacts and drop those that do not
+        answer, look up our own id, refresh stale buckets.
+
+        Raises:
+            Nothing for unreachable peers (they are dropped from the table in time).
+        """
+        if self._dht.storage is not None:
+            self._dht.storage.expire()
+        await self._dht._joining.redial_missing()
+        await self._recontact_departed()
+        await self.drop_silent_contacts()
+        await self._dht.find_nodes(self._dht.node_id)
+        now = trio.current_time()
+        for index in self._dht.table.stale_buckets(now, self._dht.config.refresh_interval):
+            await self._dht.find_nodes(self._dht.table.random_id_in_bucket(index, self._dht._rng))
+
+    async def drop_silent_contacts(self) -> int:
+        """Ping every contact not heard from for ``ping_after`` seconds (BEP 5's
+        "questionable" nodes) and remove those that do not answer, unless no contact at all
+        answered or was heard from in that time (then this node is the one cut off, and
+        failed pings only count as failures). A replacement that takes a removed contact's
+        place and is quiet too is pinged in the same pass.
+
+        A peer that went quiet before it died (its connections had idled out) ends no
+        connection in use, so nothing pings it; in a bucket that other contacts keep busy
+        no bucket refresh asks it, and lookups of far ids never do: it stayed in a
+        bootstrap node's table, and in its answers to newcomers, for hours (a soak of 100
+        peers, 70 killed: 9 still listed 4 hours later). Now it leaves at the next refresh
+        (every ``refresh_interval``), costing one ping per quiet contact per refresh.
+
+        Returns:
+            How many contacts were removed.
+
+        Raises:
+            Nothing for unreachable peers: that is what it looks for.
+        """
+        since = trio.current_time() - self._dht.config.ping_after
+        pinged: set[PeerID] = set()
+        removed = 0
+        while True:
+            quiet = [n for n in self._dht.table.quiet_contacts(since) if n.peer_id not in pinged]
+            pinged.update(n.peer_id for n in quiet)
+            silent = await self._unanswered_pings(quiet)
+            if not silent or not self._dht.table.heard_from_since(since):
+                return removed
+            for node in silent:
+                if node.peer_id in self._dht.table:  # (a failed ping may have evicted it already)
+                    self._dht.table.remove(node.peer_id)
+                    why = self._dht.protocol.ping_failure(node)
+                    logger.info("peer left: %s (%s)", node.peer_id.short(), why)
+                    removed += 1
+
+    async def _unanswered_pings(self, nodes: Sequence[NodeInfo]) -> list[NodeInfo]:
+        """Ping ``nodes``; those that did not answer (an answer refreshes its contact)."""
+        silent: list[NodeInfo] = []
+        limiter = trio.CapacityLimiter(self._dht.config.max_parallel_pings)
+
+        async def one(node: NodeInfo) -> None:
+            async with limiter:
+                if not await self._dht.protocol.ping(node):
+                    silent.append(node)
+
+        async with trio.open_nursery() as nursery:
+            for node in nodes:
+                nursery.start_soon(one, node)
+        return silent
