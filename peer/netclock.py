@@ -17,7 +17,7 @@ lying clocks does not move the median, and a skewed machine follows the majority
   halfway), and a node everyone joins through follows the swarm, not its own clock.
 - Answers carry the answering machine's own clock, never its corrected one: corrections do
   not feed on each other.
-- One sample per host (``peer.host.host_group``: an IPv4 address, an IPv6 /64): many
+- One sample per host (``peer.remote_hosts.host_group``: an IPv4 address, an IPv6 /64): many
   identities on one machine count once, so that a crowd of them cannot outvote the rest.
   On loopback each peer counts (they share this machine's clock anyway).
 - The offset moves only when the median moves by more than ``threshold``: an NTP-synced
@@ -43,7 +43,8 @@ from protocol.identity import PeerID
 from protocol.messages import ClockRequest, ClockResponse
 
 from .calls import Reply, Request
-from .host import RpcHost, host_group, is_loopback_host, over_its_connection
+from .host import RpcHost
+from .remote_hosts import host_group, is_loopback_host, over_its_connection
 
 __all__ = ["ClockConfig", "ClockService", "NetworkClock", "wall_clock"]
 

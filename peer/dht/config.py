@@ -47,7 +47,7 @@ class DHTConfig:
     # and bytes of values, each entry counting 512 more (storage.ENTRY_OVERHEAD: its memory
     # cost); new entries refused beyond
     max_stored_bytes: int = 256 << 20
-    # One remote host (an IPv4 address, an IPv6 /64: peer.host.host_group) holds at most
+    # One remote host (an IPv4 address, an IPv6 /64: peer.remote_hosts.host_group) holds at most
     # this share of each limit above (keys where it holds an entry; bytes of its entries),
     # so that it cannot fill the store and have every other STORE refused until its
     # entries expire: it takes 8 hosts to fill a node. 1/8 still lets one honest host (a

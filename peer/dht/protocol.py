@@ -61,7 +61,8 @@ from protocol.messages import (
 from protocol.records import RecordError, key_owner, subkey_order
 
 from ..errors import PeerBusyError, PeerUnavailableError, RemoteError
-from ..host import RpcHost, host_group, is_loopback_host
+from ..host import RpcHost
+from ..remote_hosts import host_group, is_loopback_host
 from ..rpc import Reply, Request
 from .config import DHTConfig
 from .routing import RoutingTable

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from peer.host import host_group, is_loopback_host
+from peer.remote_hosts import host_group, is_loopback_host
 
 
 @pytest.mark.parametrize(

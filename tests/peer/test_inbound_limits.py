@@ -18,9 +18,10 @@ import trio.testing
 
 from peer import DHTConfig, open_peer
 from peer.errors import PeerUnavailableError
-from peer.host import HostConfig, host_group, open_rpc_host
+from peer.host import HostConfig, open_rpc_host
 from peer.memnet import MemoryNetwork
 from peer.network import TcpNetwork, remote_host_of
+from peer.remote_hosts import host_group
 from protocol.address import Address
 from protocol.identity import Identity
 from protocol.noise import BUSY_SIGNAL

@@ -10,7 +10,7 @@ from dataclasses import dataclass
 import trio
 
 from peer import Peer, PeerUnavailableError, RemoteError
-from peer.host import UNDIALABLE_HOST, over_its_connection
+from peer.remote_hosts import UNDIALABLE_HOST, over_its_connection
 from protocol.address import Address
 from protocol.identity import PeerID
 

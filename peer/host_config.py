@@ -1,0 +1,73 @@
+"""The limits and timeouts of an RPC host (``peer.host``), in one frozen dataclass."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from protocol.framing import DEFAULT_MAX_FRAME_SIZE
+
+
+@dataclass(frozen=True)
+class HostConfig:
+    """Limits and timeouts of an :class:`RpcHost` (seconds, bytes)."""
+
+    max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
+    max_connections: int = 1024
+    """Connections in all; beyond, a new inbound one takes the slot of the oldest inbound
+    handshake in progress, else of the inbound connection idle the longest, or is refused
+    when there is neither."""
+    max_connections_per_ip: int = 128
+    """Inbound connections from one remote host (one /64 for IPv6); generous, since NATs
+    share addresses. Beyond, a new one from that host takes the slot of the host's own
+    inbound connection idle the longest, or is refused when none of them is idle."""
+    max_inflight_requests: int = 128
+    """Per connection: a peer that exceeds it is dropped; our own calls wait for a slot."""
+    handshake_rate_per_ip: float = 16.0
+    """New inbound connections per second one host (or /64) may open on average, in
+    bursts of ``handshake_burst_per_ip``; beyond, a new one is closed at once, before its
+    handshake: that costs us ~2 ms of CPU and the opener nothing (it may replay a recorded
+    first message), so one host opening connections in a loop would keep a core busy (see
+    ``peer.ratelimit``). ``math.inf`` turns it off."""
+    handshake_burst_per_ip: int = 128
+    """Enough for a crowd of peers behind one NAT joining at once (as many as
+    ``max_connections_per_ip`` lets in)."""
+    rate_limit_loopback: bool = False
+    """Apply ``handshake_rate_per_ip`` to loopback addresses too. Off by default: those are
+    this machine's own processes, where local experiments start peers by the hundred, and
+    a process on the same machine can take our CPU by other means anyway."""
+    handshake_timeout: float = 10.0
+    idle_timeout: float = 60.0
+    """A connection with no call in flight and no traffic for this long is closed."""
+    send_timeout: float = 60.0
+    """A write of up to 1 MiB to a peer that has not finished after this long (the peer
+    stopped reading, or reads under ~17 KiB/s) closes the connection (found within a
+    quarter of it more)."""
+    silence_timeout: float = 10.0
+    """A connection on which calls that waited a second or more went unanswered, with
+    nothing at all from the peer since the first of them was sent, for this long, is
+    closed (the DHT then pings the peer over a fresh dial): a NAT or middlebox that drops
+    a connection loses what is written without a reset, and the kernel keeps retrying
+    for about 15 minutes, every call meanwhile timing out."""
+    dial_timeout: float = 10.0
+    """Connect plus handshake, for outbound connections."""
+    drain_timeout: float = 3.0
+    """On a clean exit: how long connections may go on answering and writing what they
+    queued (a result stream's last chunks) before they are closed."""
+
+    def __post_init__(self) -> None:
+        if not self.send_timeout > 0:  # math.inf turns the check off
+            raise ValueError(f"HostConfig.send_timeout must be positive, got {self.send_timeout}")
+        if not self.handshake_rate_per_ip > 0:  # math.inf turns the limit off
+            raise ValueError(
+                "HostConfig.handshake_rate_per_ip must be positive, "
+                f"got {self.handshake_rate_per_ip}"
+            )
+        if self.handshake_burst_per_ip < 1:
+            raise ValueError(
+                "HostConfig.handshake_burst_per_ip must be at least 1, "
+                f"got {self.handshake_burst_per_ip}"
+            )
+        if not self.silence_timeout > 0:  # math.inf turns the check off
+            raise ValueError(
+                f"HostConfig.silence_timeout must be positive, got {self.silence_timeout}"
+            )
