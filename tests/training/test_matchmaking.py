@@ -28,7 +28,7 @@ from peer import Peer
 from peer.netclock import wall_clock
 from protocol.address import Address
 from training import Averager, AveragerConfig, AveragingInfo, LayoutMismatchError, Outcome
-from training.averaging.averager import _check_prefix
+from training.averaging.arguments import check_prefix
 from training.averaging.grouping import Declaration, rank_key, round_closing_after, round_key
 from training.averaging.matchmaking import MAX_FOREIGN_LAYOUTS
 from training.averaging.messages import method_prefix
@@ -265,12 +265,12 @@ async def test_close_during_a_step_lets_the_step_serve_its_group(
 
 def test_a_prefix_that_no_step_could_use_is_refused_at_once() -> None:
     with pytest.raises(TypeError, match="prefix must be a str"):
-        _check_prefix(b"t/x")
+        check_prefix(b"t/x")
     with pytest.raises(ValueError, match="must not be empty"):
-        _check_prefix("")
+        check_prefix("")
     with pytest.raises(ValueError, match="prefix too long"):
-        _check_prefix("p" * 500)
-    assert _check_prefix("p" * 400) == "p" * 400
+        check_prefix("p" * 500)
+    assert check_prefix("p" * 400) == "p" * 400
 
 
 def test_the_wall_clock_follows_each_run_and_keeps_nothing_after_it() -> None:

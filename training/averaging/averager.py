@@ -16,7 +16,6 @@ import contextlib
 import hashlib
 import logging
 import math
-import numbers
 import warnings
 import weakref
 from collections import Counter
@@ -30,12 +29,11 @@ import torch
 import trio
 
 from peer import BackgroundPeer, Peer, PeerStoppedError, RemoteError, Reply, Request
-from peer.node import MIN_PEER_FRAME_SIZE
 from protocol.codecs import Codec, NonFiniteError, get_codec
 from protocol.errors import RemoteProtocolError
 from protocol.identity import PeerID
-from protocol.records import RecordError, check_key
 
+from .arguments import check_chunk_fits, check_node, check_prefix, check_step_arguments
 from .buffers import BufferPool, SharedBuffer
 from .butterfly import Butterfly
 from .casts import TORCH_CASTS
@@ -47,7 +45,6 @@ from .grouping import (
     MAX_DETAIL,
     MAX_EPOCH,
     Declaration,
-    round_key,
 )
 from .layout import FlatVector, Float32Array, TensorLayout
 from .loopwatch import LoopWatch
@@ -99,97 +96,6 @@ def network_time(node: Peer, local: Callable[[], float]) -> Callable[[], float]:
     return now
 
 
-def check_step_arguments(weight: float, epoch: int, timeout: float | None) -> None:
-    """Raises: ValueError naming the argument that :meth:`Averager.step` cannot take."""
-    if not (math.isfinite(number := _real(weight, "weight")) and number > 0):
-        raise ValueError(f"weight must be a positive finite number, got {weight!r}")
-    if not isinstance(epoch, numbers.Integral) or isinstance(epoch, bool) or epoch < 0:
-        raise ValueError(f"epoch must be a non-negative integer, got {epoch!r}")
-    if epoch >= MAX_EPOCH:  # what a declaration can carry
-        raise ValueError(f"epoch must be below 2**62 (the wire limit), got {epoch}")
-    if timeout is None:
-        return
-    if not math.isfinite(seconds := _real(timeout, "timeout")):
-        raise ValueError(
-            f"timeout must be a finite number of seconds, got {timeout!r}; None uses the "
-            "default (a margin before the caller's cancel-scope deadline, else "
-            "AveragerConfig.default_timeout)"
-        )
-    if not seconds > 0:
-        raise ValueError(f"timeout must be positive, got {timeout!r}")
-
-
-def _check_prefix(prefix: object) -> str:
-    """Refuse, at construction, a prefix that every step would fail with.
-
-    Raises:
-        TypeError: if it is not a str.
-        ValueError: if it is empty, or its round keys would exceed the DHT's key limit.
-    """
-    if not isinstance(prefix, str):
-        raise TypeError(f"prefix must be a str, got {type(prefix).__name__}")
-    if not prefix:
-        raise ValueError("prefix must not be empty (e.g. 'my-run/grads')")
-    longest = round_key(prefix, 2**64)  # round numbers are unix times over the window
-    try:
-        check_key(longest)
-    except RecordError as exc:
-        raise ValueError(f"prefix too long: its round keys cannot be DHT keys ({exc})") from None
-    return prefix
-
-
-def _check_node(node: object) -> None:
-    """Raises: TypeError for a node that is not a running peer (the usual one: the context
-    manager of ``run_in_background``, the ``with`` forgotten)."""
-    if isinstance(node, Peer | BackgroundPeer):
-        return
-    hint = ""
-    if hasattr(type(node), "__enter__") or hasattr(type(node), "__aenter__"):
-        hint = (
-            ": this is a context manager; the peer is what entering it gives "
-            "(`with peer.run_in_background(...) as node:`, or "
-            "`async with peer.open_peer(...) as node:`)"
-        )
-    raise TypeError(f"node must be a running peer, got {type(node).__name__}{hint}")
-
-
-CHUNK_HEADER_ROOM = 4096
-"""Bytes of a chunk's frame besides its blob (the RPC header with the chunk's body: ~200)."""
-
-
-def _check_chunk_fits(codec: Codec, config: AveragerConfig, n_elements: int) -> None:
-    """A chunk's blob must fit the frame every peer accepts (``MIN_PEER_FRAME_SIZE``):
-    ``topk`` with a fraction over about half makes blobs larger than the chunk's float32
-    bytes (an index beside each value), and each upload then failed deep in the step.
-
-    Raises:
-        ValueError: naming ``chunk_bytes`` and the largest that fits; or naming
-            ``max_elements`` when ``codec_params`` set it below the elements of a chunk
-            (every chunk is encoded on its own, so the largest chunk must fit: the
-            vector's ``n_elements``, or ``chunk_bytes / 4`` when the vector is larger).
-    """
-    largest = min(config.chunk_elements, n_elements)
-    if codec.max_elements < largest:
-        raise ValueError(
-            f"AveragerConfig.codec_params: max_elements={codec.max_elements} is below the "
-            f"{largest} elements of a chunk (the vector's {n_elements} in chunks of "
-            f"chunk_bytes={config.chunk_bytes} / 4): use max_elements >= {largest}, or "
-            "leave it out"
-        )
-    room = MIN_PEER_FRAME_SIZE - CHUNK_HEADER_ROOM
-    blob = max(codec.encoded_size(largest), 4 * largest)
-    if blob <= room:
-        return
-    fits = config.chunk_bytes * room // blob // 4096 * 4096
-    while fits > 4096 and codec.encoded_size(min(fits // 4, codec.max_elements)) > room:
-        fits -= 4096
-    raise ValueError(
-        f"AveragerConfig.chunk_bytes={config.chunk_bytes} makes {codec!r} chunks of {blob} "
-        f"bytes, beyond the {MIN_PEER_FRAME_SIZE} bytes a frame to any peer may hold: use "
-        f"chunk_bytes <= {fits}"
-    )
-
-
 def _sentences(*notes: str) -> str:
     return "; ".join(note for note in notes if note)
 
@@ -197,18 +103,6 @@ def _sentences(*notes: str) -> str:
 def _shorten(indices: Sequence[int], most: int = 8) -> str:
     """``[0, 1, ...]``: the first ``most`` indices of a list."""
     return str(indices[:most])[:-1] + (", ...]" if len(indices) > most else "]")
-
-
-def _real(value: object, name: str) -> float:
-    """``value`` as a float (numpy and 0-d torch numbers too); bools and text are refused."""
-    try:
-        if isinstance(value, bool | str | bytes):
-            raise TypeError
-        return float(value)  # type: ignore[arg-type]
-    except OverflowError:  # an integer beyond float's range (10**400): not finite
-        return math.inf
-    except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a number, got {value!r}") from None
 
 
 @dataclass
@@ -270,12 +164,12 @@ class Averager:
             "max_staleness": max_staleness,
         }
         config = replace(config, **{k: v for k, v in overrides.items() if v is not None})
-        _check_node(node)
+        check_node(node)
         self._background = node if isinstance(node, BackgroundPeer) else None
         if isinstance(node, BackgroundPeer):
             node = node.peer
         self.node = node
-        self.prefix = _check_prefix(prefix)
+        self.prefix = check_prefix(prefix)
         self.config = config
         self.flat = FlatVector.of(tensors)
         try:  # e.g. topk's fraction left in codec_params after a switch to int8
@@ -283,7 +177,7 @@ class Averager:
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"AveragerConfig.codec_params: {exc}") from None
         self.codec.casts = TORCH_CASTS  # same values as numpy's, many times faster
-        _check_chunk_fits(self.codec, config, self.flat.total)
+        check_chunk_fits(self.codec, config, self.flat.total)
         self.layout = self.flat.layout
         # peers must agree on the codec, the chunking, the group size (a group must fit
         # every member's) and the wire format (v2: raw result blobs reused; topk results

@@ -1,0 +1,120 @@
+"""What an :class:`~training.averaging.averager.Averager` refuses at construction or at
+``step``, each with an error that names the argument: a node that is not a running peer, a
+prefix no round key can be made of, a codec whose chunks no peer would accept, a weight,
+epoch or timeout out of range."""
+
+from __future__ import annotations
+
+import math
+import numbers
+
+from peer import BackgroundPeer, Peer
+from peer.node import MIN_PEER_FRAME_SIZE
+from protocol.codecs import Codec
+from protocol.records import RecordError, check_key
+
+from .config import AveragerConfig
+from .grouping import MAX_EPOCH, round_key
+
+
+def check_step_arguments(weight: float, epoch: int, timeout: float | None) -> None:
+    """Raises: ValueError naming the argument that :meth:`Averager.step` cannot take."""
+    if not (math.isfinite(number := _real(weight, "weight")) and number > 0):
+        raise ValueError(f"weight must be a positive finite number, got {weight!r}")
+    if not isinstance(epoch, numbers.Integral) or isinstance(epoch, bool) or epoch < 0:
+        raise ValueError(f"epoch must be a non-negative integer, got {epoch!r}")
+    if epoch >= MAX_EPOCH:  # what a declaration can carry
+        raise ValueError(f"epoch must be below 2**62 (the wire limit), got {epoch}")
+    if timeout is None:
+        return
+    if not math.isfinite(seconds := _real(timeout, "timeout")):
+        raise ValueError(
+            f"timeout must be a finite number of seconds, got {timeout!r}; None uses the "
+            "default (a margin before the caller's cancel-scope deadline, else "
+            "AveragerConfig.default_timeout)"
+        )
+    if not seconds > 0:
+        raise ValueError(f"timeout must be positive, got {timeout!r}")
+
+
+def check_prefix(prefix: object) -> str:
+    """Refuse, at construction, a prefix that every step would fail with.
+
+    Raises:
+        TypeError: if it is not a str.
+        ValueError: if it is empty, or its round keys would exceed the DHT's key limit.
+    """
+    if not isinstance(prefix, str):
+        raise TypeError(f"prefix must be a str, got {type(prefix).__name__}")
+    if not prefix:
+        raise ValueError("prefix must not be empty (e.g. 'my-run/grads')")
+    longest = round_key(prefix, 2**64)  # round numbers are unix times over the window
+    try:
+        check_key(longest)
+    except RecordError as exc:
+        raise ValueError(f"prefix too long: its round keys cannot be DHT keys ({exc})") from None
+    return prefix
+
+
+def check_node(node: object) -> None:
+    """Raises: TypeError for a node that is not a running peer (the usual one: the context
+    manager of ``run_in_background``, the ``with`` forgotten)."""
+    if isinstance(node, Peer | BackgroundPeer):
+        return
+    hint = ""
+    if hasattr(type(node), "__enter__") or hasattr(type(node), "__aenter__"):
+        hint = (
+            ": this is a context manager; the peer is what entering it gives "
+            "(`with peer.run_in_background(...) as node:`, or "
+            "`async with peer.open_peer(...) as node:`)"
+        )
+    raise TypeError(f"node must be a running peer, got {type(node).__name__}{hint}")
+
+
+CHUNK_HEADER_ROOM = 4096
+"""Bytes of a chunk's frame besides its blob (the RPC header with the chunk's body: ~200)."""
+
+
+def check_chunk_fits(codec: Codec, config: AveragerConfig, n_elements: int) -> None:
+    """A chunk's blob must fit the frame every peer accepts (``MIN_PEER_FRAME_SIZE``):
+    ``topk`` with a fraction over about half makes blobs larger than the chunk's float32
+    bytes (an index beside each value), and each upload then failed deep in the step.
+
+    Raises:
+        ValueError: naming ``chunk_bytes`` and the largest that fits; or naming
+            ``max_elements`` when ``codec_params`` set it below the elements of a chunk
+            (every chunk is encoded on its own, so the largest chunk must fit: the
+            vector's ``n_elements``, or ``chunk_bytes / 4`` when the vector is larger).
+    """
+    largest = min(config.chunk_elements, n_elements)
+    if codec.max_elements < largest:
+        raise ValueError(
+            f"AveragerConfig.codec_params: max_elements={codec.max_elements} is below the "
+            f"{largest} elements of a chunk (the vector's {n_elements} in chunks of "
+            f"chunk_bytes={config.chunk_bytes} / 4): use max_elements >= {largest}, or "
+            "leave it out"
+        )
+    room = MIN_PEER_FRAME_SIZE - CHUNK_HEADER_ROOM
+    blob = max(codec.encoded_size(largest), 4 * largest)
+    if blob <= room:
+        return
+    fits = config.chunk_bytes * room // blob // 4096 * 4096
+    while fits > 4096 and codec.encoded_size(min(fits // 4, codec.max_elements)) > room:
+        fits -= 4096
+    raise ValueError(
+        f"AveragerConfig.chunk_bytes={config.chunk_bytes} makes {codec!r} chunks of {blob} "
+        f"bytes, beyond the {MIN_PEER_FRAME_SIZE} bytes a frame to any peer may hold: use "
+        f"chunk_bytes <= {fits}"
+    )
+
+
+def _real(value: object, name: str) -> float:
+    """``value`` as a float (numpy and 0-d torch numbers too); bools and text are refused."""
+    try:
+        if isinstance(value, bool | str | bytes):
+            raise TypeError
+        return float(value)  # type: ignore[arg-type]
+    except OverflowError:  # an integer beyond float's range (10**400): not finite
+        return math.inf
+    except (TypeError, ValueError):
+        raise ValueError(f"{name} must be a number, got {value!r}") from None
