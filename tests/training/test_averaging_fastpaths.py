@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from protocol.codecs import get_codec
-from protocol.codecs.casts import NUMPY_CASTS
+from protocol.codecs.casts import NUMPY_CASTS, Casts
 from protocol.errors import RemoteProtocolError
 from protocol.identity import Identity, PeerID
 from training.averaging.casts import TORCH_CASTS
@@ -217,3 +217,21 @@ def test_torch_row_scaling_equals_numpys_bit_for_bit() -> None:
     np.testing.assert_array_equal(got.view(np.uint32), expected.view(np.uint32))
     TORCH_CASTS.scale_rows(rows, factors, rows)  # in place, as decoding does
     np.testing.assert_array_equal(rows.view(np.uint32), expected.view(np.uint32))
+
+
+@pytest.mark.parametrize("casts", [NUMPY_CASTS, TORCH_CASTS], ids=["numpy", "torch"])
+def test_casts_refuse_a_read_only_output_and_leave_it_unchanged(casts: Casts) -> None:
+    """torch alone would warn and write through a read-only array; both refuse it."""
+    rows = np.ones((4, 8), dtype=np.float32)
+    factors = np.full(4, 2.0, dtype=np.float32)
+    frozen = np.zeros((4, 8), dtype=np.float32)
+    frozen.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        casts.scale_rows(rows, factors, frozen)
+    half = np.zeros(32, dtype=np.float16)
+    half.flags.writeable = False
+    with pytest.raises(ValueError, match="read-only"):
+        casts.to_half(rows.reshape(-1), half)
+    with pytest.raises(ValueError, match="read-only"):
+        casts.to_float(np.ones(32, dtype=np.float16), frozen.reshape(-1))
+    assert not frozen.any() and not half.any()

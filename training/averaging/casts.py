@@ -21,14 +21,22 @@ from .scans import as_tensor
 __all__ = ["TORCH_CASTS"]
 
 
+def _output(dst: npt.NDArray[Any]) -> torch.Tensor:
+    """A torch view of ``dst`` to write into. torch would only warn about a read-only array
+    and write anyway; numpy's casts refuse one, so these do too."""
+    if not dst.flags.writeable:
+        raise ValueError("output array is read-only")
+    return torch.from_numpy(dst)
+
+
 def _torch_cast(src: npt.NDArray[Any], dst: npt.NDArray[Any]) -> None:
-    torch.from_numpy(dst).copy_(as_tensor(src))
+    _output(dst).copy_(as_tensor(src))
 
 
 def _torch_scale_rows(
     src: npt.NDArray[Any], factors: npt.NDArray[Any], dst: npt.NDArray[Any]
 ) -> None:
-    torch.mul(as_tensor(src), as_tensor(factors)[:, None], out=torch.from_numpy(dst))
+    torch.mul(as_tensor(src), as_tensor(factors)[:, None], out=_output(dst))
 
 
 TORCH_CASTS = Casts(to_half=_torch_cast, to_float=_torch_cast, scale_rows=_torch_scale_rows)
