@@ -21,6 +21,7 @@ from training.averaging.grouping import (
     leader_of,
     make_groups,
     parse_declarations,
+    phase_of,
 )
 from training.averaging.layout import FlatVector, as_tensors, check_spans, split_spans
 from training.averaging.messages import ChunkHeader, GroupConfirmation, ResultHeader
@@ -178,6 +179,35 @@ def test_moshpit_grid_mixes_everyone(n: int) -> None:
     if grid_full:
         assert spread < 1e-9
     assert spread < n - 1  # always mixes
+
+
+def test_one_declarer_cannot_choose_the_grid_phase() -> None:
+    """The phase fixes the grid and the order in every group, so whoever chose it chose
+    who leads: with the largest count as the phase, a hostile peer found a count under
+    which it led (and refused every join). With the lower median, any count it declares
+    gives the honest peers' grouping while two or more of them agree."""
+    hostile = 8
+    leads = [
+        phase
+        for phase in range(64)
+        for group in make_groups([decl(i, count=phase) for i in range(hostile + 1)], 4, "p")
+        if leader_of(group) == decl(hostile, count=phase)
+    ]
+    assert leads and len(leads) < 64  # choosing the phase would choose the leader
+    for honest in (2, 3, hostile):
+        fair = make_groups(
+            [decl(i, count=7) for i in range(honest)] + [decl(hostile, count=7)], 4, "p"
+        )
+        for count in (0, 1, 6, 8, 2**40, 2**62 - 1, *leads):
+            decls = [decl(i, count=7) for i in range(honest)] + [decl(hostile, count=count)]
+            assert phase_of(decls) == 7
+            groups = make_groups(decls, 4, "p")
+            assert [[d.peer_id for d in g] for g in groups] == [
+                [d.peer_id for d in g] for g in fair
+            ], (honest, count)
+    assert phase_of([]) == 0
+    assert phase_of([decl(0, count=5), decl(1, count=9)]) == 5  # the lower of two
+    assert phase_of([decl(i, count=c) for i, c in enumerate((4, 1, 9, 3, 3))]) == 3
 
 
 @pytest.mark.parametrize(

@@ -50,7 +50,7 @@ def declaration_wire(**changes: object) -> dict[str, object]:
         "weight": 1.0,
         "epoch": 0,
         "bandwidth": 1.0,
-        "layout": "v5:abc",
+        "layout": "v6:abc",
         "count": 1,
     }
     base.update(changes)

@@ -492,10 +492,11 @@ async def _declare_in_rounds(node: Peer, value: dict[str, object], rounds: int =
 async def test_a_declared_round_count_of_2_62_minus_1_does_not_push_ours_out_of_range(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    """Peers adopt the largest round count declared (the grid phase). One declaration of
-    2**62 - 1 used to take the count to 2**62 after the next round: beyond what a
-    declaration may carry, so that nobody read the peers' declarations any more (here each
-    saw only the odd peer, and its step raised LayoutMismatchError). Counts now wrap."""
+    """Peers adopted the largest round count declared (the grid phase). One declaration of
+    2**62 - 1 took the count to 2**62 after the next round: beyond what a declaration may
+    carry, so that nobody read the peers' declarations any more (here each saw only the odd
+    peer, and its step raised LayoutMismatchError). Counts wrap; and now the phase is the
+    median count of our own layout's peers, so the odd peer does not move ours at all."""
     with trio.fail_after(60):
         async with memnet_swarm(3) as (_, nodes):
             members = make_members(nodes[:2], 3000, fast_config())
@@ -504,14 +505,40 @@ async def test_a_declared_round_count_of_2_62_minus_1_does_not_push_ours_out_of_
                 "client_mode": False, "layout": "another", "count": 2**62 - 1,
             }  # fmt: skip
             await _declare_in_rounds(nodes[2], odd)
-            for _ in range(4):
+            for number in range(1, 5):
                 results = await step_all(members, timeout=20.0)
                 infos = [info for info, _ in results]
                 verify_round(members, infos)  # type: ignore[arg-type]
                 for info in infos:
                     assert info is not None and info.outcome is Outcome.AVERAGED, info
+                for m in members:  # a count of another layout is no phase of ours
+                    assert m.averager._count == number
+                    m.data = m.array.copy()
+
+
+async def test_one_member_declaring_huge_round_counts_moves_nobody_elses(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A member that declares a count of its own choosing every round (here 2**40, its
+    averaging otherwise honest) used to set every peer's grid phase, and with it who led
+    (a hostile one chose to lead every round and refuse every join). The phase is now the
+    lower median of the counts: the three others keep theirs, one more per round, and the
+    groups are the ones their counts give."""
+    with trio.fail_after(60):
+        async with memnet_swarm(4) as (_, nodes):
+            members = make_members(nodes, 3000, fast_config())
+            odd = members[3].averager
+            for number in range(1, 5):
+                odd._count = 2**40
+                results = await step_all(members, timeout=20.0)
+                infos = [info for info, _ in results]
+                verify_round(members, infos)  # type: ignore[arg-type]
+                for info in infos:
+                    assert info is not None and info.outcome is Outcome.AVERAGED, info
+                    assert len(info.group) == 4
+                for m in members[:3]:
+                    assert m.averager._count == number
                 for m in members:
-                    assert 0 <= m.averager._count < 2**62
                     m.data = m.array.copy()
 
 

@@ -45,6 +45,7 @@ from .grouping import (
     MAX_DETAIL,
     MAX_EPOCH,
     Declaration,
+    phase_of,
 )
 from .layout import FlatVector, Float32Array, TensorLayout
 from .loopwatch import LoopWatch
@@ -182,7 +183,8 @@ class Averager:
         # peers must agree on the codec, the chunking, the group size (a group must fit
         # every member's) and the wire format (v2: raw result blobs reused; topk results
         # lossless with error feedback; v3: raw float32 payloads with the none codec; v4:
-        # convex sums, the group size; v5: grids that n fills exactly, so the same groups),
+        # convex sums, the group size; v5: grids that n fills exactly; v6: the phase is the
+        # median count: the same groups),
         # and on the staleness rule: each reducer applies its own, so with different ones
         # parts were weighed differently, or a reducer waited until the cutoff for a sender
         # that had found itself stale and sent nothing
@@ -434,8 +436,11 @@ class Averager:
         )
         match = await self._find_group(me, deadline)
         t1 = trio.current_time()
-        # Rounds the swarm has done (the grid phase): catch up if we are behind.
-        self._count = max(self._count, self._matchmaker.seen_count)
+        # The grid phase the peers of our layout follow (a median: no one peer chooses it):
+        # a newcomer, or a peer that missed rounds, takes it up.
+        seen_phase = self._matchmaker.seen_phase
+        if seen_phase is not None:
+            self._count = seen_phase
         withdraw_by = min(deadline, t1 + self.config.join_timeout)
         if match.confirmation is None:
             await self._matchmaker.withdraw(match.round, withdraw_by)
@@ -447,9 +452,11 @@ class Averager:
         conf = match.confirmation
         plan = Plan.of(conf, me.peer_id, self.config)
         versions = self.flat.versions()  # read and written from here on: see _warn_if_changed
-        # wraps within what a declaration carries: a peer that declared 2**62 - 1 (which we
-        # adopt) must not push our own declarations out of range, where nobody reads them
-        self._count = max(self._count, max(m.count for m in conf.members) + 1) % MAX_EPOCH
+        # One round more than the group's phase, the same for every member (the median of
+        # the counts that the confirmation lists); it wraps within what a declaration
+        # carries: a count of 2**62 must not push our declarations out of range, where
+        # nobody reads them.
+        self._count = (max(self._count, phase_of(conf.members)) + 1) % MAX_EPOCH
         feedback = self.feedback
         if feedback is not None:  # topk: flat = tensors + residual, sparsified as sent
             feedback.begin(self.flat)

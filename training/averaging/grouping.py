@@ -11,12 +11,13 @@ Groups. Everybody who declared in a round computes the same grouping from the sa
 full (non-client) peers are ranked by ``sha256(seed | peer id)`` where the seed changes
 every ``d`` rounds, placed on a ``d``-dimensional grid with sides ``<= group_size`` (see
 ``grid_sides``), and grouped by all coordinates but one; the free coordinate cycles with
-the shared ``phase`` (the largest round count declared). After ``d`` rounds over a stable
-population every peer has (indirectly) averaged with every other (exactly, when ``n``
-fills the grid). Client-mode peers join the smallest groups that have room; when none has,
-one full peer (one per round) leaves the group with the most of them to start one for
-clients. Singletons are merged or balanced away wherever group_size allows (see
-``_merge_singletons``). Each group's leader is its first non-client member in hash order.
+the shared ``phase`` (the lower median of the round counts declared, ``phase_of``). After
+``d`` rounds over a stable population every peer has (indirectly) averaged with every
+other (exactly, when ``n`` fills the grid). Client-mode peers join the smallest groups
+that have room; when none has, one full peer (one per round) leaves the group with the
+most of them to start one for clients. Singletons are merged or balanced away wherever
+group_size allows (see ``_merge_singletons``). Each group's leader is its first non-client
+member in hash order.
 """
 
 from __future__ import annotations
@@ -36,7 +37,7 @@ from protocol.identity import PeerID
 MAX_EPOCH = 1 << 62
 MAX_LAYOUT = 64  # characters of a layout fingerprint on the wire (a short hash)
 MAX_DETAIL = 200  # characters of a declaration's detail (words for error messages)
-LAYOUT_VERSION = "v5"
+LAYOUT_VERSION = "v6"
 """The averaging wire's version, part of every layout fingerprint (``Averager.layout_id``)
 and named at the end of a declaration's detail: peers of other versions group apart."""
 _VERSION_WORDS = re.compile(r", layout v\d+$")
@@ -273,7 +274,7 @@ def _group_one_layout(
 ) -> list[list[Declaration]]:
     full = [d for d in decls if not d.client_mode]
     clients = [d for d in decls if d.client_mode]
-    phase = max((d.count for d in decls), default=0)
+    phase = phase_of(decls)
     sides = grid_sides(max(len(full), 1), group_size)
     d = len(sides)
     block_seed = hashlib.sha256(f"{prefix}|grid|{phase // d}".encode()).digest()
@@ -311,6 +312,17 @@ def _group_one_layout(
             leftovers.append([client])  # no room: alone (and without a leader) this round
     groups.extend(leftovers)
     return [sorted(g, key=lambda x: rank_key(round_seed, x.peer_id)) for g in groups]
+
+
+def phase_of(declarations: Sequence[Declaration]) -> int:
+    """The grid phase of a round: the lower median of the declared round counts (0 for
+    none). Every other rule of the grouping is fixed, so whoever chose the phase would choose
+    the grid and the order within each group, and with it who leads; a median leaves one
+    declarer no choice while two or more others declare the same count (the largest count,
+    the rule before, let a peer pick the phase under which it led every round and refused
+    every join)."""
+    counts = sorted(d.count for d in declarations)
+    return counts[(len(counts) - 1) // 2] if counts else 0
 
 
 def _most_full(groups: Sequence[list[Declaration]]) -> list[Declaration] | None:

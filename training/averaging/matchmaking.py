@@ -34,6 +34,7 @@ from .grouping import (
     make_groups,
     parse_declarations,
     parse_done,
+    phase_of,
     round_closing_after,
     round_key,
 )
@@ -129,7 +130,9 @@ class Matchmaker(Confirmation):
         # declarations stay in its key for the next step in the same slot)
         self._views: list[int] = []
         self._ghosts: set[PeerID] = set()
-        self.seen_count = 0  # the largest round count the others declared in rounds we read
+        # the grid phase of the last round of this step in which we read peers of our
+        # layout (``phase_of`` of theirs and ours), None when we read none
+        self.seen_phase: int | None = None
         self._foreign: set[str] = set()  # other layouts seen (warned about once; bounded)
         # Whether a peer of our own layout ever came beside us (declared, or done before we
         # read the round): then a round where only peers of other layouts showed up is their
@@ -158,6 +161,7 @@ class Matchmaker(Confirmation):
         """
         window = self.config.gather_window
         self._layout = me.layout
+        self.seen_phase = None
         earliest = 0
         lone_retry = True
         strangers: MatchResult | None = None  # a lone round with peers of another layout
@@ -442,8 +446,10 @@ class Matchmaker(Confirmation):
                 state.unheard = read.asked > 0 and not read.answered
                 values = {s: v for s, (v, _) in read.entries.items()}
                 declared = parse_declarations(values)
-                others = [d.count for d in declared if d.peer_id != state.me.peer_id]
-                self.seen_count = max([self.seen_count, *others])
+                others = [d for d in declared if d.peer_id != state.me.peer_id]
+                company = [d for d in others if d.layout == state.me.layout]
+                if company:
+                    self.seen_phase = phase_of([state.me, *company])
                 state.others_seen = max(state.others_seen, len(others))
                 done = parse_done(values, self._subkey)
                 if done.total() > state.others_done.total():
