@@ -339,8 +339,9 @@ def _merge_singletons(groups: list[list[Declaration]], group_size: int) -> None:
     """Leave nobody alone that can be grouped (a grid that ``n`` does not fill has short
     lines): a singleton joins the smallest group with room; if none has room, it takes the
     last member of the largest group of 3 or more (10 peers in groups of 3: 3, 3, 2, 2, not
-    3, 3, 3, 1). Groups never exceed ``group_size``: with pairs and an odd count, one peer
-    stays out of the round (the grid puts another one out in the next)."""
+    3, 3, 3, 1, where the free axis is a full side of the 3 x 3 x 3 grid). Groups never
+    exceed ``group_size``: with pairs and an odd count, one peer stays out of the round
+    (the grid puts another one out in the next)."""
     i = 0
     while i < len(groups):
         if len(groups[i]) == 1 and len(groups) > 1:
