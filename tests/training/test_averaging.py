@@ -311,6 +311,38 @@ async def test_extreme_values_and_weights_average_to_the_weighted_mean(
         assert np.isfinite(m.array).all()
 
 
+async def test_weights_no_group_can_sum_are_refused_by_step_and_on_the_wire(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Two members of weight 1e308 made each reducer's exact sum of the weights (math.fsum)
+    overflow, and every member's step raise OverflowError, a third member's of weight 1
+    too. A weight above 1e300 is now refused: by step(), and in a declaration read from
+    another peer (one that skips the check, as another implementation might)."""
+    with trio.fail_after(60):
+        async with memnet_swarm(5) as (_, nodes):
+            members = make_members(nodes, 3000, fast_config())
+            with pytest.raises(ValueError, match=r"weight must be at most 1e\+300"):
+                await members[0].averager.step(weight=1e301, timeout=5.0)
+            honest, heavy = members[:3], members[3:]
+            infos: dict[int, Any] = {}
+
+            async def run(index: int, weight: float) -> None:
+                averager = members[index].averager
+                deadline = trio.current_time() + 20.0
+                infos[index] = await averager._step(weight, 0, deadline)  # no argument check
+
+            async with trio.open_nursery() as nursery:
+                for i in range(len(members)):
+                    nursery.start_soon(run, i, 1e308 if members[i] in heavy else members[i].weight)
+    honest_infos = [infos[i] for i in range(len(honest))]
+    verify_round(honest, honest_infos)
+    for info in honest_infos:
+        assert info.outcome is Outcome.AVERAGED, info
+        assert set(info.group) == {m.averager.node.peer_id for m in honest}
+    for i in range(len(honest), len(members)):  # nobody groups with a malformed declaration
+        assert infos[i].outcome in (Outcome.ALONE, Outcome.UNCONFIRMED), infos[i]
+
+
 async def test_a_mean_beyond_float16_is_reported_as_an_overflow(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

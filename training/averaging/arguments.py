@@ -14,13 +14,15 @@ from protocol.codecs import Codec
 from protocol.records import RecordError, check_key
 
 from .config import AveragerConfig
-from .grouping import MAX_EPOCH, round_key
+from .grouping import MAX_EPOCH, MAX_WEIGHT, round_key
 
 
 def check_step_arguments(weight: float, epoch: int, timeout: float | None) -> None:
     """Raises: ValueError naming the argument that :meth:`Averager.step` cannot take."""
     if not (math.isfinite(number := _real(weight, "weight")) and number > 0):
         raise ValueError(f"weight must be a positive finite number, got {weight!r}")
+    if number > MAX_WEIGHT:  # what a declaration can carry
+        raise ValueError(f"weight must be at most {MAX_WEIGHT:g} (the wire limit), got {weight!r}")
     if not isinstance(epoch, numbers.Integral) or isinstance(epoch, bool) or epoch < 0:
         raise ValueError(f"epoch must be a non-negative integer, got {epoch!r}")
     if epoch >= MAX_EPOCH:  # what a declaration can carry

@@ -35,6 +35,10 @@ from protocol.errors import ProtocolError, RemoteProtocolError, brief
 from protocol.identity import PeerID
 
 MAX_EPOCH = 1 << 62
+MAX_WEIGHT = 1e300
+"""The largest weight a peer may declare: a group (at most 256 members) then sums its
+weights to a finite float64. Two members of weight 1e308 made every reducer's exact sum
+(``math.fsum``) overflow, and every member's step raise ``OverflowError``."""
 MAX_LAYOUT = 64  # characters of a layout fingerprint on the wire (a short hash)
 MAX_DETAIL = 200  # characters of a declaration's detail (words for error messages)
 LAYOUT_VERSION = "v6"
@@ -139,8 +143,8 @@ class Declaration:
                 raise RemoteProtocolError(f"bad address in declaration: {exc}") from None
             if named is not None and named != peer_id:  # others would dial that peer for us
                 raise RemoteProtocolError("a declaration's address names another peer")
-        if not (math.isfinite(weight) and weight > 0):
-            raise RemoteProtocolError(f"declared weight {weight} is not positive")
+        if not (math.isfinite(weight) and 0 < weight <= MAX_WEIGHT):
+            raise RemoteProtocolError(f"declared weight {weight} is not in (0, {MAX_WEIGHT:g}]")
         if not (math.isfinite(bandwidth) and bandwidth > 0):
             raise RemoteProtocolError(f"declared bandwidth {bandwidth} is not positive")
         integers = (
