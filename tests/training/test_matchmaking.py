@@ -364,6 +364,14 @@ def test_group_size_must_be_an_integer_of_at_least_two(value: object) -> None:
     assert type(AveragerConfig(group_size=np.int64(3)).group_size) is int  # type: ignore[arg-type]
 
 
+def test_group_size_is_at_most_what_a_confirmation_lists() -> None:
+    """A confirmation lists at most 256 members, and every member refuses a longer one: with
+    a larger group_size, 257 peers would form a group that could never confirm."""
+    assert AveragerConfig(group_size=256).group_size == 256
+    with pytest.raises(ValueError, match="group_size must be at most 256"):
+        AveragerConfig(group_size=257)
+
+
 async def test_a_peer_declaring_a_new_layout_every_round_is_remembered_boundedly(
     autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -22,6 +22,10 @@ _INTEGERS = {
 }
 """The integer fields and their least values."""
 
+MAX_GROUP_SIZE = 256
+"""The most members a group confirmation may list (``messages.MAX_MEMBERS``): a larger
+``group_size`` let 257 peers form a group whose confirmation every member refused."""
+
 MIN_GATHER_WINDOW = 0.05
 """Seconds: below that, peers cannot see each other's declarations before a slot closes
 (a DHT store takes milliseconds even on loopback), and round numbers (time / window) grow
@@ -40,7 +44,7 @@ class AveragerConfig:
     The step's own ``timeout`` bounds everything; the knobs below split it.
     """
 
-    group_size: int = 16  # most peers in one all-reduce group (Moshpit grid across rounds)
+    group_size: int = 16  # most peers in one all-reduce group, 2 to 256 (Moshpit grid)
     # "none", "float16", "int8" or "topk" (gradients or updates only: what is outside every
     # member's top k comes back as 0, so averaged parameters would be zeroed): part of the layout
     codec: str = "none"
@@ -78,6 +82,11 @@ class AveragerConfig:
     def __post_init__(self) -> None:
         for name, least in _INTEGERS.items():
             self._check_integer(name, least)
+        if self.group_size > MAX_GROUP_SIZE:
+            raise ValueError(
+                f"AveragerConfig.group_size must be at most {MAX_GROUP_SIZE} (the most members "
+                f"a group confirmation lists), got {self.group_size}"
+            )
         if self.codec not in CODEC_NAMES:
             raise ValueError(f"AveragerConfig.codec must be one of {CODEC_NAMES}")
         if not 0.0 < self._real("staleness_decay") <= 1.0:

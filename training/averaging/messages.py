@@ -25,11 +25,12 @@ from typing import Any
 from protocol.errors import ProtocolError, RemoteProtocolError, brief
 from protocol.identity import PeerID
 
+from .config import MAX_GROUP_SIZE
 from .grouping import Declaration
 from .layout import Span, check_spans
 from .reducer import DropReason
 
-MAX_MEMBERS = 256
+MAX_MEMBERS = MAX_GROUP_SIZE
 MAX_NOTE = 200  # characters in a result header's note
 
 
