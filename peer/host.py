@@ -51,6 +51,7 @@ import trio
 from protocol.address import Address, canonical_host
 from protocol.errors import ProtocolError
 from protocol.identity import Identity, PeerID
+from protocol.rpc import MAX_INFLIGHT_REQUESTS
 
 from .errors import (
     DuplicateIdentityError,
@@ -116,6 +117,15 @@ class RpcHost:
         self.peer_id: PeerID = identity.peer_id
         self.config = config
         self.network = network
+        if config.max_inflight_requests < MAX_INFLIGHT_REQUESTS:
+            logger.warning(
+                "HostConfig.max_inflight_requests is %d: peers may keep %d requests in flight "
+                "(the protocol's number, and every other peer's default), and this node drops "
+                "the connection of one that has more than %d",
+                config.max_inflight_requests,
+                MAX_INFLIGHT_REQUESTS,
+                config.max_inflight_requests,
+            )
         self.listen_address: Address | None = None
         self._nursery = nursery
         self._handlers = HandlerRegistry()

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import math
+import numbers
 from dataclasses import dataclass
 
 from protocol.framing import DEFAULT_MAX_FRAME_SIZE
+from protocol.rpc import MAX_INFLIGHT_REQUESTS
 
 
 @dataclass(frozen=True)
@@ -20,8 +23,12 @@ class HostConfig:
     """Inbound connections from one remote host (one /64 for IPv6); generous, since NATs
     share addresses. Beyond, a new one from that host takes the slot of the host's own
     inbound connection idle the longest, or is refused when none of them is idle."""
-    max_inflight_requests: int = 128
-    """Per connection: a peer that exceeds it is dropped; our own calls wait for a slot."""
+    max_inflight_requests: int = MAX_INFLIGHT_REQUESTS
+    """Requests a peer may have in flight on one connection; one that exceeds it is dropped.
+    The protocol has every peer accept 128 (``protocol.rpc.MAX_INFLIGHT_REQUESTS``), so
+    fewer drops peers that keep to it (a warning says so; for tests, or swarms where every
+    peer sets the same); more only accepts more. Our own calls keep to the smaller of this
+    and 128, each waiting for a slot."""
     handshake_rate_per_ip: float = 16.0
     """New inbound connections per second one host (or /64) may open on average, in
     bursts of ``handshake_burst_per_ip``; beyond, a new one is closed at once, before its
@@ -55,6 +62,17 @@ class HostConfig:
     queued (a result stream's last chunks) before they are closed."""
 
     def __post_init__(self) -> None:
+        for name in ("max_frame_size", "max_connections", "max_connections_per_ip"):
+            self._check_at_least_one(name)
+        self._check_at_least_one("max_inflight_requests")
+        for name in ("handshake_timeout", "idle_timeout", "dial_timeout"):
+            value = getattr(self, name)
+            if not value > 0:  # NaN too; math.inf: never
+                raise ValueError(f"HostConfig.{name} must be positive seconds, got {value!r}")
+        if not (self.drain_timeout >= 0 and math.isfinite(self.drain_timeout)):
+            raise ValueError(
+                f"HostConfig.drain_timeout must be finite seconds >= 0, got {self.drain_timeout!r}"
+            )
         if not self.send_timeout > 0:  # math.inf turns the check off
             raise ValueError(f"HostConfig.send_timeout must be positive, got {self.send_timeout}")
         if not self.handshake_rate_per_ip > 0:  # math.inf turns the limit off
@@ -71,3 +89,8 @@ class HostConfig:
             raise ValueError(
                 f"HostConfig.silence_timeout must be positive, got {self.silence_timeout}"
             )
+
+    def _check_at_least_one(self, name: str) -> None:
+        value = getattr(self, name)
+        if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+            raise ValueError(f"HostConfig.{name} must be an integer of at least 1, got {value!r}")

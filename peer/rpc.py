@@ -55,6 +55,7 @@ from protocol.identity import PeerID
 from protocol.rpc import (
     MAX_ERROR_CODE_LENGTH,
     MAX_ERROR_MESSAGE_LENGTH,
+    MAX_INFLIGHT_REQUESTS,
     MAX_REQUEST_ID,
     MAX_TIMEOUT,
     FrameKind,
@@ -131,7 +132,8 @@ class RpcConnection:
         self._unanswered_since: float | None = None  # see _note_unanswered
         self._handlers = handlers
         self._outbox = Outbox(capacity=max(8, max_inflight_requests // 4))
-        self._call_slots = trio.Semaphore(max_inflight_requests)
+        # the peer serves at least the protocol's 128 at once, perhaps no more
+        self._call_slots = trio.Semaphore(min(max_inflight_requests, MAX_INFLIGHT_REQUESTS))
         self._pending: dict[int, PendingCall | PendingStream] = {}
         self._incoming: dict[int, _Incoming] = {}
         self._served = trio.lowlevel.ParkingLot()  # a request we served was answered

@@ -54,6 +54,7 @@ __all__ = [
     "decode_rpc_frame",
     "encode_rpc_frame",
     "may_hold_array_bomb",
+    "MAX_INFLIGHT_REQUESTS",
 ]
 
 PROTOCOL_VERSION = 1
@@ -65,6 +66,9 @@ MAX_ERROR_CODE_LENGTH = 64
 MAX_ERROR_MESSAGE_LENGTH = 1024
 MAX_TIMEOUT = 86400.0
 MAX_REQUEST_ID = (1 << 32) - 1
+MAX_INFLIGHT_REQUESTS = 128
+"""Requests one peer may have in flight on one connection: every peer serves this many at
+once, so a caller keeps no more unanswered (see docs/protocol.md 4.3)."""
 
 _HEADER_LENGTH = struct.Struct(">I")
 _METHOD = re.compile(r"[a-z0-9_.]{1,64}")

@@ -4,6 +4,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from protocol.messages import MAX_NODES
+from protocol.records import MAX_VALUE_BYTES
+
+from .storage import ENTRY_OVERHEAD
+
 
 @dataclass(frozen=True, slots=True)
 class DHTConfig:
@@ -72,6 +77,11 @@ class DHTConfig:
     def __post_init__(self) -> None:
         if self.k < 1 or self.alpha < 1 or self.value_quorum < 1:
             raise ValueError("DHTConfig: k, alpha and value_quorum must be positive")
+        if self.k > MAX_NODES:  # the k closest travel in one reply
+            raise ValueError(
+                f"DHTConfig.k must be at most {MAX_NODES} (the nodes one DHT reply may name, "
+                f"protocol.messages.MAX_NODES), got {self.k}"
+            )
         if min(self.request_timeout, self.hedge_after, self.refresh_interval) <= 0:
             raise ValueError("DHTConfig: timeouts and intervals must be positive")
         if not self.busy_join_timeout >= 0:  # (NaN too)
@@ -80,7 +90,20 @@ class DHTConfig:
             raise ValueError("DHTConfig: republish_interval > 0 and republish_margin >= 0")
         if min(self.max_stored_keys, self.max_stored_bytes, self.max_failures) < 1:
             raise ValueError("DHTConfig: limits must be positive")
+        if self.max_republished_records < 1:
+            raise ValueError(
+                "DHTConfig.max_republished_records must be at least 1 (records not on the "
+                f"list are never republished), got {self.max_republished_records}"
+            )
         if not 0 < self.max_stored_share_per_host <= 1:
             raise ValueError("DHTConfig: max_stored_share_per_host must be in (0, 1]")
+        largest = MAX_VALUE_BYTES + ENTRY_OVERHEAD
+        if self.max_stored_bytes * self.max_stored_share_per_host < largest:
+            raise ValueError(
+                "DHTConfig: max_stored_bytes x max_stored_share_per_host must hold one "
+                f"largest entry ({largest} bytes: a {MAX_VALUE_BYTES}-byte value and its "
+                f"{ENTRY_OVERHEAD} bytes of overhead), got {self.max_stored_bytes} x "
+                f"{self.max_stored_share_per_host}"
+            )
         if self.max_parallel_pings < 1 or self.max_concurrent_requests < 1:
             raise ValueError("DHTConfig: limits must be positive")

@@ -392,3 +392,56 @@ async def test_a_network_without_admit_still_serves_and_limits(
                 refused += await _is_closed_at_once(stream)
                 await stream.aclose()
             assert refused == 8 and s.handshakes_refused == 8
+
+
+async def test_a_peer_that_accepts_more_requests_still_sends_only_the_protocols_128(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """max_inflight_requests=512 let a node keep 512 calls in flight to a peer that, like
+    every peer on the defaults, drops a connection at 129: an averaging pair then saw each
+    other as dead every round. Its calls now keep to the protocol's 128 (the rest wait for
+    a slot); a node set to accept fewer than 128 says what that does to others."""
+    net = MemoryNetwork()
+    generous = HostConfig(max_inflight_requests=512)
+    async with (
+        open_rpc_host(SERVER, listen=Address("s", 1), network=net.interface("s")) as s,
+        open_rpc_host(GOOD, listen=None, network=net.interface("g"), config=generous) as good,
+    ):
+        s.register("sleepy", sleepy)
+        address = s.listen_address
+        assert address is not None
+        start = trio.current_time()
+        with trio.fail_after(10):
+            async with trio.open_nursery() as nursery:
+                for _ in range(200):  # 128 at once, then the other 72
+                    nursery.start_soon(good.call, address, "sleepy")
+        assert trio.current_time() - start == pytest.approx(2.0)
+    with caplog.at_level("WARNING", logger="peer.host"):
+        async with open_rpc_host(
+            BAD, listen=None, network=net.interface("b"), config=HostConfig(max_inflight_requests=8)
+        ):
+            pass
+    assert "drops the connection of one that has more than 8" in caplog.text
+
+
+@pytest.mark.parametrize(
+    ("field", "value"),
+    [
+        ("max_inflight_requests", 0),
+        ("max_connections", 0),
+        ("max_connections_per_ip", 0),
+        ("max_frame_size", True),
+        ("idle_timeout", 0.0),
+        ("handshake_timeout", float("nan")),
+        ("dial_timeout", -1.0),
+        ("drain_timeout", -1.0),
+        ("drain_timeout", float("inf")),
+    ],
+)
+def test_host_limits_and_timeouts_that_cannot_work_are_refused(field: str, value: object) -> None:
+    """Each of these was taken and failed later: a join 'busy at each of 8 tries' (0
+    connections), 'no answer within 3 s' (0 calls in flight), a ValueError from deep in the
+    host on its way out (drain_timeout -1), 'deadline must not be NaN'."""
+    with pytest.raises(ValueError, match=f"HostConfig.{field} must be"):
+        HostConfig(**{field: value})  # type: ignore[arg-type]
+    assert HostConfig(idle_timeout=float("inf")).idle_timeout == float("inf")  # never

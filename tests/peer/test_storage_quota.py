@@ -314,3 +314,22 @@ def test_our_own_store_takes_room_from_a_host_beyond_its_share() -> None:
     assert storage.store(KEY, Entry("mine", value(10), clock.now + 5))  # no source: this node
     assert "junk0" not in storage.get(KEY) and "mine" in storage.get(KEY)
     check_accounting(storage)
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"k": 65}, "DHTConfig.k must be at most 64"),
+        ({"max_republished_records": 0}, "max_republished_records must be at least 1"),
+        ({"max_stored_bytes": 100_000}, "must hold one largest entry"),
+        ({"max_stored_bytes": 1 << 20, "max_stored_share_per_host": 0.01}, "largest entry"),
+    ],
+)
+def test_dht_settings_that_cannot_work_are_refused(changes: dict[str, int], message: str) -> None:
+    """Each was taken and failed quietly: k = 80 made every reply that names the k closest
+    overflow a reply's 64 nodes (peers that joined later knew one other); no republish
+    list; a per-host share too small for one 16 KiB value from another host."""
+    with pytest.raises(ValueError, match=message):
+        DHTConfig(**changes)  # type: ignore[arg-type]
+    assert DHTConfig(k=64).k == 64
+    assert DHTConfig(max_stored_bytes=8 << 20).max_stored_bytes == 8 << 20  # the bootstrap's

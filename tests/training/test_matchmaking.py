@@ -364,6 +364,16 @@ def test_group_size_must_be_an_integer_of_at_least_two(value: object) -> None:
     assert type(AveragerConfig(group_size=np.int64(3)).group_size) is int  # type: ignore[arg-type]
 
 
+def test_a_declaration_must_fit_the_dhts_ttl_limit() -> None:
+    """A declaration lives 3 gather windows + join_timeout + 30 s in the DHT; beyond a
+    week (MAX_TTL) every step raised the DHT's 'ttl must be in (0, 604800]'."""
+    with pytest.raises(ValueError, match="at most its 604800 s ttl limit"):
+        AveragerConfig(join_timeout=700_000.0)
+    with pytest.raises(ValueError, match=r"gather_window=250000\.0"):
+        AveragerConfig(gather_window=250_000.0)
+    assert AveragerConfig(gather_window=60.0, join_timeout=600.0).gather_window == 60.0
+
+
 def test_group_size_is_at_most_what_a_confirmation_lists() -> None:
     """A confirmation lists at most 256 members, and every member refuses a longer one: with
     a larger group_size, 257 peers would form a group that could never confirm."""

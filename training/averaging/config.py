@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from protocol.codecs import CODEC_NAMES
+from protocol.records import MAX_TTL
 
 MiB = 1 << 20
 
@@ -25,6 +26,9 @@ _INTEGERS = {
 MAX_GROUP_SIZE = 256
 """The most members a group confirmation may list (``messages.MAX_MEMBERS``): a larger
 ``group_size`` let 257 peers form a group whose confirmation every member refused."""
+
+DECLARATION_SLACK = 30.0
+"""Seconds a declaration outlives its round's gather and joins (slow DHT operations)."""
 
 MIN_GATHER_WINDOW = 0.05
 """Seconds: below that, peers cannot see each other's declarations before a slot closes
@@ -99,6 +103,13 @@ class AveragerConfig:
             raise ValueError(
                 f"AveragerConfig.gather_window must be at least {MIN_GATHER_WINDOW} s (peers "
                 f"need that long to see each other's declarations), got {self.gather_window!r}"
+            )
+        declared_for = 3 * self.gather_window + self.join_timeout + DECLARATION_SLACK
+        if declared_for > MAX_TTL:
+            raise ValueError(
+                "AveragerConfig: a declaration lives 3 x gather_window + join_timeout + "
+                f"{DECLARATION_SLACK:g} s in the DHT, at most its {MAX_TTL:g} s ttl limit; got "
+                f"gather_window={self.gather_window!r}, join_timeout={self.join_timeout!r}"
             )
         if not 0.0 < self._real("result_share") < 1.0:
             raise ValueError("AveragerConfig.result_share must be in (0, 1)")

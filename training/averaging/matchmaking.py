@@ -23,7 +23,7 @@ from peer import Peer
 from protocol.identity import PeerID
 
 from .bench import Bench
-from .config import AveragerConfig
+from .config import DECLARATION_SLACK, AveragerConfig
 from .confirmation import Confirmation
 from .grouping import (
     LAYOUT_VERSION,
@@ -42,7 +42,6 @@ from .round_state import LayoutMismatchError, MatchResult, RoundState
 
 logger = logging.getLogger(__name__)
 
-_DHT_SLACK = 30.0
 
 MAX_FOREIGN_LAYOUTS = 16
 """Other layouts an averager remembers (and warns about, once each): a peer declaring a new
@@ -225,7 +224,7 @@ class Matchmaker(Confirmation):
         # Long enough to outlive slow DHT operations (an unresponsive node costs a request
         # timeout per lookup). Counted from the store, so that a later store under the same
         # subkey (done marker, next step in the same slot) expires later and replaces it.
-        return 3 * self.config.gather_window + self.config.join_timeout + _DHT_SLACK
+        return 3 * self.config.gather_window + self.config.join_timeout + DECLARATION_SLACK
 
     async def _choose_round(self, deadline: float) -> int:
         window = self.config.gather_window
