@@ -343,6 +343,73 @@ async def test_weights_no_group_can_sum_are_refused_by_step_and_on_the_wire(
         assert infos[i].outcome in (Outcome.ALONE, Outcome.UNCONFIRMED), infos[i]
 
 
+@pytest.mark.parametrize(
+    ("dtype", "top", "beside"),
+    [(torch.float16, 65504.0, 65600.0), (torch.bfloat16, 3.3895313892515355e38, 3.4e38)],
+)
+async def test_codec_error_past_a_narrow_dtypes_largest_value_saturates_there(
+    autojump_clock: trio.testing.MockClock, dtype: torch.dtype, top: float, beside: float
+) -> None:
+    """A float16 tensor of 65504s beside a float32 65600 in one int8 block: 65504 decodes
+    as 127 x 65600/127 = 65600 (within int8's error), and float16 made that infinite, in a
+    part reported `all`. The mean of values a dtype holds is within its range, so what the
+    codec's error takes past it stays at the dtype's largest value (bfloat16 likewise)."""
+    with trio.fail_after(60):
+        async with memnet_swarm(2) as (_, nodes):
+            tensors = [
+                [torch.full((1,), beside), torch.full((3,), top, dtype=dtype)] for _ in nodes
+            ]
+            averagers = [
+                Averager(node, "t/x", pair, codec="int8", config=fast_config())
+                for node, pair in zip(nodes, tensors, strict=True)
+            ]
+            infos: list[Any] = [None, None]
+
+            async def one(i: int) -> None:
+                infos[i] = await averagers[i].step(timeout=20.0)
+
+            async with trio.open_nursery() as nursery:
+                for i in range(2):
+                    nursery.start_soon(one, i)
+    for info, (_, narrow) in zip(infos, tensors, strict=True):
+        assert info.outcome is Outcome.AVERAGED and info.averaged_fraction == 1.0, info
+        assert torch.isfinite(narrow).all(), narrow
+        assert (narrow.float() == top).all(), narrow
+
+
+async def test_topk_values_whose_owed_remainder_overflows_are_reported_not_warned(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """topk: values above half of float32's largest, written again before each step, plus
+    the remainder still owed from the last round overflow to infinity. numpy's overflow
+    warning escaped step(), which raised it under -W error (this suite's setting); the
+    infinities are now dropped as non-finite like any others, and the step reports it."""
+    with trio.fail_after(60):
+        async with memnet_swarm(2) as (_, nodes):
+            config = fast_config(codec_params={"fraction": 0.01})
+            arrays = [np.empty(1000, np.float32) for _ in nodes]
+            averagers = [
+                Averager(node, "t/x", [array], codec="topk", config=config)
+                for node, array in zip(nodes, arrays, strict=True)
+            ]
+            for round_index in range(2):
+                for i, array in enumerate(arrays):
+                    array[:] = 2e38 + 5e37 * i
+                infos: list[Any] = [None, None]
+
+                async def one(i: int, out: list[Any]) -> None:
+                    out[i] = await averagers[i].step(timeout=20.0)
+
+                async with trio.open_nursery() as nursery:
+                    for i in range(2):
+                        nursery.start_soon(one, i, infos)
+                expected = Outcome.AVERAGED if round_index == 0 else Outcome.FAILED
+                for info in infos:
+                    assert info.outcome is expected, info
+                    if expected is Outcome.FAILED:
+                        assert set(info.dropped.values()) == {DropReason.NONFINITE}
+
+
 async def test_a_mean_beyond_float16_is_reported_as_an_overflow(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

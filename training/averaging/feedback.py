@@ -49,7 +49,10 @@ class ErrorFeedback:
         """Load the tensors into ``flat`` and add the residual: the round's contribution.
         Until :meth:`finish`, all of it is owed."""
         flat.load()
-        np.add(flat.array, self.residual, out=flat.array)
+        # values near FLT_MAX plus what is owed may overflow: the infinity is dropped as
+        # non-finite like any other; numpy's warning must not escape step() (-W error)
+        with np.errstate(over="ignore"):
+            np.add(flat.array, self.residual, out=flat.array)
         np.copyto(self.residual, flat.array)
         self._sent.clear()
 

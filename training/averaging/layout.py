@@ -414,7 +414,31 @@ class FlatVector:
         """Copy ``flat[span]`` back into the tensors it overlaps."""
         for i, lo, hi in self._pieces(span):
             t_start = self.offsets[i]
-            self.tensors[i].view(-1)[lo - t_start : hi - t_start].copy_(self.tensor[lo:hi])
+            target = self.tensors[i].view(-1)[lo - t_start : hi - t_start]
+            values = self.tensor[lo:hi]
+            top = _NARROW_MAX.get(target.dtype)
+            if top is not None:
+                values = _saturated(values, top)
+            target.copy_(values)
+
+
+_NARROW_MAX = {dtype: float(torch.finfo(dtype).max) for dtype in (torch.float16, torch.bfloat16)}
+"""The largest finite value of the float dtypes whose casts from float32 overflow to
+infinity (torch's float8 casts saturate by themselves)."""
+
+
+def _saturated(values: torch.Tensor, top: float) -> torch.Tensor:
+    """``values`` with its finite elements beyond ``±top`` set to ``±top``: a mean of values
+    that a narrow dtype holds is within its range, but the codec's error can take it past
+    (int8: 65504 in a block whose largest value is 65600 decodes as 65600, which float16
+    makes infinite). Infinities and NaN stay (a peer's own values put back)."""
+    if not values.numel():
+        return values
+    low, high = torch.aminmax(values)  # (a NaN makes both NaN: then each element is seen)
+    if -top <= float(low) and float(high) <= top:
+        return values
+    beyond = (values.abs() > top) & torch.isfinite(values)
+    return torch.where(beyond, torch.copysign(torch.tensor(top), values), values)
 
 
 def _float32_view(tensor: torch.Tensor) -> Float32Array | None:
