@@ -62,9 +62,13 @@ class HostConfig:
     queued (a result stream's last chunks) before they are closed."""
 
     def __post_init__(self) -> None:
-        for name in ("max_frame_size", "max_connections", "max_connections_per_ip"):
+        for name in (
+            "max_frame_size",
+            "max_connections",
+            "max_connections_per_ip",
+            "max_inflight_requests",
+        ):
             self._check_at_least_one(name)
-        self._check_at_least_one("max_inflight_requests")
         for name in ("handshake_timeout", "idle_timeout", "dial_timeout"):
             value = getattr(self, name)
             if not value > 0:  # NaN too; math.inf: never

@@ -44,6 +44,7 @@ __all__ = [
     "MAX_ERROR_CODE_LENGTH",
     "MAX_ERROR_MESSAGE_LENGTH",
     "MAX_HEADER_SIZE",
+    "MAX_INFLIGHT_REQUESTS",
     "MAX_METHOD_LENGTH",
     "MAX_REQUEST_ID",
     "MAX_TIMEOUT",
@@ -54,7 +55,6 @@ __all__ = [
     "decode_rpc_frame",
     "encode_rpc_frame",
     "may_hold_array_bomb",
-    "MAX_INFLIGHT_REQUESTS",
 ]
 
 PROTOCOL_VERSION = 1

@@ -183,8 +183,8 @@ class Averager:
         # peers must agree on the codec, the chunking, the group size (a group must fit
         # every member's) and the wire format (v2: raw result blobs reused; topk results
         # lossless with error feedback; v3: raw float32 payloads with the none codec; v4:
-        # convex sums, the group size; v5: grids that n fills exactly; v6: the phase is the
-        # median count: the same groups),
+        # convex sums, the group size; v5: grids that n fills exactly; v6: the grid phase is
+        # the median count; both so that peers form the same groups),
         # and on the staleness rule: each reducer applies its own, so with different ones
         # parts were weighed differently, or a reducer waited until the cutoff for a sender
         # that had found itself stale and sent nothing

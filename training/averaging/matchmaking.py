@@ -42,7 +42,6 @@ from .round_state import LayoutMismatchError, MatchResult, RoundState
 
 logger = logging.getLogger(__name__)
 
-
 MAX_FOREIGN_LAYOUTS = 16
 """Other layouts an averager remembers (and warns about, once each): a peer declaring a new
 one every round costs neither memory nor a warning per round."""

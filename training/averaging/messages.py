@@ -139,8 +139,8 @@ class GroupConfirmation:
     def from_body(cls, body: Any, total: int) -> GroupConfirmation:
         """Raises: RemoteProtocolError on malformed input or spans that do not tile."""
         body = _map(body)
-        if body.get("status") != "ok":  # (the join code reads it first; a refusal is no
-            raise RemoteProtocolError("a confirmation's status is 'ok'")  # confirmation)
+        if body.get("status") != "ok":  # a refusal (the join code tells those apart first)
+            raise RemoteProtocolError("a confirmation's status is 'ok'")
         members_raw = body.get("members")
         spans_raw = body.get("spans")
         budget = body.get("budget")
