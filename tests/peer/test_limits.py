@@ -416,7 +416,7 @@ async def test_a_peer_that_accepts_more_requests_still_sends_only_the_protocols_
                 for _ in range(200):  # 128 at once, then the other 72
                     nursery.start_soon(good.call, address, "sleepy")
         assert trio.current_time() - start == pytest.approx(2.0)
-    with caplog.at_level("WARNING", logger="peer.host"):
+    with trio.fail_after(10), caplog.at_level("WARNING", logger="peer.host"):
         async with open_rpc_host(
             BAD, listen=None, network=net.interface("b"), config=HostConfig(max_inflight_requests=8)
         ):
