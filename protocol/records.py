@@ -97,7 +97,7 @@ class Entry:
     signature: bytes | None = None
 
     def __post_init__(self) -> None:
-        _check_subkey(self.subkey)
+        check_subkey(self.subkey)
         if type(self.value) is not bytes:
             raise RecordError("an entry's value must be bytes (serialized with msgpack)")
         if len(self.value) > MAX_VALUE_BYTES:
@@ -154,7 +154,10 @@ class Entry:
             raise RemoteProtocolError(f"malformed entry: {exc}") from exc
 
 
-def _check_subkey(subkey: object) -> None:
+def check_subkey(subkey: object) -> None:
+    """Raises: RecordError for a subkey that is not None, str, int or bytes (a bool, a
+    float, a list...) or a str with lone surrogates; RecordTooLargeError (a RecordError
+    and a ValueError) for one over its size."""
     if subkey is None:
         return
     if type(subkey) is int:
@@ -217,7 +220,7 @@ def signing_bytes(key: DHTID, subkey: Subkey, value: bytes, expiration: float) -
     """
     if not isinstance(key, DHTID):
         raise RecordError("the key must be a DHTID")
-    _check_subkey(subkey)
+    check_subkey(subkey)
     if type(value) is not bytes:
         raise RecordError("the value must be bytes")
     if isinstance(expiration, bool) or not isinstance(expiration, int | float):

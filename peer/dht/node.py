@@ -46,6 +46,7 @@ from protocol.records import (
     RecordError,
     Subkey,
     check_key,
+    check_subkey,
     decode_value,
     key_owner,
     owner_of,
@@ -360,9 +361,15 @@ class DHT:
             PeerStoppedError: this peer's ``open_peer`` context has ended.
         """
         key_id = check_key(key)
+        check_subkey(subkey)  # before it is looked up (a list subkey is unhashable)
         if not isinstance(ttl, numbers.Real) or isinstance(ttl, bool):
             raise TypeError(f"ttl must be a number of seconds, got {type(ttl).__name__}")
-        ttl = float(ttl)  # numpy's numbers too: records hold a Python float expiration
+        try:
+            ttl = float(ttl)  # numpy's numbers too: records hold a Python float expiration
+        except OverflowError:  # an int or Fraction beyond float64
+            raise ValueError(
+                f"ttl must be in (0, {MAX_TTL}] seconds, got a number beyond float64's range"
+            ) from None
         if not 0 < ttl <= MAX_TTL:
             raise ValueError(f"ttl must be in (0, {MAX_TTL}] seconds, got {ttl}")
         try:

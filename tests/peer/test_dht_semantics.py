@@ -21,6 +21,7 @@ from peer.node import Peer, PeerConfig, open_peer
 from protocol.dhtid import DHTID
 from protocol.identity import Identity
 from protocol.messages import Entry
+from protocol.records import RecordError
 
 EPOCH = 1_700_000_000.0
 REPO = Path(__file__).resolve().parents[2]
@@ -167,6 +168,21 @@ async def test_a_numpy_or_fraction_ttl_is_a_number_of_seconds() -> None:
                 await node.dht.store("nan", 1, ttl=np.float64("nan"))
             with pytest.raises(TypeError, match="ttl must be a number"):
                 await node.dht.store("text", 1, ttl="30")  # type: ignore[arg-type]
+
+
+async def test_a_ttl_beyond_float64_and_an_unhashable_subkey_are_the_documented_errors() -> None:
+    """ttl=10**400 raised OverflowError from float(); a list or bytearray subkey raised
+    "unhashable type" from a lookup made before the subkey was checked. The docstring
+    promises ValueError for a ttl out of range and RecordError for a subkey's type."""
+    with trio.fail_after(10):
+        async with open_peer() as node:
+            for ttl in (10**400, Fraction(10**400, 3)):
+                with pytest.raises(ValueError, match="ttl must be in"):
+                    await node.dht.store("huge", 1, ttl=ttl)
+            for subkey in ([1], bytearray(b"x"), {"a": 1}):
+                with pytest.raises(RecordError, match="a subkey is None, str, int or bytes"):
+                    await node.dht.store("sk", 1, ttl=60.0, subkey=subkey)  # type: ignore[arg-type]
+            assert await node.dht.store("sk", 1, ttl=60.0, subkey=b"x")
 
 
 async def test_initial_peers_none_starts_a_new_swarm() -> None:
