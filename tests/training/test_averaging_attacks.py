@@ -351,7 +351,7 @@ def queued_service() -> ReducerService:
         1, peer(0), members, members[:1], ((0, 4096),), {m.peer_id: 1.0 for m in members}, 0
     )
     config = AveragerConfig(chunk_bytes=4096, retain_budget=1)
-    liveness = Liveness(no_node(), plan, "ping", 1.0)  # type: ignore[arg-type]  # never probes
+    liveness = Liveness(no_node(plan), plan, "ping", 1.0)  # type: ignore[arg-type]  # never probes
     flat = FlatVector([torch.from_numpy(local)])
     return ReducerService(
         plan, 0, flat, get_codec("none"), config, liveness, np.empty(1024, np.float32)

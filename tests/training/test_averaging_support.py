@@ -22,6 +22,7 @@ from training import (
     Outcome,
     PartStatus,
 )
+from training.averaging.plan import Plan
 
 T0 = 1_700_000_000.0
 
@@ -218,10 +219,13 @@ async def step_or_mismatch(
         outcome.append(exc)
 
 
-def no_node() -> SimpleNamespace:
+def no_node(plan: Plan) -> SimpleNamespace:
     """A stand-in peer for a ``Liveness`` that never probes (unit tests of one reducer):
-    no connections, none ever ends."""
-    return SimpleNamespace(rpc=SimpleNamespace(disconnected=trio.Event(), connected_peers=list))
+    every member of ``plan`` stays connected, no connection ever ends."""
+    members = [m.peer_id for m in plan.members]
+    return SimpleNamespace(
+        rpc=SimpleNamespace(disconnected=trio.Event(), connected_peers=lambda: list(members))
+    )
 
 
 def slow_joins(node: Peer, delay: float, to: PeerID | None = None) -> list[object]:

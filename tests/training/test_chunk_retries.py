@@ -62,7 +62,7 @@ def service_for(
     )
     tensor = torch.zeros(length)
     flat = FlatVector([tensor])
-    liveness = Liveness(no_node(), plan, "ping", 1.0)  # type: ignore[arg-type]  # never probes
+    liveness = Liveness(no_node(plan), plan, "ping", 1.0)  # type: ignore[arg-type]  # never probes
     scratch = np.empty(CHUNK, np.float32)
     settings = AveragerConfig(chunk_bytes=4 * CHUNK, **config)
     service = ReducerService(plan, 0, flat, get_codec("none"), settings, liveness, scratch)

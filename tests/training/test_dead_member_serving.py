@@ -61,3 +61,49 @@ async def test_survivors_stop_serving_a_member_known_dead(
                 assert info.outcome is Outcome.PARTIAL
                 print(f"allreduce_s {info.allreduce_s:.3f}")
                 assert info.allreduce_s < STALL / 2, info.allreduce_s
+
+
+async def test_survivors_stop_serving_a_member_killed_with_nothing_left_owed(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Killed once all its uploads were acknowledged and every survivor had its part, as
+    it came for theirs: nothing of ours touches it any more, so only its reset connections
+    tell (a new-user trial over TCP: after a late ``kill -9`` one survivor came out a
+    ``stall_timeout`` after the others, its report ``averaged``)."""
+    with trio.fail_after(300):
+        async with memnet_swarm(4) as (net, nodes):
+            members = make_members(nodes, SIZE, fast_config(max_inflight=3, stall_timeout=STALL))
+            victim = non_leader(members)
+            victim_id = members[victim].peer_id
+            survivors = {m.peer_id for m in members} - {victim_id}
+            uploaded, killed = trio.Event(), trio.Event()
+            served: set[Any] = set()
+            after_acks(members[victim], 4, uploaded.set, parts=3)
+
+            def kill_when_owed_nothing() -> None:
+                if uploaded.is_set() and served == survivors and not killed.is_set():
+                    net.kill_host(host_of(victim))
+                    killed.set()
+
+            results_of = ReducerService.results
+
+            async def hold_back(self: ReducerService, member: Any) -> AsyncIterator[Any]:
+                if member == victim_id:  # it comes for our part: dies before it has it
+                    await uploaded.wait()
+                    while not killed.is_set():
+                        kill_when_owed_nothing()
+                        await trio.sleep(0.01)
+                    await trio.sleep_forever()
+                async for item in results_of(self, member):
+                    yield item
+                if self.plan.me == victim_id:
+                    served.add(member)
+
+            monkeypatch.setattr(ReducerService, "results", hold_back)
+            results = await step_all(members, timeout=TIMEOUT)
+            assert killed.is_set()
+            infos = check_survivors(results, members, victim)
+            for info in infos:
+                assert info.outcome is Outcome.AVERAGED, info
+                print(f"allreduce_s {info.allreduce_s:.3f}")
+                assert info.allreduce_s < STALL / 2, info.allreduce_s

@@ -51,7 +51,7 @@ def service_for(codec: str, local: np.ndarray) -> tuple[ReducerService, torch.Te
     tensor = torch.from_numpy(local.copy())
     flat = FlatVector([tensor])
     config = AveragerConfig(chunk_bytes=4 * CHUNK)
-    liveness = Liveness(no_node(), plan, "ping", 1.0)  # type: ignore[arg-type]  # never probes
+    liveness = Liveness(no_node(plan), plan, "ping", 1.0)  # type: ignore[arg-type]  # never probes
     scratch = np.empty(CHUNK, np.float32)
     return ReducerService(plan, 0, flat, get_codec(codec), config, liveness, scratch), tensor
 

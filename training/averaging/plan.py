@@ -88,6 +88,7 @@ class Liveness:
         self._probing: dict[PeerID, trio.Event] = {}
         self._alive_at: dict[PeerID, float] = {}  # see alive_at
         self._clients_gone: dict[PeerID, float] = {}  # since when, see mark_gone_clients
+        self._probed_unconnected: set[PeerID] = set()  # see unconnected_servers
 
     def mark(self, peer_id: PeerID, reason: DropReason) -> None:
         if peer_id not in self.bad:
@@ -124,6 +125,27 @@ class Liveness:
             else:
                 due = min(due, since + grace)
         return due
+
+    def unconnected_servers(self, peers: Iterable[PeerID]) -> list[PeerID]:
+        """Full-mode peers among ``peers`` that have no connection to us any more: probe
+        them now (each is returned once, until it is connected again). Only for peers that
+        did connect to us this round. A killed process resets its connections, and the
+        probe's fresh dial is refused at once; without it, a reducer whose only wait left
+        was a killed member's download held its step until ``stall_timeout`` (a new-user
+        trial: one survivor of a ``kill -9`` came out 5 s after the others)."""
+        connected: set[PeerID] | None = None
+        found = []
+        for peer_id in peers:
+            if peer_id in self.bad or self.plan.address(peer_id) is None:
+                continue
+            if connected is None:
+                connected = set(self.node.rpc.connected_peers())
+            if peer_id in connected:
+                self._probed_unconnected.discard(peer_id)
+            elif peer_id not in self._probed_unconnected:
+                self._probed_unconnected.add(peer_id)
+                found.append(peer_id)
+        return found
 
     def alive_at(self, peer_id: PeerID) -> float:
         """When ``peer_id`` was last known alive by a probe that returned None: its answer,

@@ -342,6 +342,13 @@ class ReducerService:
         while True:
             fetching = expected - self.downloaded
             due = self.liveness.mark_gone_clients(p for p in fetching if p in self.progress)
+            unconnected = self.liveness.unconnected_servers(
+                p for p in fetching if p in self.progress
+            )
+            if unconnected:  # perhaps killed: a dead one's dial is refused
+                async with trio.open_nursery() as nursery:
+                    for peer_id in unconnected:
+                        nursery.start_soon(self.liveness.probe, peer_id)
             gone = {p for p in expected if p in self.liveness.bad}
             if expected <= self.downloaded | gone:
                 return
@@ -370,6 +377,12 @@ class ReducerService:
             return
         pending = self.reducer.pending()
         due = self.liveness.mark_gone_clients(p for p in pending if p in self.progress)
+        unconnected = self.liveness.unconnected_servers(p for p in pending if p in self.progress)
+        if unconnected:  # perhaps killed (see serve)
+            async with trio.open_nursery() as nursery:
+                for peer_id in unconnected:
+                    nursery.start_soon(self._probe, peer_id)
+            return
         if any(p in self.liveness.bad for p in pending):
             return  # the caller drops them
         # senders waiting for admission are waiting on us, not stalled
