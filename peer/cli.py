@@ -245,7 +245,7 @@ def _parser() -> argparse.ArgumentParser:
         "--initial-peers",
         nargs="*",
         action="extend",  # given twice: every address counts (the default kept the last)
-        default=[],
+        default=None,  # [] when given without an address (warned about: an empty variable?)
         metavar="ADDR",
         help="PEERID@HOST:PORT of nodes to join (other bootstrap nodes)",
     )
@@ -377,12 +377,14 @@ async def _bootstrap(args: argparse.Namespace, stop: _SignalStop) -> int:
     config = PeerConfig(dht=DHTConfig(max_stored_bytes=BOOTSTRAP_STORED_BYTES))
     try:
         listen = Address(args.host, args.port).hostport  # brackets an IPv6 host
-        initial_peers = _unique_peers(args.initial_peers)  # each once, however often given
+        initial_peers = _unique_peers(args.initial_peers or [])  # each once, however often given
         identity = None if args.identity is None else Identity.load_or_create(args.identity)
     except SwarmError as exc:  # a bad host or port; a key file that holds no key
         return _fail("bootstrap", str(exc))
     except OSError as exc:  # the key file cannot be read or created (it names the file)
         return _fail("bootstrap", f"identity file {args.identity}: {exc.strerror or exc}")
+    if args.initial_peers == []:  # `--initial-peers $PEERS` with PEERS empty, say
+        logger.warning("--initial-peers was given without an address: starting a new network alone")
     contacts = None if args.identity is None else contacts_file(args.identity)
     if args.identity is not None:
         _warn_if_others_can_use(args.identity)

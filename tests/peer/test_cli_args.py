@@ -41,8 +41,9 @@ def test_initial_peers_given_twice_keeps_every_address(command: str) -> None:
     assert _parser().parse_args(argv).initial_peers == ["a@h:1", "b@h:2", "c@h:3"]
     parser = _parser()
     assert parser.parse_args([command, "--initial-peers", "a@h:1"]).initial_peers == ["a@h:1"]
-    if command == "bootstrap":  # the default list is not shared between parses
-        assert parser.parse_args([command]).initial_peers == []
+    if command == "bootstrap":  # not given: None; given without an address: [] (warned)
+        assert parser.parse_args([command]).initial_peers is None
+        assert parser.parse_args([command, "--initial-peers"]).initial_peers == []
 
 
 @pytest.mark.parametrize("argv", [["bootstrap"], ["status", "--initial-peers", "a@h:1"]])
@@ -255,6 +256,19 @@ def test_bootstrap_creates_its_key_file_without_a_warning(
         _bootstrap_until_open_peer(["--host", "127.0.0.1", "--identity", str(key)], monkeypatch)
     assert stat.S_IMODE(key.stat().st_mode) == 0o600
     assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
+
+
+def test_bootstrap_warns_about_initial_peers_given_without_an_address(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """`--initial-peers $PEERS` with PEERS empty started a lone network in silence (an
+    evaluator's script); a node given no --initial-peers at all starts alone unwarned."""
+    with caplog.at_level(logging.WARNING, logger="peer.cli"):
+        seen = _bootstrap_until_open_peer(["--host", "127.0.0.1", "--initial-peers"], monkeypatch)
+    assert seen["initial_peers"] == []
+    assert [r.getMessage() for r in caplog.records] == [
+        "--initial-peers was given without an address: starting a new network alone"
+    ]
 
 
 def test_bootstrap_contacts_each_initial_peer_once(monkeypatch: pytest.MonkeyPatch) -> None:
