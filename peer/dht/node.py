@@ -105,7 +105,13 @@ class LookupStats:
 
 
 class DHT:
-    """One Kademlia node on an RPC host. Construct, then run :meth:`serve` in a nursery."""
+    """One Kademlia node on an RPC host. Construct, then run :meth:`serve` in a nursery.
+
+    Attributes a script reads (besides the methods): ``config`` (the DHTConfig),
+    ``peer_id``, ``table`` (the routing table), ``stats`` (a LookupStats: this node's
+    lookups since it started, ``lookups``, ``total_rounds`` and ``max_rounds``;
+    cumulative, so read it before and after to count one lookup's rounds).
+    """
 
     def __init__(
         self,
