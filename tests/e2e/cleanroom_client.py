@@ -492,7 +492,7 @@ def decode_rpc_frame(content: bytes) -> tuple[dict[str, Any], bytes]:
         raise CleanroomError("RPC header is not one msgpack object") from exc
     if not isinstance(header, dict) or header.get("v") != PROTOCOL_VERSION:
         raise CleanroomError(f"bad RPC header {header!r}")
-    if header.get("k") not in {"req", "res", "item", "end", "err", "cancel"}:
+    if header.get("k") not in {"req", "res", "item", "end", "err", "cancel", "bye"}:
         raise CleanroomError(f"bad RPC kind in {header!r}")
     return header, content[4 + header_length :]
 
@@ -607,6 +607,8 @@ class Connection:
         while True:
             header, payload = decode_rpc_frame(self.channel.receive_frame())
             kind = header["k"]
+            if kind == "bye":  # 4.3: the remote closes this connection; our call is lost
+                raise CleanroomError("the remote said bye before answering")
             if kind == "req":
                 self._refuse(header)
                 continue
@@ -632,6 +634,8 @@ class Connection:
         try:
             while True:
                 header, _ = decode_rpc_frame(self.channel.receive_frame())
+                if header["k"] == "bye":  # 4.3: the remote closes this idle connection
+                    return asked
                 if header["k"] != "req":
                     continue
                 asked.append(header["m"])
