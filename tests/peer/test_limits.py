@@ -114,6 +114,41 @@ async def test_connection_limits(autojump_clock: trio.testing.MockClock) -> None
                 await again.call(s.listen_address, "echo")
 
 
+async def test_silent_connections_give_way_to_an_honest_peer_from_their_host(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A host's slots held by connections that never handshake: after a second, a newcomer
+    from that host (an honest peer behind the same address) takes the oldest one's slot,
+    which is told busy. Before, it was turned away until the handshakes timed out (an
+    evaluator: 1,000 silent connections from the address of 50 honest peers left 44-78 % of
+    their calls to the node busy for those 10 s)."""
+    net = MemoryNetwork()
+    config = HostConfig(max_connections_per_ip=2, handshake_timeout=10.0)
+    async with open_rpc_host(
+        SERVER, listen=Address("s", 1), network=net.interface("s"), config=config
+    ) as s:
+        s.register("echo", echo)
+        assert s.listen_address is not None
+        with trio.fail_after(5):
+            shared = net.interface("nat")
+            held = [await shared.connect("s", 1), await shared.connect("s", 1)]
+            await trio.testing.wait_all_tasks_blocked()
+            assert await _is_closed_at_once(await shared.connect("s", 1))  # young: kept
+            await trio.sleep(1.5)
+            async with open_rpc_host(GOOD, listen=None, network=shared) as good:
+                assert (await good.call(s.listen_address, "echo", {"x": 1})).body == {"x": 1}
+                assert await turned_away(held[0], within=0.001)  # the oldest, told busy
+                assert not await _is_closed_at_once(held[1])
+                # the honest connection, established, is not cut for the next silent one
+                await trio.sleep(1.5)
+                third = await shared.connect("s", 1)
+                assert not await _is_closed_at_once(third)
+                assert await turned_away(held[1], within=0.001)
+                assert (await good.call(s.listen_address, "echo", {"y": 2})).body == {"y": 2}
+            for stream in [*held, third]:
+                await stream.aclose()
+
+
 async def test_inflight_limit(autojump_clock: trio.testing.MockClock) -> None:
     net = MemoryNetwork()
     limited = HostConfig(max_inflight_requests=4)
