@@ -6,6 +6,8 @@ caller we did not see declare at all is still welcome. Memory network, virtual t
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import trio
 from test_averaging_support import (
     fast_config,
@@ -18,7 +20,7 @@ from test_averaging_support import (
 
 from protocol.address import Address
 from training import Outcome
-from training.averaging.messages import method_prefix
+from training.averaging.messages import GroupConfirmation, method_prefix
 
 
 async def test_a_member_of_another_group_is_refused(
@@ -62,3 +64,47 @@ async def test_a_member_of_another_group_is_refused(
             for info, _ in results:
                 assert info is not None and info.outcome is Outcome.AVERAGED, info
                 assert len(info.group) == 3
+
+
+async def test_a_confirmed_member_that_joins_again_gets_the_same_group(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A member's join answer can be lost with its connection, or a peer it asked can send
+    it back to the leader: asked again while its step is in the round, the leader answers
+    with the same confirmation (what is left of its budget), not "not in round", which
+    makes the member skip a live leader as gone (a hostile probe's repeated join)."""
+    with trio.fail_after(60):
+        async with memnet_swarm(3) as (_, nodes):
+            members = make_members(nodes, 3000, fast_config())
+            answered: list[GroupConfirmation] = []
+
+            async def join_again() -> None:
+                while True:  # every member past matchmaking, the leader's answer given
+                    leaders = [m.averager._matchmaker.led for m in members]
+                    led = next((s for s in leaders if s is not None), None)
+                    if led is not None and all(
+                        m.averager._matchmaker.current is None for m in members
+                    ):
+                        break
+                    await trio.sleep(0.001)
+                assert led.confirmation is not None and led.me.address is not None
+                joiner = next(m for m in members if m.peer_id != led.me.peer_id)
+                decl = next(d for d in led.confirmation.members if d.peer_id == joiner.peer_id)
+                body = {"round": led.number, "decl": decl.to_wire()}
+                reply = await joiner.averager.node.rpc.call(
+                    Address.parse(led.me.address), f"{method_prefix('t/x')}.join", body
+                )
+                again = GroupConfirmation.from_body(reply.body, 3000)
+                first = led.confirmation
+                assert 0 < again.budget <= first.budget
+                assert again == replace(first, budget=again.budget)
+                answered.append(again)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(join_again)
+                results = await step_all(members, timeout=20.0)
+            assert len(answered) == 1
+            infos = [info for info, _ in results]
+            verify_round(members, infos)  # type: ignore[arg-type]
+            for info, _ in results:
+                assert info is not None and info.outcome is Outcome.AVERAGED, info

@@ -360,6 +360,7 @@ class Averager:
             if self._active is not None:
                 self._active.ready.set()
                 self._active = None
+            self._matchmaker.led = None
             self._busy = False
             if self._closed:  # closed during the step
                 self._unregister()

@@ -73,6 +73,7 @@ class Confirmation:
     total: int
     clock: Callable[[], float]
     current: RoundState | None
+    led: RoundState | None
     bench: Bench
 
     def _expected(self, state: RoundState, group: Sequence[Declaration]) -> set[PeerID]:
@@ -113,6 +114,7 @@ class Confirmation:
         state.confirmation = GroupConfirmation(
             state.number, tuple(members), tuple(spans), state.budget
         )
+        state.answered_at = trio.current_time()
         state.answered.set()
         return MatchResult(state.number, state.confirmation, state.me.peer_id, declared)
 
@@ -173,7 +175,7 @@ class Confirmation:
                     try:
                         conf = GroupConfirmation.from_body(answer.body, self.total)
                     except ProtocolError as exc:
-                        note = f"the leader is unreachable: {exc}"
+                        note = f"the leader's confirmation is malformed: {exc}"
                         break
                     if conf.round == state.number and any(
                         m.peer_id == state.me.peer_id for m in conf.members
@@ -189,7 +191,7 @@ class Confirmation:
                         try:
                             redirect = PeerID.from_base58(leader), where
                         except ProtocolError as exc:
-                            note = f"the leader is unreachable: {exc}"
+                            note = f"the leader redirected us to a malformed PeerID: {exc}"
                             break
                         redirected = True
                         note = "redirected, then no confirmation in time"
@@ -237,8 +239,8 @@ class Confirmation:
             return _Failed(f"the leader is unreachable: {exc}", retry=True)
         except PeerUnavailableError as exc:
             return _Failed(f"the leader is unreachable: {exc}", True, True, "unreachable")
-        except ProtocolError as exc:
-            return _Failed(f"the leader is unreachable: {exc}")
+        except ProtocolError as exc:  # its address or its answer did not parse
+            return _Failed(f"the leader's address or answer is malformed: {exc}")
         finally:
             state.attempt = None
         if target in state.gone:
@@ -283,6 +285,19 @@ class Confirmation:
         join = JoinRequest.from_body(request.peer_id, request.body, self.config.group_size)
         state = self.current
         if state is None or state.number != join.round:
+            led = self.led
+            if (
+                led is not None
+                and led.number == join.round
+                and led.confirmation is not None
+                and any(m.peer_id == request.peer_id for m in led.confirmation.members)
+            ):
+                # A member we confirmed asks again (its answer was lost with a connection,
+                # or a peer it asked sent it back to us): the same answer while our step is
+                # in the round. "not in round" would make it skip us as gone. The budget
+                # is what is left of it: the member's round must not outlast ours.
+                left = led.confirmation.budget - (trio.current_time() - led.answered_at)
+                return Reply(replace(led.confirmation, budget=max(left, 0.001)).to_body())
             raise RemoteError("not_found", f"not in round {join.round}")
         if join.declaration.layout != state.me.layout:
             raise RemoteError(

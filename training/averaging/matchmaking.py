@@ -142,6 +142,8 @@ class Matchmaker(Confirmation):
         self._subkey = str(node.peer_id)
         self._layout: str | None = None  # ours (set by find_group), named by our done markers
         self.current: RoundState | None = None
+        # the round we led and confirmed, until our step leaves it (the averager clears it)
+        self.led: RoundState | None = None
         self.bench = Bench()  # peers that sent us garbage (the averager records them)
 
     # -- member side ---------------------------------------------------------------------
@@ -169,6 +171,7 @@ class Matchmaker(Confirmation):
             earliest = number + 1
             state = RoundState(number, me)
             self.current = state
+            self.led = None
             on_round(number)
             try:
                 result = await self._run_round(state, deadline)
@@ -178,6 +181,8 @@ class Matchmaker(Confirmation):
                 state.settled = True
                 state.notify()
                 self.current = None
+                if state.is_leader and state.confirmation is not None:
+                    self.led = state
             # The leader had left that round (we saw its declaration from an earlier step),
             # answered already, or is gone: try the next round, time allowing.
             logger.debug(

@@ -39,6 +39,7 @@ class RoundState:
     changed: trio.Event = field(default_factory=trio.Event)
     confirmation: GroupConfirmation | None = None
     answered: trio.Event = field(default_factory=trio.Event)
+    answered_at: float = 0.0  # trio time a leader answered its group (see Confirmation)
     budget: float = 0.0
     others_seen: int = 0  # the most other declarations a read of the round found
     # the "done" markers of others (see withdraw) by layout, from the read that found most
