@@ -143,8 +143,8 @@ class RpcHost:
         self._by_peer: dict[PeerID, RpcConnection] = {}
         self._by_address: dict[str, PeerID] = {}
         self._dials: dict[tuple[str, PeerID | None], _Dial] = {}
-        self._handshakes: dict[trio.CancelScope, str] = {}  # inbound, in progress, oldest first
-        self._handshake_started: dict[trio.CancelScope, float] = {}  # (the same ones)
+        # inbound handshakes in progress, oldest first -> (remote host, trio time begun)
+        self._handshakes: dict[trio.CancelScope, tuple[str, float]] = {}
         # Inbound connections per host (or /64), handshakes included; one closed for a
         # newcomer from its host counts until its handler has finished (the newcomer in its
         # slot makes the host one over meanwhile), so each one is counted down once.
@@ -577,8 +577,7 @@ class RpcHost:
                 return
         self._per_host[group] += 1
         handshake = trio.CancelScope(deadline=trio.current_time() + config.handshake_timeout)
-        self._handshakes[handshake] = host
-        self._handshake_started[handshake] = trio.current_time()
+        self._handshakes[handshake] = (host, trio.current_time())
         try:
             try:
                 with handshake:
@@ -591,7 +590,6 @@ class RpcHost:
                     )
             finally:
                 self._handshakes.pop(handshake, None)
-                self._handshake_started.pop(handshake, None)
             if handshake.cancelled_caught:  # too slow, or cut off to make room
                 logger.debug("%r: handshake with %s cut off", self, host)
                 return
@@ -612,7 +610,7 @@ class RpcHost:
         an honest handshake takes a round trip). False when none is in progress."""
         if not self._handshakes:
             return False
-        handshake, host = next(iter(self._handshakes.items()))
+        handshake, (host, _) = next(iter(self._handshakes.items()))
         logger.debug("%r: all slots taken, cutting off the handshake with %s", self, host)
         del self._handshakes[handshake]
         handshake.cancel()
@@ -622,8 +620,8 @@ class RpcHost:
         """The oldest handshake from ``group`` still in progress ``_EVICT_AFTER`` seconds
         after it began (a connection that sends nothing), or None."""
         now = trio.current_time()
-        for handshake, host in self._handshakes.items():  # oldest first
-            if now - self._handshake_started[handshake] < _EVICT_AFTER:
+        for handshake, (host, began) in self._handshakes.items():  # oldest first
+            if now - began < _EVICT_AFTER:
                 return None
             if host_group(host) == group:
                 return handshake
