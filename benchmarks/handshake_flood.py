@@ -78,7 +78,8 @@ def ping_while(address: str, stop: threading.Event) -> dict[str, Any]:
 
     async def run() -> None:
         nonlocal failures
-        async with open_peer(listen=None) as node:
+        # a client joined through the peer it pings (alone, it warns that it knows nobody)
+        async with open_peer(listen=None, initial_peers=[address]) as node:
             parsed = Address.parse(address)
             assert parsed.peer_id is not None
             target = NodeInfo(parsed.peer_id, f"{parsed.host}:{parsed.port}")
