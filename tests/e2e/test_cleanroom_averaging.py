@@ -53,7 +53,7 @@ from cleanroom_averager import (
     seeds,
 )
 from cleanroom_client import Connection, DHTClient, Identity, RemoteError, unpack_value
-from tests_support_paths import env_with_root
+from tests_support_paths import bootstrap_process, env_with_root
 
 # Shorter than the library's default (2 s) to keep the file quick: every peer, ours
 # included, is given it (9.2: "peers meet only with the same prefix and gather_window").
@@ -150,24 +150,8 @@ def test_grid_and_singletons_follow_the_examples_of_9_4() -> None:
 
 @pytest.fixture(scope="module")
 def bootstrap() -> Iterator[str]:
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "peer.cli", "bootstrap", "--host", "127.0.0.1", "--port", "0"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env=env_with_root(),
-    )
-    try:
-        assert proc.stdout is not None
-        ready, _, _ = select.select([proc.stdout], [], [], 30.0)
-        if not ready:
-            pytest.fail("swarm bootstrap printed no address within 30 s")
-        yield proc.stdout.readline().strip()
-    finally:
-        proc.kill()
-        proc.wait(timeout=10)
-        if proc.stdout is not None:
-            proc.stdout.close()
+    with bootstrap_process(wait=30.0) as address:
+        yield address
 
 
 class LibraryPeer:

@@ -12,8 +12,6 @@ import functools
 import select
 import socket
 import struct
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -37,7 +35,7 @@ from cleanroom_client import (
     request_header,
     signing_bytes,
 )
-from tests_support_paths import env_with_root
+from tests_support_paths import bootstrap_process
 
 TIMEOUT = 5.0
 PING = {"t": "dht.ping.req", "sender": None}
@@ -46,24 +44,8 @@ PING = {"t": "dht.ping.req", "sender": None}
 @pytest.fixture(scope="module")
 def bootstrap() -> Iterator[str]:
     """The address a real `swarm bootstrap` prints; the process is killed afterwards."""
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "peer.cli", "bootstrap", "--host", "127.0.0.1", "--port", "0"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.DEVNULL,
-        text=True,
-        env=env_with_root(),
-    )
-    try:
-        assert proc.stdout is not None
-        ready, _, _ = select.select([proc.stdout], [], [], 15.0)
-        if not ready:
-            pytest.fail("swarm bootstrap printed no address within 15 s")
-        yield proc.stdout.readline().strip()
-    finally:
-        proc.kill()
-        proc.wait(timeout=10)
-        if proc.stdout is not None:
-            proc.stdout.close()
+    with bootstrap_process(wait=15.0) as address:
+        yield address
 
 
 @pytest.fixture
