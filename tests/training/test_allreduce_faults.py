@@ -263,6 +263,65 @@ async def test_reducer_killed_after_its_result_header(
                 assert part.note == "the reducer is dead"
 
 
+@pytest.mark.parametrize("codec", ["none", "int8"])
+async def test_reducer_killed_after_its_last_chunk_still_averaged_its_part(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch, codec: str
+) -> None:
+    """Every survivor has the victim's whole result, header and every chunk, but not the
+    stream's end: the victim is killed first. The part was averaged, and counts (it was
+    reported "the reducer is dead" with the local values put back; int8 results are
+    decoded into the tensor as they come, and stay)."""
+    with trio.fail_after(300):
+        async with memnet_swarm(4) as (net, nodes):
+            members = make_members(nodes, SIZE, fast_config(codec=codec))
+            victim = non_leader(members)
+            victim_id = members[victim].peer_id
+            serve = ReducerService.results
+
+            async def no_end(self: ReducerService, member: Any) -> AsyncIterator[Any]:
+                async with aclosing(serve(self, member)) as items:
+                    async for item in items:
+                        yield item
+                if self.plan.me == victim_id:  # every item went out: no end of stream
+                    await trio.sleep_forever()
+
+            monkeypatch.setattr(ReducerService, "results", no_end)
+            whole: list[int] = []
+
+            for i, member in enumerate(members):
+                if i == victim:
+                    continue
+                rpc = member.averager.node.rpc
+                counted = [0]
+
+                def count_item(counted: list[int] = counted) -> None:
+                    counted[0] += 1
+                    if counted[0] == 1 + PART // 1024:  # the header and every chunk
+                        whole.append(1)
+                        if len(whole) == len(members) - 1:
+                            net.kill_host(host_of(victim))
+
+                @asynccontextmanager
+                async def watching(
+                    address: Address, method: str, body: Any = None, payload: Any = b"",
+                    stream: Any = rpc.stream, on_item: Callable[[], None] = count_item,
+                ) -> AsyncIterator[AsyncIterator[Any]]:  # fmt: skip
+                    async with stream(address, method, body, payload) as items:
+                        yield Watched(items, on_item) if address.peer_id == victim_id else items
+
+                rpc.stream = watching  # type: ignore[method-assign]
+            results = await step_all(members, timeout=TIMEOUT)
+            survivors = [m for i, m in enumerate(members) if i != victim]
+            infos = [info for i, (info, _) in enumerate(results) if i != victim]
+            assert len(whole) == len(members) - 1
+            verify_round([*survivors, members[victim]], [*infos, results[victim][0]], codec=codec)  # type: ignore[list-item]
+            for info in infos:
+                assert info is not None and len(info.group) == 4
+                (part,) = [p for p in info.parts if p.reducer == victim_id]
+                assert part.received and part.status is PartStatus.ALL, part
+                assert len(part.contributors) == 4
+
+
 async def test_frozen_sender_holding_the_only_admission_slot_is_dropped(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

@@ -354,34 +354,41 @@ class Butterfly:
         body = {"round": self.plan.round, "part": index}
         async with self.node.rpc.stream(address, f"{self.methods}.result", body) as items:
             chunk = -1
-            async for item in items:
-                progress[0] = trio.current_time()
-                if header is None:
-                    header = ResultHeader.from_body(item.body)
-                    if fetched and header != fetched[0]:
-                        raise RemoteProtocolError("the result header changed")
-                    self._check_header(header, expected_chunks)
-                    fetched[:] = [header]
-                    # the part is final: chunks not sent yet would be refused (a sender
-                    # it lists had sent them all); the calls under way end as they will
-                    self._encoding[index].cancel()
-                    continue
-                await encoded.wait()
-                chunk += 1
-                number = item.body.get("chunk")
-                if type(number) is not int or number != chunk or chunk >= header.chunks:
-                    raise RemoteProtocolError("result chunks out of order")
-                a, b = chunk_span(length, self.config.chunk_elements, chunk)
-                if tensor is not None:
-                    # the bytes the round's codec makes of the chunk (int8 with block 1 is
-                    # 5x: more to read and decode); the decoding checks the rest
-                    if memoryview(item.payload).nbytes != self.codec.encoded_size(b - a):
-                        raise RemoteProtocolError("a result chunk of the wrong size")
-                    np.copyto(self.flat.array[start + a : start + b], tensor[a:b])
-                    self.in_tensor[index] = b  # before the decoding: a failed one is undone
-                    self._take(item.body, item.payload, start + a, start + b, tensor[a:b])
-                else:
-                    self._take(item.body, item.payload, start + a, start + b)
+            try:
+                async for item in items:
+                    progress[0] = trio.current_time()
+                    if header is None:
+                        header = ResultHeader.from_body(item.body)
+                        if fetched and header != fetched[0]:
+                            raise RemoteProtocolError("the result header changed")
+                        self._check_header(header, expected_chunks)
+                        fetched[:] = [header]
+                        # the part is final: chunks not sent yet would be refused (a sender
+                        # it lists had sent them all); the calls under way end as they will
+                        self._encoding[index].cancel()
+                        continue
+                    await encoded.wait()
+                    chunk += 1
+                    number = item.body.get("chunk")
+                    if type(number) is not int or number != chunk or chunk >= header.chunks:
+                        raise RemoteProtocolError("result chunks out of order")
+                    a, b = chunk_span(length, self.config.chunk_elements, chunk)
+                    if tensor is not None:
+                        # the bytes the round's codec makes of the chunk (int8 with block 1 is
+                        # 5x: more to read and decode); the decoding checks the rest
+                        if memoryview(item.payload).nbytes != self.codec.encoded_size(b - a):
+                            raise RemoteProtocolError("a result chunk of the wrong size")
+                        np.copyto(self.flat.array[start + a : start + b], tensor[a:b])
+                        self.in_tensor[index] = b  # before the decoding: a failed one is undone
+                        self._take(item.body, item.payload, start + a, start + b, tensor[a:b])
+                    else:
+                        self._take(item.body, item.payload, start + a, start + b)
+            except PeerUnavailableError:
+                # the connection broke after the last chunk, before the stream's end: every
+                # chunk came and was checked, so the part counts (a reducer killed as it
+                # finished serving us took nothing of it with it)
+                if header is None or header.weight <= 0 or chunk + 1 != header.chunks:
+                    raise
             if header is None:
                 raise RemoteProtocolError("empty result stream")
             received = header.weight > 0 and chunk + 1 == header.chunks
