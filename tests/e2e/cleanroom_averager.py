@@ -1235,6 +1235,7 @@ class CleanroomAverager:
         self._confirmed = False
         self._reducer: _Reducer | None = None
         self._decl: dict[str, Any] = {}
+        self._kept = False  # our declaration was stored before the round's close (9.2)
         self.join_requests: list[dict[str, Any]] = []
         self.ping_requests: list[dict[str, Any]] = []
         self.unknown_requests: list[str] = []
@@ -1489,11 +1490,15 @@ class CleanroomAverager:
         with self._state_lock:
             self._round = r  # entered: from here we answer for this round
         close = r * self.gather_window
+        self._kept = False
         if not self.declare:
             time.sleep(max(close - 0.4 - time.time(), 0.0))
             return self._step_as_stranger(key, close, deadline, ttl)
         if not self._store(key, self._decl, ttl):
             report.observations.append("no node accepted our declaration")
+        # 9.2: stored before the close, and read at the close (we never close early): our
+        # marker keeps our declaration, and we take the declarations others' markers keep
+        self._kept = time.time() < close
         time.sleep(max(close - time.time(), 0.0))
 
         # read the round when it closes, add ourselves, group (9.2, 9.4)
@@ -1505,6 +1510,9 @@ class CleanroomAverager:
         for subkey, value in read.items():
             if is_peer_id_text(subkey):
                 parsed = parse_declaration(subkey, value)
+                kept = isinstance(value, dict) and value.get("done") is True and "closed" in value
+                if parsed is None and self._kept and kept:
+                    parsed = parse_declaration(subkey, value["closed"])
                 if parsed is not None:
                     decls[subkey] = parsed
         decls[me] = parse_declaration(me, self._decl)  # type: ignore[assignment]
@@ -2069,7 +2077,10 @@ class CleanroomAverager:
     def _finish_step(self, key: str, ttl: float) -> None:
         """9.2: replace our declaration with a done marker; leave the round."""
         with contextlib.suppress(OSError, CleanroomError, TimeoutError):
-            self._store(key, {"done": True, "layout": self.layout}, ttl)
+            marker: dict[str, Any] = {"done": True, "layout": self.layout}
+            if self._kept:
+                marker["closed"] = self._decl
+            self._store(key, marker, ttl)
         with self._state_lock:
             self._round = None
             self._state_lock.notify_all()

@@ -49,6 +49,7 @@ from cleanroom_averager import (
     layout_fingerprint,
     make_groups,
     method_prefix,
+    parse_declaration,
     rank_key,
     seeds,
 )
@@ -494,7 +495,12 @@ def test_cleanroom_leads_one_library_peer_codec_none(
         now = time.time()
     assert entries is not None
     marker = next(e for e in entries if e["s"] == theirs)
-    assert unpack_value(marker["v"]) == {"done": True, "layout": done.cleanroom.layout}
+    value = unpack_value(marker["v"])
+    # 9.2: it read the round at its close, its declaration stored by then: the marker keeps
+    # the declaration it grouped
+    kept = parse_declaration(theirs, value.pop("closed"))
+    assert kept is not None and kept["layout"] == done.cleanroom.layout
+    assert value == {"done": True, "layout": done.cleanroom.layout}
     assert close + ttl - 0.5 <= marker["x"] <= now + ttl + 0.5
     assert done.report.raw_result_items > 0  # 9: a reducer under `none` sends raw items
 

@@ -185,6 +185,31 @@ def done_marker(layout: str) -> dict[str, Any]:
     return {"done": True, "layout": layout}
 
 
+def closed_marker(layout: str, declaration: Declaration) -> dict[str, Any]:
+    """A "done" marker of a peer whose round was decided by a read at or after the round's
+    close: it keeps the declaration that read grouped (``closed``), so that a peer whose
+    own read of the round came a moment later still groups the same set (a peer left
+    alone writes its marker a few ms after the close; without its declaration, a slower
+    reader computed another phase and other groups)."""
+    return {**done_marker(layout), "closed": declaration.to_wire()}
+
+
+def parse_closed(entries: Mapping[Any, Any], exclude: str) -> list[Declaration]:
+    """The declarations that "done" markers kept (``closed_marker``), but ``exclude``'s
+    (ours); a marker whose kept declaration is malformed keeps none."""
+    out: list[Declaration] = []
+    for subkey, value in entries.items():
+        if subkey == exclude or not isinstance(subkey, str) or not isinstance(value, Mapping):
+            continue
+        if value.get("done") is not True or "closed" not in value:
+            continue
+        try:
+            out.append(Declaration.from_wire(PeerID.from_base58(subkey), value["closed"]))
+        except ProtocolError:
+            continue
+    return out
+
+
 def parse_done(entries: Mapping[Any, Any], exclude: str) -> Counter[str | None]:
     """The "done" markers among DHT ``{subkey: value}`` entries, but ``exclude``'s (ours),
     counted by layout; None counts the markers of unknown layout (an older peer's, without

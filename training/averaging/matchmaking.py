@@ -28,10 +28,12 @@ from .confirmation import Confirmation
 from .grouping import (
     LAYOUT_VERSION,
     Declaration,
+    closed_marker,
     done_marker,
     find_group,
     leader_of,
     make_groups,
+    parse_closed,
     parse_declarations,
     parse_done,
     phase_of,
@@ -128,6 +130,8 @@ class Matchmaker(Confirmation):
         # declarations stay in its key for the next step in the same slot)
         self._views: list[int] = []
         self._ghosts: set[PeerID] = set()
+        # the round our last read decided at its close, and the declaration it grouped
+        self._kept: tuple[int, Declaration] | None = None
         # the grid phase of the last round of this step in which we read peers of our
         # layout (``phase_of`` of theirs and ours), None when we read none
         self.seen_phase: int | None = None
@@ -221,6 +225,8 @@ class Matchmaker(Confirmation):
         layout: a peer that reads only markers still learns whether it is the odd one."""
         key = round_key(self.prefix, number)
         value = {"done": True} if self._layout is None else done_marker(self._layout)
+        if self._layout is not None and self._kept is not None and self._kept[0] == number:
+            value = closed_marker(self._layout, self._kept[1])
         with trio.move_on_at(deadline):
             await self.node.dht.store(key, value, ttl=self._ttl(), subkey=self._subkey)
 
@@ -254,11 +260,17 @@ class Matchmaker(Confirmation):
         with trio.move_on_at(deadline):
             await self.node.dht.store(key, state.me.to_wire(), ttl=self._ttl(), subkey=self._subkey)
         state.store_s = trio.current_time() - started
+        state.slot_close = close_at
+        state.stored_by_close = trio.current_time() < close_at
         # A slow store (an unresponsive DHT node) means the others' stores are slow too:
         # give them a moment to land before reading.
         settle = window / 4
         close_at = max(close_at, trio.current_time() + settle)
         declared, done = await self._gather(state, key, min(close_at, deadline), deadline)
+        # a read at or after the slot's close, of a round that had our declaration by then:
+        # our marker keeps it for the others' later reads (see grouping.closed_marker)
+        at_close = state.stored_by_close and state.read_at_close
+        self._kept = (state.number, state.me) if at_close else None
         if trio.current_time() >= deadline:  # the step's timeout ended the gather
             state.closed.set()
             return self._cut_short(state, close_at - deadline)
@@ -444,11 +456,19 @@ class Matchmaker(Confirmation):
                     await state.wake.wait()
             declared: list[Declaration] = []
             done: Counter[str | None] = Counter()
+            state.read_at_close = trio.current_time() >= state.slot_close
             with trio.move_on_at(close_at if early else deadline):
                 read = await self.node.dht.read_entries(key)
                 state.unheard = read.asked > 0 and not read.answered
                 values = {s: v for s, (v, _) in read.entries.items()}
                 declared = parse_declarations(values)
+                if state.stored_by_close:
+                    # peers that read the round at its close, ours in it, and withdrew
+                    # since: we group the set they grouped
+                    kept = parse_closed(values, self._subkey)
+                    declared += kept
+                    for d in kept:
+                        del values[str(d.peer_id)]  # counted as declared, not as done
                 others = [d for d in declared if d.peer_id != state.me.peer_id]
                 company = [d for d in others if d.layout == state.me.layout]
                 if company:

@@ -1,0 +1,79 @@
+"""A peer whose round was decided by its read at the close keeps, in its "done" marker, the
+declaration that read grouped (protocol.md 9.2, ``closed``). The peer that pairs leave alone
+withdraws a few ms after the close; a reader slower than that grouped without it: another
+phase, other pairs, and two peers that each led the other ("nobody joined")."""
+
+from __future__ import annotations
+
+from collections import Counter
+from typing import Any
+
+import trio
+import trio.testing
+from test_averaging_support import fast_config, make_members, memnet_swarm
+
+from protocol.identity import Identity
+from training import Outcome
+from training.averaging.grouping import (
+    Declaration,
+    closed_marker,
+    done_marker,
+    parse_closed,
+    parse_done,
+)
+
+STEPS = 12
+
+
+async def test_a_reader_slower_than_the_lone_peers_marker_groups_the_same_set(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Three peers in pairs (one sits each round out), steps back to back; every read of
+    the round by peer 0 takes 0.1 s longer. Before markers kept declarations, these seeds
+    gave 6 steps in 36 where two peers each led the other."""
+    notes: list[str] = []
+    outcomes: Counter[Outcome] = Counter()
+    with trio.fail_after(300):
+        async with memnet_swarm(3, first_seed=100) as (_, nodes):
+            members = make_members(nodes, 4096, fast_config(group_size=2))
+            dht = nodes[0].dht
+            read_entries = dht.read_entries
+
+            async def slow_read(key: str, **kwargs: Any) -> Any:
+                await trio.sleep(0.1)
+                return await read_entries(key, **kwargs)
+
+            dht.read_entries = slow_read  # type: ignore[method-assign,assignment]
+
+            async def run(i: int) -> None:
+                for _ in range(STEPS):
+                    info = await members[i].averager.step(weight=1.0, epoch=0, timeout=20.0)
+                    outcomes[info.outcome] += 1
+                    notes.append(info.note)
+                    await trio.sleep(0.05)
+
+            async with trio.open_nursery() as nursery:
+                for i in range(3):
+                    nursery.start_soon(run, i)
+    assert not [n for n in notes if "nobody joined" in n], notes
+    assert outcomes[Outcome.AVERAGED] + outcomes[Outcome.ALONE] == 3 * STEPS, outcomes
+    # one peer sits out each round; steps within one slot may repeat a round's grouping
+    assert outcomes[Outcome.ALONE] <= STEPS + 2, outcomes
+
+
+def test_a_closed_marker_keeps_a_declaration_and_counts_as_declared() -> None:
+    """Entries with a kept declaration read as declared, not as done; a kept declaration
+    that fails the table (here: another peer's address) keeps nothing; ours is skipped."""
+    ids = [Identity.from_seed(bytes([i + 1]) * 32).peer_id for i in range(3)]
+    decls = [
+        Declaration(p, f"{p}@10.0.0.{i + 1}:1000", 1.0, 0, 1.0, "ours", 0, 64)
+        for i, p in enumerate(ids)
+    ]
+    forged = {**done_marker("ours"), "closed": {**decls[1].to_wire(), "address": decls[2].address}}
+    entries = {
+        str(ids[0]): closed_marker("ours", decls[0]),
+        str(ids[1]): forged,
+        str(ids[2]): closed_marker("ours", decls[2]),
+    }
+    assert parse_closed(entries, exclude=str(ids[2])) == [decls[0]]
+    assert parse_done(entries, exclude="") == Counter({"ours": 3})
