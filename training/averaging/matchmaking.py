@@ -257,11 +257,14 @@ class Matchmaker(Confirmation):
         close_in = state.number * window - self.clock()
         close_at = trio.current_time() + close_in
         started = trio.current_time()
+        stored = False
         with trio.move_on_at(deadline):
-            await self.node.dht.store(key, state.me.to_wire(), ttl=self._ttl(), subkey=self._subkey)
+            stored = await self.node.dht.store(
+                key, state.me.to_wire(), ttl=self._ttl(), subkey=self._subkey
+            )
         state.store_s = trio.current_time() - started
         state.slot_close = close_at
-        state.stored_by_close = trio.current_time() < close_at
+        state.stored_by_close = stored and trio.current_time() < close_at
         # A slow store (an unresponsive DHT node) means the others' stores are slow too:
         # give them a moment to land before reading.
         settle = window / 4
