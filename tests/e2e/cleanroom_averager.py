@@ -24,6 +24,7 @@ import hashlib
 import itertools
 import math
 import queue
+import secrets
 import select
 import socket
 import struct
@@ -289,6 +290,8 @@ def parse_declaration(declarer: str, value: object) -> dict[str, Any] | None:
         if key in value and not (_is_int(value[key]) and 0 <= value[key] < MAX_EPOCH):
             return None
     if "detail" in value and not (isinstance(value["detail"], str) and len(value["detail"]) <= 200):
+        return None
+    if "step" in value and not (_is_int(value["step"]) and 0 <= value["step"] < 2**32):
         return None
     if not client_mode:
         try:
@@ -1235,7 +1238,7 @@ class CleanroomAverager:
         self._confirmed = False
         self._reducer: _Reducer | None = None
         self._decl: dict[str, Any] = {}
-        self._kept = False  # our declaration was stored before the round's close (9.2)
+        self._saw: list[int] | None = None  # 9.2: the step tags our read grouped (marker)
         self.join_requests: list[dict[str, Any]] = []
         self.ping_requests: list[dict[str, Any]] = []
         self.unknown_requests: list[str] = []
@@ -1486,19 +1489,17 @@ class CleanroomAverager:
             "total": int(self.values.size),
             "group_size": self.group_size,
             "detail": f"float32, {self.codec}, clean-room member, layout v6",
+            "step": secrets.randbelow(2**32 - 1) + 1,  # 9.2: a random tag, anew each step
         }
         with self._state_lock:
             self._round = r  # entered: from here we answer for this round
         close = r * self.gather_window
-        self._kept = False
+        self._saw = None
         if not self.declare:
             time.sleep(max(close - 0.4 - time.time(), 0.0))
             return self._step_as_stranger(key, close, deadline, ttl)
         if not self._store(key, self._decl, ttl):
             report.observations.append("no node accepted our declaration")
-        # 9.2: stored before the close, and read at the close (we never close early): our
-        # marker keeps our declaration, and we take the declarations others' markers keep
-        self._kept = time.time() < close
         time.sleep(max(close - time.time(), 0.0))
 
         # read the round when it closes, add ourselves, group (9.2, 9.4)
@@ -1510,11 +1511,13 @@ class CleanroomAverager:
         for subkey, value in read.items():
             if is_peer_id_text(subkey):
                 parsed = parse_declaration(subkey, value)
-                kept = isinstance(value, dict) and value.get("done") is True and "closed" in value
-                if parsed is None and self._kept and kept:
+                if parsed is None and subkey != me and self._saw_us(value):
+                    # 9.2: it read our declaration, grouped and withdrew: group what it did
                     parsed = parse_declaration(subkey, value["closed"])
                 if parsed is not None:
                     decls[subkey] = parsed
+        tags = (d["raw"].get("step", 0) for p, d in decls.items() if p != me)
+        self._saw = sorted({t for t in tags if type(t) is int and 0 < t < 2**32})[:1024]
         decls[me] = parse_declaration(me, self._decl)  # type: ignore[assignment]
         report.declarations = {p: d["raw"] for p, d in decls.items()}
         mine = {p: d for p, d in decls.items() if d["layout"] == self.layout}
@@ -2074,12 +2077,22 @@ class CleanroomAverager:
             return "chunks with weight 0"
         return None
 
+    def _saw_us(self, value: object) -> bool:
+        """9.2: a done marker that keeps a declaration and lists our step tag in `saw`."""
+        if not isinstance(value, dict) or value.get("done") is not True or "closed" not in value:
+            return False
+        saw = value.get("saw")
+        return isinstance(saw, list) and len(saw) <= 1024 and self._decl.get("step") in saw
+
     def _finish_step(self, key: str, ttl: float) -> None:
-        """9.2: replace our declaration with a done marker; leave the round."""
+        """9.2: replace our declaration with a done marker, keeping what our read grouped;
+        leave the round."""
         with contextlib.suppress(OSError, CleanroomError, TimeoutError):
             marker: dict[str, Any] = {"done": True, "layout": self.layout}
-            if self._kept:
-                marker["closed"] = self._decl
+            if self._saw is not None:
+                keys = ("address", "weight", "epoch", "bandwidth", "layout", "count")
+                marker["closed"] = {k: self._decl[k] for k in (*keys, "client_mode")}
+                marker["saw"] = self._saw
             self._store(key, marker, ttl)
         with self._state_lock:
             self._round = None

@@ -496,10 +496,12 @@ def test_cleanroom_leads_one_library_peer_codec_none(
     assert entries is not None
     marker = next(e for e in entries if e["s"] == theirs)
     value = unpack_value(marker["v"])
-    # 9.2: it read the round at its close, its declaration stored by then: the marker keeps
-    # the declaration it grouped
+    # 9.2: the marker keeps the declaration its read grouped, and the step tags it saw:
+    # ours among them
     kept = parse_declaration(theirs, value.pop("closed"))
     assert kept is not None and kept["layout"] == done.cleanroom.layout
+    ours = done.report.declarations[done.cleanroom.identity.peer_id_text]
+    assert value.pop("saw") == [ours["step"]]
     assert value == {"done": True, "layout": done.cleanroom.layout}
     assert close + ttl - 0.5 <= marker["x"] <= now + ttl + 0.5
     assert done.report.raw_result_items > 0  # 9: a reducer under `none` sends raw items
@@ -1127,3 +1129,62 @@ def test_count_after_a_confirmed_round_sets_the_next_phase(
     assert reports[1].declarations[peer.peer_id]["count"] == 1
     assert [r.led for r in reports] == [False, True]
     assert [i["leader"] for i in infos] == [peer.peer_id, identity.peer_id_text]
+
+
+@pytest.mark.slow
+def test_library_peers_that_close_early_are_grouped_from_their_kept_declarations(
+    bootstrap: str, library: list[LibraryPeer], tmp_path: Path
+) -> None:
+    """9.2, kept declarations: three peers in groups of at most 2, three steps. From the
+    second on, the library peers have met three peers and close early, before the slot's
+    end, and withdraw; we read only at the close. Their markers keep what they grouped
+    and list our step tag, so we group the same set (before kept declarations, such a
+    read computed another phase: we and a library peer both led, and nobody joined)."""
+    prefix = f"cleanroom/averaging/{uuid.uuid4().hex}"
+    ids = [peer.peer_id for peer in library]
+    identity = Identity.generate()
+    me = identity.peer_id_text
+    total, first = 2000, safe_start()
+    starts = [first + i * 3 * GATHER_WINDOW for i in range(3)]
+    for i, peer in enumerate(library):
+        peer.send(
+            {
+                "prefix": prefix, "codec": "none", "total": total, "seed": 140 + i,
+                "chunk_bytes": DEFAULT_CHUNK_BYTES, "bandwidth": 1.0, "group_size": 2,
+                "gather_window": GATHER_WINDOW, "weight": 1.0, "epoch": 0,
+                "timeout": STEP_TIMEOUT, "starts": starts,
+                "out": str(tmp_path / f"library{i}-{{}}.npy"),
+            }
+        )  # fmt: skip
+    values, count, reports = values_for(150, total), 0, []
+    for start in starts:
+        averager = CleanroomAverager(
+            identity, bootstrap, prefix, values, gather_window=GATHER_WINDOW, group_size=2
+        )
+        try:
+            time.sleep(max(start - time.time(), 0.0))
+            reports.append(averager.step(weight=1.0, epoch=0, timeout=STEP_TIMEOUT, count=count))
+        finally:
+            averager.close()
+        count = reports[-1].next_count
+        values = reports[-1].result if reports[-1].result is not None else values
+    infos = [[peer.read(STEP_TIMEOUT + 15.0) for _ in starts] for peer in library]
+    withdrawn_before_our_read = 0
+    for step, report in enumerate(reports):
+        theirs = {p: infos[i][step] for i, p in enumerate(ids)}
+        context = f"step {step}: ours {report.outcome} {report.group} {report.note}\n" + "\n".join(
+            f"  {p}: {i['text']} | {i['note']}" for p, i in theirs.items()
+        )
+        # one view of the round: each peer's group is what every other peer computed
+        groups = {me: sorted(report.group)} | {p: sorted(i["group"]) for p, i in theirs.items()}
+        for group in groups.values():
+            assert all(groups[other] == group for other in group), context
+        outcomes = sorted([report.outcome, *(i["outcome"] for i in theirs.values())])
+        assert outcomes == ["alone", "averaged", "averaged"], context
+        assert not any("nobody joined" in i["note"] for i in theirs.values()), context
+        if step:
+            entries = report.read_entries
+            withdrawn_before_our_read += sum(
+                isinstance(entries.get(p), dict) and entries[p].get("done") is True for p in ids
+            )
+    assert withdrawn_before_our_read, "the library peers never closed before our read"

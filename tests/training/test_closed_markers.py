@@ -1,11 +1,13 @@
-"""A peer whose round was decided by its read at the close keeps, in its "done" marker, the
-declaration that read grouped (protocol.md 9.2, ``closed``). The peer that pairs leave alone
-withdraws a few ms after the close; a reader slower than that grouped without it: another
-phase, other pairs, and two peers that each led the other ("nobody joined")."""
+"""A "done" marker keeps the declaration its peer's last read grouped and the step tags of
+the declarations that read had (protocol.md 9.2, ``closed`` and ``saw``). The peer that
+pairs leave alone withdraws a few ms after its read; a reader slower than that grouped
+without it: another phase, other pairs, and two peers that each led the other ("nobody
+joined"). A reader whose tag a marker lists now groups what that marker's peer grouped."""
 
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 from typing import Any
 
 import trio
@@ -17,7 +19,6 @@ from training import Outcome
 from training.averaging.grouping import (
     Declaration,
     closed_marker,
-    done_marker,
     parse_closed,
     parse_done,
 )
@@ -61,19 +62,31 @@ async def test_a_reader_slower_than_the_lone_peers_marker_groups_the_same_set(
     assert outcomes[Outcome.ALONE] <= STEPS + 2, outcomes
 
 
-def test_a_closed_marker_keeps_a_declaration_and_counts_as_declared() -> None:
-    """Entries with a kept declaration read as declared, not as done; a kept declaration
-    that fails the table (here: another peer's address) keeps nothing; ours is skipped."""
+def test_a_marker_keeps_its_declaration_for_the_readers_it_saw() -> None:
+    """A kept declaration reads as declared only for a reader whose step tag the marker
+    saw (not for another step of that reader, nor for a reader without a tag); one that
+    fails the table (here: another peer's address) keeps nothing; ours is skipped."""
     ids = [Identity.from_seed(bytes([i + 1]) * 32).peer_id for i in range(3)]
     decls = [
-        Declaration(p, f"{p}@10.0.0.{i + 1}:1000", 1.0, 0, 1.0, "ours", 0, 64)
+        Declaration(p, f"{p}@10.0.0.{i + 1}:1000", 1.0, 0, 1.0, "ours", 0, 64, step=100 + i)
         for i, p in enumerate(ids)
     ]
-    forged = {**done_marker("ours"), "closed": {**decls[1].to_wire(), "address": decls[2].address}}
-    entries = {
-        str(ids[0]): closed_marker("ours", decls[0]),
-        str(ids[1]): forged,
-        str(ids[2]): closed_marker("ours", decls[2]),
+    forged = {
+        **closed_marker("ours", decls[1], [7]),
+        "closed": {**decls[1].to_wire(), "address": decls[2].address},
     }
-    assert parse_closed(entries, exclude=str(ids[2])) == [decls[0]]
+    entries = {
+        str(ids[0]): closed_marker("ours", decls[0], [7, 8]),
+        str(ids[1]): forged,
+        str(ids[2]): closed_marker("ours", decls[2], [7]),
+    }
+    kept = replace(decls[0], step=0)  # a marker keeps no tag (and no detail)
+    assert parse_closed(entries, exclude=str(ids[2]), step=7) == [kept]
+    assert parse_closed(entries, exclude="", step=8) == [kept]
+    assert parse_closed(entries, exclude="", step=9) == []  # another step of that reader
+    assert parse_closed(entries, exclude="", step=0) == []  # a reader without a tag
     assert parse_done(entries, exclude="") == Counter({"ours": 3})
+    # what a join or a confirmation carries leaves the tag out (older peers refuse keys
+    # they do not know); what the DHT holds has it
+    assert "step" not in decls[0].to_wire(tagged=False)
+    assert Declaration.from_wire(ids[0], decls[0].to_wire()) == decls[0]

@@ -55,8 +55,9 @@ MAX_WEIGHT = 1e300  # 9.2: a weight is "finite, > 0 and at most 1e300"
 MAX_LAYOUT = 64  # 9.2: `layout` "at most 64 characters"
 MAX_DETAIL = 200  # 9.2: `detail` "at most 200 characters"
 REQUIRED = ("address", "weight", "epoch", "bandwidth", "layout", "count")
-OPTIONAL = ("client_mode", "total", "group_size", "detail")
-TEN_KEYS = frozenset(REQUIRED + OPTIONAL)  # "Ours always writes all ten keys."
+OPTIONAL = ("client_mode", "total", "group_size", "detail", "step")
+STEP_END = 2**32  # 9.2: `step` in [0, 2**32)
+ELEVEN_KEYS = frozenset(REQUIRED + OPTIONAL)  # "Ours always writes all eleven keys."
 METHODS = ("join", "chunk", "result", "ping")  # section 9's table
 B58 = "123456789ABCDEFGHJKLMNPQRSTUVWXYZabcdefghijkmnopqrstuvwxyz"  # section 7
 
@@ -213,6 +214,7 @@ class Read:
     total: int
     group_size: int
     detail: str
+    step: int
 
 
 def spec_read(subkey: object, value: object) -> Read | None:
@@ -244,6 +246,9 @@ def spec_read(subkey: object, value: object) -> Read | None:
         return None
     if not (isinstance(detail, str) and len(detail) <= MAX_DETAIL):
         return None
+    step = value.get("step", 0)
+    if not (type(step) is int and 0 <= step < STEP_END):
+        return None
     return Read(
         peer=peer,
         client_mode=client_mode,
@@ -256,6 +261,7 @@ def spec_read(subkey: object, value: object) -> Read | None:
         total=total,
         group_size=group_size,
         detail=detail,
+        step=step,
     )
 
 
@@ -306,6 +312,7 @@ def lib_view(decl: Declaration) -> Read:
         total=decl.total,
         group_size=decl.group_size,
         detail=decl.detail,
+        step=decl.step,
     )
 
 
@@ -389,6 +396,7 @@ def valid_declaration(rng: random.Random, peer: bytes) -> dict[str, Any]:
         "total": rng.choice((0, 12345, INT_END - 1)),
         "group_size": rng.choice((0, 16, 256, INT_END - 1)),
         "detail": rng.choice(("", "float32 x3, none, layout v6", "ü" * MAX_DETAIL)),
+        "step": rng.choice((0, 1, STEP_END - 1, rng.randrange(STEP_END))),
     }
     for key in OPTIONAL:  # "optional": a reader must do without each
         if rng.random() < 0.25 and not (key == "client_mode" and client and address):
@@ -813,12 +821,12 @@ def test_done_markers() -> None:
 
 
 def test_to_wire_writes_the_ten_keys_and_reads_back() -> None:
-    """What ours writes holds "all ten keys" and passes the table unchanged."""
+    """What ours writes holds "all eleven keys" and passes the table unchanged."""
     for subkey, value in bases(20, 500):
         taken = parse_declarations(wire({subkey: value}))
         assert len(taken) == 1
         written = wire(taken[0].to_wire())
-        assert set(written) == TEN_KEYS
+        assert set(written) == ELEVEN_KEYS
         assert spec_read(subkey, written) == spec_read(subkey, value)
 
 
@@ -883,7 +891,7 @@ async def test_a_ready_peer_joins_the_round_the_text_names(
     """B becomes ready at a chosen point of a slot, with nothing, a real peer A, or an entry
     stored by hand in the round that closes next; the round whose key then holds B's subkey
     is the one `spec_choose_round` names. Along the way: A's declaration, read back from the
-    DHT, passes the table with all ten keys and 9.3's layout, and becomes a done marker."""
+    DHT, passes the table with all eleven keys and 9.3's layout, and becomes a done marker."""
     b_offset, a_offset, stored = SCENARIOS[scenario]
     ttl = spec_ttl(WINDOW, e2e_config().join_timeout)
     with trio.fail_after(60):
@@ -928,10 +936,14 @@ async def test_a_ready_peer_joins_the_round_the_text_names(
             if a_offset is not None:  # "the same TTL (the later expiration wins)"
                 found = await c_node.dht.get_entries(spec_round_key(PREFIX, first))
                 done, done_expires = found[str(a_node.peer_id)]
-                # A's first step reads at the close: its marker keeps what it declared
-                kept = dict(done).pop("closed")
-                check_our_declaration(a_node.peer_id, kept)
-                assert done == {**spec_done_marker(e2e_layout()), "closed": kept}
+                # 9.2: the marker keeps what A declared, and the step tags its read saw
+                kept, saw = done["closed"], done["saw"]
+                assert set(kept) == ELEVEN_KEYS - {"detail", "step"}
+                read = spec_read(str(a_node.peer_id), kept)
+                assert read is not None and read.layout == e2e_layout()
+                assert (read.address, read.count, read.total) == (a_node.address, 0, SIZE)
+                assert done == {**spec_done_marker(e2e_layout()), "closed": kept, "saw": saw}
+                assert isinstance(saw, list) and all(0 < t < STEP_END for t in saw)
                 assert first * WINDOW - 0.1 < done_expires - ttl <= virtual_clock()
                 if expected == first:
                     assert a_info[0].round == b_info[0].round == first
@@ -939,8 +951,9 @@ async def test_a_ready_peer_joins_the_round_the_text_names(
 
 
 def check_our_declaration(peer_id: PeerID, value: Any) -> None:
-    """Ours writes all ten keys, passes the table, and writes what 9.2 says ours writes."""
-    assert set(value) == TEN_KEYS
+    """Ours writes all eleven keys, passes the table, and writes what 9.2 says ours writes."""
+    assert set(value) == ELEVEN_KEYS
+    assert 0 < value["step"] < STEP_END  # "a random tag, drawn anew for each step"
     read = spec_read(str(peer_id), value)
     assert read is not None and read.layout == e2e_layout()
     assert read.address is not None and read.address.startswith(f"{peer_id}@")

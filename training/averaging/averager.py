@@ -16,6 +16,7 @@ import contextlib
 import hashlib
 import logging
 import math
+import secrets
 import warnings
 import weakref
 from collections import Counter
@@ -44,6 +45,7 @@ from .grouping import (
     LAYOUT_VERSION,
     MAX_DETAIL,
     MAX_EPOCH,
+    MAX_STEP_TAG,
     Declaration,
     phase_of,
 )
@@ -434,6 +436,7 @@ class Averager:
             self.flat.total,
             self.config.group_size,
             self._detail,
+            secrets.randbelow(MAX_STEP_TAG - 1) + 1,  # this step's tag (grouping.closed_marker)
         )
         match = await self._find_group(me, deadline)
         t1 = trio.current_time()

@@ -100,8 +100,9 @@ class Confirmation:
             while not state.expected <= state.joined.keys():
                 await state.changed.wait()
         last = len(state.order)
-        members = sorted(
-            state.joined.values(), key=lambda d: (state.order.get(d.peer_id, last), d.peer_id.raw)
+        members = sorted(  # as the confirmation carries them: without step tags
+            (replace(d, step=0) for d in state.joined.values()),
+            key=lambda d: (state.order.get(d.peer_id, last), d.peer_id.raw),
         )
         state.budget = max(deadline - trio.current_time(), 1e-3)
         if len(members) < 2:

@@ -26,7 +26,7 @@ import hashlib
 import math
 import re
 from collections import Counter
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,13 +41,15 @@ weights to a finite float64. Two members of weight 1e308 made every reducer's ex
 (``math.fsum``) overflow, and every member's step raise ``OverflowError``."""
 MAX_LAYOUT = 64  # characters of a layout fingerprint on the wire (a short hash)
 MAX_DETAIL = 200  # characters of a declaration's detail (words for error messages)
+MAX_STEP_TAG = 1 << 32  # a declaration's step tag is below this (5 bytes in msgpack)
+MAX_SAW = 1024  # step tags a "done" marker lists (within the DHT's 16 KiB per value)
 LAYOUT_VERSION = "v6"
 """The averaging wire's version, part of every layout fingerprint (``Averager.layout_id``)
 and named at the end of a declaration's detail: peers of other versions group apart."""
 _VERSION_WORDS = re.compile(r", layout v\d+$")
 DECLARATION_KEYS = frozenset(
     {"address", "weight", "epoch", "bandwidth", "client_mode", "layout", "count", "total"}
-    | {"group_size", "detail"}
+    | {"group_size", "detail", "step"}
 )
 
 
@@ -72,6 +74,7 @@ class Declaration:
     total: int = 0  # elements in the flat vector (for error messages)
     group_size: int = 0  # the averager's group_size (for error messages; 0: not said)
     detail: str = ""  # dtypes, codec, staleness rule in words (for error messages)
+    step: int = 0  # a random tag of this step's declarations (see closed_marker); 0: none
 
     @property
     def client_mode(self) -> bool:
@@ -92,8 +95,11 @@ class Declaration:
         detail = f", {self.detail}" if self.detail else ""
         return f"{self.total} elements{size}{detail} ({self.layout})"
 
-    def to_wire(self) -> dict[str, Any]:
-        return {
+    def to_wire(self, *, tagged: bool = True) -> dict[str, Any]:
+        """The declaration as stored in the DHT; ``tagged`` False leaves out the step tag,
+        which only the DHT's readers use (peers of versions before it refuse a join or a
+        confirmation whose declarations carry keys they do not know)."""
+        wire = {
             "address": self.address,
             "weight": self.weight,
             "epoch": self.epoch,
@@ -104,7 +110,11 @@ class Declaration:
             "total": self.total,
             "group_size": self.group_size,
             "detail": self.detail,
+            "step": self.step,
         }
+        if not tagged:
+            del wire["step"]
+        return wire
 
     @classmethod
     def from_wire(cls, peer_id: PeerID, value: Any) -> Declaration:
@@ -125,6 +135,7 @@ class Declaration:
             total = value.get("total", 0)
             group_size = value.get("group_size", 0)
             detail = value.get("detail", "")
+            step = value.get("step", 0)
             client_mode = value.get("client_mode", address is None)
         except (KeyError, TypeError, ValueError) as exc:
             raise RemoteProtocolError(f"malformed declaration: {exc!r}") from None
@@ -156,13 +167,16 @@ class Declaration:
         for name, number in integers:
             if type(number) is not int or not 0 <= number < MAX_EPOCH:
                 raise RemoteProtocolError(f"declared {name} {brief(number)} is out of range")
+        if type(step) is not int or not 0 <= step < MAX_STEP_TAG:
+            raise RemoteProtocolError(f"declared step {brief(step)} is out of range")
         if not _is_layout(layout):
             raise RemoteProtocolError("declared layout is not a short string")
         if type(detail) is not str or len(detail) > MAX_DETAIL:
             raise RemoteProtocolError("declared detail is not a short string")
         return cls(
-            peer_id, address, weight, epoch, bandwidth, layout, count, total, group_size, detail
-        )
+            peer_id, address, weight, epoch, bandwidth, layout, count, total, group_size, detail,
+            step,
+        )  # fmt: skip
 
 
 def parse_declarations(entries: Mapping[Any, Any]) -> list[Declaration]:
@@ -185,23 +199,37 @@ def done_marker(layout: str) -> dict[str, Any]:
     return {"done": True, "layout": layout}
 
 
-def closed_marker(layout: str, declaration: Declaration) -> dict[str, Any]:
-    """A "done" marker of a peer whose round was decided by a read at or after the round's
-    close: it keeps the declaration that read grouped (``closed``), so that a peer whose
-    own read of the round came a moment later still groups the same set (a peer left
-    alone writes its marker a few ms after the close; without its declaration, a slower
-    reader computed another phase and other groups)."""
-    return {**done_marker(layout), "closed": declaration.to_wire()}
+def closed_marker(layout: str, declaration: Declaration, saw: Iterable[int]) -> dict[str, Any]:
+    """A "done" marker that keeps the declaration its peer's last read of the round grouped
+    (``closed``) and the step tags of the others' declarations in that read (``saw``): a
+    peer whose declaration it saw, and whose own read came after the marker, groups the
+    same set as that read did. (A peer left alone writes its marker a few ms after its
+    read, and peers that close early before the slot's end: without their declarations, a
+    slower reader computed another phase and other groups.) A later step of that peer in
+    the same slot declares another tag, which no marker of the earlier step names."""
+    tags = sorted({t for t in saw if 0 < t < MAX_STEP_TAG})[:MAX_SAW]
+    # what grouping and a mismatch's error read, not the words for error messages (up to
+    # 200 characters) nor the tag: the marker is written beside the butterfly, over the
+    # same links
+    kept = declaration.to_wire(tagged=False)
+    del kept["detail"]
+    return {**done_marker(layout), "closed": kept, "saw": tags}
 
 
-def parse_closed(entries: Mapping[Any, Any], exclude: str) -> list[Declaration]:
-    """The declarations that "done" markers kept (``closed_marker``), but ``exclude``'s
-    (ours); a marker whose kept declaration is malformed keeps none."""
+def parse_closed(entries: Mapping[Any, Any], exclude: str, step: int) -> list[Declaration]:
+    """The declarations kept by "done" markers (``closed_marker``) that saw step tag
+    ``step`` (ours), but ``exclude``'s (ours); a marker whose kept declaration or tag list
+    is malformed keeps none, and so does every marker for a peer without a tag (0)."""
     out: list[Declaration] = []
+    if not 0 < step < MAX_STEP_TAG:
+        return out
     for subkey, value in entries.items():
         if subkey == exclude or not isinstance(subkey, str) or not isinstance(value, Mapping):
             continue
         if value.get("done") is not True or "closed" not in value:
+            continue
+        saw = value.get("saw")
+        if not isinstance(saw, list) or len(saw) > MAX_SAW or step not in saw:
             continue
         try:
             out.append(Declaration.from_wire(PeerID.from_base58(subkey), value["closed"]))

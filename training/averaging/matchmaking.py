@@ -130,8 +130,8 @@ class Matchmaker(Confirmation):
         # declarations stay in its key for the next step in the same slot)
         self._views: list[int] = []
         self._ghosts: set[PeerID] = set()
-        # the round our last read decided at its close, and the declaration it grouped
-        self._kept: tuple[int, Declaration] | None = None
+        # the round our last read decided, the declaration it grouped, the others' step tags
+        self._kept: tuple[int, Declaration, set[int]] | None = None
         # the grid phase of the last round of this step in which we read peers of our
         # layout (``phase_of`` of theirs and ours), None when we read none
         self.seen_phase: int | None = None
@@ -226,7 +226,7 @@ class Matchmaker(Confirmation):
         key = round_key(self.prefix, number)
         value = {"done": True} if self._layout is None else done_marker(self._layout)
         if self._layout is not None and self._kept is not None and self._kept[0] == number:
-            value = closed_marker(self._layout, self._kept[1])
+            value = closed_marker(self._layout, self._kept[1], self._kept[2])
         with trio.move_on_at(deadline):
             await self.node.dht.store(key, value, ttl=self._ttl(), subkey=self._subkey)
 
@@ -257,24 +257,20 @@ class Matchmaker(Confirmation):
         close_in = state.number * window - self.clock()
         close_at = trio.current_time() + close_in
         started = trio.current_time()
-        stored = False
         with trio.move_on_at(deadline):
-            stored = await self.node.dht.store(
-                key, state.me.to_wire(), ttl=self._ttl(), subkey=self._subkey
-            )
+            await self.node.dht.store(key, state.me.to_wire(), ttl=self._ttl(), subkey=self._subkey)
         state.store_s = trio.current_time() - started
-        state.slot_close = close_at
-        state.stored_by_close = stored and trio.current_time() < close_at
         # A slow store (an unresponsive DHT node) means the others' stores are slow too:
         # give them a moment to land before reading.
         settle = window / 4
         close_at = max(close_at, trio.current_time() + settle)
         declared, done = await self._gather(state, key, min(close_at, deadline), deadline)
-        # a read at or after the slot's close, of a round that had our declaration by then:
-        # our marker keeps it for the others' later reads (see grouping.closed_marker)
-        at_close = state.stored_by_close and state.read_at_close
-        self._kept = (state.number, state.me) if at_close else None
+        # what that read grouped: our marker keeps it for the others' later reads (see
+        # grouping.closed_marker)
+        saw = {d.step for d in declared if d.peer_id != state.me.peer_id}
+        self._kept = (state.number, state.me, saw)
         if trio.current_time() >= deadline:  # the step's timeout ended the gather
+            self._kept = None
             state.closed.set()
             return self._cut_short(state, close_at - deadline)
         mine = next((d for d in declared if d.peer_id == state.me.peer_id), None)
@@ -459,19 +455,17 @@ class Matchmaker(Confirmation):
                     await state.wake.wait()
             declared: list[Declaration] = []
             done: Counter[str | None] = Counter()
-            state.read_at_close = trio.current_time() >= state.slot_close
             with trio.move_on_at(close_at if early else deadline):
                 read = await self.node.dht.read_entries(key)
                 state.unheard = read.asked > 0 and not read.answered
                 values = {s: v for s, (v, _) in read.entries.items()}
                 declared = parse_declarations(values)
-                if state.stored_by_close:
-                    # peers that read the round at its close, ours in it, and withdrew
-                    # since: we group the set they grouped
-                    kept = parse_closed(values, self._subkey)
-                    declared += kept
-                    for d in kept:
-                        del values[str(d.peer_id)]  # counted as declared, not as done
+                # peers whose read of the round had our declaration, and that withdrew
+                # since: we group the set they grouped
+                kept = parse_closed(values, self._subkey, state.me.step)
+                declared += kept
+                for d in kept:
+                    del values[str(d.peer_id)]  # counted as declared, not as done
                 others = [d for d in declared if d.peer_id != state.me.peer_id]
                 company = [d for d in others if d.layout == state.me.layout]
                 if company:

@@ -90,7 +90,7 @@ class JoinRequest:
     skipped: tuple[PeerID, ...] = ()
 
     def to_body(self) -> dict[str, Any]:
-        body: dict[str, Any] = {"round": self.round, "decl": self.declaration.to_wire()}
+        body: dict[str, Any] = {"round": self.round, "decl": self.declaration.to_wire(tagged=False)}
         if self.skipped:
             body["skipped"] = [str(p) for p in self.skipped]
         return body
@@ -130,7 +130,7 @@ class GroupConfirmation:
         return {
             "status": "ok",
             "round": self.round,
-            "members": [[str(m.peer_id), m.to_wire()] for m in self.members],
+            "members": [[str(m.peer_id), m.to_wire(tagged=False)] for m in self.members],
             "spans": [list(span) for span in self.spans],
             "budget": self.budget,
         }

@@ -45,9 +45,6 @@ class RoundState:
     # the "done" markers of others (see withdraw) by layout, from the read that found most
     others_done: Counter[str | None] = field(default_factory=Counter)
     store_s: float = 0.0  # how long storing our declaration took
-    slot_close: float = 0.0  # trio time the round's slot closes (by the network clock)
-    stored_by_close: bool = False  # our declaration was stored before the slot closed
-    read_at_close: bool = False  # our last read of the round began at or after the close
     unheard: bool = False  # our last read of the round asked other nodes and none answered
     # -- a member's walk down the ranked members (see Confirmation._join) --
     give_up: float = 0.0  # when a member stops waiting for any leader of this round
