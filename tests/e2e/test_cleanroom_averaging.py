@@ -1080,6 +1080,32 @@ def test_a_stale_cleanroom_member_is_dropped_and_still_receives_the_mean(
 # ---------------------------------------------------------------- 9.2: `count` across rounds
 
 
+def steps_at(
+    starts: list[float],
+    identity: Identity,
+    bootstrap: str,
+    prefix: str,
+    values: np.ndarray,
+    count: int = 0,
+    group_size: int = 16,
+) -> list[StepReport]:
+    """Our steps under one identity, one at each of `starts`: each takes the count (9.2)
+    and the values the one before left."""
+    reports: list[StepReport] = []
+    for start in starts:
+        averager = CleanroomAverager(
+            identity, bootstrap, prefix, values, gather_window=GATHER_WINDOW, group_size=group_size
+        )
+        try:
+            time.sleep(max(start - time.time(), 0.0))
+            reports.append(averager.step(weight=1.0, epoch=0, timeout=STEP_TIMEOUT, count=count))
+        finally:
+            averager.close()
+        count = reports[-1].next_count
+        values = reports[-1].result if reports[-1].result is not None else values
+    return reports
+
+
 @pytest.mark.slow
 def test_count_after_a_confirmed_round_sets_the_next_phase(
     bootstrap: str, library: list[LibraryPeer], tmp_path: Path
@@ -1108,19 +1134,7 @@ def test_count_after_a_confirmed_round_sets_the_next_phase(
             "timeout": STEP_TIMEOUT, "starts": starts, "out": str(tmp_path / "library-{}.npy"),
         }
     )  # fmt: skip
-    values = values_for(130, total)
-    reports, count = [], 5
-    for start in starts:
-        averager = CleanroomAverager(
-            identity, bootstrap, prefix, values, gather_window=GATHER_WINDOW
-        )
-        try:
-            time.sleep(max(start - time.time(), 0.0))
-            reports.append(averager.step(weight=1.0, epoch=0, timeout=STEP_TIMEOUT, count=count))
-        finally:
-            averager.close()
-        count = reports[-1].next_count
-        values = reports[-1].result if reports[-1].result is not None else values
+    reports = steps_at(starts, identity, bootstrap, prefix, values_for(130, total), count=5)
     infos = [peer.read(STEP_TIMEOUT + 15.0) for _ in starts]
     context = "\n".join(f"{i['text']} | {i['note']}" for i in infos)
     assert [r.outcome for r in reports] == ["averaged", "averaged"], context
@@ -1156,18 +1170,7 @@ def test_library_peers_that_close_early_are_grouped_from_their_kept_declarations
                 "out": str(tmp_path / f"library{i}-{{}}.npy"),
             }
         )  # fmt: skip
-    values, count, reports = values_for(150, total), 0, []
-    for start in starts:
-        averager = CleanroomAverager(
-            identity, bootstrap, prefix, values, gather_window=GATHER_WINDOW, group_size=2
-        )
-        try:
-            time.sleep(max(start - time.time(), 0.0))
-            reports.append(averager.step(weight=1.0, epoch=0, timeout=STEP_TIMEOUT, count=count))
-        finally:
-            averager.close()
-        count = reports[-1].next_count
-        values = reports[-1].result if reports[-1].result is not None else values
+    reports = steps_at(starts, identity, bootstrap, prefix, values_for(150, total), group_size=2)
     infos = [[peer.read(STEP_TIMEOUT + 15.0) for _ in starts] for peer in library]
     withdrawn_before_our_read = 0
     for step, report in enumerate(reports):

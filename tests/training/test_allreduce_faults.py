@@ -208,6 +208,22 @@ class Watched:
         return item
 
 
+def watch_streams_from(member: Member, reducer: PeerID, on_item: Callable[[], None]) -> None:
+    """``on_item`` runs after each item of the result streams ``member`` reads from
+    ``reducer``."""
+    rpc = member.averager.node.rpc
+
+    @asynccontextmanager
+    async def watching(
+        address: Address, method: str, body: Any = None, payload: Any = b"",
+        stream: Any = rpc.stream,
+    ) -> AsyncIterator[AsyncIterator[Any]]:  # fmt: skip
+        async with stream(address, method, body, payload) as items:
+            yield Watched(items, on_item) if address.peer_id == reducer else items
+
+    rpc.stream = watching  # type: ignore[method-assign]
+
+
 async def test_reducer_killed_after_its_result_header(
     autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -236,21 +252,8 @@ async def test_reducer_killed_after_its_result_header(
                     net.kill_host(host_of(victim))
 
             for i, member in enumerate(members):
-                if i == victim:
-                    continue
-                rpc = member.averager.node.rpc
-
-                @asynccontextmanager
-                async def watching(
-                    address: Address, method: str, body: Any = None, payload: Any = b"",
-                    stream: Any = rpc.stream,
-                ) -> AsyncIterator[AsyncIterator[Any]]:  # fmt: skip
-                    async with stream(address, method, body, payload) as items:
-                        yield (
-                            Watched(items, count_header) if address.peer_id == victim_id else items
-                        )
-
-                rpc.stream = watching  # type: ignore[method-assign]
+                if i != victim:
+                    watch_streams_from(member, victim_id, count_header)
             results = await step_all(members, timeout=TIMEOUT)
             infos = check_survivors(results, members, victim)
             assert len(headers) == len(members) - 1
@@ -291,7 +294,6 @@ async def test_reducer_killed_after_its_last_chunk_still_averaged_its_part(
             for i, member in enumerate(members):
                 if i == victim:
                     continue
-                rpc = member.averager.node.rpc
                 counted = [0]
 
                 def count_item(counted: list[int] = counted) -> None:
@@ -301,15 +303,7 @@ async def test_reducer_killed_after_its_last_chunk_still_averaged_its_part(
                         if len(whole) == len(members) - 1:
                             net.kill_host(host_of(victim))
 
-                @asynccontextmanager
-                async def watching(
-                    address: Address, method: str, body: Any = None, payload: Any = b"",
-                    stream: Any = rpc.stream, on_item: Callable[[], None] = count_item,
-                ) -> AsyncIterator[AsyncIterator[Any]]:  # fmt: skip
-                    async with stream(address, method, body, payload) as items:
-                        yield Watched(items, on_item) if address.peer_id == victim_id else items
-
-                rpc.stream = watching  # type: ignore[method-assign]
+                watch_streams_from(member, victim_id, count_item)
             results = await step_all(members, timeout=TIMEOUT)
             survivors = [m for i, m in enumerate(members) if i != victim]
             infos = [info for i, (info, _) in enumerate(results) if i != victim]
