@@ -291,8 +291,6 @@ def parse_declaration(declarer: str, value: object) -> dict[str, Any] | None:
             return None
     if "detail" in value and not (isinstance(value["detail"], str) and len(value["detail"]) <= 200):
         return None
-    if "step" in value and not (_is_int(value["step"]) and 0 <= value["step"] < 2**32):
-        return None
     if not client_mode:
         try:
             parsed = Address.parse(address)  # type: ignore[arg-type]
@@ -2082,7 +2080,11 @@ class CleanroomAverager:
         if not isinstance(value, dict) or value.get("done") is not True or "closed" not in value:
             return False
         saw = value.get("saw")
-        return isinstance(saw, list) and len(saw) <= 1024 and self._decl.get("step") in saw
+        if not isinstance(saw, list) or len(saw) > 1024:
+            return False
+        if not all(_is_int(t) and 0 < t < 2**32 for t in saw):
+            return False  # 9.2: anything but tags in the list: the marker keeps nothing
+        return self._decl.get("step") in saw
 
     def _finish_step(self, key: str, ttl: float) -> None:
         """9.2: replace our declaration with a done marker, keeping what our read grouped;

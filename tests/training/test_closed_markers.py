@@ -1,8 +1,8 @@
-"""A "done" marker keeps the declaration its peer's last read grouped and the step tags of
-the declarations that read had (protocol.md 9.2, ``closed`` and ``saw``). The peer that
+"""A "done" marker keeps its peer's declaration and the step tags of the declarations in
+the read that decided its step (protocol.md 9.2, ``closed`` and ``saw``). The peer that
 pairs leave alone withdraws a few ms after its read; a reader slower than that grouped
 without it: another phase, other pairs, and two peers that each led the other ("nobody
-joined"). A reader whose tag a marker lists now groups what that marker's peer grouped."""
+joined"). A reader whose tag a marker lists now counts that marker's peer as declared."""
 
 from __future__ import annotations
 
@@ -86,6 +86,14 @@ def test_a_marker_keeps_its_declaration_for_the_readers_it_saw() -> None:
     assert parse_closed(entries, exclude="", step=9) == []  # another step of that reader
     assert parse_closed(entries, exclude="", step=0) == []  # a reader without a tag
     assert parse_done(entries, exclude="") == Counter({"ours": 3})
+    # a tag list with anything but tags keeps nothing (a float or a bool is no tag)
+    for saw in ([7.0], [True], [7, "x"], [0, 7], [7] * 1025, "7"):
+        odd = {str(ids[0]): {**closed_marker("ours", decls[0], []), "saw": saw}}
+        assert parse_closed(odd, exclude="", step=7 if saw != [True] else 1) == [], saw
+    # a tag that is no int in [0, 2**32) reads as none: the declaration still counts
+    for step in (-1, 2**32, 1.5, True, "7"):
+        wire = {**decls[0].to_wire(), "step": step}
+        assert Declaration.from_wire(ids[0], wire) == replace(decls[0], step=0), step
     # what a join or a confirmation carries leaves the tag out (older peers refuse keys
     # they do not know); what the DHT holds has it
     assert "step" not in decls[0].to_wire(tagged=False)

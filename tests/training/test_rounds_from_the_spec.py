@@ -248,7 +248,7 @@ def spec_read(subkey: object, value: object) -> Read | None:
         return None
     step = value.get("step", 0)
     if not (type(step) is int and 0 <= step < STEP_END):
-        return None
+        step = 0  # 9.2: "any other `step` reads as 0 (no tag)"
     return Read(
         peer=peer,
         client_mode=client_mode,

@@ -136,6 +136,8 @@ class Declaration:
             group_size = value.get("group_size", 0)
             detail = value.get("detail", "")
             step = value.get("step", 0)
+            if type(step) is not int or not 0 <= step < MAX_STEP_TAG:
+                step = 0  # no tag: older peers ignore the key, so the rest still counts
             client_mode = value.get("client_mode", address is None)
         except (KeyError, TypeError, ValueError) as exc:
             raise RemoteProtocolError(f"malformed declaration: {exc!r}") from None
@@ -167,8 +169,6 @@ class Declaration:
         for name, number in integers:
             if type(number) is not int or not 0 <= number < MAX_EPOCH:
                 raise RemoteProtocolError(f"declared {name} {brief(number)} is out of range")
-        if type(step) is not int or not 0 <= step < MAX_STEP_TAG:
-            raise RemoteProtocolError(f"declared step {brief(step)} is out of range")
         if not _is_layout(layout):
             raise RemoteProtocolError("declared layout is not a short string")
         if type(detail) is not str or len(detail) > MAX_DETAIL:
@@ -200,13 +200,14 @@ def done_marker(layout: str) -> dict[str, Any]:
 
 
 def closed_marker(layout: str, declaration: Declaration, saw: Iterable[int]) -> dict[str, Any]:
-    """A "done" marker that keeps the declaration its peer's last read of the round grouped
-    (``closed``) and the step tags of the others' declarations in that read (``saw``): a
-    peer whose declaration it saw, and whose own read came after the marker, groups the
-    same set as that read did. (A peer left alone writes its marker a few ms after its
-    read, and peers that close early before the slot's end: without their declarations, a
-    slower reader computed another phase and other groups.) A later step of that peer in
-    the same slot declares another tag, which no marker of the earlier step names."""
+    """A "done" marker that keeps its peer's declaration (``closed``) and the step tags of
+    the others' declarations in the read that decided the peer's step (``saw``): a peer
+    whose declaration that read had, and whose own read comes after the marker, still
+    counts the withdrawn peer as declared (protocol.md 9.2). (A peer left alone writes its
+    marker a few ms after its read, and peers that close early before the slot's end:
+    without their declarations, a slower reader computed another phase and other groups.)
+    A later step of that peer in the same slot declares another tag, which no marker of
+    the earlier step names."""
     tags = sorted({t for t in saw if 0 < t < MAX_STEP_TAG})[:MAX_SAW]
     # what grouping and a mismatch's error read, not the words for error messages (up to
     # 200 characters) nor the tag: the marker is written beside the butterfly, over the
@@ -228,14 +229,23 @@ def parse_closed(entries: Mapping[Any, Any], exclude: str, step: int) -> list[De
             continue
         if value.get("done") is not True or "closed" not in value:
             continue
-        saw = value.get("saw")
-        if not isinstance(saw, list) or len(saw) > MAX_SAW or step not in saw:
+        if not _lists_tag(value.get("saw"), step):
             continue
         try:
             out.append(Declaration.from_wire(PeerID.from_base58(subkey), value["closed"]))
         except ProtocolError:
             continue
     return out
+
+
+def _lists_tag(saw: object, step: int) -> bool:
+    """Whether ``saw`` is a well-formed tag list (at most MAX_SAW ints in (0, 2**32), bools
+    not counted as ints) holding ``step``."""
+    if not isinstance(saw, list) or len(saw) > MAX_SAW:
+        return False
+    if not all(type(t) is int and 0 < t < MAX_STEP_TAG for t in saw):
+        return False
+    return step in saw
 
 
 def parse_done(entries: Mapping[Any, Any], exclude: str) -> Counter[str | None]:

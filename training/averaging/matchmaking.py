@@ -462,7 +462,11 @@ class Matchmaker(Confirmation):
                 declared = parse_declarations(values)
                 # peers whose read of the round had our declaration, and that withdrew
                 # since: we group the set they grouped
-                kept = parse_closed(values, self._subkey, state.me.step)
+                named = {d.peer_id for d in declared}  # a value that reads as both: once
+                kept = [
+                    d for d in parse_closed(values, self._subkey, state.me.step)
+                    if d.peer_id not in named
+                ]  # fmt: skip
                 declared += kept
                 for d in kept:
                     del values[str(d.peer_id)]  # counted as declared, not as done
