@@ -13,6 +13,9 @@ What it does, for one step (`CleanroomAverager.step`):
    `none` alternately raw and as a blob, `int8`, `float16`), reduces its own part when it
    is a reducer (the weighted mean of 9.6), serves the result, and downloads the others'.
 
+It averages one float32 tensor, so 9.1's rule for int8 chunks that span tensors (a blob per
+tensor, since `v7`) never applies to its chunks.
+
 Every blocking wait is bounded by a socket timeout or a deadline. Where the spec left a
 choice, the comment says `READING:` and what was assumed.
 """
@@ -237,7 +240,7 @@ def codec_text(
     block_size: int = 4096,
 ) -> str:
     return (
-        f"{codec_repr(codec, block_size)}|{chunk_bytes}|group_size={group_size}|v6"
+        f"{codec_repr(codec, block_size)}|{chunk_bytes}|group_size={group_size}|v7"
         f"|S={max_staleness}|decay={float(staleness_decay)!r}"
     )
 
@@ -1486,7 +1489,7 @@ class CleanroomAverager:
             "count": count,
             "total": int(self.values.size),
             "group_size": self.group_size,
-            "detail": f"float32, {self.codec}, clean-room member, layout v6",
+            "detail": f"float32, {self.codec}, clean-room member, layout v7",
             "step": secrets.randbelow(2**32 - 1) + 1,  # 9.2: a random tag, anew each step
         }
         with self._state_lock:

@@ -126,8 +126,8 @@ def values_for(seed: int, total: int) -> np.ndarray:
 def test_fingerprint_and_int8_blob_reproduce_the_worked_examples() -> None:
     """9.3's fingerprint and 9.1's int8 blob, byte for byte."""
     text = codec_text("none")
-    assert text == "NoneCodec(max_elements=268435456)|2097152|group_size=16|v6|S=2|decay=0.5"
-    assert layout_fingerprint([(3, 4), (5,)], ["float32", "float16"], text) == "1d7e4a171ebda977"
+    assert text == "NoneCodec(max_elements=268435456)|2097152|group_size=16|v7|S=2|decay=0.5"
+    assert layout_fingerprint([(3, 4), (5,)], ["float32", "float16"], text) == "92a6e2aaf155437d"
     blob = encode_blob("int8", np.array([1, -2, 0.5], np.float32), block_size=2)
     assert blob.hex() == ("5343020101010000030000000000000002000000000000000402813c0402813b40817f")
     assert decode_blob(blob, "int8").tolist() == pytest.approx([64 * 2 / 127, -2, 0.5], rel=1e-6)

@@ -350,10 +350,11 @@ async def test_weights_no_group_can_sum_are_refused_by_step_and_on_the_wire(
 async def test_codec_error_past_a_narrow_dtypes_largest_value_saturates_there(
     autojump_clock: trio.testing.MockClock, dtype: torch.dtype, top: float, beside: float
 ) -> None:
-    """A float16 tensor of 65504s beside a float32 65600 in one int8 block: 65504 decodes
-    as 127 x 65600/127 = 65600 (within int8's error), and float16 made that infinite, in a
-    part reported `all`. The mean of values a dtype holds is within its range, so what the
-    codec's error takes past it stays at the dtype's largest value (bfloat16 likewise)."""
+    """A float16 tensor of 65504s beside a float32 65600 in one chunk. When int8 blocks
+    spanned tensors (before wire v7), 65504 decoded as 127 x 65600/127 = 65600 (within
+    int8's error) and float16 made that infinite, in a part reported `all`; so what a
+    codec's error takes past a dtype's largest value stays there. Now each tensor has its
+    own blocks and 65504 comes back as itself (bfloat16 likewise)."""
     with trio.fail_after(60):
         async with memnet_swarm(2) as (_, nodes):
             tensors = [

@@ -185,8 +185,8 @@ async def test_a_deadline_right_after_the_last_chunk_keeps_what_the_members_deco
         encode = service._encode
         with trio.CancelScope() as deadline:
 
-            def encode_then_expire(values: Any, out: Any) -> int:
-                size = encode(values, out)
+            def encode_then_expire(values: Any, out: Any, start: int) -> int:
+                size = encode(values, out, start)
                 if len(service.blobs) == CHUNKS - 1:  # the last one
                     deadline.cancel()
                 return size

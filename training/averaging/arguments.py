@@ -15,6 +15,7 @@ from protocol.records import RecordError, check_key
 
 from .config import AveragerConfig
 from .grouping import MAX_EPOCH, MAX_WEIGHT, round_key
+from .pieces import RangeCodec
 
 
 def check_step_arguments(weight: float, epoch: int, timeout: float | None) -> None:
@@ -77,7 +78,9 @@ CHUNK_HEADER_ROOM = 4096
 """Bytes of a chunk's frame besides its blob (the RPC header with the chunk's body: ~200)."""
 
 
-def check_chunk_fits(codec: Codec, config: AveragerConfig, n_elements: int) -> None:
+def check_chunk_fits(
+    codec: Codec, config: AveragerConfig, n_elements: int, ranges: RangeCodec | None = None
+) -> None:
     """A chunk's blob must fit the frame every peer accepts (``MIN_PEER_FRAME_SIZE``):
     ``topk`` with a fraction over about half makes blobs larger than the chunk's float32
     bytes (an index beside each value), and each upload then failed deep in the step.
@@ -97,11 +100,16 @@ def check_chunk_fits(codec: Codec, config: AveragerConfig, n_elements: int) -> N
             "leave it out"
         )
     room = MIN_PEER_FRAME_SIZE - CHUNK_HEADER_ROOM
-    blob = max(codec.encoded_size(largest), 4 * largest)
+
+    def most_bytes(elements: int) -> int:  # int8: a blob header more per tensor boundary
+        extra = ranges.most_cuts(elements) * ranges.piece_overhead() if ranges else 0
+        return codec.encoded_size(elements) + extra
+
+    blob = max(most_bytes(largest), 4 * largest)
     if blob <= room:
         return
     fits = config.chunk_bytes * room // blob // 4096 * 4096
-    while fits > 4096 and codec.encoded_size(min(fits // 4, codec.max_elements)) > room:
+    while fits > 4096 and most_bytes(min(fits // 4, codec.max_elements)) > room:
         fits -= 4096
     raise ValueError(
         f"AveragerConfig.chunk_bytes={config.chunk_bytes} makes {codec!r} chunks of {blob} "

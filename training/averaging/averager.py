@@ -53,6 +53,7 @@ from .layout import FlatVector, Float32Array, TensorLayout
 from .loopwatch import LoopWatch
 from .matchmaking import Matchmaker
 from .messages import ChunkHeader, method_prefix, parse_ping, parse_result_request
+from .pieces import RangeCodec
 from .plan import Liveness, Plan
 from .reducer import DropReason
 from .reducing import ReducerService
@@ -180,13 +181,16 @@ class Averager:
         except (TypeError, ValueError) as exc:
             raise type(exc)(f"AveragerConfig.codec_params: {exc}") from None
         self.codec.casts = TORCH_CASTS  # same values as numpy's, many times faster
-        check_chunk_fits(self.codec, config, self.flat.total)
+        check_chunk_fits(
+            self.codec, config, self.flat.total, RangeCodec(self.codec, self.flat.offsets)
+        )
         self.layout = self.flat.layout
         # peers must agree on the codec, the chunking, the group size (a group must fit
         # every member's) and the wire format (v2: raw result blobs reused; topk results
         # lossless with error feedback; v3: raw float32 payloads with the none codec; v4:
         # convex sums, the group size; v5: grids that n fills exactly; v6: the grid phase is
-        # the median count; both so that peers form the same groups),
+        # the median count; both so that peers form the same groups; v7: int8 blocks
+        # restart at each tensor boundary, a blob per tensor of a chunk),
         # and on the staleness rule: each reducer applies its own, so with different ones
         # parts were weighed differently, or a reducer waited until the cutoff for a sender
         # that had found itself stale and sent nothing

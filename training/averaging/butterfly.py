@@ -36,6 +36,7 @@ from .config import AveragerConfig
 from .feedback import ErrorFeedback
 from .layout import FlatVector, Float32Array, chunk_count, chunk_span
 from .messages import ChunkHeader, ResultHeader, raw_flag
+from .pieces import RangeCodec
 from .plan import Liveness, Plan
 from .reducer import DropReason, decode_raw
 from .reducing import ReducerService
@@ -72,6 +73,7 @@ class Butterfly:
         self.plan = plan
         self.flat = flat
         self.codec = codec
+        self.ranges = RangeCodec(codec, flat.offsets)  # int8: a blob per tensor of a chunk
         self.config = config
         self.methods = methods
         self.service = service
@@ -246,12 +248,13 @@ class Butterfly:
                             self.plan.round, index, chunk, me.epoch, me.weight, raw=raw
                         )
                         await slots.acquire()  # released by send() when its call is over
-                        buffer = None if raw else pool.take(self.codec.encoded_size(b - a))
+                        size = 0 if raw else self.ranges.encoded_size(start + a, start + b)
+                        buffer = None if raw else pool.take(size)
                         try:
                             if buffer is None:
                                 payload = memoryview(values).cast("B")  # type: ignore[arg-type]
                             else:
-                                size = self.codec.encode_into(values, buffer)
+                                size = self.ranges.encode_into(values, buffer, start + a)
                                 payload = memoryview(buffer)[:size]
                         except NonFiniteError:  # withdraw from the part instead
                             if buffer is not None:
@@ -376,7 +379,8 @@ class Butterfly:
                     if tensor is not None:
                         # the bytes the round's codec makes of the chunk (int8 with block 1 is
                         # 5x: more to read and decode); the decoding checks the rest
-                        if memoryview(item.payload).nbytes != self.codec.encoded_size(b - a):
+                        size = self.ranges.encoded_size(start + a, start + b)
+                        if memoryview(item.payload).nbytes != size:
                             raise RemoteProtocolError("a result chunk of the wrong size")
                         np.copyto(self.flat.array[start + a : start + b], tensor[a:b])
                         self.in_tensor[index] = b  # before the decoding: a failed one is undone
@@ -419,7 +423,7 @@ class Butterfly:
         if raw_flag(body) and self.codec.name in ("none", "topk"):  # (topk: a dense chunk)
             finite = copy_finite(target, decode_raw(payload, stop - start), self._zeros)
         else:
-            self.codec.decode_into(payload, target)
+            self.ranges.decode_into(payload, target, start)
             finite = self.codec.finite_output or all_finite(target, self._zeros[: stop - start])
         if not finite:
             raise RemoteProtocolError("the reducer sent non-finite values")

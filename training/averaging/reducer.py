@@ -41,6 +41,7 @@ from protocol.errors import ProtocolError, RemoteProtocolError
 from protocol.identity import PeerID
 
 from .layout import Float32Array, chunk_count, chunk_span
+from .pieces import RangeCodec
 from .scans import (
     as_tensor,
     convex_shares,
@@ -152,11 +153,17 @@ class PartReducer:
         local: PeerID | None = None,
         local_values: Float32Array | None = None,
         defer_load: bool = False,
+        ranges: RangeCodec | None = None,
+        base: int = 0,
     ) -> None:
         self.length = length
         self.chunk_elements = chunk_elements
         self.n_chunks = chunk_count(length, chunk_elements)
         self.codec = codec
+        # the part is flat[base:base + length]; int8 chunks that span tensors are a blob
+        # per tensor (see pieces.py): without ``ranges``, one tensor holds the part
+        self.ranges = ranges if ranges is not None else RangeCodec(codec, ())
+        self.base = base
         self.members = {m.peer_id: m for m in members}
         self._acc = torch.from_numpy(acc[:length])  # (length,) running convex sum, in place
         self._scratch = scratch
@@ -282,7 +289,7 @@ class PartReducer:
         try:
             self._check_header(peer_id, sender, index, epoch, weight, blob, raw)
             start, stop = chunk_span(self.length, self.chunk_elements, index)
-            values = as_tensor(self._decode(blob, stop - start, raw))
+            values = as_tensor(self._decode(blob, start, stop, raw))
             size = magnitude(values)  # NaN or infinity when it holds any
             if not math.isfinite(size):
                 raise ChunkRejected(DropReason.NONFINITE, f"chunk {index} is not finite")
@@ -372,17 +379,20 @@ class PartReducer:
         if sender.received[index]:  # (the same bytes again are a retry: see is_resend)
             raise ChunkRejected(DropReason.GARBAGE, f"chunk {index} sent twice")
         start, stop = chunk_span(self.length, self.chunk_elements, index)
-        expected = 4 * (stop - start) if raw else self._blob_size(stop - start)
+        expected = 4 * (stop - start) if raw else self._blob_size(start, stop)
         size = memoryview(blob).nbytes
         if size != expected:  # (the kept bytes stay what admission counted)
             raise ChunkRejected(
                 DropReason.GARBAGE, f"chunk {index} of {size} bytes, not {expected}"
             )
 
-    def _blob_size(self, count: int) -> int:
-        size = self._blob_sizes.get(count)
+    def _blob_size(self, start: int, stop: int) -> int:
+        """Bytes of the round codec's payload of the part's ``[start, stop)``."""
+        if self.ranges.cuts:  # the size depends on where the chunk lies
+            return self.ranges.encoded_size(self.base + start, self.base + stop)
+        size = self._blob_sizes.get(stop - start)
         if size is None:
-            size = self._blob_sizes[count] = self.codec.encoded_size(count)
+            size = self._blob_sizes[stop - start] = self.codec.encoded_size(stop - start)
         return size
 
     def _complete(self, sender: _Sender) -> None:
@@ -390,7 +400,7 @@ class PartReducer:
         for index, blob, raw, added in sender.retained:
             if not added:
                 start, stop = chunk_span(self.length, self.chunk_elements, index)
-                values = as_tensor(self._decode(blob, stop - start, raw))
+                values = as_tensor(self._decode(blob, start, stop, raw))
                 self._acc[start:stop].add_(values, alpha=sender.share)
         self._settled = max(self._settled, sender.largest)
         sender.done = True
@@ -407,7 +417,7 @@ class PartReducer:
             if not added:  # kept aside: never in the sum
                 continue
             start, stop = chunk_span(self.length, self.chunk_elements, index)
-            values = self._decode(blob, stop - start, raw)
+            values = self._decode(blob, start, stop, raw)
             self._acc[start:stop].sub_(as_tensor(values), alpha=sender.share)
         sender.retained.clear()
         sender.retained_bytes = 0
@@ -506,7 +516,15 @@ class PartReducer:
             raise KeyError(peer_id)
         return sender
 
-    def _decode(self, blob: bytes | memoryview, count: int, raw: bool = False) -> Float32Array:
+    def _decode(
+        self, blob: bytes | memoryview, start: int, stop: int, raw: bool = False
+    ) -> Float32Array:
+        """The values of the part's chunk ``[start, stop)`` from its payload.
+
+        Raises:
+            ChunkRejected: (garbage) undecodable, or not the chunk's size.
+        """
+        count = stop - start
         try:
             if raw and self.codec.name != "none":
                 raise ChunkRejected(DropReason.GARBAGE, "raw values need the none codec")
@@ -515,7 +533,7 @@ class PartReducer:
                 if values.size != count:
                     raise ChunkRejected(DropReason.GARBAGE, f"{values.size} values, not {count}")
                 return values
-            return self.codec.decode_into(blob, self._scratch[:count])
+            return self.ranges.decode_into(blob, self._scratch[:count], self.base + start)
         except ProtocolError as exc:
             raise ChunkRejected(DropReason.GARBAGE, str(exc)) from None
 

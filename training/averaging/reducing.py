@@ -30,8 +30,9 @@ from protocol.identity import PeerID
 
 from .buffers import SharedBuffer
 from .config import AveragerConfig, default_retain_budget
-from .layout import FlatVector, Float32Array, chunk_span
+from .layout import FlatVector, Float32Array, Span, chunk_span
 from .messages import ChunkHeader, ResultHeader
+from .pieces import RangeCodec
 from .plan import Liveness, Plan
 from .reducer import ChunkRejected, DropReason, Member, PartOutcome, PartReducer
 from .scans import overflow_note
@@ -60,6 +61,7 @@ class ReducerService:
         self.span = plan.spans[part]
         self.flat = flat
         self.codec = codec
+        self.ranges = RangeCodec(codec, flat.offsets)  # int8: a blob per tensor of a chunk
         self.config = config
         self.liveness = liveness
         self._results = results or SharedBuffer()
@@ -80,6 +82,8 @@ class ReducerService:
             length=length,
             chunk_elements=config.chunk_elements,
             codec=codec,
+            ranges=self.ranges,
+            base=start,
             members=members,
             senders=[m.peer_id for m in members],
             max_staleness=config.max_staleness,
@@ -96,10 +100,7 @@ class ReducerService:
         self.loaded = trio.Event()
         chunks = self.reducer.n_chunks
         self.part_bytes = sum(
-            codec.encoded_size(
-                chunk_span(length, config.chunk_elements, i)[1]
-                - chunk_span(length, config.chunk_elements, i)[0]
-            )
+            self.ranges.encoded_size(*_shifted(chunk_span(length, config.chunk_elements, i), start))
             for i in range(chunks)
         )
         budget = config.retain_budget
@@ -494,8 +495,10 @@ class ReducerService:
                     size = 4 * (b - a)
                     np.copyto(np.frombuffer(view, np.float32, b - a, offset), mean[a:b])
                 else:
-                    size = self._encode(mean[a:b], view[offset:])
-                    self.codec.decode_into(view[offset : offset + size], out[a:b])
+                    size = self._encode(mean[a:b], view[offset:], self.span[0] + a)
+                    self.ranges.decode_into(
+                        view[offset : offset + size], out[a:b], self.span[0] + a
+                    )
                     written = b
                 self.blobs.append(view[offset : offset + size])
                 offset += size
@@ -516,15 +519,16 @@ class ReducerService:
             self._notify()
         self.in_place = self.in_place or (self.target is not None and not self.solo)
 
-    def _encode(self, values: Float32Array, out: memoryview) -> int:
-        """Encode one chunk of the mean. ``finalize`` checked that the mean fits the codec,
-        with a margin for rounding; should a value near FLT_MAX still round up to infinity,
-        it is clamped back, for the codecs that refuse infinity."""
+    def _encode(self, values: Float32Array, out: memoryview, start: int) -> int:
+        """Encode one chunk of the mean, ``flat[start:start + len(values)]``. ``finalize``
+        checked that the mean fits the codec, with a margin for rounding; should a value
+        near FLT_MAX still round up to infinity, it is clamped back, for the codecs that
+        refuse infinity."""
         try:
-            return self.codec.encode_into(values, out)
+            return self.ranges.encode_into(values, out, start)
         except NonFiniteError:
             np.clip(values, -_FLT_MAX, _FLT_MAX, out=values)
-            return self.codec.encode_into(values, out)
+            return self.ranges.encode_into(values, out, start)
 
     def _sparse_results(self, mean: Float32Array) -> list[bytes | memoryview]:
         """topk: the mean of sparse contributions, sent without loss: every non-zero as a
@@ -570,6 +574,10 @@ class ReducerService:
             self.last_download = trio.current_time()
         self.downloaded.add(member)
         self._notify()
+
+
+def _shifted(span: Span, by: int) -> Span:
+    return span[0] + by, span[1] + by
 
 
 async def _wait_then_cancel(event: trio.Event, scope: trio.CancelScope) -> None:

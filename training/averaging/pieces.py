@@ -1,0 +1,115 @@
+"""The round's codec applied to ranges of the flat vector, one blob per tensor.
+
+The flat vector puts the tensors end to end, and a chunk may span several of them. int8
+scales each block of ``block_size`` elements by the block's largest magnitude: a block
+that straddles two tensors would quantize a tensor of small values (a bias, a LayerNorm
+gradient) with its neighbour's scale (values of ~1 next to values of ~100 came back with
+errors of ~1.3, 56x the bound of their own magnitudes). So under int8 a chunk's payload is
+one blob per tensor it overlaps, end to end, each over that tensor's share of the chunk:
+blocks restart at every tensor boundary (protocol.md, section 9.1, "Chunks that span
+tensors"). A chunk within one tensor is a single blob, as before. The other codecs have no
+blocks (float16 and none work per element; topk picks its ``k`` over the whole chunk) and
+keep one blob per chunk.
+
+Everyone derives the same pieces from the layout (the tensors' sizes, part of the layout
+fingerprint), so a payload's size is known before it is read.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections.abc import Sequence
+from typing import Any
+
+import numpy.typing as npt
+
+from protocol.codecs import Int8Codec
+from protocol.codecs.base import Codec, Float32Array, header_size
+from protocol.errors import RemoteProtocolError
+
+Span = tuple[int, int]
+
+
+class RangeCodec:
+    """``codec`` over ranges ``[start, stop)`` of a flat vector whose tensors begin at
+    ``offsets`` (the flat vector's ``offsets``: 0, each tensor's end, the total)."""
+
+    def __init__(self, codec: Codec, offsets: Sequence[int]) -> None:
+        self.codec = codec
+        inner = sorted({int(x) for x in offsets[1:-1]}) if len(offsets) > 2 else []
+        # only int8 has blocks to keep within a tensor
+        self.cuts: tuple[int, ...] = tuple(inner) if isinstance(codec, Int8Codec) else ()
+
+    def pieces(self, start: int, stop: int) -> list[Span]:
+        """``[start, stop)`` cut at the tensor boundaries inside it (flat indices)."""
+        cuts = self.cuts
+        if not cuts:
+            return [(start, stop)]
+        out: list[Span] = []
+        i = bisect.bisect_right(cuts, start)
+        while i < len(cuts) and cuts[i] < stop:
+            out.append((start, cuts[i]))
+            start = cuts[i]
+            i += 1
+        out.append((start, stop))
+        return out
+
+    def encoded_size(self, start: int, stop: int) -> int:
+        """Bytes of the payload of ``flat[start:stop]``.
+
+        Raises:
+            LocalProtocolError: as the codec's ``encoded_size``.
+        """
+        if not self.cuts:
+            return self.codec.encoded_size(stop - start)
+        return sum(self.codec.encoded_size(b - a) for a, b in self.pieces(start, stop))
+
+    def most_cuts(self, window: int) -> int:
+        """The most tensor boundaries any range of ``window`` elements has inside it."""
+        cuts, most = self.cuts, 0
+        for i, cut in enumerate(cuts):  # a range starting just before this cut
+            most = max(most, bisect.bisect_left(cuts, cut + window - 1) - i)
+        return most
+
+    def piece_overhead(self) -> int:
+        """The most bytes a tensor boundary inside a range adds to its payload: a second
+        blob header and a block's scale."""
+        return header_size(1, self.codec.has_params) + 4 if self.cuts else 0
+
+    def encode_into(self, values: npt.NDArray[Any], out: bytearray | memoryview, start: int) -> int:
+        """Encode ``values`` (``flat[start:start + len(values)]``) into ``out``; the size.
+
+        Raises:
+            NonFiniteError, LocalProtocolError: as the codec's ``encode_into``.
+        """
+        stop = start + len(values)
+        pieces = self.pieces(start, stop)
+        if len(pieces) == 1:
+            return self.codec.encode_into(values, out)
+        view, offset = memoryview(out), 0
+        for a, b in pieces:
+            offset += self.codec.encode_into(values[a - start : b - start], view[offset:])
+        return offset
+
+    def decode_into(
+        self, payload: bytes | memoryview, out: Float32Array, start: int
+    ) -> Float32Array:
+        """Decode the payload of ``flat[start:start + out.size]`` into ``out``.
+
+        Raises:
+            RemoteProtocolError: a blob that is malformed or not of its piece's size, or
+                bytes left over.
+        """
+        pieces = self.pieces(start, start + out.size)
+        if len(pieces) == 1:
+            return self.codec.decode_into(payload, out)
+        view, offset = memoryview(payload).cast("B"), 0
+        for a, b in pieces:
+            size = self.codec.encoded_size(b - a)
+            if offset + size > view.nbytes:
+                raise RemoteProtocolError("a payload shorter than its tensors' blobs")
+            self.codec.decode_into(view[offset : offset + size], out[a - start : b - start])
+            offset += size
+        if offset != view.nbytes:
+            raise RemoteProtocolError("a payload longer than its tensors' blobs")
+        return out
