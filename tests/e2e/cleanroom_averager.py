@@ -228,6 +228,57 @@ def decode_blob(
     raise BlobError(f"codec {expected_codec!r} not supported")
 
 
+def chunk_pieces(codec: str, bounds: list[int], a: int, b: int) -> list[tuple[int, int]]:
+    """9.1, "Chunks that span tensors": under int8, the flat range `[a, b)` cut at each tensor
+    boundary inside it (`bounds`: where each tensor after the first begins); one piece
+    under the other codecs."""
+    if codec != "int8":
+        return [(a, b)]
+    cuts = sorted({c for c in bounds if a < c < b})
+    edges = [a, *cuts, b]
+    return list(itertools.pairwise(edges))
+
+
+def chunk_payload_size(codec: str, bounds: list[int], a: int, b: int, block_size: int) -> int:
+    """The size of the payload of `flat[a:b]`: its pieces' blobs end to end."""
+    return sum(
+        blob_size(codec, hi - lo, block_size) for lo, hi in chunk_pieces(codec, bounds, a, b)
+    )
+
+
+def encode_chunk(
+    codec: str, bounds: list[int], values: np.ndarray, start: int, block_size: int
+) -> bytes:
+    """The payload of a chunk, `values` = `flat[start:start + len(values)]`."""
+    pieces = chunk_pieces(codec, bounds, start, start + len(values))
+    return b"".join(
+        encode_blob(codec, values[lo - start : hi - start], block_size) for lo, hi in pieces
+    )
+
+
+def decode_chunk(
+    codec: str, bounds: list[int], payload: bytes, start: int, length: int, block_size: int
+) -> np.ndarray:
+    """The values of `flat[start:start + length]` from its payload; every piece must be a
+    blob of its own size, end to end.
+
+    Raises:
+        BlobError: as `decode_blob`, or a payload that is not the pieces' blobs.
+    """
+    stop = start + length
+    if len(payload) != chunk_payload_size(codec, bounds, start, stop, block_size):
+        raise BlobError("not the size the round's codec makes")
+    values, offset = [], 0
+    for lo, hi in chunk_pieces(codec, bounds, start, stop):
+        size = blob_size(codec, hi - lo, block_size)
+        piece = decode_blob(payload[offset : offset + size], codec)
+        if piece.size != hi - lo:
+            raise BlobError("element count")
+        values.append(piece)
+        offset += size
+    return np.concatenate(values) if values else np.zeros(0, np.float32)
+
+
 # ---------------------------------------------------------------- 9.3 layout fingerprint
 
 
@@ -1023,11 +1074,11 @@ class _Reducer:
                         raise BlobError("raw payload")
                     values = np.frombuffer(payload, "<f4").astype(np.float32)
                 else:
-                    if len(payload) != blob_size(self.owner.codec, length, self.owner.block_size):
-                        raise BlobError("not the size the round's codec makes")
-                    values = decode_blob(payload, self.owner.codec)
-                    if values.size != length:
-                        raise BlobError("element count")
+                    owner = self.owner
+                    start = self.span[0] + chunk * self.chunk_elems
+                    values = decode_chunk(
+                        owner.codec, owner.bounds, payload, start, length, owner.block_size
+                    )
             except BlobError:
                 self._drop(sender, "garbage")
                 raise RemoteError("dropped", "garbage") from None
@@ -1105,9 +1156,13 @@ class _Reducer:
                         items.append(({"chunk": c, "raw": True}, piece.astype("<f4").tobytes()))
                         pieces.append(piece)
                     else:
-                        blob = encode_blob(self.owner.codec, piece, self.owner.block_size)
+                        owner, start = self.owner, self.span[0] + c * self.chunk_elems
+                        codec, bounds = owner.codec, owner.bounds
+                        blob = encode_chunk(codec, bounds, piece, start, owner.block_size)
                         items.append(({"chunk": c}, blob))
-                        pieces.append(decode_blob(blob, self.owner.codec))  # the same blobs
+                        pieces.append(  # the same blobs
+                            decode_chunk(codec, bounds, blob, start, piece.size, owner.block_size)
+                        )
                 own_copy = np.concatenate(pieces) if pieces else own_copy
             self.header = header
             self.items = items
@@ -1173,6 +1228,7 @@ class CleanroomAverager:
         result_share: float = 0.35,
         bandwidth: float = 1.0,
         client_mode: bool = False,
+        shapes: list[tuple[int, ...]] | None = None,
         host: str = "127.0.0.1",
         none_blobs: bool = True,
         on_confirmed: Callable[[CleanroomAverager, dict[str, Any]], None] | None = None,
@@ -1217,7 +1273,13 @@ class CleanroomAverager:
         text = codec_text(
             codec, chunk_bytes, group_size, max_staleness, staleness_decay, block_size
         )
-        self.layout = layout_fingerprint([self.values.shape], ["float32"], text)
+        # the tensors the vector holds end to end (9.3's shapes; one by default)
+        self.shapes = list(shapes) if shapes is not None else [self.values.shape]
+        sizes = [math.prod(shape) for shape in self.shapes]
+        if sum(sizes) != self.values.size:
+            raise ValueError("the shapes do not hold the values")
+        self.bounds = list(itertools.accumulate(sizes))[:-1]  # where the later ones begin
+        self.layout = layout_fingerprint(self.shapes, ["float32"] * len(self.shapes), text)
         self.pool = ConnectionPool(identity, self._handle)
         self.listener = None if client_mode else Listener(host, self.pool)
         self.address = (
@@ -1879,7 +1941,9 @@ class CleanroomAverager:
                 body["raw"] = True
                 payload = piece.astype("<f4").tobytes()
             else:
-                payload = encode_blob(self.codec, piece, self.block_size)
+                payload = encode_chunk(
+                    self.codec, self.bounds, piece, a + c * chunk_elems, self.block_size
+                )
             backoff, retried = 0.02, False
             while True:
                 try:
@@ -1919,7 +1983,7 @@ class CleanroomAverager:
                     payload = first.astype("<f4").tobytes()
                 else:
                     again.pop("raw", None)
-                    payload = encode_blob(self.codec, first, self.block_size)
+                    payload = encode_chunk(self.codec, self.bounds, first, a, self.block_size)
                 report.repeat_answers["chunk 0 again once complete"] = self._answer(
                     reducer, address, again, payload, cutoff
                 )
@@ -2005,9 +2069,13 @@ class CleanroomAverager:
                         values = np.frombuffer(payload, "<f4").astype(np.float32)
                     else:
                         self.report.blob_result_items += 1
-                        values = decode_blob(payload, self.codec)
-                        if values.size != length:
-                            raise CleanroomError("result blob of another element count")
+                        start = a + expected_index * chunk_elems
+                        try:
+                            values = decode_chunk(
+                                self.codec, self.bounds, payload, start, length, self.block_size
+                            )
+                        except BlobError as exc:
+                            raise CleanroomError(f"result item: {exc}") from None
                     if not np.all(np.isfinite(values)):
                         raise CleanroomError("non-finite result")
                     pieces.append(values)

@@ -20,6 +20,7 @@ output); every subprocess is killed at the end.
 from __future__ import annotations
 
 import contextlib
+import itertools
 import json
 import math
 import os
@@ -41,6 +42,8 @@ from cleanroom_averager import (
     ConnectionPool,
     MuxConnection,
     StepReport,
+    chunk_payload_size,
+    chunk_pieces,
     codec_text,
     compute_spans,
     decode_blob,
@@ -95,18 +98,20 @@ with peer.run_in_background(listen="127.0.0.1:0", initial_peers=[sys.argv[1]]) a
     for line in sys.stdin:
         cmd = json.loads(line)
         values = np.random.default_rng(cmd["seed"]).standard_normal(cmd["total"])
-        tensor = torch.from_numpy(values.astype(np.float32))
+        flat = values.astype(np.float32)
+        bounds = np.cumsum(cmd.get("sizes") or [cmd["total"]])[:-1]
+        tensors = [torch.from_numpy(piece.copy()) for piece in np.split(flat, bounds)]
         config = AveragerConfig(chunk_bytes=cmd["chunk_bytes"], bandwidth=cmd["bandwidth"],
                                 group_size=cmd["group_size"],
                                 gather_window=cmd["gather_window"])
-        averager = Averager(node, cmd["prefix"], [tensor], codec=cmd["codec"], config=config)
+        averager = Averager(node, cmd["prefix"], tensors, codec=cmd["codec"], config=config)
         for i, start in enumerate(cmd["starts"]):
             time.sleep(max(start - time.time(), 0.0))
             began = time.time()
             info = averager.step_blocking(weight=cmd["weight"], epoch=cmd["epoch"],
                                           timeout=cmd["timeout"])
             ended = time.time()
-            np.save(cmd["out"].format(i), tensor.numpy())
+            np.save(cmd["out"].format(i), np.concatenate([t.numpy() for t in tensors]))
             report = {name: plain(getattr(info, name, None)) for name in INFO}
             report["parts"] = [{name: plain(getattr(p, name, None)) for name in PART}
                                for p in info.parts]
@@ -324,10 +329,11 @@ def run_round(
     abort_parts: frozenset[int] = frozenset(),
     probe_repeats: bool = False,
     dht_everywhere: bool = True,
+    sizes: list[int] | None = None,
 ) -> Round:
     """One round: the clean-room member and `len(theirs)` library peers step together
     (each `delay` seconds after a safe start). `before(prefix, round, layout)` runs first
-    (to store ghosts)."""
+    (to store ghosts). `sizes`: the vector as tensors of these sizes (one by default)."""
     prefix = prefix or f"cleanroom/averaging/{uuid.uuid4().hex}"
     used = peers[: len(theirs)]
     library_ids = [peer.peer_id for peer in used]
@@ -354,6 +360,7 @@ def run_round(
         abort_parts=abort_parts,
         probe_repeats=probe_repeats,
         dht_everywhere=dht_everywhere,
+        shapes=None if sizes is None else [(size,) for size in sizes],
     )
     try:
         if before is not None:
@@ -365,6 +372,7 @@ def run_round(
                     "prefix": prefix,
                     "codec": codec,
                     "total": total,
+                    "sizes": sizes,
                     "seed": member.seed,
                     "chunk_bytes": chunk_bytes,
                     "bandwidth": member.bandwidth,
@@ -686,6 +694,47 @@ def test_cleanroom_leads_two_library_peers_codec_int8(
     assert_reduced_by_cleanroom(done)
     for info in done.library:
         assert info["leader"] == done.cleanroom.identity.peer_id_text
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lead", [True, False])
+def test_cleanroom_and_library_peers_send_int8_chunks_over_tensors_as_a_blob_per_tensor(
+    bootstrap: str, library: list[LibraryPeer], tmp_path: Path, lead: bool
+) -> None:
+    """9.1, "Chunks that span tensors" (v7): the vector is seven tensors (one empty), chunks
+    of 1024 elements span several of them, and parts cut through them. A payload of another
+    size is garbage, so a round averaged over everyone means both sides cut the same
+    pieces; the library reducer's result items are checked against the spec's sizes."""
+    sizes = [10, 5000, 7, 0, 3000, 33, 1]
+    theirs = [Member(weight=1.0, epoch=3, seed=31), Member(weight=2.0, epoch=3, seed=32)]
+    done = run_round(
+        bootstrap,
+        library,
+        tmp_path,
+        codec="int8",
+        total=sum(sizes),
+        lead=lead,
+        mine=Member(weight=1.5, epoch=3, seed=30),
+        theirs=theirs,
+        chunk_bytes=4096,
+        sizes=sizes,
+    )
+    assert done.report.led is lead
+    assert_averaged(done, "int8")
+    assert_reduced_by_cleanroom(done)
+    confirmation = done.report.confirmation
+    assert confirmation is not None
+    bounds = list(itertools.accumulate(sizes))[:-1]
+    spans = confirmation["spans"]
+    split = 0
+    for part, body, size in done.cleanroom.result_items_seen:
+        if "chunk" not in body:
+            continue  # a result header
+        start = spans[part][0] + body["chunk"] * 1024
+        stop = min(start + 1024, spans[part][1])
+        assert size == chunk_payload_size("int8", bounds, start, stop, 4096), (part, body)
+        split += len(chunk_pieces("int8", bounds, start, stop)) > 1
+    assert split > 0  # some result items spanned tensors
 
 
 @pytest.mark.slow
