@@ -43,7 +43,7 @@ def main() -> None:
         print(f"address: {node.address}   (my value: {args.value:.3f})", flush=True)
         averager = Averager(node, "example/average", [tensor], codec=args.codec)
         for i in range(args.rounds):
-            info = averager.step_blocking(timeout=30.0)
+            info = averager.step(timeout=30.0)  # a background peer's step blocks: no await
             print(
                 f"round {i}: {info.outcome}, group of {len(info.group)}, "
                 f"{info.averaged_fraction:.0%} averaged, value now {tensor[0].item():.3f}",

@@ -231,9 +231,11 @@ async def test_a_peer_left_out_of_the_groups_is_told_why_not_that_nobody_came(
     assert sum(info.outcome is Outcome.AVERAGED for info in infos) == 2
 
 
-def test_the_blocking_step_warns_at_the_callers_line_too() -> None:
-    """The same trap in a plain script (``run_in_background`` + ``step_blocking``): the
-    warning points at the script's line, not into the peer's thread."""
+@pytest.mark.parametrize("method", ["step_blocking", "step"])
+def test_the_blocking_step_warns_at_the_callers_line_too(method: str) -> None:
+    """The same trap in a plain script (``run_in_background`` + ``step_blocking``, or
+    ``step`` without ``await``): the warning points at the script's line, not into the
+    peer's thread."""
     net = MemoryNetwork()
     model = make_model()
     backward(model, batches(1, 1)[0][0])
@@ -242,7 +244,7 @@ def test_the_blocking_step_warns_at_the_callers_line_too() -> None:
         averager = Averager(node, "t/grads", [p.grad for p in model.parameters()], config=config)
         model.zero_grad()  # set_to_none=True: the averager's tensors are dropped
         with pytest.warns(RuntimeWarning, match="referenced by nothing but this averager") as seen:
-            info = averager.step_blocking(timeout=2.0)
+            info = getattr(averager, method)(timeout=2.0)
         averager.close()
     assert info.outcome is Outcome.ALONE
     assert seen[0].filename == __file__

@@ -104,6 +104,15 @@ def _sentences(*notes: str) -> str:
     return "; ".join(note for note in notes if note)
 
 
+def _in_trio_task() -> bool:
+    """Whether the caller runs in a trio task (async code), not a plain thread."""
+    try:
+        trio.lowlevel.current_task()
+    except RuntimeError:
+        return False
+    return True
+
+
 def _shorten(indices: Sequence[int], most: int = 8) -> str:
     """``[0, 1, ...]``: the first ``most`` indices of a list."""
     return str(indices[:most])[:-1] + (", ...]" if len(indices) > most else "]")
@@ -131,7 +140,8 @@ class Averager:
 
     Args:
         node: a running peer: ``peer.open_peer`` (then ``await step()``), or
-            ``peer.run_in_background`` for plain scripts (then ``step_blocking()``).
+            ``peer.run_in_background`` for plain scripts (then ``step()`` without
+            ``await`` blocks; ``step_blocking()`` is the same).
         prefix: names the averaged quantity; peers with the same prefix average together
             (their tensor shapes, dtypes and codec must match).
         tensors: CPU, contiguous, floating, writable torch tensors or numpy arrays;
@@ -295,13 +305,14 @@ class Averager:
 
     # -- the step ------------------------------------------------------------------------
 
-    async def step(
-        self,
-        weight: float = 1.0,
-        epoch: int = 0,
-        timeout: float | None = None,  # noqa: ASYNC109 - the step splits it between phases
-    ) -> AveragingInfo:
+    def step(self, weight: float = 1.0, epoch: int = 0, timeout: float | None = None) -> Any:
         """Average the tensors with a group of peers; returns within ``timeout`` seconds.
+
+        In async code, ``info = await averager.step(...)``: an awaitable of the
+        :class:`AveragingInfo`. On a ``peer.run_in_background`` peer, called from a plain
+        script (no trio task running in this thread), it blocks and returns the
+        :class:`AveragingInfo` itself: the same method, no ``await``, as the background
+        peer's ``dht.store`` and ``dht.get`` (:meth:`step_blocking` is the same call).
 
         Args:
             weight: this peer's share of the weighted mean (e.g. its sample count).
@@ -323,6 +334,20 @@ class Averager:
                 has met a peer of its own layout, such a round is ``alone`` instead).
             PeerStoppedError: the node's ``open_peer`` context has ended.
         """
+        if self._background is not None and not _in_trio_task():
+            check_step_arguments(weight, epoch, timeout)
+            self.flat.check_memory()
+            self._warn_if_unreferenced()  # here, so that the warning names the caller's line
+            return self._background.run(self._step_async, weight, epoch, timeout)
+        return self._step_async(weight, epoch, timeout)
+
+    async def _step_async(
+        self,
+        weight: float = 1.0,
+        epoch: int = 0,
+        timeout: float | None = None,  # noqa: ASYNC109 - the step splits it between phases
+    ) -> AveragingInfo:
+        """:meth:`step` in async code (its arguments and errors)."""
         check_step_arguments(weight, epoch, timeout)
         epoch = int(epoch)
         if timeout is not None:
@@ -412,7 +437,8 @@ class Averager:
     def step_blocking(
         self, weight: float = 1.0, epoch: int = 0, timeout: float | None = None
     ) -> AveragingInfo:
-        """:meth:`step` for plain scripts: runs it on the background peer's loop and blocks.
+        """:meth:`step` for plain scripts: runs it on the background peer's loop and blocks
+        (what ``averager.step(...)`` does there too, outside a trio task).
 
         Raises:
             RuntimeError: if the averager was not made with a ``peer.run_in_background`` peer
@@ -424,7 +450,7 @@ class Averager:
         check_step_arguments(weight, epoch, timeout)
         self.flat.check_memory()
         self._warn_if_unreferenced()  # here, so that the warning names the caller's line
-        return self._background.run(self.step, weight, epoch, timeout)
+        return self._background.run(self._step_async, weight, epoch, timeout)
 
     async def _step(self, weight: float, epoch: int, deadline: float) -> AveragingInfo:
         t0 = trio.current_time()
