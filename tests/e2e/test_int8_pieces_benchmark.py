@@ -3,26 +3,14 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
-
 import pytest
-from tests_support_paths import ROOT, env_with_root
+from tests_support_paths import run_benchmark
 
 
 @pytest.mark.slow
 def test_the_int8_pieces_benchmark_reports_both_forms() -> None:
     small = ["--width", "64", "--layers", "2", "--vocab", "100", "--context", "16", "--reps", "1"]
-    out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "int8_pieces.py"), *small],
-        capture_output=True,
-        text=True,
-        timeout=120,
-        env=env_with_root(),
-    )
-    assert out.returncode == 0, out.stderr
-    report = json.loads(out.stdout)
+    report = run_benchmark("int8_pieces.py", *small)
     assert report["tensors"] == 2 + 2 * 12 + 2
     for form in ("one_blob_per_chunk", "one_blob_per_tensor"):
         assert report[form]["encode_s"] > 0 and report[form]["decode_s"] > 0

@@ -1,14 +1,16 @@
-"""Paths, and a bootstrap process, shared by the end-to-end tests."""
+"""Paths, a bootstrap process and a benchmark runner, shared by the end-to-end tests."""
 
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import select
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -20,6 +22,19 @@ def env_with_root() -> dict[str, str]:
     env = dict(os.environ)
     env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
     return env
+
+
+def run_benchmark(script: str, *args: str, timeout: float = 120) -> Any:
+    """Run ``benchmarks/<script>`` with ``args`` from this checkout; the JSON it prints."""
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / script), *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env_with_root(),
+    )
+    assert out.returncode == 0, out.stderr
+    return json.loads(out.stdout)
 
 
 @contextlib.contextmanager
