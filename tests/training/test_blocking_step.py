@@ -11,7 +11,7 @@ import pytest
 import torch
 import trio
 
-from peer import run_in_background
+from peer import open_peer, run_in_background
 from training import Averager, AveragerConfig, AveragingInfo, Outcome
 
 
@@ -57,3 +57,14 @@ def test_awaiting_it_from_another_trio_loop_is_still_refused() -> None:
 
         trio.run(main)
         averager.close()
+
+
+async def test_an_open_peer_averagers_step_from_a_plain_thread_says_so() -> None:
+    """Its coroutine could only run in the peer's own loop: from a worker thread ``step()``
+    returned one that nothing ever ran (a helper's trial), where ``step_blocking`` said why."""
+    with trio.fail_after(30):
+        async with open_peer("127.0.0.1:0") as node:
+            averager = Averager(node, "blocking/thread", [torch.zeros(4)])
+            with pytest.raises(RuntimeError, match=r"await averager\.step\(\.\.\.\) in that"):
+                await trio.to_thread.run_sync(averager.step)
+            averager.close()

@@ -312,7 +312,10 @@ class Averager:
         :class:`AveragingInfo`. On a ``peer.run_in_background`` peer, called from a plain
         script (no trio task running in this thread), it blocks and returns the
         :class:`AveragingInfo` itself: the same method, no ``await``, as the background
-        peer's ``dht.store`` and ``dht.get`` (:meth:`step_blocking` is the same call).
+        peer's ``dht.store`` and ``dht.get`` (:meth:`step_blocking` is the same call). In
+        a trio task it is always the awaitable (a ``step()`` not awaited does nothing, as
+        for any coroutine); called outside any trio task on an ``open_peer`` averager it
+        raises ``RuntimeError``, as that peer's loop is the only one that can run it.
 
         Args:
             weight: this peer's share of the weighted mean (e.g. its sample count).
@@ -334,7 +337,13 @@ class Averager:
                 has met a peer of its own layout, such a round is ``alone`` instead).
             PeerStoppedError: the node's ``open_peer`` context has ended.
         """
-        if self._background is not None and not _in_trio_task():
+        if not _in_trio_task():
+            if self._background is None:  # the coroutine could never run in this thread
+                raise RuntimeError(
+                    "this Averager is on open_peer()'s peer: await averager.step(...) in "
+                    "that peer's trio loop, or build it on peer.run_in_background(...) to "
+                    "call step from a plain thread"
+                )
             check_step_arguments(weight, epoch, timeout)
             self.flat.check_memory()
             self._warn_if_unreferenced()  # here, so that the warning names the caller's line
@@ -382,9 +391,10 @@ class Averager:
             # The open_peer block ended under the all-reduce: its tasks fail together (dials
             # refused, the host stopped, trio's shutdown); say that, as before the butterfly.
             if self.node.rpc.stopped or group.subgroup(PeerStoppedError) is not None:
+                block = "run_in_background" if self._background else "open_peer"
                 raise PeerStoppedError(
                     f"the peer stopped during a step of averager {self.prefix!r}: its "
-                    "open_peer context has ended"
+                    f"{block} block has ended"
                 ) from group
             raise
         finally:
