@@ -4,6 +4,7 @@ chunk (wire v7, ``training/averaging/pieces.py``), in the same run; prints JSON.
 
     python benchmarks/int8_pieces.py                    # GPT-2 small's 148 tensors, ~124M values
     python benchmarks/int8_pieces.py --width 256 --layers 4
+    python benchmarks/int8_pieces.py --tiny 200000     # 200,000 tensors of 3 values
 
 The layout is a GPT-2-shaped transformer: token and position embeddings, then per layer two
 LayerNorms, the attention's fused qkv and output projections and the MLP (weights and
@@ -75,9 +76,15 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=50257)
     parser.add_argument("--context", type=int, default=1024)
     parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument(
+        "--tiny", type=int, default=0, help="instead: this many tensors of 3 values each"
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
-    sizes = gpt2_sizes(args.width, args.layers, args.vocab, args.context)
+    if args.tiny:
+        sizes = [3] * args.tiny
+    else:
+        sizes = gpt2_sizes(args.width, args.layers, args.vocab, args.context)
     offsets = tuple(int(x) for x in np.cumsum((0, *sizes)))
     flat = np.random.default_rng(0).standard_normal(offsets[-1]).astype(np.float32)
     codec = get_codec("int8")

@@ -24,6 +24,7 @@ the instance, so that no temporary of the array's size is created.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, ClassVar
 
 import numpy as np
@@ -33,11 +34,18 @@ from ..errors import RemoteProtocolError
 from .base import (
     CODEC_IDS,
     DEFAULT_MAX_ELEMENTS,
+    DTYPE_CODES,
+    HEADER,
+    MAGIC,
+    VERSION,
     BlobHeader,
     Codec,
     Float32Array,
     NonFiniteError,
+    as_bytes_view,
     as_float32,
+    as_float_array,
+    header_size,
     int_param,
 )
 
@@ -144,6 +152,90 @@ class Int8Codec(Codec):
             np.rint(t, out=t)
             np.copyto(q[start:stop], t, casting="unsafe")  # |t| <= 127: exact
 
+    # -- many blobs at once --------------------------------------------------------------
+
+    def encode_pieces_into(
+        self, array: npt.NDArray[Any], lengths: Sequence[int], out: bytearray | memoryview
+    ) -> int:
+        """Encode 1-d ``array`` as one blob per consecutive piece of ``lengths`` elements,
+        end to end in ``out``: byte for byte what :meth:`encode_into` makes of each piece
+        in turn, in a few passes over the whole array (a call per piece costs tens of
+        microseconds of Python: 200,000 tiny tensors took seconds). Returns the size.
+
+        Raises:
+            ValueError: if ``lengths`` do not tile the array, or ``out`` is too short.
+            TypeError, NonFiniteError, LocalProtocolError: as :meth:`encode_into`.
+        """
+        a = as_float_array(array)
+        x = as_float32(a).reshape(-1)
+        plan = _PiecesPlan(lengths, self.block_size, x.size)
+        self.encoded_size(int(plan.lengths.max(initial=0)))  # within max_elements
+        mv = as_bytes_view(out)
+        if mv.readonly:
+            raise TypeError("out must be a writable buffer")
+        if len(mv) < plan.total:
+            raise ValueError(f"out holds {len(mv)} bytes, the blobs need {plan.total}")
+        if plan.n_blocks:
+            absmax = np.maximum.reduceat(np.abs(x), plan.block_starts)
+            if not np.isfinite(absmax).all():
+                raise NonFiniteError("int8 cannot encode NaN or infinity")
+            scales = np.divide(absmax, np.float32(127)).astype(np.float32, copy=False)
+            np.minimum(scales, MAX_SCALE, out=scales)
+            normal = scales >= _FLT_MIN
+            scales[~normal] = 0
+            inverse = np.zeros_like(scales)
+            np.divide(np.float32(1), scales, out=inverse, where=normal)
+            t = x * np.repeat(inverse, plan.block_lengths)
+            np.rint(t, out=t)
+            q = t.astype(np.int8)
+        else:
+            scales, q = np.zeros(0, np.float32), np.zeros(0, np.int8)
+        dtype_code = DTYPE_CODES[a.dtype.newbyteorder("=")]
+        target = np.frombuffer(mv, dtype=np.uint8, count=plan.total)
+        kinds = plan.byte_kinds()
+        target[kinds == 0] = plan.headers(self.codec_id, dtype_code).reshape(-1)
+        target[kinds == 1] = scales.astype("<f4", copy=False).view(np.uint8)
+        target[kinds == 2] = q.view(np.uint8)
+        return plan.total
+
+    def decode_pieces_into(
+        self, blob: bytes | memoryview, lengths: Sequence[int], out: Float32Array
+    ) -> Float32Array:
+        """Decode blobs of this codec's ``block_size`` over consecutive pieces of
+        ``lengths`` elements (what :meth:`encode_pieces_into` makes) into 1-d ``out``.
+
+        Raises:
+            RemoteProtocolError: as :meth:`decode_into` of each piece, or a payload whose
+                size is not theirs.
+            ValueError: if ``lengths`` do not tile ``out``.
+        """
+        plan = _PiecesPlan(lengths, self.block_size, out.size)
+        mv = as_bytes_view(blob)
+        if len(mv) != plan.total:
+            raise RemoteProtocolError(f"{len(mv)} bytes, not the {plan.total} of the blobs")
+        source = np.frombuffer(mv, dtype=np.uint8)
+        kinds = plan.byte_kinds()
+        headers = source[kinds == 0].reshape(-1, plan.header_size).copy()
+        dtype_codes = headers[:, 4].copy()
+        headers[:, 4] = 1
+        expected = plan.headers(self.codec_id, 1)
+        if not (np.array_equal(headers, expected) and np.isin(dtype_codes, (1, 2, 3)).all()):
+            # another header somewhere: each blob on its own says what is wrong with it
+            offset = 0
+            for start, length in zip(plan.starts.tolist(), plan.lengths.tolist(), strict=True):
+                size = self.encoded_size(length)
+                self.decode_into(mv[offset : offset + size], out[start : start + length])
+                offset += size
+            return out
+        scales = source[kinds == 1].view("<f4")
+        q = source[kinds == 2].view(np.int8)
+        if not ((scales >= 0) & (scales <= MAX_SCALE)).all():
+            raise RemoteProtocolError("int8 scales must be finite, non-negative and bounded")
+        if q.size and q.min() < -127:
+            raise RemoteProtocolError("int8 value -128 is not allowed")
+        np.multiply(q, np.repeat(scales, plan.block_lengths), out=out, casting="unsafe")
+        return out
+
     # -- decoding -----------------------------------------------------------------------
 
     def _expected_payload_size(self, header: BlobHeader) -> int:
@@ -195,3 +287,48 @@ class Int8Codec(Codec):
             rows = out2[start:stop]
             self.casts.to_float(q[start:stop].reshape(-1), rows.reshape(-1))
             self.casts.scale_rows(rows, scales[start:stop], rows)
+
+
+class _PiecesPlan:
+    """Where the blobs of consecutive pieces put their headers, scales and values."""
+
+    def __init__(self, lengths: Sequence[int], block_size: int, n: int) -> None:
+        self.lengths = np.asarray(lengths, dtype=np.int64).reshape(-1)
+        if (self.lengths < 0).any() or int(self.lengths.sum()) != n:
+            raise ValueError(f"piece lengths {list(lengths)[:8]}... do not tile {n} values")
+        self.block_size = block_size
+        self.header_size = header_size(1, True)
+        self.starts = np.cumsum(self.lengths) - self.lengths
+        blocks = -(-self.lengths // block_size)
+        self.blocks = blocks
+        self.n_blocks = int(blocks.sum())
+        piece_of_block = np.repeat(np.arange(len(self.lengths)), blocks)
+        index_in_piece = np.arange(self.n_blocks) - (np.cumsum(blocks) - blocks)[piece_of_block]
+        self.block_starts = self.starts[piece_of_block] + index_in_piece * block_size
+        self.block_lengths = np.minimum(
+            block_size, self.lengths[piece_of_block] - index_in_piece * block_size
+        )
+        self.total = int((self.header_size + 4 * blocks + self.lengths).sum())
+
+    def byte_kinds(self) -> npt.NDArray[np.uint8]:
+        """Per byte of the blobs: 0 a header's, 1 a scale's, 2 a value's."""
+        m = len(self.lengths)
+        sizes = np.empty(3 * m, dtype=np.int64)
+        sizes[0::3] = self.header_size
+        sizes[1::3] = 4 * self.blocks
+        sizes[2::3] = self.lengths
+        return np.repeat(np.tile(np.arange(3, dtype=np.uint8), m), sizes)
+
+    def headers(self, codec_id: int, dtype_code: int) -> npt.NDArray[np.uint8]:
+        """Each blob's header, one row each: 1-d of its piece's length, our block size."""
+        m = len(self.lengths)
+        rows = np.empty((m, self.header_size), dtype=np.uint8)
+        fixed = HEADER.pack(MAGIC, codec_id, VERSION, dtype_code, 1, 0)
+        rows[:, : HEADER.size] = np.frombuffer(fixed, dtype=np.uint8)
+        rows[:, HEADER.size : HEADER.size + 8] = (
+            self.lengths.astype("<u8").view(np.uint8).reshape(m, 8)
+        )
+        rows[:, HEADER.size + 8 :] = np.frombuffer(
+            np.uint64(self.block_size).astype("<u8").tobytes(), np.uint8
+        )
+        return rows
