@@ -32,9 +32,9 @@ Span = tuple[int, int]
 MANY_PIECES = 16
 """Ranges of more pieces than this are encoded and decoded in whole-range passes
 (``Int8Codec.encode_pieces_into``): a codec call per piece costs ~40 us of Python, the
-passes ~0.8 ms per 524,288 values whatever their pieces (measured on this project's
-2-core VM: 200,000 tensors of 3 values took 7.7 s to encode a piece at a time, 35 ms at
-once; the two break even at 16 to 32 pieces a chunk)."""
+passes ~0.8 ms per 524,288 values in up to ~500 pieces (measured on this project's 2-core
+VM: 200,000 tensors of 3 values took 7.7 s to encode a piece at a time, 35 ms at once; the
+two break even at 16 to 32 pieces a chunk)."""
 
 
 class RangeCodec:
