@@ -139,6 +139,19 @@ async def step_all(
     return results
 
 
+async def step_averagers(averagers: Sequence[Averager]) -> list[AveragingInfo]:
+    """Step every averager at once (default arguments); their reports, in order."""
+    infos: list[AveragingInfo | None] = [None] * len(averagers)
+
+    async def one(i: int) -> None:
+        infos[i] = await averagers[i].step()
+
+    async with trio.open_nursery() as nursery:
+        for i in range(len(averagers)):
+            nursery.start_soon(one, i)
+    return [info for info in infos if info is not None]
+
+
 async def next_round_among(
     members: Sequence[Member],
     timeout: float,  # noqa: ASYNC109 - passed on to step()

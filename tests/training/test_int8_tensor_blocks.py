@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 import trio
-from test_averaging_support import fast_config, memnet_swarm
+from test_averaging_support import fast_config, memnet_swarm, step_averagers
 
 from protocol.codecs import get_codec
 from protocol.errors import RemoteProtocolError
@@ -40,14 +40,7 @@ async def test_a_small_tensor_beside_a_large_one_keeps_its_own_precision(
                 Averager(node, "t/blocks", ts, codec="int8", config=fast_config(codec="int8"))
                 for node, ts in zip(nodes, tensors, strict=True)
             ]
-            infos = []
-            async with trio.open_nursery() as nursery:
-                for averager in averagers:
-
-                    async def one(a: Averager = averager) -> None:
-                        infos.append(await a.step())
-
-                    nursery.start_soon(one)
+            infos = await step_averagers(averagers)
     assert [info.outcome for info in infos] == [Outcome.AVERAGED] * n
     for k, (size, _) in enumerate(sizes_scales):
         expected = sum(o[k].double() for o in originals) / n
@@ -212,14 +205,7 @@ async def test_many_tiny_tensors_average_within_their_own_bounds(
                 Averager(node, "t/tiny", ts, config=config)
                 for node, ts in zip(nodes, tensors, strict=True)
             ]
-            infos = []
-            async with trio.open_nursery() as nursery:
-                for averager in averagers:
-
-                    async def one(a: Averager = averager) -> None:
-                        infos.append(await a.step())
-
-                    nursery.start_soon(one)
+            infos = await step_averagers(averagers)
     assert [info.outcome for info in infos] == [Outcome.AVERAGED] * 3
     worst = 0.0
     for k in range(len(scales)):
