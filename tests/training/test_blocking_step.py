@@ -68,3 +68,13 @@ async def test_an_open_peer_averagers_step_from_a_plain_thread_says_so() -> None
             with pytest.raises(RuntimeError, match=r"await averager\.step\(\.\.\.\) in that"):
                 await trio.to_thread.run_sync(averager.step)
             averager.close()
+
+
+def test_a_with_block_closes_the_averager() -> None:
+    with run_in_background("127.0.0.1:0") as node:
+        tensor = torch.zeros(4)
+        with Averager(node, "blocking/with", [tensor]) as averager:
+            assert isinstance(averager, Averager)
+        with pytest.raises(RuntimeError, match="'blocking/with' is closed"):
+            averager.step(timeout=1.0)
+        Averager(node, "blocking/with", [tensor]).close()  # the prefix is free again

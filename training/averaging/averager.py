@@ -276,6 +276,14 @@ class Averager:
             "here); step it in this process, or make one on a peer of that process"
         )
 
+    def __enter__(self) -> Averager:
+        """``with Averager(...) as averager:`` closes it when the block ends (sync or async
+        code alike: :meth:`close` does not block)."""
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.close()
+
     def close(self) -> None:
         """Stop serving this averager's RPCs (requests for them answer ``unknown_method``
         from now on); the prefix is free again for a new Averager on this node. During a
