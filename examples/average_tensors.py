@@ -19,7 +19,7 @@ import torch
 
 from peer import PeerUnavailableError, run_in_background
 from protocol.errors import AddressError
-from training import Averager
+from training import Averager, LayoutMismatchError
 
 
 def main() -> None:
@@ -55,6 +55,8 @@ if __name__ == "__main__":
     try:
         main()
     except (AddressError, PeerUnavailableError) as exc:  # a wrong or gone initial peer
+        sys.exit(f"average_tensors: {exc}")
+    except LayoutMismatchError as exc:  # another --codec, or another version of swarm
         sys.exit(f"average_tensors: {exc}")
     except KeyboardInterrupt:  # Ctrl-C: the peer has stopped on the way out
         sys.exit(130)

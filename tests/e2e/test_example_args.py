@@ -75,3 +75,33 @@ def test_the_examples_close_what_they_open(args: tuple[str, ...]) -> None:
     )
     assert out.returncode == 0, out.stderr
     assert "ResourceWarning" not in out.stderr and "Exception ignored" not in out.stderr, out.stderr
+
+
+@pytest.mark.slow
+def test_another_codec_beside_the_first_process_is_one_line_not_a_traceback() -> None:
+    """Two hand-started processes of another --codec (or of another swarm version): each
+    said so in a LayoutMismatchError traceback of ~20 lines (a mixed-version trial)."""
+    example = str(ROOT / "examples" / "average_tensors.py")
+    first = subprocess.Popen(
+        [sys.executable, example, "--rounds", "20", "--codec", "none"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env_with_root(),
+    )
+    try:
+        assert first.stdout is not None
+        address = first.stdout.readline().split()[1]  # "address: PEERID@HOST:PORT ..."
+        out = subprocess.run(
+            [sys.executable, example, "--initial-peers", address, "--codec", "int8"],
+            capture_output=True,
+            text=True,
+            timeout=90,
+            env=env_with_root(),
+        )
+    finally:
+        first.kill()
+        first.communicate(timeout=30)
+    assert out.returncode == 1, out.stderr
+    assert out.stderr.startswith("average_tensors: every other peer under 'example/average'")
+    assert "Traceback" not in out.stderr and out.stderr.count("\n") == 1, out.stderr
