@@ -7,14 +7,23 @@ import itertools
 
 import numpy as np
 import pytest
+import test_averaging_support as support
 import torch
 import trio
-from test_averaging_support import fast_config, memnet_swarm, step_averagers
+from test_allreduce_faults import after_acks, non_leader
+from test_averaging_support import (
+    fast_config,
+    host_of,
+    memnet_swarm,
+    step_all,
+    step_averagers,
+    verify_round,
+)
 
 from protocol.codecs import get_codec
 from protocol.errors import RemoteProtocolError
 from protocol.identity import Identity
-from training import Averager, AveragerConfig, Outcome
+from training import Averager, AveragerConfig, Outcome, PartStatus
 from training.averaging.arguments import check_chunk_fits
 from training.averaging.pieces import RangeCodec
 from training.averaging.reducer import ChunkRejected, DropReason, Member, PartReducer
@@ -214,3 +223,46 @@ async def test_many_tiny_tensors_average_within_their_own_bounds(
         for ts in tensors:
             worst = max(worst, float((ts[k].double() - expected).abs().max()) / bound)
     assert worst <= 1.0, worst
+
+
+async def test_a_member_killed_mid_round_leaves_tensors_that_match_the_report(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The fault path with int8 chunks over tensors: a member killed after 2 of its 4
+    chunks per part were acknowledged; every survivor's tensors are exactly what its report
+    says (local values where a part was not received, the decoded mean elsewhere), and the
+    next round averages without it. The tensors are views of one array, so the check reads
+    them in flat order."""
+    sizes = [5, 1500, 3, 0, 9000, 64, 5812]  # 16,384 values, chunks of 1024 span tensors
+    scales = np.repeat([1e3, 1e-3, 1.0, 1.0, 1e2, 1e-2, 1.0], sizes)
+    with trio.fail_after(300):
+        async with memnet_swarm(4) as (net, nodes):
+            config = fast_config(codec="int8", max_inflight=3)
+            rng = np.random.default_rng(5)
+            members = []
+            for i, node in enumerate(nodes):
+                data = (rng.standard_normal(sum(sizes)) * scales).astype(np.float32)
+                array = data.copy()
+                views = np.split(array, np.cumsum(sizes)[:-1])
+                averager = Averager(node, "t/x", views, config=config)
+                members.append(support.Member(averager, data, array, weight=float(i % 3 + 1)))
+            victim = non_leader(members)
+            after_acks(members[victim], 2, lambda: net.kill_host(host_of(victim)))
+            results = await step_all(members, timeout=30.0)
+            infos = [info for i, (info, _) in enumerate(results) if i != victim]
+            survivors = [m for i, m in enumerate(members) if i != victim]
+            verify_round(
+                survivors,
+                infos,
+                codec="int8",
+                without_report=[members[victim]],  # type: ignore[arg-type]
+            )
+            for info in infos:
+                assert info is not None and info.outcome is Outcome.PARTIAL
+                assert {p.status for p in info.parts} == {PartStatus.NONE, PartStatus.SOME}
+            for m in survivors:  # the next round, without the victim: all averaged
+                m.data = m.array.copy()
+            results = await step_all(survivors, timeout=30.0)
+            infos = [info for info, _ in results]
+            verify_round(survivors, infos, codec="int8")  # type: ignore[arg-type]
+            assert all(info is not None and info.averaged_fraction == 1.0 for info in infos)
