@@ -153,11 +153,18 @@ def float32_down(value: float) -> float:
 
 
 def spec_shares(weights: Sequence[float]) -> list[float]:
-    """9.6: each sender's share `(w_i / w_max) / fsum(w_j / w_max)` in float64, rounded down
-    to a float32."""
-    top = max(weights)
-    total = math.fsum(w / top for w in weights)
-    return [float32_down(w / top / total) for w in weights]
+    """9.6: `u_i = w_i * 2**-t` (`t` the exponent of the largest weight), `2**e` the
+    smallest power of two at least `fsum(u_j)`, each share `u_i * 2**-e` rounded down to a
+    float32."""
+    t = math.frexp(max(weights))[1]
+    u = [w * 2.0**-t for w in weights]
+    total = math.fsum(u)
+    e = 0
+    while 2.0**e < total:
+        e += 1
+    while 2.0 ** (e - 1) >= total:
+        e -= 1
+    return [float32_down(x * 2.0**-e) for x in u]
 
 
 def spec_header_ok(
@@ -615,8 +622,8 @@ def test_shares_within_one_float32_step_of_the_text() -> None:
     "weights", [[3.0, 5.0], [3e16, 3.0], [0.1, 0.3, 6.0], [1e300, 1e300]], ids=str
 )
 def test_shares_exactly_as_the_text_says(weights: list[float]) -> None:
-    """9.6, "The mean": `(w_i / w_max) / fsum(w_j / w_max)` in float64, rounded down to a
-    float32 (the first two differ from a plain `w_i / sum(w)`)."""
+    """9.6, "The mean": weights over the smallest power of two at least their total, in
+    float64 after scaling by the largest weight's exponent, rounded down to a float32."""
     theirs = list(convex_shares(dict(zip(IDS[: len(weights)], weights, strict=True))).values())
     assert theirs == spec_shares(weights)
 

@@ -14,11 +14,13 @@ Rules (what a reducer promises):
 - Staleness: with ``E`` the largest epoch declared in the group, a sender at epoch ``e``
   is dropped as ``stale`` when ``E - e > max_staleness``, else weighted by
   ``weight * decay ** (E - e)``. Everybody derives this from the same member list.
-- Convex sums: each contribution is added as ``share * values``, its weight's share of the
-  total weight of the part's senders (float64, rounded down to a float32 factor in [0, 1]),
-  so the running sum never exceeds the largest ``|value|`` (but by rounding) whatever the
-  weights (any positive finite float64). :meth:`PartReducer.finalize` divides by the shares
-  of the senders that counted (1 when nobody was dropped), which cannot overflow unless
+- Convex sums: each contribution is added as ``share * values`` (one fused multiply-add),
+  its weight over the smallest power of two at least the total weight of the part's
+  senders (float64, rounded down to a float32 factor in [0, 1]: exact for small integer
+  weights; see ``scans.convex_shares``), so the running sum never exceeds the largest
+  ``|value|`` (but by rounding) whatever the weights (any positive finite float64).
+  :meth:`PartReducer.finalize` divides by the shares of the senders that counted (no
+  division when they sum to exactly 1), which cannot overflow unless
   their mean does, and checks that the mean fits what the codec can send back (float16:
   +-65504); when it does not, the part has no result and its note says so.
 - The mean is what every member receives (encoded once), so they all get the same values.
@@ -90,7 +92,7 @@ class _Sender:
 
     def __init__(self, weight: float, epoch: int, n_chunks: int) -> None:
         self.weight = weight  # effective (staleness-decayed)
-        self.share = 0.0  # weight / total weight of the senders, a float32 factor in [0, 1]
+        self.share = 0.0  # see scans.convex_shares: a float32 factor in [0, 1]
         self.epoch = epoch
         self.received = bytearray(n_chunks)
         # (chunk, blob, raw, added): kept until complete; ``added`` once in the sum
@@ -466,7 +468,7 @@ class PartReducer:
         self._undivided.discard(index)
         start, stop = chunk_span(self.length, self.chunk_elements, index)
         total = self._acc[start:stop]
-        # the sum of shares * values; nobody dropped: the shares sum to 1 but for rounding
+        # the sum of shares * values; their sum is exactly 1 for equal weights of 2**k peers
         if self._mean is self._acc_array:
             if self._share != 1.0:
                 total.div_(self._share)

@@ -85,17 +85,25 @@ def scale_magnitude(dst: Float32Array, src: Float32Array | None, factor: float) 
 
 
 def convex_shares(weights: Mapping[K, float]) -> dict[K, float]:
-    """Each weight's share of the total, computed in float64 and rounded *down* to a float32
-    (so that the shares sum to at most 1, and a sum of ``share * value`` never exceeds the
-    largest ``|value|`` but by rounding). Any positive finite float64 weights: they are
-    scaled by the largest first, so the total cannot overflow; a share below float32's
-    smallest subnormal is 0."""
+    """Each weight divided by the smallest power of two at least the total weight, rounded
+    *down* to a float32: the shares sum to at most 1 (and more than 1/2), so a sum of
+    ``share * value`` never exceeds the largest ``|value|`` but by rounding.
+
+    A power of two rather than the total itself: a weight of few significant bits (any
+    integer below 2**24, 0.5, 32.0...) then has an exact share, so ``share * value`` is
+    exact where the weight times the value is, and the reducer's one division by the
+    shares' sum at the end is its only rounding beyond the float32 additions. (Equal
+    weights of 2 or 4 peers have shares of exactly 1/2 or 1/4, summing to 1: no division.)
+    Any positive finite float64 weights: they are scaled by a power of two near the largest
+    first, so the total cannot overflow; a share below float32's smallest subnormal is 0."""
     if not weights:
         return {}
-    top = max(weights.values())
-    scaled = {key: weight / top for key, weight in weights.items()}
-    total = math.fsum(scaled.values())
-    return {key: float32_below(value / total) for key, value in scaled.items()}
+    _, top = math.frexp(max(weights.values()))
+    scaled = {key: math.ldexp(weight, -top) for key, weight in weights.items()}  # < 1 each
+    fraction, exponent = math.frexp(math.fsum(scaled.values()))
+    if fraction == 0.5:  # the total is a power of two itself
+        exponent -= 1
+    return {key: float32_below(math.ldexp(value, -exponent)) for key, value in scaled.items()}
 
 
 def float32_below(value: float) -> float:
