@@ -24,7 +24,7 @@ from dataclasses import dataclass, field, replace
 import trio
 
 from protocol.address import Address, canonical_host
-from protocol.errors import ProtocolError
+from protocol.errors import AddressError
 from protocol.identity import Identity, PeerID
 
 from .dht import DHT, DHTConfig
@@ -209,7 +209,8 @@ async def open_peer(
             as hivemind's ``DHT`` argument of the same meaning.
 
     Raises:
-        ProtocolError: if ``listen`` or an initial peer is not a valid address.
+        AddressError: (a ``ProtocolError`` and a ``ValueError``) if ``listen`` or an initial
+            peer is not a valid address, or an initial peer has port 0.
         ValueError: if ``listen`` names a PeerID other than this peer's, or
             ``announce_host`` is one no peer dials (``0.0.0.0``, multicast: they skip it),
             or is given to a client-mode peer.
@@ -251,7 +252,7 @@ async def open_peer(
         )
     for initial in peers:
         if initial.port == 0:  # a listen port asked of the OS, never one to dial
-            raise ProtocolError(f"initial peer {initial}: port 0 cannot be dialed")
+            raise AddressError(f"initial peer {initial}: port 0 cannot be dialed")
     body_error: BaseException | None = None
     async with open_rpc_host(
         me, listen=listen_address, network=network, config=config.host

@@ -231,6 +231,11 @@ class NoiseHandshake:
         return bytes(self._in[start : self._in_pos])
 
     def _handle(self, message: bytes) -> None:
+        if not message and self._state is _State.AWAIT_2:
+            raise RemoteProtocolError(
+                "the responder is busy (an empty handshake message 2, the busy signal of"
+                " protocol.md 2.2): dial it again later"
+            )
         payload = self._noise.read_message(message)
         if self._state is _State.AWAIT_1:
             if payload:

@@ -177,7 +177,7 @@ class HandshakeState:
         ours = (self.message_index % 2 == 0) == self.initiator
         if ours != writing:
             raise LocalProtocolError(
-                f"handshake message {self.message_index} is to be "
+                f"handshake message {self.message_index + 1} is to be "
                 f"{'written' if ours else 'read'} by us now"
             )
         return PATTERN_XX[self.message_index]
@@ -249,7 +249,7 @@ class HandshakeState:
                     )
                     if len(data) - pos < size:
                         raise RemoteProtocolError(
-                            f"handshake message {self.message_index} is truncated"
+                            f"handshake message {self.message_index + 1} is truncated"
                         )
                     chunk = data[pos : pos + size]
                     pos += size

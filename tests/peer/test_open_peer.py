@@ -11,7 +11,7 @@ import trio.testing
 from peer import PeerStoppedError, open_peer
 from peer.dht import DHTConfig
 from peer.memnet import MemoryNetwork
-from protocol.errors import ProtocolError
+from protocol.errors import AddressError, ProtocolError
 from protocol.identity import Identity
 
 OTHER = Identity.from_seed(bytes([9]) * 32)
@@ -126,8 +126,9 @@ async def test_a_loopback_peer_joining_peers_elsewhere_is_warned(
 
 async def test_an_initial_peer_at_port_0_is_refused_as_malformed() -> None:
     """Port 0 asks the OS for a port to listen at; dialing it was tried, then reported as
-    unreachable (an operator trial)."""
-    with trio.fail_after(10), pytest.raises(ProtocolError, match="port 0 cannot be dialed"):
+    unreachable (an operator trial). A malformed address, so an ``AddressError`` (a
+    ``ValueError``), as dht.md says of every bad ``initial_peers`` entry."""
+    with trio.fail_after(10), pytest.raises(AddressError, match="port 0 cannot be dialed"):
         async with open_peer(initial_peers=["127.0.0.1:0"]):
             pass
 

@@ -423,6 +423,19 @@ def test_truncated_and_garbage_message_2() -> None:
     assert initiator.complete
 
 
+def test_errors_number_messages_from_one_and_name_the_busy_signal() -> None:
+    """As protocol.md 2.2 does (an outside trial read "message 1" for a short message 2,
+    and nothing about the busy signal for `00 00`)."""
+    probe = NoiseHandshake(identity(1), initiator=True)
+    with pytest.raises(RemoteProtocolError, match="message 2 is truncated"):
+        probe.receive_data(frame(bytes(31)))
+    probe = NoiseHandshake(identity(1), initiator=True)
+    with pytest.raises(RemoteProtocolError, match="responder is busy"):
+        probe.receive_data(protocol.noise.BUSY_SIGNAL)
+    with pytest.raises(RemoteProtocolError, match="message 1 is truncated"):
+        NoiseHandshake(identity(2), initiator=False).receive_data(frame(bytes(31)))
+
+
 def test_low_order_ephemeral_key_is_a_protocol_error() -> None:
     initiator = NoiseHandshake(identity(1), initiator=True)
     # All-zero X25519 point: DH yields zeros, which cryptography refuses.
