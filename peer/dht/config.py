@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from dataclasses import dataclass
 
 from protocol.messages import MAX_NODES
@@ -75,28 +76,40 @@ class DHTConfig:
     max_parallel_pings: int = 8
 
     def __post_init__(self) -> None:
-        if self.k < 1 or self.alpha < 1 or self.value_quorum < 1:
-            raise ValueError("DHTConfig: k, alpha and value_quorum must be positive")
+        for name in (
+            "k",
+            "alpha",
+            "value_quorum",
+            "max_concurrent_requests",
+            "max_republished_records",  # (records not on the list are never republished)
+            "max_stored_keys",
+            "max_stored_bytes",
+            "max_failures",
+            "max_parallel_pings",
+        ):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+                raise ValueError(
+                    f"DHTConfig.{name} must be an integer of at least 1, got {value!r}"
+                )
         if self.k > MAX_NODES:  # the k closest travel in one reply
             raise ValueError(
                 f"DHTConfig.k must be at most {MAX_NODES} (the nodes one DHT reply may name, "
                 f"protocol.messages.MAX_NODES), got {self.k}"
             )
-        if min(self.request_timeout, self.hedge_after, self.refresh_interval) <= 0:
-            raise ValueError("DHTConfig: timeouts and intervals must be positive")
-        if not self.busy_join_timeout >= 0:  # (NaN too)
-            raise ValueError("DHTConfig: busy_join_timeout must be >= 0")
-        if self.republish_interval <= 0 or self.republish_margin < 0:
-            raise ValueError("DHTConfig: republish_interval > 0 and republish_margin >= 0")
-        if min(self.max_stored_keys, self.max_stored_bytes, self.max_failures) < 1:
-            raise ValueError("DHTConfig: limits must be positive")
-        if self.max_republished_records < 1:
-            raise ValueError(
-                "DHTConfig.max_republished_records must be at least 1 (records not on the "
-                f"list are never republished), got {self.max_republished_records}"
-            )
+        for name in ("request_timeout", "hedge_after", "refresh_interval", "republish_interval"):
+            value = getattr(self, name)
+            if not value > 0:  # NaN too; math.inf: never
+                raise ValueError(f"DHTConfig.{name} must be positive seconds, got {value!r}")
+        for name in ("busy_join_timeout", "republish_margin", "ping_after"):
+            value = getattr(self, name)
+            if not value >= 0:  # NaN too
+                raise ValueError(f"DHTConfig.{name} must be seconds >= 0, got {value!r}")
         if not 0 < self.max_stored_share_per_host <= 1:
-            raise ValueError("DHTConfig: max_stored_share_per_host must be in (0, 1]")
+            raise ValueError(
+                "DHTConfig.max_stored_share_per_host must be in (0, 1], "
+                f"got {self.max_stored_share_per_host!r}"
+            )
         largest = MAX_VALUE_BYTES + ENTRY_OVERHEAD
         if self.max_stored_bytes * self.max_stored_share_per_host < largest:
             raise ValueError(
@@ -105,5 +118,3 @@ class DHTConfig:
                 f"{ENTRY_OVERHEAD} bytes of overhead), got {self.max_stored_bytes} x "
                 f"{self.max_stored_share_per_host}"
             )
-        if self.max_parallel_pings < 1 or self.max_concurrent_requests < 1:
-            raise ValueError("DHTConfig: limits must be positive")

@@ -320,7 +320,16 @@ def test_our_own_store_takes_room_from_a_host_beyond_its_share() -> None:
     ("changes", "message"),
     [
         ({"k": 65}, "DHTConfig.k must be at most 64"),
-        ({"max_republished_records": 0}, "max_republished_records must be at least 1"),
+        (
+            {"max_republished_records": 0},
+            "max_republished_records must be an integer of at least 1",
+        ),
+        ({"alpha": 0}, "DHTConfig.alpha must be an integer of at least 1, got 0"),
+        ({"k": 2.5}, "DHTConfig.k must be an integer"),
+        ({"max_stored_keys": True}, "DHTConfig.max_stored_keys must be an integer"),
+        ({"request_timeout": 0}, "DHTConfig.request_timeout must be positive seconds, got 0"),
+        ({"hedge_after": float("nan")}, "DHTConfig.hedge_after must be positive"),
+        ({"republish_margin": -1.0}, "DHTConfig.republish_margin must be seconds >= 0"),
         ({"max_stored_bytes": 100_000}, "must hold one largest entry"),
         ({"max_stored_bytes": 1 << 20, "max_stored_share_per_host": 0.01}, "largest entry"),
     ],
@@ -328,7 +337,9 @@ def test_our_own_store_takes_room_from_a_host_beyond_its_share() -> None:
 def test_dht_settings_that_cannot_work_are_refused(changes: dict[str, int], message: str) -> None:
     """Each was taken and failed quietly: k = 80 made every reply that names the k closest
     overflow a reply's 64 nodes (peers that joined later knew one other); no republish
-    list; a per-host share too small for one 16 KiB value from another host."""
+    list; a per-host share too small for one 16 KiB value from another host. Each error
+    names its field (an outside trial: "timeouts and intervals must be positive" named
+    none, and NaN timeouts passed)."""
     with pytest.raises(ValueError, match=message):
         DHTConfig(**changes)  # type: ignore[arg-type]
     assert DHTConfig(k=64).k == 64
