@@ -20,6 +20,7 @@ re-store what they stored while it lives (see ``republish``).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import numbers
@@ -97,6 +98,7 @@ class LookupStats:
     lookups: int = 0
     total_rounds: int = 0
     max_rounds: int = 0
+    repairs: int = 0  # holders sent a newer version of a key they answered with (read repair)
 
     def record(self, result: LookupResult) -> None:
         self.lookups += 1
@@ -109,8 +111,9 @@ class DHT:
 
     Attributes a script reads (besides the methods): ``config`` (the DHTConfig),
     ``peer_id``, ``table`` (the routing table), ``stats`` (a LookupStats: this node's
-    lookups since it started, ``lookups``, ``total_rounds`` and ``max_rounds``;
-    cumulative, so read it before and after to count one lookup's rounds).
+    lookups since it started, ``lookups``, ``total_rounds`` and ``max_rounds``, and the
+    read repairs it sent, ``repairs``; cumulative, so read it before and after to count
+    one lookup's rounds).
     """
 
     def __init__(
@@ -551,6 +554,7 @@ class DHT:
         holders.learn(self.table.nearest(key_id, 2 * self.config.k))  # the lookup's seeds
 
         asked = answered = 0
+        copies: list[tuple[NodeInfo, list[Entry]]] = []  # each holder's whole copy
 
         async def query(node: NodeInfo) -> Sequence[NodeInfo] | None:
             nonlocal asked, answered
@@ -587,6 +591,8 @@ class DHT:
             answered += 1  # a whole copy (a node that fails partway did not answer)
             for entry in received:
                 self._merge(key_id, owner, record, values, entry, verified=False)
+            if received and latest:
+                copies.append((node, received))
             holders.learn(nodes)
             holders.answered(node.peer_id, DHTID.from_peer_id(node.peer_id), holds)
             return nodes
@@ -599,7 +605,49 @@ class DHT:
                 return holders.missing() if holders.any else self.config.k
 
             await self._lookup(key_id, query, stop=holders.enough, wanted=wanted)
+        if latest:
+            self._repair(key, key_id, owner, record, local, copies)
         return EntriesRead(live_entries(record, values, self._clock()), asked, answered)
+
+    def _repair(
+        self,
+        key: str,
+        key_id: DHTID,
+        owner: PeerID | None,
+        record: Record,
+        local: Record,
+        copies: Sequence[tuple[NodeInfo, Sequence[Entry]]],
+    ) -> None:
+        """Read repair: a holder that answered with an older version of a subkey than the
+        read's winner gets the winner (in the background, as a STORE), and so does this
+        node's own storage. After a healed partition the two sides' holders of a key
+        written on both held different versions until the owners republished (up to
+        ``republish_interval``); readers whose holders all held the losing one read it. Only
+        versions a holder has replaced, not subkeys it lacks: a matchmaking key's holders
+        each miss some declarations, and filling them in on every read would be a store
+        per get."""
+        now = self._clock()
+        winners = {s: e for s, e in record.items() if e.expiration > now}
+        if self.storage is not None:
+            for subkey, old in local.items():
+                new = winners.get(subkey)
+                if new is not None and new != old and supersedes(new, old):
+                    with contextlib.suppress(RecordError):  # (expired meanwhile)
+                        self.storage.store(key_id, new, key_owner=owner, name=key)
+        for node, entries in copies:
+            newer = tuple(
+                new
+                for old in entries
+                if (new := winners.get(old.subkey)) is not None
+                and new != old
+                and supersedes(new, old)
+            )
+            if (
+                newer
+                and node.peer_id != self.peer_id
+                and self._store_in_background(node, key_id, key, newer)
+            ):
+                self.stats.repairs += 1
 
     def _merge(
         self,

@@ -480,6 +480,39 @@ async def test_owner_republishes_to_the_nodes_closest_now(
             nursery.cancel_scope.cancel()
 
 
+async def test_a_read_that_sees_two_versions_repairs_the_holders_of_the_older(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """After a healed partition the two sides' holders of a key written on both hold
+    different versions, until the owners republish; a reader whose holders all held the
+    older one read it (an outside trial: 1 read in 200, 400 s after a heal). A read that
+    sees both stores the newer on the holders that answered with the older."""
+    net = MemoryNetwork(latency=LATENCY)
+    dht = DHTConfig(k=4, value_quorum=4, republish_interval=3600.0)
+    key = check_key("two-sided")
+    with trio.fail_after(600):
+        async with trio.open_nursery() as nursery:
+            swarm = await start_swarm(nursery, net, 16, PeerConfig(dht=dht))
+            by_distance = sorted(swarm, key=lambda sim: sim.peer.dht.node_id.distance(key))
+            closest, reader = by_distance[: dht.k], by_distance[-1]
+            now = virtual_unix_time()
+            older = Entry(None, msgpack.packb("A side"), now + 1000.0)
+            newer = Entry(None, msgpack.packb("B side"), now + 2000.0)
+            for i, sim in enumerate(closest):  # as each side's stores left them
+                storage = sim.peer.dht.storage
+                assert storage is not None
+                assert storage.store(key, older if i % 2 else newer, name="two-sided")
+            assert await reader.peer.dht.get("two-sided") == "B side"
+            assert reader.peer.dht.stats.repairs == dht.k // 2
+            await trio.sleep(5.0)  # the repairs are sent in the background
+            for sim in closest:
+                storage = sim.peer.dht.storage
+                assert storage is not None and storage.get(key)[None] == newer
+            for sim in by_distance[dht.k : -1]:
+                assert await sim.peer.dht.get("two-sided", latest=False) == "B side"
+            nursery.cancel_scope.cancel()
+
+
 def _holds(sim: SimPeer, key: DHTID) -> bool:
     storage = sim.peer.dht.storage
     return storage is not None and bool(storage.get(key))
