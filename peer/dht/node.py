@@ -20,7 +20,6 @@ re-store what they stored while it lives (see ``republish``).
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import numbers
@@ -75,6 +74,8 @@ _REPUBLISH_PARALLEL = 4
 _EXPIRE_INTERVAL = 30.0  # seconds between sweeps of expired records
 _FIRST_ANSWERS_KEPT = 32  # recent lookups' first-answer delays, for the first hedge
 _BACKGROUND_STORES = 32  # stores re-sent after their lookup gave up on them, at once
+_BACKGROUND_REPAIRS = 8  # read repairs in flight at once (a pool of their own: a holder
+# that keeps answering with old versions and never replies must not hold the one above)
 # A key holds at most 1024 subkeys of 16 KiB: 17 replies of 1 MiB; a node that keeps
 # saying "more" gets no further than this.
 _MAX_VALUE_PAGES = 32
@@ -170,7 +171,7 @@ class DHT:
         # there (see _carry_over)
         self._stamped: OrderedDict[tuple[DHTID, Subkey], tuple[float, float]] = OrderedDict()
         self._service: trio.Nursery | None = None  # serve()'s nursery, while it runs
-        self._background_stores = 0
+        self._in_background = {"resend": 0, "repair": 0}  # background stores in flight
         self.table.on_departed = self._upkeep.on_departed
 
     def now(self) -> float:
@@ -485,27 +486,34 @@ class DHT:
         return stored
 
     def _store_in_background(
-        self, node: NodeInfo, key_id: DHTID, key: str, entries: tuple[Entry, ...]
+        self,
+        node: NodeInfo,
+        key_id: DHTID,
+        key: str,
+        entries: tuple[Entry, ...],
+        pool: str = "resend",
     ) -> bool:
         """Send again, in the service nursery and within the request timeout, a STORE that
         its lookup gave up on (too slow, then cancelled when the lookup ended): a slow node
         among the k closest, whose connection had idled out, missed most stores (its dial
-        outlasted the lookup).
+        outlasted the lookup); or (``pool="repair"``) a read repair.
         Outside the request slots (they bound this node's CPU, and these mostly wait on
-        the network), at most _BACKGROUND_STORES at once; beyond, republish covers it.
+        the network), at most _BACKGROUND_STORES (_BACKGROUND_REPAIRS) at once; beyond,
+        republish (a later read) covers it. At most MAX_ENTRIES_PER_STORE ``entries``.
 
         Returns:
             Whether it was sent (its outcome then counts for or against the node)."""
-        if self._service is None or self._background_stores >= _BACKGROUND_STORES:
+        limit = _BACKGROUND_REPAIRS if pool == "repair" else _BACKGROUND_STORES
+        if self._service is None or self._in_background[pool] >= limit:
             return False
 
         async def send() -> None:
             try:
                 await self.protocol.store(node, key_id, key, entries, take_slot=False)
             finally:
-                self._background_stores -= 1
+                self._in_background[pool] -= 1
 
-        self._background_stores += 1
+        self._in_background[pool] += 1
         self._service.start_soon(send)
         return True
 
@@ -606,46 +614,40 @@ class DHT:
 
             await self._lookup(key_id, query, stop=holders.enough, wanted=wanted)
         if latest:
-            self._repair(key, key_id, owner, record, local, copies)
+            self._repair(key, key_id, record, copies)
         return EntriesRead(live_entries(record, values, self._clock()), asked, answered)
 
     def _repair(
         self,
         key: str,
         key_id: DHTID,
-        owner: PeerID | None,
         record: Record,
-        local: Record,
         copies: Sequence[tuple[NodeInfo, Sequence[Entry]]],
     ) -> None:
         """Read repair: a holder that answered with an older version of a subkey than the
-        read's winner gets the winner (in the background, as a STORE), and so does this
-        node's own storage. After a healed partition the two sides' holders of a key
-        written on both held different versions until the owners republished (up to
-        ``republish_interval``); readers whose holders all held the losing one read it. Only
-        versions a holder has replaced, not subkeys it lacks: a matchmaking key's holders
-        each miss some declarations, and filling them in on every read would be a store
-        per get."""
+        read's winner is sent the winner (in the background, one STORE of at most
+        MAX_ENTRIES_PER_STORE entries: a later read sends the rest). After a healed
+        partition the two sides' holders of a key written on both held different versions
+        until the owners republished (up to ``republish_interval``); readers whose holders
+        all held the losing one read it. Only versions a holder has replaced, not subkeys
+        it lacks: a matchmaking key's holders each miss some declarations, and filling them
+        in on every read would be a store per get. Not this node's own copy: its storage
+        charges what it holds to the host that sent it, and a remote reader's repair does
+        that."""
         now = self._clock()
         winners = {s: e for s, e in record.items() if e.expiration > now}
-        if self.storage is not None:
-            for subkey, old in local.items():
-                new = winners.get(subkey)
-                if new is not None and new != old and supersedes(new, old):
-                    with contextlib.suppress(RecordError):  # (expired meanwhile)
-                        self.storage.store(key_id, new, key_owner=owner, name=key)
         for node, entries in copies:
-            newer = tuple(
-                new
-                for old in entries
-                if (new := winners.get(old.subkey)) is not None
-                and new != old
-                and supersedes(new, old)
-            )
-            if (
-                newer
-                and node.peer_id != self.peer_id
-                and self._store_in_background(node, key_id, key, newer)
+            if node.peer_id == self.peer_id:
+                continue
+            newer: dict[Subkey, Entry] = {}  # by subkey: a reply may list one twice
+            for old in entries:
+                new = winners.get(old.subkey)
+                if new is not None and new != old and supersedes(new, old):
+                    newer[old.subkey] = new
+                    if len(newer) == MAX_ENTRIES_PER_STORE:
+                        break
+            if newer and self._store_in_background(
+                node, key_id, key, tuple(newer.values()), pool="repair"
             ):
                 self.stats.repairs += 1
 

@@ -29,13 +29,21 @@ import pytest
 import trio
 import trio.testing
 
+from peer import Reply, Request
 from peer.dht import DHTConfig
 from peer.host import HostConfig
 from peer.memnet import MemoryNetwork
 from peer.node import Peer, PeerConfig, open_peer
 from protocol.dhtid import DHTID
 from protocol.identity import Identity
-from protocol.messages import Entry, NodeInfo
+from protocol.messages import (
+    Entry,
+    FindValueRequest,
+    FindValueResponse,
+    NodeInfo,
+    StoreRequest,
+    StoreResponse,
+)
 from protocol.records import check_key
 
 EPOCH = 1_700_000_000.0  # unix time at virtual time 0: expirations travel as unix times
@@ -510,6 +518,73 @@ async def test_a_read_that_sees_two_versions_repairs_the_holders_of_the_older(
                 assert storage is not None and storage.get(key)[None] == newer
             for sim in by_distance[dht.k : -1]:
                 assert await sim.peer.dht.get("two-sided", latest=False) == "B side"
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_repair_of_many_subkeys_goes_a_store_of_64_at_a_time(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A holder with older versions of 100 subkeys: one STORE carries at most 64 entries
+    (a review found a 100-entry repair raised in the reader's service and took its peer
+    down); the next read sends the rest."""
+    net = MemoryNetwork(latency=LATENCY)
+    dht = DHTConfig(k=4, value_quorum=4, republish_interval=3600.0)
+    key = check_key("many")
+    with trio.fail_after(600):
+        async with trio.open_nursery() as nursery:
+            swarm = await start_swarm(nursery, net, 10, PeerConfig(dht=dht))
+            by_distance = sorted(swarm, key=lambda sim: sim.peer.dht.node_id.distance(key))
+            closest, reader = by_distance[: dht.k], by_distance[-1]
+            now = virtual_unix_time()
+            for i, sim in enumerate(closest):  # the closest holds the older versions
+                storage = sim.peer.dht.storage
+                assert storage is not None
+                for subkey in range(100):
+                    expiration = now + (1000.0 if i == 0 else 2000.0)
+                    entry = Entry(subkey, msgpack.packb(subkey), expiration)
+                    assert storage.store(key, entry, name="many")
+            stale = closest[0].peer.dht.storage
+            assert stale is not None
+            for held in (64, 100):
+                assert len(await reader.peer.dht.get_entries("many")) == 100
+                await trio.sleep(5.0)
+                newer = [e for e in stale.get(key).values() if e.expiration == now + 2000.0]
+                assert len(newer) == held
+            assert reader.peer.dht.stats.repairs == 2
+            nursery.cancel_scope.cancel()
+
+
+async def test_a_holder_that_lists_versions_twice_cannot_crash_a_reader(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A reply may name a subkey more than once: the repair sends each winner once, in
+    one STORE of at most 64 (a review's hostile holder named 65 subkeys twice, a newer and
+    an older version each, and took the reader's peer down)."""
+    net = MemoryNetwork(latency=LATENCY)
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            victim, hostile = await start_swarm(nursery, net, 2, PeerConfig())
+            stored: list[int] = []
+
+            def find_value(request: Request) -> Reply:
+                FindValueRequest.from_body(request.body)
+                now = hostile.peer.dht.now()
+                entries = [Entry(s, msgpack.packb(s), now + 100.0) for s in range(65)]
+                entries += [Entry(s, msgpack.packb(s), now + 50.0) for s in range(65)]
+                return Reply(FindValueResponse(tuple(entries), ()).to_body())
+
+            def store(request: Request) -> Reply:
+                body = StoreRequest.from_body(request.body)
+                stored.append(len(body.entries))
+                return Reply(StoreResponse(tuple(True for _ in body.entries), ()).to_body())
+
+            for method, handler in (("dht.find_value", find_value), ("dht.store", store)):
+                hostile.peer.rpc.unregister(method)
+                hostile.peer.rpc.register_quick(method, handler)
+            assert len(await victim.peer.dht.get("anything")) == 65
+            await trio.sleep(2.0)  # the repair went out; the victim is still up
+            assert stored == [64]
+            assert await victim.peer.dht.store("mine", 1)
             nursery.cancel_scope.cancel()
 
 
