@@ -30,6 +30,7 @@ import math
 import random
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from fractions import Fraction
 from typing import Any, cast
 
 import numpy as np
@@ -144,6 +145,9 @@ def spec_weights(
     ]
 
 
+FLT_MAX = float(np.finfo(np.float32).max)
+
+
 def float32_down(value: float) -> float:
     """The largest float32 at most `value` (`value >= 0`): 9.6's "rounded down"."""
     near = np.float32(value)
@@ -152,19 +156,38 @@ def float32_down(value: float) -> float:
     return float(near)
 
 
-def spec_shares(weights: Sequence[float]) -> list[float]:
-    """9.6: `u_i = w_i * 2**-t` (`t` the exponent of the largest weight), `2**e` the
-    smallest power of two at least `fsum(u_j)`, each share `u_i * 2**-e` rounded down to a
+def spec_shares(weights: Sequence[float], own: int | None = None) -> list[float]:
+    """9.6, "The mean": with `own` (the reducer's index) and every weight its weight times
+    a ratio float32 holds exactly, the ratios over the smallest power of two at least their
+    exact sum (if none rounds); else `u_i = w_i * 2**-t` (`t` the exponent of the largest
+    weight) over the smallest power of two at least their exact sum, rounded down to a
     float32."""
+
+    def over_power_of_two(values: list[float], exact: bool) -> list[float] | None:
+        total = sum(map(Fraction, values), Fraction(0))
+        e = 0
+        while Fraction(2) ** e < total:
+            e += 1
+        while Fraction(2) ** (e - 1) >= total:
+            e -= 1
+        shares = [float32_down(v * 2.0**-e) for v in values]
+        if exact and any(
+            Fraction(s) != Fraction(v) / Fraction(2) ** e
+            for s, v in zip(shares, values, strict=True)
+        ):
+            return None
+        return shares
+
+    if own is not None:
+        ratios = [Fraction(w) / Fraction(weights[own]) for w in weights]
+        if all(0 < r <= FLT_MAX and Fraction(float(np.float32(float(r)))) == r for r in ratios):
+            shares = over_power_of_two([float(r) for r in ratios], exact=True)
+            if shares is not None:
+                return shares
     t = math.frexp(max(weights))[1]
-    u = [w * 2.0**-t for w in weights]
-    total = math.fsum(u)
-    e = 0
-    while 2.0**e < total:
-        e += 1
-    while 2.0 ** (e - 1) >= total:
-        e -= 1
-    return [float32_down(x * 2.0**-e) for x in u]
+    shares = over_power_of_two([w * 2.0**-t for w in weights], exact=False)
+    assert shares is not None
+    return shares
 
 
 def spec_header_ok(
@@ -608,24 +631,39 @@ def random_weights(rng: random.Random) -> list[float]:
 
 def test_shares_within_one_float32_step_of_the_text() -> None:
     """9.6's shares, to within one float32 step of the library's (exact agreement is the
-    test below)."""
+    test below), with and without the reducer among the senders."""
     rng = random.Random(100)
     for case in range(3000):
         weights = random_weights(rng)
-        theirs = list(convex_shares(dict(zip(IDS[: len(weights)], weights, strict=True))).values())
-        for mine, their in zip(spec_shares(weights), theirs, strict=True):
+        own = rng.choice([None, 0, len(weights) - 1])
+        ids = dict(zip(IDS[: len(weights)], weights, strict=True))
+        theirs = list(convex_shares(ids, own=None if own is None else IDS[own]).values())
+        for mine, their in zip(spec_shares(weights, own), theirs, strict=True):
             step = float(np.spacing(np.float32(max(mine, their))))
-            assert abs(mine - their) <= step, (case, weights)
+            assert abs(mine - their) <= step, (case, weights, own)
 
 
 @pytest.mark.parametrize(
-    "weights", [[3.0, 5.0], [3e16, 3.0], [0.1, 0.3, 6.0], [1e300, 1e300]], ids=str
+    ("weights", "own"),
+    [
+        ([3.0, 5.0], None),
+        ([3e16, 3.0], None),
+        ([0.1, 0.3, 6.0], None),
+        ([1e300, 1e300], None),
+        ([3.0, 3.0], 0),  # exact ratios: 1/2 each
+        ([1.0, 2.0, 2.0], 1),
+        ([1.0, 3.0], 1),  # 1/3 is no float32: the second rule
+        ([0.1, 0.1, 0.1], 2),
+        ([1e300, 1e-300], 1),  # a ratio beyond float32
+    ],
+    ids=str,
 )
-def test_shares_exactly_as_the_text_says(weights: list[float]) -> None:
-    """9.6, "The mean": weights over the smallest power of two at least their total, in
-    float64 after scaling by the largest weight's exponent, rounded down to a float32."""
-    theirs = list(convex_shares(dict(zip(IDS[: len(weights)], weights, strict=True))).values())
-    assert theirs == spec_shares(weights)
+def test_shares_exactly_as_the_text_says(weights: list[float], own: int | None) -> None:
+    """9.6, "The mean": exact ratios to the reducer's weight over a power of two, or the
+    weights over a power of two after scaling by the largest weight's exponent."""
+    ids = dict(zip(IDS[: len(weights)], weights, strict=True))
+    theirs = list(convex_shares(ids, own=None if own is None else IDS[own]).values())
+    assert theirs == spec_shares(weights, own)
 
 
 # --- a reducer's part ---------------------------------------------------------------------------

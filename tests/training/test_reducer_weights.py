@@ -109,14 +109,27 @@ def test_weights_of_few_significant_bits_have_exact_shares(
 
 
 @pytest.mark.parametrize(
-    "weights", [(1.0, 2.0), (2.0, 1.0), (1.0, 1.0), (1.0, 3.0), (4.0, 7.0)], ids=str
+    "weights",
+    [
+        (1.0, 2.0),
+        (2.0, 1.0),
+        (1.0, 1.0),
+        (1.0, 3.0),
+        (4.0, 7.0),
+        (3.0, 3.0),  # equal weights that are no power of two (a review: 3/8 each rounded)
+        (100.0, 100.0),
+        (0.1, 0.1),
+        (32.0, 48.0),
+    ],
+    ids=str,
 )
 def test_two_integer_weights_give_the_correctly_rounded_mean(weights: tuple[float, ...]) -> None:
     """Where two contributions nearly cancel, the mean is small beside the values; it is
-    still within a float32 rounding of the exact mean, element by element, when our own
-    weight is a power of two (our values scaled by our share exactly): the shares are
-    exact, the multiply-add rounds once and the division by their sum once. (With our own
-    weight 3 or 5, scaling our values rounds, as `3 * x` does in a float32 reference.)"""
+    still within a float32 rounding of the exact mean, element by element, when the other's
+    weight is ours times a ratio float32 holds, or ours is a power of two: our values are
+    scaled by our share exactly, the multiply-add rounds once and the division by the
+    shares' sum once. (Our own weight 3 beside 1, or 5 beside 3, rounds as `3 * x` does in
+    a float32 reference.)"""
     rng = np.random.default_rng(7)
     ours = rng.standard_normal(LENGTH).astype(np.float32)
     w0, w1 = weights
@@ -126,6 +139,32 @@ def test_two_integer_weights_give_the_correctly_rounded_mean(weights: tuple[floa
     reducer.finalize({})
     exact = (w0 * ours.astype(np.float64) + w1 * theirs.astype(np.float64)) / (w0 + w1)
     np.testing.assert_allclose(reducer.mean(), exact, rtol=2**-23, atol=0)
+
+
+@pytest.mark.parametrize(
+    ("weights", "own", "shares"),
+    [
+        ((3.0, 3.0), 0, (0.5, 0.5)),
+        ((3.0, 3.0, 3.0), 1, (0.25, 0.25, 0.25)),
+        ((32.0, 48.0), 0, (0.25, 0.375)),
+        ((1.0, 3.0), 1, (0.25, 0.75)),  # 1/3 is no float32: weights over a power of two
+        ((0.1, 0.05), 0, (0.5, 0.25)),
+    ],
+)
+def test_shares_are_exact_ratios_to_our_own_weight_when_they_can_be(
+    weights: tuple[float, ...], own: int, shares: tuple[float, ...]
+) -> None:
+    assert tuple(convex_shares(dict(enumerate(weights)), own=own).values()) == shares
+
+
+def test_equal_weights_near_float32s_largest_still_average() -> None:
+    """Two values at FLT_MAX, equal weights of 3: shares of 1/2 each, the mean FLT_MAX (with
+    shares of 3/8 each it was refused as an overflow)."""
+    data = [np.full(LENGTH, FLT_MAX, np.float32), np.full(LENGTH, FLT_MAX, np.float32)]
+    reducer, _ = reduce("none", (3.0, 3.0), data)
+    outcome = reducer.finalize({})
+    assert outcome.note == ""
+    np.testing.assert_array_equal(reducer.mean(), data[0])
 
 
 def test_renormalising_after_a_drop_cannot_overflow() -> None:

@@ -14,10 +14,11 @@ Rules (what a reducer promises):
 - Staleness: with ``E`` the largest epoch declared in the group, a sender at epoch ``e``
   is dropped as ``stale`` when ``E - e > max_staleness``, else weighted by
   ``weight * decay ** (E - e)``. Everybody derives this from the same member list.
-- Convex sums: each contribution is added as ``share * values`` (one fused multiply-add),
-  its weight over the smallest power of two at least the total weight of the part's
-  senders (float64, rounded down to a float32 factor in [0, 1]: exact for small integer
-  weights; see ``scans.convex_shares``), so the running sum never exceeds the largest
+- Convex sums: each contribution is added as ``share * values`` (one fused multiply-add;
+  ours scaled in place), the shares float32 factors in [0, 1] summing to at most 1 (exact
+  ratios to our own weight over a power of two when the weights allow, else each weight
+  over a power of two at least the total: ``scans.convex_shares``), so the running sum
+  never exceeds the largest
   ``|value|`` (but by rounding) whatever the weights (any positive finite float64).
   :meth:`PartReducer.finalize` divides by the shares of the senders that counted (no
   division when they sum to exactly 1), which cannot overflow unless
@@ -171,7 +172,7 @@ class PartReducer:
         self._scratch = scratch
         weights = effective_weights(self.members.values(), max_staleness, decay)
         senders = list(senders)
-        shares = convex_shares({p: w for p in senders if (w := weights[p]) is not None})
+        shares = convex_shares({p: w for p in senders if (w := weights[p]) is not None}, own=local)
         self.senders: dict[PeerID, _Sender] = {}
         for peer_id in senders:
             member = self.members[peer_id]

@@ -11,6 +11,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Mapping
+from fractions import Fraction
 from typing import TypeVar
 
 import numpy as np
@@ -84,26 +85,65 @@ def scale_magnitude(dst: Float32Array, src: Float32Array | None, factor: float) 
     return largest
 
 
-def convex_shares(weights: Mapping[K, float]) -> dict[K, float]:
-    """Each weight divided by the smallest power of two at least the total weight, rounded
-    *down* to a float32: the shares sum to at most 1 (and more than 1/2), so a sum of
-    ``share * value`` never exceeds the largest ``|value|`` but by rounding.
+def convex_shares(weights: Mapping[K, float], own: K | None = None) -> dict[K, float]:
+    """Each sender's factor in the reducer's float32 sum: float32 values in [0, 1] that sum
+    to at most 1 (and to about 1/2 or more), so a sum of ``share * value`` never exceeds the
+    largest ``|value|`` but by rounding, whatever the weights (any positive finite float64;
+    a share below float32's smallest subnormal is 0).
 
-    A power of two rather than the total itself: a weight of few significant bits (any
-    integer below 2**24, 0.5, 32.0...) then has an exact share, so ``share * value`` is
-    exact where the weight times the value is, and the reducer's one division by the
-    shares' sum at the end is its only rounding beyond the float32 additions. (Equal
-    weights of 2 or 4 peers have shares of exactly 1/2 or 1/4, summing to 1: no division.)
-    Any positive finite float64 weights: they are scaled by a power of two near the largest
-    first, so the total cannot overflow; a share below float32's smallest subnormal is 0."""
+    The reducer adds the others with a fused multiply-add (exact products) but scales its
+    own values (``own``) in place, which rounds unless its share is a power of two; then it
+    divides by the shares' sum, unless that is 1. So, in order:
+
+    - when every weight is ``own``'s times a float32 ratio exactly (equal weights, 1 and 2,
+      32 and 48, staleness-decayed copies), the ratios over the smallest power of two at
+      least their sum: our share is a power of two, every share exact (equal weights of 2,
+      4, 8 peers: 1/2, 1/4, 1/8, summing to 1);
+    - else each weight over the smallest power of two at least the total (after scaling all
+      by a power of two near the largest): exact for integer weights below 2**24.
+    """
     if not weights:
         return {}
+    if own is not None and weights.get(own, 0.0) > 0:
+        base = Fraction(weights[own])
+        ratios = {key: weight / weights[own] for key, weight in weights.items()}
+        if all(
+            0 < ratio <= FLT_MAX  # (finite: Fraction takes no infinity)
+            and float(np.float32(ratio)) == ratio
+            and Fraction(ratio) == Fraction(weight) / base
+            for ratio, weight in zip(ratios.values(), weights.values(), strict=True)
+        ):
+            exact = _over_power_of_two(ratios, exact_only=True)
+            if exact is not None:
+                return exact
     _, top = math.frexp(max(weights.values()))
     scaled = {key: math.ldexp(weight, -top) for key, weight in weights.items()}  # < 1 each
-    fraction, exponent = math.frexp(math.fsum(scaled.values()))
-    if fraction == 0.5:  # the total is a power of two itself
+    shares = _over_power_of_two(scaled)
+    assert shares is not None
+    return shares
+
+
+def _over_power_of_two(
+    values: Mapping[K, float], exact_only: bool = False
+) -> dict[K, float] | None:
+    """``values`` over the smallest power of two at least their exact sum, each rounded down
+    to a float32; with ``exact_only``, None when any of them rounds."""
+    total = sum(map(Fraction, values.values()), Fraction(0))
+    if total == 0:
+        return dict.fromkeys(values, 0.0)
+    exponent = math.frexp(float(total))[1]
+    while Fraction(2) ** exponent < total:
+        exponent += 1
+    while Fraction(2) ** (exponent - 1) >= total:
         exponent -= 1
-    return {key: float32_below(math.ldexp(value, -exponent)) for key, value in scaled.items()}
+    shares = {}
+    for key, value in values.items():
+        exact = math.ldexp(value, -exponent)
+        share = float32_below(exact)
+        if exact_only and Fraction(share) != Fraction(value) / Fraction(2) ** exponent:
+            return None
+        shares[key] = share
+    return shares
 
 
 def float32_below(value: float) -> float:
