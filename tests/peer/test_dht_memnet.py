@@ -488,6 +488,18 @@ async def test_owner_republishes_to_the_nodes_closest_now(
             nursery.cancel_scope.cancel()
 
 
+REPAIR_DHT = DHTConfig(k=4, value_quorum=4, republish_interval=3600.0)
+"""Every read asks all of the k closest (the holders a repair test plants versions on);
+no republish within a test."""
+
+
+async def by_distance_to(nursery: trio.Nursery, n: int, key: DHTID) -> list[SimPeer]:
+    """``n`` peers with REPAIR_DHT, nearest to ``key`` first."""
+    net = MemoryNetwork(latency=LATENCY)
+    swarm = await start_swarm(nursery, net, n, PeerConfig(dht=REPAIR_DHT))
+    return sorted(swarm, key=lambda sim: sim.peer.dht.node_id.distance(key))
+
+
 async def test_a_read_that_sees_two_versions_repairs_the_holders_of_the_older(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
@@ -495,14 +507,11 @@ async def test_a_read_that_sees_two_versions_repairs_the_holders_of_the_older(
     different versions, until the owners republish; a reader whose holders all held the
     older one read it (an outside trial: 1 read in 200, 400 s after a heal). A read that
     sees both stores the newer on the holders that answered with the older."""
-    net = MemoryNetwork(latency=LATENCY)
-    dht = DHTConfig(k=4, value_quorum=4, republish_interval=3600.0)
-    key = check_key("two-sided")
+    key, k = check_key("two-sided"), REPAIR_DHT.k
     with trio.fail_after(600):
         async with trio.open_nursery() as nursery:
-            swarm = await start_swarm(nursery, net, 16, PeerConfig(dht=dht))
-            by_distance = sorted(swarm, key=lambda sim: sim.peer.dht.node_id.distance(key))
-            closest, reader = by_distance[: dht.k], by_distance[-1]
+            by_distance = await by_distance_to(nursery, 16, key)
+            closest, reader = by_distance[:k], by_distance[-1]
             now = virtual_unix_time()
             older = Entry(None, msgpack.packb("A side"), now + 1000.0)
             newer = Entry(None, msgpack.packb("B side"), now + 2000.0)
@@ -511,12 +520,12 @@ async def test_a_read_that_sees_two_versions_repairs_the_holders_of_the_older(
                 assert storage is not None
                 assert storage.store(key, older if i % 2 else newer, name="two-sided")
             assert await reader.peer.dht.get("two-sided") == "B side"
-            assert reader.peer.dht.stats.repairs == dht.k // 2
+            assert reader.peer.dht.stats.repairs == k // 2
             await trio.sleep(5.0)  # the repairs are sent in the background
             for sim in closest:
                 storage = sim.peer.dht.storage
                 assert storage is not None and storage.get(key)[None] == newer
-            for sim in by_distance[dht.k : -1]:
+            for sim in by_distance[k:-1]:
                 assert await sim.peer.dht.get("two-sided", latest=False) == "B side"
             nursery.cancel_scope.cancel()
 
@@ -527,14 +536,11 @@ async def test_a_repair_of_many_subkeys_goes_a_store_of_64_at_a_time(
     """A holder with older versions of 100 subkeys: one STORE carries at most 64 entries
     (a review found a 100-entry repair raised in the reader's service and took its peer
     down); the next read sends the rest."""
-    net = MemoryNetwork(latency=LATENCY)
-    dht = DHTConfig(k=4, value_quorum=4, republish_interval=3600.0)
     key = check_key("many")
     with trio.fail_after(600):
         async with trio.open_nursery() as nursery:
-            swarm = await start_swarm(nursery, net, 10, PeerConfig(dht=dht))
-            by_distance = sorted(swarm, key=lambda sim: sim.peer.dht.node_id.distance(key))
-            closest, reader = by_distance[: dht.k], by_distance[-1]
+            by_distance = await by_distance_to(nursery, 10, key)
+            closest, reader = by_distance[: REPAIR_DHT.k], by_distance[-1]
             now = virtual_unix_time()
             for i, sim in enumerate(closest):  # the closest holds the older versions
                 storage = sim.peer.dht.storage
