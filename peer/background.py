@@ -48,6 +48,7 @@ __all__ = [
     "BackgroundContext",
     "BackgroundDHT",
     "BackgroundPeer",
+    "PeerThreadError",
     "PeerStoppedError",
     "run_in_background",
 ]
@@ -59,6 +60,11 @@ logger = logging.getLogger(__name__)
 _STILL_UNWINDING = (
     "interrupted: waiting for the call to unwind on the peer's loop (an averaging step "
     "puts your tensors back first); press Ctrl-C once more to stop waiting"
+)
+_ON_PEER_THREAD = (
+    "this blocking call was made on the background peer's own thread (inside a function "
+    "given to node.run or node.run_sync), where it would wait for itself: there, await "
+    "the async peer's methods instead (node.peer.dht.get(...), not node.dht.get(...))"
 )
 _ABANDONED_JOIN_S = 2.0  # how long a stop waits for a loop that a given-up call holds
 _ABANDONED = (
@@ -74,6 +80,7 @@ class BackgroundPeer:
         self._peer = peer
         self._token = token
         self._pid = os.getpid()  # a forked child has a copy of this object, not the thread
+        self._loop_thread = threading.get_ident()  # built on the peer's loop
         self.abandoned_calls = 0  # interrupted calls given up on before they unwound
         self.identity: Identity = peer.identity
         self.peer_id: PeerID = peer.peer_id
@@ -99,7 +106,7 @@ class BackgroundPeer:
 
         Raises:
             PeerStoppedError: if the peer is no longer running, or stops during the call.
-            RuntimeError: if called in a forked child process.
+            RuntimeError: if called in a forked child process, or on the peer's own thread.
             TypeError: if ``async_fn`` is not a function (a coroutine object, say).
             Exception: whatever ``async_fn`` raises.
         """
@@ -149,7 +156,7 @@ class BackgroundPeer:
 
         Raises:
             PeerStoppedError: if the peer is no longer running.
-            RuntimeError: if called in a forked child process.
+            RuntimeError: if called in a forked child process, or on the peer's own thread.
             Exception: whatever ``fn`` raises.
         """
         self._check_process()
@@ -165,6 +172,10 @@ class BackgroundPeer:
                 f"this background peer runs in process {self._pid}, not in this forked child "
                 f"({os.getpid()}): start a peer with run_in_background() in the child"
             )
+        # on the loop a blocking call would wait for itself: trio refuses it with a message
+        # that names neither the peer nor the way out
+        if threading.get_ident() == self._loop_thread:
+            raise PeerThreadError(_ON_PEER_THREAD)
 
     def __repr__(self) -> str:
         return f"<BackgroundPeer {self.address}>"
@@ -176,6 +187,11 @@ class BackgroundPeer:
             "a background peer cannot be sent to another process (it lives on this "
             "process's thread): start one with run_in_background() in that process"
         )
+
+
+class PeerThreadError(RuntimeError):
+    """A blocking call, or the block's exit, tried on the peer's own thread, where it would
+    wait for itself: refused before anything ran or stopped."""
 
 
 class _LeftAtOnce(Exception):
@@ -412,12 +428,17 @@ class BackgroundContext:
         exception (Ctrl-C) stops it at once.
 
         Raises:
+            RuntimeError: if called on the peer's own thread (the peer keeps running).
             Exception: what crashed the peer's loop while the block ran (when the block
                 itself raised nothing).
         """
         stop, self._stop = self._stop, None
         if stop is not None:
-            stop(exc_type is None)
+            try:
+                stop(exc_type is None)
+            except PeerThreadError:
+                self._stop = stop  # nothing stopped: an exit from another thread still can
+                raise
 
     def __getattr__(self, name: str) -> Any:
         # node = run_in_background(...); node.dht.store(...): the `with` was forgotten
@@ -531,6 +552,12 @@ def _start_in_background(
             pending.pop()()
 
     def leave(raise_failure: bool) -> None:
+        if threading.current_thread() is thread:  # its join would wait for itself
+            raise PeerThreadError(
+                "a run_in_background() block cannot be left from the peer's own thread "
+                "(inside a function given to node.run or node.run_sync): leave it from "
+                "the thread that entered it, or any other"
+            )
         atexit.unregister(at_exit)
         if pending and not sys.is_finalizing():  # else an exit hook already stopped it
             pending.pop()(now=not raise_failure)

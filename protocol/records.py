@@ -193,8 +193,23 @@ def owner_of(subkey: Subkey) -> PeerID | None:
 _OWNER_MARK = "[owner:"
 
 
-def owned_key(name: str, owner: PeerID) -> str:
-    """The key ``name`` marked as owned by ``owner``: only ``owner`` may write under it."""
+def owned_key(name: str, owner: PeerID | str) -> str:
+    """The key ``name`` marked as owned by ``owner``: only ``owner`` may write under it.
+
+    ``owner`` is a PeerID or its canonical base58 text. Anything else is refused: a key
+    marked with text that is no PeerID would be owned by nobody, open to every writer.
+
+    Raises:
+        TypeError: if ``owner`` is neither (raw bytes, say). ValueError: if it is text
+            that is not a canonical base58 PeerID.
+    """
+    if isinstance(owner, str):
+        if owner_of(owner) is None:
+            raise ValueError(f"owned_key: {owner!r} is not a PeerID's canonical base58 text")
+    elif not isinstance(owner, PeerID):
+        raise TypeError(
+            f"owned_key takes the owner's PeerID (node.peer_id), not a {type(owner).__name__}"
+        )
     return f"{name}{_OWNER_MARK}{owner}]"
 
 

@@ -186,6 +186,33 @@ def test_a_block_runs_once() -> None:
         pass
 
 
+def test_blocking_calls_and_the_exit_on_the_peers_own_thread_say_so() -> None:
+    """Code given to node.run/run_sync runs on the peer's loop: a blocking call there would
+    wait for itself, and the exit's join too. Each is refused with a message that says
+    where it was made; a refused exit leaves the block to a later one, which stops the peer
+    (it went on serving, unnoticed, once)."""
+    before = set(threading.enumerate())
+    block = peer.run_in_background()
+    node = block.__enter__()
+    try:
+        with pytest.raises(peer.background.PeerThreadError, match="peer's own thread"):
+            node.run_sync(node.dht.get, "k")
+
+        async def blocking_inside() -> Any:
+            return node.dht.store("k", 1)
+
+        with pytest.raises(RuntimeError, match=r"node\.peer\.dht"):
+            node.run(blocking_inside)
+        with pytest.raises(RuntimeError, match="cannot be left from the peer's own thread"):
+            node.run_sync(block.__exit__, None, None, None)
+        assert node.dht.store("k", 1)  # still running, and usable from here
+    finally:
+        block.__exit__(None, None, None)
+    assert set(threading.enumerate()) <= before  # the peer's thread is joined
+    with pytest.raises(peer.PeerStoppedError):
+        node.dht.get("k")
+
+
 def test_ctrl_c_during_a_blocking_call_cancels_it_on_the_loop() -> None:
     # SIGINT while the caller blocks in node.run(): the call is cancelled on the loop (not
     # left running), KeyboardInterrupt reaches the caller, and the peer still serves calls.

@@ -79,6 +79,23 @@ def test_owned_keys() -> None:
     assert key_owner(f"run1/state[owner:{str(ALICE.peer_id)[:-1]}]") is None
     assert key_owner("[owner:]") is None
     assert key_owner(f"[owner:x][owner:{BOB.peer_id}]") == BOB.peer_id  # the last mark
+    assert owned_key("run1/state", str(ALICE.peer_id)) == key  # its base58 text
+
+
+@pytest.mark.parametrize(
+    ("owner", "error"),
+    [
+        (ALICE.peer_id.raw, TypeError),  # the raw bytes: a key nobody owns, open to all
+        (None, TypeError),
+        ("not-a-peer-id", ValueError),
+        (str(ALICE.peer_id)[:-1], ValueError),  # a mistyped id
+    ],
+)
+def test_an_owned_key_for_something_that_is_no_peer_id_is_refused(
+    owner: object, error: type[Exception]
+) -> None:
+    with pytest.raises(error, match="owned_key"):
+        owned_key("run1/state", owner)  # type: ignore[arg-type]
 
 
 def test_owned_key_entries_must_be_signed_by_the_owner() -> None:
