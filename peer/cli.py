@@ -15,11 +15,13 @@ a shell script, ``nohup``) stays ignored.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import ipaddress
 import json
 import logging
 import math
 import os
+import re
 import signal
 import sys
 from collections.abc import Callable, Iterator, Sequence
@@ -171,6 +173,29 @@ def _host(text: str) -> str:
     return host
 
 
+_HOST_LABEL = re.compile(r"(?!-)[A-Za-z0-9_-]{1,63}(?<!-)")
+
+
+def _check_host_name(text: str, host: str) -> None:
+    """Refuse what the wire's Address lets through (a resolver on some peer may know it)
+    but no peer's resolver looks up: an IP with a final dot, a label that starts or ends
+    with a hyphen, other characters than letters, digits, ``-`` and ``_``."""
+    name = host.encode("idna").decode("ascii") if not host.isascii() else host
+    if name.endswith("."):
+        with contextlib.suppress(ValueError):
+            ipaddress.IPv4Address(name[:-1])
+            raise argparse.ArgumentTypeError(
+                f"{text!r} is an IP address with a final dot, which resolvers do not look "
+                f"up: give {name[:-1]}"
+            )
+        name = name[:-1]
+    if not all(_HOST_LABEL.fullmatch(label) for label in name.split(".")):
+        raise argparse.ArgumentTypeError(
+            f"host {text!r} is not a valid host name (letters, digits, '-' and '_' in each "
+            "dot-separated label, which neither starts nor ends with '-')"
+        )
+
+
 def _announce_host(text: str) -> str:
     """A host other peers can dial (not ``0.0.0.0``, ``::``, broadcast or multicast)."""
     from protocol.address import Address  # lazily, as the rest: --help stays instant
@@ -181,6 +206,8 @@ def _announce_host(text: str) -> str:
         dialable = Address(host, 1).dialable
     except AddressError as exc:
         raise argparse.ArgumentTypeError(str(exc)) from None
+    if ":" not in host:
+        _check_host_name(text, host)
     if not dialable:
         raise argparse.ArgumentTypeError(
             f"{text!r} is not an address peers can dial: give this machine's public IP or DNS name"
@@ -255,7 +282,8 @@ def _parser() -> argparse.ArgumentParser:
         parents=[common],
         help="list the peers reachable through the DHT",
         description="Join as a client, walk the DHT and list every peer that answered. "
-        "Exit code 0 when at least one peer answered, 1 otherwise.",
+        "Exit code 0 when at least one peer answered and the walk ended within --timeout; "
+        "1 otherwise (a walk cut short still prints the peers found by then).",
     )
     status.add_argument(
         "--initial-peers",

@@ -299,7 +299,11 @@ def _read_seed(path: Path) -> bytes:
         os.close(fd)
     if len(data) != _SEED_LENGTH:
         size = len(data) if len(data) < _SEED_LENGTH else max(len(data), info.st_size)
-        raise IdentityFileError(f"identity file {path} holds {size} bytes, expected {_SEED_LENGTH}")
+        raise IdentityFileError(
+            f"identity file {path} holds {size} bytes, expected {_SEED_LENGTH}: the raw Ed25519 "
+            "seed that swarm writes there when the file does not exist (not a PEM, OpenSSH "
+            "or hex key)"
+        )
     return data
 
 

@@ -337,15 +337,30 @@ def test_an_unknown_flag_shows_its_commands_usage(
     assert "unrecognized arguments: --bogus x" in err
 
 
-@pytest.mark.parametrize("given", ["x..y", "a/b", "a" * 64])
+@pytest.mark.parametrize("given", ["x..y", "a/b", "a" * 64, "-foo", "foo-.org", "a!b"])
 def test_bootstrap_refuses_an_announce_host_with_a_bad_name_in_one_line(
     given: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Was "invalid _announce_host value" (the parser's function name), and ``x..y`` was
     announced, which other nodes then failed to dial."""
     with pytest.raises(SystemExit) as exit_:
-        _parser().parse_args(["bootstrap", "--announce-host", given])
+        _parser().parse_args(["bootstrap", f"--announce-host={given}"])
     assert exit_.value.code == 2
     last = capsys.readouterr().err.splitlines()[-1]
     assert last.startswith("swarm bootstrap: error: argument --announce-host: host ")
     assert "_announce_host" not in last
+
+
+def test_bootstrap_refuses_to_announce_an_ip_with_a_final_dot(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """No resolver looks "127.0.0.1." up: the printed address was one nobody could dial."""
+    with pytest.raises(SystemExit) as exit_:
+        _parser().parse_args(["bootstrap", "--announce-host", "203.0.113.7."])
+    assert exit_.value.code == 2
+    assert capsys.readouterr().err.splitlines()[-1].endswith("give 203.0.113.7")
+
+
+@pytest.mark.parametrize("given", ["a_b.example.org", "example.org.", "bücher.de", "x-1.y"])
+def test_bootstrap_announces_the_host_names_resolvers_take(given: str) -> None:
+    assert _parser().parse_args(["bootstrap", "--announce-host", given]).announce_host == given
