@@ -39,6 +39,7 @@ logger = logging.getLogger("peer.cli")
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 BOOTSTRAP_STORED_BYTES = 8 << 20
 BOOTSTRAP_POOL_BYTES = 4 << 20
+BOOTSTRAP_RECEIVE_BYTES = 8 << 20  # large frames on their way in (DHT messages are small)
 _WILDCARD_HOSTS = {"0.0.0.0": "127.0.0.1", "::": "::1"}  # listen on all -> announce loopback
 
 
@@ -395,14 +396,19 @@ async def _bootstrap(args: argparse.Namespace, stop: _SignalStop) -> int:
 
     from .contacts import contacts_file, keep_contacts, load_contacts
     from .dht import DHTConfig
+    from .host_config import HostConfig
     from .node import PeerConfig, open_peer
     from .wire import FRAME_POOL
 
-    # A bootstrap node stays small whatever peers send it (under 60 MiB): it keeps at most
-    # 8 MiB of others' records (about 16k small ones, counting each entry's overhead) and
-    # 4 MiB of large frame buffers for reuse, where a volunteer keeps 256 MiB and 96 MiB.
+    # A bootstrap node stays small whatever peers send it: it keeps at most 8 MiB of
+    # others' records (about 16k small ones, counting each entry's overhead), 4 MiB of large
+    # frame buffers for reuse and 8 MiB of large frames on their way in, where a volunteer
+    # keeps 256 MiB, 96 MiB and 256 MiB.
     FRAME_POOL.limit = BOOTSTRAP_POOL_BYTES
-    config = PeerConfig(dht=DHTConfig(max_stored_bytes=BOOTSTRAP_STORED_BYTES))
+    config = PeerConfig(
+        host=HostConfig(receive_budget=BOOTSTRAP_RECEIVE_BYTES),
+        dht=DHTConfig(max_stored_bytes=BOOTSTRAP_STORED_BYTES),
+    )
     try:
         listen = Address(args.host, args.port).hostport  # brackets an IPv6 host
         initial_peers = _unique_peers(args.initial_peers or [])  # each once, however often given

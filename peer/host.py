@@ -67,6 +67,7 @@ from .errors import (
 from .host_config import HostConfig
 from .network import Network, TcpNetwork, open_files_limit, remote_host_of
 from .ratelimit import HostRateLimiter
+from .receive_budget import ReceiveBudget
 from .remote_hosts import host_group, is_loopback_host
 from .rpc import (
     ConnectionClosedError,
@@ -121,6 +122,7 @@ class RpcHost:
         self.peer_id: PeerID = identity.peer_id
         self.config = config
         self.network = network
+        self._receive_budget = ReceiveBudget(config.receive_budget, config.receive_stall_timeout)
         if config.max_inflight_requests < MAX_INFLIGHT_REQUESTS:
             logger.warning(
                 "HostConfig.max_inflight_requests is %d: peers may keep %d requests in flight "
@@ -503,6 +505,7 @@ class RpcHost:
             max_inflight_requests=config.max_inflight_requests,
             idle_timeout=config.idle_timeout,
             silence_timeout=config.silence_timeout,
+            receive_budget=self._receive_budget,
         )
         peer_id = connection.peer_id
         self.connections_opened += 1

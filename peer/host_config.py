@@ -57,6 +57,14 @@ class HostConfig:
     for about 15 minutes, every call meanwhile timing out."""
     dial_timeout: float = 10.0
     """Connect plus handshake, for outbound connections."""
+    receive_budget: int = 256 << 20
+    """Bytes of large frames (64 KiB or more) being received at once, all connections
+    together; a frame that does not fit waits for room, its peer not read meanwhile (see
+    ``peer.receive_budget``). It bounds what peers that announce large frames and send part
+    of each can make us hold."""
+    receive_stall_timeout: float = 10.0
+    """A large frame that received nothing for this long is cut off (its connection closed)
+    when another frame waits for room in ``receive_budget``."""
     drain_timeout: float = 3.0
     """On a clean exit: how long connections may go on answering and writing what they
     queued (a result stream's last chunks) before they are closed."""
@@ -67,9 +75,10 @@ class HostConfig:
             "max_connections",
             "max_connections_per_ip",
             "max_inflight_requests",
+            "receive_budget",
         ):
             self._check_at_least_one(name)
-        for name in ("handshake_timeout", "idle_timeout", "dial_timeout"):
+        for name in ("handshake_timeout", "idle_timeout", "dial_timeout", "receive_stall_timeout"):
             value = getattr(self, name)
             if not value > 0:  # NaN too; math.inf: never
                 raise ValueError(f"HostConfig.{name} must be positive seconds, got {value!r}")

@@ -257,11 +257,12 @@ class SecureStream(trio.abc.Stream):
         finally:
             self._receiving = False
 
-    async def wait_buffered(self, nbytes: int) -> None:
+    async def wait_buffered(self, nbytes: int, on_data: Callable[[], None] | None = None) -> None:
         """Wait until ``nbytes`` have arrived that no ``receive_into`` took yet (sealed or
         not; a sealed message counts its 18 bytes of overhead too), or the stream ended.
         A reader calls it before allocating a large buffer for data announced but not yet
-        sent: memory then follows what the peer actually sent.
+        sent: memory then follows what the peer actually sent. ``on_data`` is called each
+        time bytes arrive.
 
         Raises:
             trio.BrokenResourceError: if the connection failed or ended inside a message.
@@ -276,6 +277,8 @@ class SecureStream(trio.abc.Stream):
                 if self._closed:
                     raise trio.ClosedResourceError("stream closed")
                 await self._fill()
+                if on_data is not None:
+                    on_data()
         finally:
             self._receiving = False
 

@@ -10,13 +10,14 @@ from __future__ import annotations
 
 import sys
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import trio
 
 from protocol.errors import RemoteProtocolError
 from protocol.framing import HEADER
 
+from .receive_budget import ReceiveBudget
 from .secure import RECEIVE_SIZE, SEAL_SLICE, SecureStream
 
 __all__ = [
@@ -376,10 +377,15 @@ twice (the byte counts are only approximate then)."""
 
 
 class FrameReader:
-    """Whole frames from a stream, each in its own buffer (large ones from ``pool``)."""
+    """Whole frames from a stream, each in its own buffer (large ones from ``pool``, and
+    within ``budget`` while they arrive)."""
 
     def __init__(
-        self, stream: trio.abc.Stream, max_frame_size: int, pool: FramePool = FRAME_POOL
+        self,
+        stream: trio.abc.Stream,
+        max_frame_size: int,
+        pool: FramePool = FRAME_POOL,
+        budget: ReceiveBudget | None = None,
     ) -> None:
         self.max_frame_size = max_frame_size
         self._receive_into = (
@@ -390,12 +396,14 @@ class FrameReader:
         self._wait_buffered = stream.wait_buffered if isinstance(stream, SecureStream) else None
         self._head = bytearray(HEADER.size)
         self._pool = pool
+        self._budget = budget
 
     async def next_frame(self) -> memoryview | None:
         """The next frame's content, or None at a clean end of stream.
 
         Raises:
-            RemoteProtocolError: for a frame over ``max_frame_size`` or a truncated frame.
+            RemoteProtocolError: for a frame over ``max_frame_size`` or a truncated frame,
+                or one cut off by the budget (it stalled while other frames waited).
             trio.BrokenResourceError: if the stream failed.
         """
         if not await self._fill(memoryview(self._head), at_boundary=True):
@@ -405,15 +413,36 @@ class FrameReader:
             raise RemoteProtocolError(
                 f"peer sent a frame of {length} bytes; the maximum is {self.max_frame_size}"
             )
+        budget = self._budget
+        if length < _POOL_MIN or budget is None:
+            return await self._body(length, None)
+        hold = await budget.acquire(length)
+        try:
+            with hold.scope:
+                return await self._body(length, hold.progressed)
+            raise RemoteProtocolError(
+                f"a frame of {length} bytes stalled (nothing for {budget.stall_timeout:g} s) "
+                "while other frames waited for the receive budget"
+            )
+        finally:
+            budget.release(hold)
+
+    async def _body(self, length: int, progressed: Callable[[], None] | None) -> memoryview:
         if length >= _POOL_MIN and self._wait_buffered is not None:
             # Allocate once half of it is here: a peer that announces 4 MiB frames and
             # sends nothing more would otherwise make each connection hold 4 MiB.
-            await self._wait_buffered(length // 2)
+            await self._wait_buffered(length // 2, progressed)
         frame = self._pool.get(length)
-        await self._fill(frame, at_boundary=False)
+        await self._fill(frame, at_boundary=False, progressed=progressed)
         return frame
 
-    async def _fill(self, target: memoryview, *, at_boundary: bool) -> bool:
+    async def _fill(
+        self,
+        target: memoryview,
+        *,
+        at_boundary: bool,
+        progressed: Callable[[], None] | None = None,
+    ) -> bool:
         filled = 0
         while filled < len(target):
             n = await self._receive_into(target[filled:])
@@ -422,4 +451,6 @@ class FrameReader:
                     return False
                 raise RemoteProtocolError("stream ended inside a frame (truncated frame)")
             filled += n
+            if progressed is not None:
+                progressed()
         return True
