@@ -10,6 +10,7 @@ peer::
         ...
     net.partition(["10.0.0.1"], ["10.0.0.2", "10.0.0.3"])   # cross-group streams break
     net.kill_host("10.0.0.2")                                # listener gone, streams break
+    net.drop_connections("10.0.0.3")                         # its streams reset, dials work
 
 Rules:
 
@@ -305,6 +306,17 @@ class MemoryNetwork:
     def heal(self) -> None:
         """Undo :meth:`partition`."""
         self._groups = {}
+
+    def drop_connections(self, host: str, other: str | None = None) -> int:
+        """Reset every open connection of ``host`` (only those with ``other``, when given),
+        as a NAT that forgets its mappings or a flaky link does; new dials go through.
+        Returns how many were reset."""
+        dropped = 0
+        for conn in list(self._connections):
+            if host in conn.hosts and (other is None or other in conn.hosts) and not conn.finished:
+                self._break(conn, f"connection of {host} dropped")
+                dropped += 1
+        return dropped
 
     def kill_host(self, host: str) -> None:
         """Crash ``host``: its listeners vanish, its streams break, it cannot dial or be dialed."""

@@ -27,10 +27,12 @@ logger = logging.getLogger(__name__)
 
 _RECONTACTS_PER_REFRESH = 8  # departed contacts a refresh pings (see Upkeep.refresh)
 # A contact that left the table is pinged again this long after, then 4x as long after
-# each silence, until the next delay would pass refresh_interval (refreshes take over):
-# 5 pings in 10 minutes (see Upkeep.recontact_soon)
+# each silence up to once a minute, for half an hour (refreshes take over then): 32 pings
+# for a peer that is really gone (see Upkeep.recontact_soon)
 _RECONTACT_FIRST = 2.0
 _RECONTACT_GROWTH = 4.0
+_RECONTACT_MAX_DELAY = 60.0
+_RECONTACT_FOR = 1800.0
 _RECONTACTS_AT_ONCE = 8
 
 
@@ -39,42 +41,45 @@ class Upkeep:
 
     def __init__(self, dht: DHT) -> None:
         self._dht = dht
-        # departed contact -> (when to ping it next, the delay after that, the contact);
-        # see recontact_soon
-        self._recontacts: dict[PeerID, tuple[float, float, NodeInfo]] = {}
+        # departed contact -> (when to ping it next, the delay after that, the contact,
+        # when it left); see recontact_soon
+        self._recontacts: dict[PeerID, tuple[float, float, NodeInfo, float]] = {}
         self._recontact_added = trio.Event()
 
     def on_departed(self, node: NodeInfo) -> None:
         """``node`` left the routing table: ping it again soon (see :meth:`recontact_soon`)."""
         self._recontacts.pop(node.peer_id, None)  # (newest last: the oldest go first)
-        due = trio.current_time() + _RECONTACT_FIRST
-        self._recontacts[node.peer_id] = (due, _RECONTACT_FIRST * _RECONTACT_GROWTH, node)
+        now = trio.current_time()
+        delay = _RECONTACT_FIRST * _RECONTACT_GROWTH
+        self._recontacts[node.peer_id] = (now + _RECONTACT_FIRST, delay, node, now)
         while len(self._recontacts) > DEPARTED_MEMORY:
             del self._recontacts[next(iter(self._recontacts))]
         self._recontact_added.set()
 
     async def recontact_soon(self) -> None:
-        """Ping each contact that left the table 2 s after it left, then 8, 32, 128 and
-        512 s after each silence (while the delay stays within ``refresh_interval``): one
-        that answers comes back (and learns us). After a partition heals, both sides had
-        dropped each other and met again only at the next refresh, up to 10 minutes later:
-        averaging stayed split that long (tests/training/test_averaging_bad_networks.py).
-        A peer that is really gone costs 5 failed pings (a refused dial, or a timeout
-        outside the request slots)."""
+        """Ping each contact that left the table 2 s after it left, then 8 and 32 s after
+        each silence, then every 60 s, for 30 minutes: one that answers comes back (and
+        learns us). After a partition heals, both sides had dropped each other and met
+        again only at the next refresh, up to 10 minutes later: averaging stayed split that
+        long (tests/training/test_averaging_bad_networks.py). With pings only 2, 10, 42,
+        170 and 682 s after a contact left, 30 peers split for 5 minutes stayed split for
+        4 minutes after the heal. A peer that is really gone costs 32 failed pings (a refused
+        dial, or a timeout outside the request slots), about one a minute."""
         while True:
-            first = min((due for due, _, _ in self._recontacts.values()), default=math.inf)
+            first = min((due for due, _, _, _ in self._recontacts.values()), default=math.inf)
             with trio.move_on_at(first):
                 await self._recontact_added.wait()
             self._recontact_added = trio.Event()
             now = trio.current_time()
-            due = [p for p, (when, _, _) in self._recontacts.items() if when <= now]
+            due = [p for p, (when, _, _, _) in self._recontacts.items() if when <= now]
             async with trio.open_nursery() as nursery:
                 for peer_id in due[:_RECONTACTS_AT_ONCE]:
-                    _, delay, node = self._recontacts.pop(peer_id)
+                    _, delay, node, left = self._recontacts.pop(peer_id)
                     if not self._dht.table.has_departed(peer_id):
                         continue  # back already, or forgotten
-                    if delay <= self._dht.config.refresh_interval:
-                        self._recontacts[peer_id] = (now + delay, delay * _RECONTACT_GROWTH, node)
+                    if now + delay <= left + _RECONTACT_FOR:
+                        after = min(delay * _RECONTACT_GROWTH, _RECONTACT_MAX_DELAY)
+                        self._recontacts[peer_id] = (now + delay, after, node, left)
                     nursery.start_soon(partial(self._dht.protocol.ping, take_slot=False), node)
 
     async def _recontact_departed(self) -> None:

@@ -26,10 +26,11 @@ async def test_recontact_pings_under_churn_of_hundreds_stay_bounded(
 ) -> None:
     """300 contacts leave the table at once (a crash of a third of a large swarm), at a
     host that swallows every packet (each ping costs a full request timeout). The
-    re-contact pings (docs: 2, 10, 42, 170, 682 s after leaving, 8 at once) stay 8 at
-    once, at most 5 per contact, for at most DEPARTED_MEMORY contacts, and end."""
+    re-contact pings (docs: 2, 10 and 42 s after leaving, then every minute for half an
+    hour, 8 at once) stay 8 at once, at most 32 per contact, for at most DEPARTED_MEMORY
+    contacts, and end."""
     net = MemoryNetwork(latency=0.01)
-    with trio.fail_after(2000):
+    with trio.fail_after(2400):
         async with AsyncExitStack() as stack:
             victim = await stack.enter_async_context(
                 open_peer("10.0.0.1:0", network=net.interface("10.0.0.1"))
@@ -63,9 +64,9 @@ async def test_recontact_pings_under_churn_of_hundreds_stay_bounded(
                 dht.table.update(node, trio.current_time())
                 dht.table.remove(node.peer_id)
             assert len(dht._upkeep._recontacts) <= DEPARTED_MEMORY
-            await trio.sleep(1500)
+            await trio.sleep(1900)
             assert most[0] <= 8, most
-            assert per_node and max(per_node.values()) <= 5, per_node
+            assert per_node and max(per_node.values()) <= 32, per_node
             assert len(per_node) <= DEPARTED_MEMORY
             assert not dht._upkeep._recontacts
 

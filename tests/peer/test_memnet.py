@@ -149,6 +149,29 @@ async def test_kill_host(autojump_clock: trio.testing.MockClock) -> None:
             nursery.cancel_scope.cancel()
 
 
+async def test_drop_connections_resets_streams_and_lets_new_dials_through(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    net = MemoryNetwork()
+    a, b, c = net.interface("a"), net.interface("b"), net.interface("c")
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            port = await nursery.start(a.serve, "a", 0, _echo)
+            from_b, from_c = await b.connect("a", port), await c.connect("a", port)
+            assert net.drop_connections("a", "b") == 1  # only a's connection with b
+            with pytest.raises(trio.BrokenResourceError):
+                await from_b.receive_some()
+            await from_c.send_all(b"c")
+            assert await _receive_exactly(from_c, 1) == b"c"
+            assert net.drop_connections("a") == 1  # every one of a's (c's is left)
+            with pytest.raises(trio.BrokenResourceError):
+                await from_c.send_all(b"c")
+            again = await b.connect("a", port)  # a new dial goes through
+            await again.send_all(b"hi")
+            assert await _receive_exactly(again, 2) == b"hi"
+            nursery.cancel_scope.cancel()
+
+
 async def test_freeze_stalls_delivery(autojump_clock: trio.testing.MockClock) -> None:
     net = MemoryNetwork(latency=0.1)
     a, b = net.interface("a"), net.interface("b")

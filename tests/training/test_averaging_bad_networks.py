@@ -472,6 +472,29 @@ async def test_next_round_after_a_partition_heals_averages_everybody(
             assert fully_averaged(infos, 4), describe(members, infos)
 
 
+async def test_everybody_averages_together_within_a_minute_of_a_long_partitions_heal(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """After a 200 s split each side had stopped pinging the other's dropped contacts (they
+    were pinged 2, 10, 42, 170 and 682 s after they left): a trial's 3 + 3 averagers met
+    again 50-110 s after the heal, 30 DHT peers 4 minutes after. They are now pinged every
+    minute for half an hour."""
+    with trio.fail_after(600):
+        async with bad_swarm(4) as (net, nodes):
+            members = make_members(nodes, SIZE, fast_config(max_inflight=3))
+            net.partition(hosts([0, 1]), hosts([2, 3]))
+            split_at = trio.current_time()
+            await one_round(members)
+            await trio.sleep(split_at + 200.0 - trio.current_time())
+            net.heal()
+            healed_at = trio.current_time()
+            while True:
+                infos, _ = await one_round(members)
+                if fully_averaged(infos, 4):
+                    break
+                assert trio.current_time() - healed_at < 75.0, describe(members, infos)
+
+
 # -- slow and one-way links ------------------------------------------------------------------
 
 
