@@ -25,6 +25,9 @@ async def test_a_loop_that_stood_still_is_measured(
         watch.stop()
     assert 7.0 - PERIOD <= watch.longest <= 7.0
     assert watch.note(1.0).startswith(f"this process stood still for {watch.longest:.1f} s")
+    assert "members dropped" in watch.note(1.0)
+    # nobody was dropped: nothing to explain (a tester read the sentence with dropped={})
+    assert watch.note(1.0, dropped=False).endswith("holding Python's GIL)")
     assert watch.note(8.0) == ""
 
 

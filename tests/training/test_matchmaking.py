@@ -30,8 +30,9 @@ from protocol.address import Address
 from training import Averager, AveragerConfig, AveragingInfo, LayoutMismatchError, Outcome
 from training.averaging.arguments import check_prefix
 from training.averaging.grouping import Declaration, rank_key, round_closing_after, round_key
-from training.averaging.matchmaking import MAX_FOREIGN_LAYOUTS
+from training.averaging.matchmaking import MAX_FOREIGN_LAYOUTS, _with_refused
 from training.averaging.messages import method_prefix
+from training.averaging.round_state import MatchResult
 
 
 async def test_peers_arriving_within_half_a_window_meet(
@@ -642,3 +643,19 @@ async def step_averagers(averagers: list[Averager], timeout: float) -> list[Aver
         for i in range(len(averagers)):
             nursery.start_soon(one, i)
     return [infos[i] for i in range(len(averagers))]
+
+
+def test_a_step_alone_after_a_round_that_left_it_out_still_says_why() -> None:
+    """A benched peer tried the next round, found nobody there, and was told only "nobody
+    declared in this round; peers meet only with the same prefix and gather_window": a
+    hint at a mismatch it did not have (an outside tester)."""
+    left_out = MatchResult(
+        7, None, None, 4, note="the leader left us out: it benched us: garbage", retry=True
+    )
+    alone = MatchResult(8, None, None, 1, note="no partner (nobody declared)", alone=True)
+    assert _with_refused(alone, left_out).note == (
+        "no partner (nobody declared); before that, round 7: the leader left us out: it "
+        "benched us: garbage"
+    )
+    assert _with_refused(left_out, left_out) is left_out  # its own round: said already
+    assert _with_refused(alone, None) is alone

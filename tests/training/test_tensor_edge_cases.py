@@ -161,8 +161,18 @@ def _inference_tensor() -> torch.Tensor:
         (lambda: np.zeros(6, dtype=np.float32)[::-2], ValueError, r"tensor 1 .*negative"),
         (lambda: np.zeros(3, dtype=np.longdouble), TypeError, r"tensor 1 \(a numpy array"),
         (lambda: torch.nn.BatchNorm1d(2).num_batches_tracked, TypeError, "num_batches_tracked"),
+        # numpy's own name for the dtype it was given (not torch.int32)
+        (lambda: np.zeros(3, dtype=np.int32), TypeError, "tensor 1 has dtype int32: only"),
     ],
-    ids=["inference", "neg-view", "big-endian", "negative-strides", "longdouble", "int64"],
+    ids=[
+        "inference",
+        "neg-view",
+        "big-endian",
+        "negative-strides",
+        "longdouble",
+        "int64",
+        "np-int32",
+    ],
 )
 async def test_tensors_that_cannot_be_averaged_in_place_are_refused_naming_them(
     autojump_clock: trio.testing.MockClock,

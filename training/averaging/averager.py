@@ -551,11 +551,12 @@ class Averager:
                 feedback.finish(butterfly.counted)
             allreduce_s = trio.current_time() - t1  # not the DHT store's wait, if longer
         self._bench_garbage(conf.round, match.leader, parts, liveness)
+        dropped = merge_dropped(parts)
+        stall = watch.note(self.config.stall_timeout / 2, dropped=bool(dropped))
         return AveragingInfo(
             outcome_of(parts, self.flat.total), conf.round, plan.group, match.leader, parts,
             self.flat.total, epoch=plan.max_epoch, matchmaking_s=t1 - t0,
-            allreduce_s=allreduce_s, dropped=merge_dropped(parts),
-            note=_sentences(match.note, watch.note(self.config.stall_timeout / 2)),
+            allreduce_s=allreduce_s, dropped=dropped, note=_sentences(match.note, stall),
         )  # fmt: skip
 
     def _bench_garbage(

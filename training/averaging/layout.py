@@ -137,9 +137,8 @@ def as_tensors(tensors: Iterable[Any]) -> list[torch.Tensor]:
             raise TypeError(f"tensor {i} is a {type(item).__name__}, not a torch tensor or array")
         if not tensor.is_floating_point():
             hint = "" if tensor.is_complex() else _INTEGER_HINT
-            raise TypeError(
-                f"tensor {i} has dtype {tensor.dtype}: only floating tensors average{hint}"
-            )
+            dtype = item.dtype if isinstance(item, np.ndarray) else tensor.dtype  # as given
+            raise TypeError(f"tensor {i} has dtype {dtype}: only floating tensors average{hint}")
         if tensor.is_inference():  # its first in-place write would raise, mid-round
             raise ValueError(
                 f"tensor {i} is an inference tensor (made under torch.inference_mode()): it "

@@ -34,9 +34,10 @@ class LoopWatch:
     def stop(self) -> None:
         self._scope.cancel()
 
-    def note(self, threshold: float) -> str:
+    def note(self, threshold: float, dropped: bool = True) -> str:
         """A sentence for the report when the loop stood still ``threshold`` seconds or
-        more (empty otherwise)."""
+        more (empty otherwise); ``dropped``: members were dropped in the all-reduce (what
+        the stall may explain)."""
         if self.longest < threshold:
             return ""
         why = "suspended, starved of CPU, or another thread holding Python's GIL"
@@ -46,8 +47,10 @@ class LoopWatch:
                 f"({why}): the others may have formed their groups, or given up on us, "
                 "meanwhile"
             )
+        stood = f"this process stood still for {self.longest:.1f} s during {self.phase} ({why})"
+        if not dropped:
+            return stood
         return (
-            f"this process stood still for {self.longest:.1f} s during {self.phase} "
-            f"({why}): the members dropped in this round may have been alive, waiting "
-            "for us or gone on without us"
+            f"{stood}: the members dropped in this round may have been alive, waiting for "
+            "us or gone on without us"
         )

@@ -170,6 +170,7 @@ class Matchmaker(Confirmation):
         lone_retry = True
         strangers: MatchResult | None = None  # a lone round with peers of another layout
         missed: MatchResult | None = None  # a lone round whose others had not waited for us
+        refused: MatchResult | None = None  # a round with a group that did not take us
         while True:
             number = max(await self._choose_round(deadline), earliest)
             earliest = number + 1
@@ -210,8 +211,12 @@ class Matchmaker(Confirmation):
                 strangers = result
             if result.late:
                 missed = result
+            if result.confirmation is None and not result.alone and result.note:
+                refused = result
             if not retry or deadline - trio.current_time() < 2 * window:
-                return _with_missed(_with_strangers(result, strangers), missed)
+                return _with_refused(
+                    _with_missed(_with_strangers(result, strangers), missed), refused
+                )
             await self.withdraw(number, min(deadline, trio.current_time() + window / 4))
 
     def _others_recently(self) -> bool:
@@ -419,8 +424,9 @@ class Matchmaker(Confirmation):
         if new:  # a split swarm averages less: say so, once
             self._foreign.update(new)
             logger.warning(
-                "peers under %r average another tensor layout, codec, group_size or staleness "
-                "rule, in groups of their own (ours: %s; theirs: %s%s)",
+                "peers under %r declared another tensor layout, codec, group_size or "
+                "staleness rule: they cannot average with us, only among themselves, if "
+                "several (ours: %s; theirs: %s%s)",
                 self.prefix, me.describe_layout(), foreign,
                 f"; {_OTHER_VERSION}" if other_version else "",
             )  # fmt: skip
@@ -504,6 +510,18 @@ def _with_missed(result: MatchResult, missed: MatchResult | None) -> MatchResult
     if missed is None or missed is result or not result.alone:
         return result
     return replace(result, note=f"{result.note}; round {missed.round}: {missed.late}")
+
+
+def _with_refused(result: MatchResult, refused: MatchResult | None) -> MatchResult:
+    """A step that tried the next round after a group left it out (its leader benched us,
+    or had no room), and found none there either, still says why the first did not take
+    it: "alone ...; nobody declared in this round" alone sent a benched peer looking for a
+    prefix or gather_window mismatch (an outside tester)."""
+    if refused is None or refused is result or result.confirmation is not None:
+        return result
+    return replace(
+        result, note=f"{result.note}; before that, round {refused.round}: {refused.note}"
+    )
 
 
 def _same_layout(
