@@ -80,7 +80,9 @@ class BackgroundPeer:
         self._peer = peer
         self._token = token
         self._pid = os.getpid()  # a forked child has a copy of this object, not the thread
-        self._loop_thread = threading.get_ident()  # built on the peer's loop
+        # built on the peer's loop (the object, not its ident: a thread started after the
+        # loop's ended may get the same ident)
+        self._loop_thread = threading.current_thread()
         self.abandoned_calls = 0  # interrupted calls given up on before they unwound
         self.identity: Identity = peer.identity
         self.peer_id: PeerID = peer.peer_id
@@ -174,7 +176,7 @@ class BackgroundPeer:
             )
         # on the loop a blocking call would wait for itself: trio refuses it with a message
         # that names neither the peer nor the way out
-        if threading.get_ident() == self._loop_thread:
+        if threading.current_thread() is self._loop_thread:
             raise PeerThreadError(_ON_PEER_THREAD)
 
     def __repr__(self) -> str:

@@ -506,6 +506,10 @@ class RpcHost:
             idle_timeout=config.idle_timeout,
             silence_timeout=config.silence_timeout,
             receive_budget=self._receive_budget,
+            # local experiments run every peer on one loopback address: no share apart
+            receive_group=(
+                None if is_loopback_host(secure.remote_host) else host_group(secure.remote_host)
+            ),
         )
         peer_id = connection.peer_id
         self.connections_opened += 1

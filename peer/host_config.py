@@ -59,12 +59,14 @@ class HostConfig:
     """Connect plus handshake, for outbound connections."""
     receive_budget: int = 256 << 20
     """Bytes of large frames (64 KiB or more) being received at once, all connections
-    together; a frame that does not fit waits for room, its peer not read meanwhile (see
+    together, an eighth of it at most from one remote host (loopback not counted apart); a
+    frame that does not fit waits for room, its peer not read meanwhile (see
     ``peer.receive_budget``). It bounds what peers that announce large frames and send part
     of each can make us hold."""
     receive_stall_timeout: float = 10.0
-    """A large frame that received nothing for this long is cut off (its connection closed)
-    when another frame waits for room in ``receive_budget``."""
+    """A large frame that received nothing for this long, or under 16 KiB/s on average once
+    this old, is cut off (its connection closed) when another frame waits for room in
+    ``receive_budget``."""
     drain_timeout: float = 3.0
     """On a clean exit: how long connections may go on answering and writing what they
     queued (a result stream's last chunks) before they are closed."""

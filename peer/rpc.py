@@ -114,11 +114,14 @@ def _without_frames(exc: BaseException) -> BaseException:
     such as the 4 MiB buffer of a frame that a peer announced, sent half of and abandoned
     (a trial's bootstrap node held 155 MiB of them after 60 such connections closed)."""
     seen: set[int] = set()
-    error: BaseException | None = exc
-    while error is not None and id(error) not in seen:
+    todo: list[BaseException | None] = [exc]
+    while todo:
+        error = todo.pop()
+        if error is None or id(error) in seen:
+            continue
         seen.add(id(error))
         error.__traceback__ = None
-        error = error.__cause__ or error.__context__
+        todo += (error.__cause__, error.__context__)
     return exc
 
 
@@ -137,9 +140,12 @@ class RpcConnection:
         idle_timeout: float = math.inf,
         silence_timeout: float = math.inf,
         receive_budget: ReceiveBudget | None = None,
+        receive_group: str | None = None,
     ) -> None:
         self._byte_stream = stream
         self._receive_budget = receive_budget
+        self._receive_group = receive_group  # what the peer's frames count against in it
+        self._reader: FrameReader | None = None
         self.peer_id = peer_id
         self.remote_host = remote_host
         self.max_frame_size = max_frame_size
@@ -311,6 +317,12 @@ class RpcConnection:
         assert pending.reply is not None
         return pending.reply
 
+    @property
+    def _not_reading(self) -> bool:
+        """Our reader waits, not the peer: for a stream's consumer, or for room in the
+        receive budget for the frame it announced."""
+        return self._reader_paused or (self._reader is not None and self._reader.waiting)
+
     def _note_unanswered(self, sent_at: float) -> None:
         """A call sent at ``sent_at`` ended unanswered (its deadline passed, or it was
         cancelled). When calls that waited long enough to expect an answer (a second, or
@@ -320,7 +332,7 @@ class RpcConnection:
         a reset, and every call would time out on it for ~15 minutes (an averaging member
         was alone round after round). A call cancelled sooner (a hedged lookup's) proves
         nothing: the peer does not answer what we cancelled."""
-        if self._reader_paused:
+        if self._not_reading:
             return  # we are not reading (a stream's consumer lags): the peer may be talking
         now, received = trio.current_time(), self.last_received
         if self._unanswered_since is not None and received > self._unanswered_since:
@@ -524,7 +536,12 @@ class RpcConnection:
     # -- reading ---------------------------------------------------------------------------
 
     async def _read_loop(self, nursery: trio.Nursery) -> None:
-        reader = FrameReader(self._byte_stream, self.max_frame_size, budget=self._receive_budget)
+        reader = self._reader = FrameReader(
+            self._byte_stream,
+            self.max_frame_size,
+            budget=self._receive_budget,
+            group=self._receive_group,
+        )
         while (data := await reader.next_frame()) is not None:
             self.last_activity = self._frame_received = trio.current_time()
             frame = decode_rpc_frame(data)
@@ -815,7 +832,9 @@ class RpcConnection:
             deadline = self.last_activity + self.idle_timeout
             now = trio.current_time()
             if now >= deadline:
-                if not self.num_inflight and not self._call_slots.statistics().tasks_waiting:
+                # (a frame waiting for room in the receive budget is a request on its way)
+                idle = not self.num_inflight and not self._call_slots.statistics().tasks_waiting
+                if idle and not self._not_reading:
                     logger.debug("%r: idle for %.1f s, closing", self, self.idle_timeout)
                     self._shutdown(PeerUnavailableError("connection closed for idleness"))
                     return

@@ -80,6 +80,8 @@ class SecureStream(trio.abc.Stream):
         self._receiving = False
         self.last_received = -math.inf
         """trio time ciphertext last arrived (-inf: none yet), whole messages or not."""
+        self.bytes_received = 0
+        """Bytes of ciphertext received so far, whole messages or not."""
         self.write_started: float | None = None
         """trio time the raw write in progress (at most ``SEAL_SLICE`` bytes of data) began;
         None between writes. The host cuts off a peer that lets one stall (see ``HostConfig``):
@@ -257,12 +259,11 @@ class SecureStream(trio.abc.Stream):
         finally:
             self._receiving = False
 
-    async def wait_buffered(self, nbytes: int, on_data: Callable[[], None] | None = None) -> None:
+    async def wait_buffered(self, nbytes: int) -> None:
         """Wait until ``nbytes`` have arrived that no ``receive_into`` took yet (sealed or
         not; a sealed message counts its 18 bytes of overhead too), or the stream ended.
         A reader calls it before allocating a large buffer for data announced but not yet
-        sent: memory then follows what the peer actually sent. ``on_data`` is called each
-        time bytes arrive.
+        sent: memory then follows what the peer actually sent.
 
         Raises:
             trio.BrokenResourceError: if the connection failed or ended inside a message.
@@ -277,8 +278,6 @@ class SecureStream(trio.abc.Stream):
                 if self._closed:
                     raise trio.ClosedResourceError("stream closed")
                 await self._fill()
-                if on_data is not None:
-                    on_data()
         finally:
             self._receiving = False
 
@@ -343,6 +342,7 @@ class SecureStream(trio.abc.Stream):
             self._fail(exc)
             raise trio.BrokenResourceError(f"secure channel failed: {exc}") from exc
         self.last_received = trio.current_time()
+        self.bytes_received += len(data)
         return True
 
     def _fail(self, exc: ProtocolError) -> None:

@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import sys
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 import trio
 
 from protocol.errors import RemoteProtocolError
 from protocol.framing import HEADER
 
-from .receive_budget import ReceiveBudget
+from .receive_budget import MIN_RATE, ByteMeter, Meter, ReceiveBudget
 from .secure import RECEIVE_SIZE, SEAL_SLICE, SecureStream
 
 __all__ = [
@@ -378,7 +378,7 @@ twice (the byte counts are only approximate then)."""
 
 class FrameReader:
     """Whole frames from a stream, each in its own buffer (large ones from ``pool``, and
-    within ``budget`` while they arrive)."""
+    within ``budget`` while they arrive, counted against remote host ``group``)."""
 
     def __init__(
         self,
@@ -386,6 +386,7 @@ class FrameReader:
         max_frame_size: int,
         pool: FramePool = FRAME_POOL,
         budget: ReceiveBudget | None = None,
+        group: str | None = None,
     ) -> None:
         self.max_frame_size = max_frame_size
         self._receive_into = (
@@ -397,6 +398,13 @@ class FrameReader:
         self._head = bytearray(HEADER.size)
         self._pool = pool
         self._budget = budget
+        self._group = group
+        # a SecureStream counts its ciphertext as it comes, whole messages or not
+        self._meter: Meter = stream if isinstance(stream, SecureStream) else ByteMeter()
+        self._counts = not isinstance(stream, SecureStream)
+        self.waiting = False
+        """Parked until the budget has room: the peer is not read meanwhile (our pause,
+        not its silence)."""
 
     async def next_frame(self) -> memoryview | None:
         """The next frame's content, or None at a clean end of stream.
@@ -415,34 +423,32 @@ class FrameReader:
             )
         budget = self._budget
         if length < _POOL_MIN or budget is None:
-            return await self._body(length, None)
-        hold = await budget.acquire(length)
+            return await self._body(length)
+        self.waiting = True
+        try:
+            hold = await budget.acquire(length, self._group, self._meter)
+        finally:
+            self.waiting = False
         try:
             with hold.scope:
-                return await self._body(length, hold.progressed)
+                return await self._body(length)
             raise RemoteProtocolError(
-                f"a frame of {length} bytes stalled (nothing for {budget.stall_timeout:g} s) "
-                "while other frames waited for the receive budget"
+                f"a frame of {length} bytes stalled (nothing for {budget.stall_timeout:g} s, or "
+                f"under {MIN_RATE >> 10} KiB/s) while other frames waited for the receive budget"
             )
         finally:
             budget.release(hold)
 
-    async def _body(self, length: int, progressed: Callable[[], None] | None) -> memoryview:
+    async def _body(self, length: int) -> memoryview:
         if length >= _POOL_MIN and self._wait_buffered is not None:
             # Allocate once half of it is here: a peer that announces 4 MiB frames and
             # sends nothing more would otherwise make each connection hold 4 MiB.
-            await self._wait_buffered(length // 2, progressed)
+            await self._wait_buffered(length // 2)
         frame = self._pool.get(length)
-        await self._fill(frame, at_boundary=False, progressed=progressed)
+        await self._fill(frame, at_boundary=False)
         return frame
 
-    async def _fill(
-        self,
-        target: memoryview,
-        *,
-        at_boundary: bool,
-        progressed: Callable[[], None] | None = None,
-    ) -> bool:
+    async def _fill(self, target: memoryview, *, at_boundary: bool) -> bool:
         filled = 0
         while filled < len(target):
             n = await self._receive_into(target[filled:])
@@ -451,6 +457,7 @@ class FrameReader:
                     return False
                 raise RemoteProtocolError("stream ended inside a frame (truncated frame)")
             filled += n
-            if progressed is not None:
-                progressed()
+            if self._counts:
+                self._meter.bytes_received += n
+                self._meter.last_received = trio.current_time()
         return True

@@ -9,7 +9,6 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Sequence
-from functools import partial
 from typing import TYPE_CHECKING
 
 import trio
@@ -64,23 +63,42 @@ class Upkeep:
         long (tests/training/test_averaging_bad_networks.py). With pings only 2, 10, 42,
         170 and 682 s after a contact left, 30 peers split for 5 minutes stayed split for
         4 minutes after the heal. A peer that is really gone costs 32 failed pings (a refused
-        dial, or a timeout outside the request slots), about one a minute."""
-        while True:
-            first = min((due for due, _, _, _ in self._recontacts.values()), default=math.inf)
-            with trio.move_on_at(first):
-                await self._recontact_added.wait()
-            self._recontact_added = trio.Event()
-            now = trio.current_time()
-            due = [p for p, (when, _, _, _) in self._recontacts.items() if when <= now]
-            async with trio.open_nursery() as nursery:
-                for peer_id in due[:_RECONTACTS_AT_ONCE]:
-                    _, delay, node, left = self._recontacts.pop(peer_id)
+        dial, or a timeout outside the request slots), about one a minute. At most 8 run at
+        once, each freeing its slot as it ends (in batches that waited for their slowest,
+        256 silent contacts were pinged every 96 s, not 60)."""
+        slots = trio.CapacityLimiter(_RECONTACTS_AT_ONCE)
+        pinging: set[PeerID] = set()
+        async with trio.open_nursery() as nursery:
+            while True:
+                first = min(
+                    (when for p, (when, _, _, _) in self._recontacts.items() if p not in pinging),
+                    default=math.inf,
+                )
+                with trio.move_on_at(first):
+                    await self._recontact_added.wait()
+                self._recontact_added = trio.Event()
+                now = trio.current_time()
+                for peer_id, (when, delay, node, left) in list(self._recontacts.items()):
+                    if when > now or peer_id in pinging:
+                        continue
+                    del self._recontacts[peer_id]
                     if not self._dht.table.has_departed(peer_id):
                         continue  # back already, or forgotten
                     if now + delay <= left + _RECONTACT_FOR:
                         after = min(delay * _RECONTACT_GROWTH, _RECONTACT_MAX_DELAY)
                         self._recontacts[peer_id] = (now + delay, after, node, left)
-                    nursery.start_soon(partial(self._dht.protocol.ping, take_slot=False), node)
+                    pinging.add(peer_id)
+                    nursery.start_soon(self._recontact, slots, pinging, node)
+
+    async def _recontact(
+        self, slots: trio.CapacityLimiter, pinging: set[PeerID], node: NodeInfo
+    ) -> None:
+        try:
+            async with slots:
+                await self._dht.protocol.ping(node, take_slot=False)
+        finally:
+            pinging.discard(node.peer_id)
+            self._recontact_added.set()  # its next ping may be due already
 
     async def _recontact_departed(self) -> None:
         """Ping a few contacts that left the table after failures (our former neighbours

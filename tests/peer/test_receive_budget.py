@@ -13,7 +13,8 @@ import trio.testing
 
 from peer.host import HostConfig, open_rpc_host
 from peer.memnet import MemoryNetwork
-from peer.receive_budget import ReceiveBudget
+from peer.receive_budget import ByteMeter, ReceiveBudget
+from peer.rpc import Reply
 from peer.secure import SecureStream, secure_handshake
 from peer.wire import FRAME_POOL, FramePool, FrameReader
 from protocol.address import Address
@@ -43,7 +44,7 @@ async def _secure_pair() -> tuple[SecureStream, SecureStream]:
 async def test_a_frame_waits_for_room_and_a_stalled_one_is_cut_off_to_make_it(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    budget = ReceiveBudget(limit=MIB + MIB // 2, stall_timeout=10.0)  # room for one frame
+    budget = ReceiveBudget(limit=MIB + MIB // 2, stall_timeout=10.0, share=1.0)  # one frame
     stalling, stalled_side = await _secure_pair()
     honest, honest_side = await _secure_pair()
     pool = FramePool()
@@ -79,9 +80,10 @@ async def test_a_frame_waits_for_room_and_a_stalled_one_is_cut_off_to_make_it(
 async def test_a_frame_that_keeps_arriving_is_not_cut_off(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    """Slow is not stalled: a frame that gets bytes every few seconds keeps its room, and
-    the frame waiting behind it comes in after it."""
-    budget = ReceiveBudget(limit=MIB, stall_timeout=10.0)
+    """Slow is not stalled: a frame that arrives at 32 KiB/s, in pieces smaller than a
+    secure message (64 KiB: counted as they come, not once a message is whole), keeps its
+    room, and the frame waiting behind it comes in after it."""
+    budget = ReceiveBudget(limit=MIB, stall_timeout=10.0, share=1.0)
     slow, slow_side = await _secure_pair()
     other, other_side = await _secure_pair()
     got: list[bytes] = []
@@ -98,21 +100,140 @@ async def test_a_frame_that_keeps_arriving_is_not_cut_off(
             await trio.testing.wait_all_tasks_blocked()
             nursery.start_soon(read, other_side)
             await other.send_all(encode_frame_header(MIB) + CONTENT)
-            for offset in range(MIB // 2, MIB, 64 << 10):
-                await trio.sleep(8)
-                await slow.send_all(CONTENT[offset : offset + (64 << 10)])
+            for offset in range(MIB // 2, MIB, 256 << 10):  # 32 KiB/s, in pieces
+                for piece in range(offset, offset + (256 << 10), 4 << 10):
+                    await trio.sleep(0.125)
+                    await slow.send_all(CONTENT[piece : piece + (4 << 10)])
     assert got == [CONTENT, CONTENT] and budget.cut_off == 0 and budget.used == 0
 
 
 async def test_a_frame_larger_than_the_budget_comes_in_alone(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    budget = ReceiveBudget(limit=MIB // 2, stall_timeout=10.0)
+    budget = ReceiveBudget(limit=MIB // 2, stall_timeout=10.0, share=1.0)
     sender, receiver = await _secure_pair()
     with trio.fail_after(10):
         await sender.send_all(encode_frame_header(MIB) + CONTENT)
         frame = await FrameReader(receiver, 4 * MIB, FramePool(), budget).next_frame()
     assert frame is not None and frame == CONTENT and budget.used == 0
+
+
+async def test_a_frame_that_trickles_in_is_cut_off_when_another_waits(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A byte every 9 s kept a frame's room forever (a reviewer): under MIN_RATE on average
+    once stall_timeout old, it counts as stalled."""
+    budget = ReceiveBudget(limit=MIB, stall_timeout=10.0, share=1.0)
+    trickling, trickling_side = await _secure_pair()
+    honest, honest_side = await _secure_pair()
+    outcomes: dict[str, object] = {}
+    honest_read = trio.Event()
+
+    async def read(name: str, stream: SecureStream) -> None:
+        try:
+            frame = await FrameReader(stream, 4 * MIB, FramePool(), budget).next_frame()
+            outcomes[name] = None if frame is None else bytes(frame)
+        except RemoteProtocolError as exc:
+            outcomes[name] = exc
+        if name == "honest":
+            honest_read.set()
+
+    async def trickle() -> None:
+        await trickling.send_all(encode_frame_header(MIB))
+        for _ in range(100):
+            await trio.sleep(9)
+            await trickling.send_all(b"\0")
+
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read, "trickling", trickling_side)
+            nursery.start_soon(trickle)
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(read, "honest", honest_side)
+            await honest.send_all(encode_frame_header(MIB) + CONTENT)
+            await honest_read.wait()
+            nursery.cancel_scope.cancel()
+    assert isinstance(outcomes["trickling"], RemoteProtocolError)
+    assert outcomes["honest"] == CONTENT and trio.current_time() < 12
+
+
+async def test_one_remote_host_holds_at_most_its_share(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Frames from one host take at most ``share`` of the budget (but one frame always
+    fits): another host's frame does not wait behind them."""
+    budget = ReceiveBudget(limit=8 * MIB, stall_timeout=10.0, share=0.25)  # 2 MiB per host
+    with trio.fail_after(10):
+        first = await budget.acquire(2 * MIB, "203.0.113.7", ByteMeter())
+        with trio.move_on_after(5) as waited:  # its second frame waits for its share
+            await budget.acquire(MIB, "203.0.113.7", ByteMeter())
+        assert waited.cancelled_caught
+        other = await budget.acquire(2 * MIB, "198.51.100.1", ByteMeter())  # at once
+        big = await budget.acquire(3 * MIB, "192.0.2.9", ByteMeter())  # one frame always fits
+        assert budget.used == 7 * MIB
+        for hold in (first, other, big):
+            budget.release(hold)
+    assert budget.used == 0
+
+
+async def test_a_connection_waiting_for_room_is_neither_silent_nor_idle(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """While our reader waits for room, the peer's replies queue behind the frame we have
+    not read: calls to it went unanswered and the connection was aborted as silent after
+    10 s, and the idle watchdog closed it too (a reviewer). Neither is the peer's doing."""
+    net = MemoryNetwork()
+    config = HostConfig(receive_budget=MIB, idle_timeout=30.0, silence_timeout=5.0)
+    holder = Identity.from_seed(b"h" * 32)
+    async with (
+        open_rpc_host(
+            SERVER, listen=Address("s", 1), network=net.interface("s"), config=config
+        ) as server,
+        open_rpc_host(
+            PEER, listen=Address("p", 1), network=net.interface("p"), config=config
+        ) as peer,
+    ):
+        server.register("echo", lambda request: _echo(request))
+        peer.register("ping", lambda request: _pong(request))
+        with trio.fail_after(120):
+            raw = await net.interface("h").connect("s", 1)
+            hog = await secure_handshake(raw, holder, initiator=True)
+            content = bytes(MIB - 64)
+            await hog.send_all(encode_frame_header(MIB) + content[: MIB // 2])
+
+            async def feed() -> None:  # 20 KiB/s: slow, not stalled: it keeps the room
+                for offset in range(MIB // 2, len(content), 20 << 10):
+                    await trio.sleep(1)
+                    await hog.send_all(content[offset : offset + (20 << 10)])
+
+            answered: list[float] = []
+            done = trio.Event()
+
+            async def honest_call() -> None:
+                await peer.call(Address("s", 1, SERVER.peer_id), "echo", {}, bytes(MIB // 2))
+                answered.append(trio.current_time())
+                done.set()
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(feed)
+                await trio.testing.wait_all_tasks_blocked()
+                start = trio.current_time()
+                nursery.start_soon(honest_call)
+                for _ in range(8):  # the server calls the waiting peer meanwhile
+                    await trio.sleep(5)
+                    with trio.move_on_after(2):
+                        await server.call(Address("p", 1, PEER.peer_id), "ping")
+                await done.wait()
+                nursery.cancel_scope.cancel()
+    assert answered[0] - start > 20  # it waited for the slow frame, and was not cut off
+
+
+async def _echo(request: object) -> Reply:
+    return Reply({})
+
+
+async def _pong(request: object) -> Reply:
+    return Reply({"ok": True})
 
 
 async def test_an_abandoned_frame_leaves_no_buffer_behind_with_the_closed_connection(
