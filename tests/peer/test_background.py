@@ -213,6 +213,26 @@ def test_blocking_calls_and_the_exit_on_the_peers_own_thread_say_so() -> None:
         node.dht.get("k")
 
 
+def test_a_thread_that_reuses_the_stopped_loop_threads_ident_is_told_the_peer_stopped() -> None:
+    """Thread idents are reused once a thread ends: a new thread with the loop thread's
+    ident was taken for the loop itself (PeerThreadError), not told the peer had stopped."""
+    with peer.run_in_background() as node:
+        loop_ident = node._loop_thread.ident
+    errors: list[tuple[bool, BaseException]] = []
+
+    def probe() -> None:
+        try:
+            node.run_sync(lambda: None)
+        except BaseException as exc:  # recorded for the assertions
+            errors.append((threading.get_ident() == loop_ident, exc))
+
+    for _ in range(20):  # on Linux the first new thread usually gets the freed ident
+        thread = threading.Thread(target=probe)
+        thread.start()
+        thread.join()
+    assert errors and all(isinstance(exc, peer.PeerStoppedError) for _, exc in errors), errors
+
+
 def test_ctrl_c_during_a_blocking_call_cancels_it_on_the_loop() -> None:
     # SIGINT while the caller blocks in node.run(): the call is cancelled on the loop (not
     # left running), KeyboardInterrupt reaches the caller, and the peer still serves calls.
