@@ -49,6 +49,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from _args import at_least, positive_seconds
 from _shaping import KERNEL_BURST, LINK_BUFFER, KernelShaper
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -395,18 +396,27 @@ def _emit(obj: dict[str, Any]) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--peers", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--size", type=int, default=16 * (1 << 20), help="float32 elements")
-    parser.add_argument("--codecs", nargs="+", default=["none", "float16", "int8"])
+    parser.add_argument("--peers", type=at_least(2), nargs="+", default=[2, 4])
+    parser.add_argument("--size", type=at_least(1), default=16 * (1 << 20), help="float32 elements")
+    parser.add_argument(
+        "--codecs",
+        nargs="+",
+        default=["none", "float16", "int8"],
+        choices=["none", "float16", "int8"],  # (topk needs parameters this script has not)
+    )
     parser.add_argument("--rates", nargs="+", default=list(RATES), choices=list(RATES))
-    parser.add_argument("--steps", type=int, default=3, help="measured rounds after 1 warmup")
-    parser.add_argument("--window", type=float, default=1.0, help="gather window, seconds")
-    parser.add_argument("--timeout", type=float, default=120.0)
-    parser.add_argument("--chunk-bytes", type=int, help="AveragerConfig.chunk_bytes")
-    parser.add_argument("--max-inflight", type=int, help="AveragerConfig.max_inflight")
+    parser.add_argument(
+        "--steps", type=at_least(1), default=3, help="measured rounds after 1 warmup"
+    )
+    parser.add_argument(
+        "--window", type=positive_seconds, default=1.0, help="gather window, seconds"
+    )
+    parser.add_argument("--timeout", type=positive_seconds, default=120.0)
+    parser.add_argument("--chunk-bytes", type=at_least(1), help="AveragerConfig.chunk_bytes")
+    parser.add_argument("--max-inflight", type=at_least(1), help="AveragerConfig.max_inflight")
     parser.add_argument(
         "--link-buffer",
-        type=int,
+        type=at_least(1),
         default=LINK_BUFFER,
         help="shaped links: bytes written ahead of the link (the socket buffer; see _shaping)",
     )
@@ -419,7 +429,7 @@ def main() -> None:
     )
     parser.add_argument(
         "--torch-threads",
-        type=int,
+        type=at_least(0),
         default=1,
         help="torch intra-op threads per peer process (0: torch's default, every core; "
         "several processes share the cores here, so 1 by default)",
@@ -429,7 +439,7 @@ def main() -> None:
     parser.add_argument("--index", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--initial-peer", default="", help=argparse.SUPPRESS)
     parser.add_argument("--rate", type=float, default=0.0, help=argparse.SUPPRESS)
-    parser.add_argument("--warmup", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--warmup", type=at_least(0), default=1, help=argparse.SUPPRESS)
     parser.add_argument("--world", type=int, default=2, help=argparse.SUPPRESS)
     parser.add_argument("--store", default="", help=argparse.SUPPRESS)
     args = parser.parse_args()

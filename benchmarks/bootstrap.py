@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import signal
 import statistics
 import subprocess
 import sys
@@ -28,13 +29,17 @@ import trio
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from _args import at_least  # noqa: E402
+
 from peer import open_peer  # noqa: E402
 from peer.contacts import contacts_file, load_contacts  # noqa: E402
 
 BOOTSTRAP = [sys.executable, "-m", "peer.cli", "bootstrap", "--host", "127.0.0.1"]
 
 
-def start_bootstrap(identity: Path) -> tuple[subprocess.Popen[str], str, float]:
+def start_bootstrap(
+    identity: Path, started: list[subprocess.Popen[str]]
+) -> tuple[subprocess.Popen[str], str, float]:
     t0 = time.perf_counter()
     proc = subprocess.Popen(
         [*BOOTSTRAP, "--identity", str(identity)],
@@ -43,6 +48,7 @@ def start_bootstrap(identity: Path) -> tuple[subprocess.Popen[str], str, float]:
         text=True,
         cwd=ROOT,
     )
+    started.append(proc)
     assert proc.stdout is not None
     address = proc.stdout.readline().strip()
     return proc, address, time.perf_counter() - t0
@@ -106,24 +112,28 @@ async def serve_peers(
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--peers", type=int, default=50)
+    parser.add_argument("--peers", type=at_least(1), default=50)
     args = parser.parse_args()
+    # SIGTERM (`timeout`) unwinds like Ctrl-C: the node is stopped and its key file removed
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
+    started: list[subprocess.Popen[str]] = []
     with tempfile.TemporaryDirectory() as directory:
         identity = Path(directory) / "bootstrap.key"
-        starts = []
-        for _ in range(5):
-            proc, _, seconds = start_bootstrap(identity)
-            starts.append(seconds)
-            proc.terminate()
-            proc.wait()
-        proc, address, _ = start_bootstrap(identity)
         try:
+            starts = []
+            for _ in range(5):
+                proc, _, seconds = start_bootstrap(identity, started)
+                starts.append(seconds)
+                proc.terminate()
+                proc.wait()
+            proc, address, _ = start_bootstrap(identity, started)
             idle = memory_kib(proc.pid)
             result = trio.run(serve_peers, proc, address, args.peers, identity)
         finally:
-            if proc.poll() is None:
-                proc.terminate()
-                proc.wait()
+            for proc in started:
+                if proc.poll() is None:
+                    proc.terminate()
+                    proc.wait()
     loaded = result["loaded"]
     print(
         json.dumps(
@@ -151,4 +161,9 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    except BaseExceptionGroup as group:  # SIGTERM raised in the peers' tasks: stopped
+        if group.split(SystemExit)[1] is not None:
+            raise
+        sys.exit(143)

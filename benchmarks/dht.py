@@ -37,6 +37,7 @@ from pathlib import Path
 from typing import Any
 
 import trio
+from _args import at_least
 
 # This tree's code, not the installed one: run from a worktree or another clone, the
 # script measures that tree (the project is installed editable from the main checkout).
@@ -207,12 +208,12 @@ async def main(
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--peers", type=int, default=64)
-    parser.add_argument("--ops", type=int, default=200)
+    parser.add_argument("--peers", type=at_least(2), default=64)
+    parser.add_argument("--ops", type=at_least(1), default=200)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
         "--max-concurrent-requests",
-        type=int,
+        type=at_least(1),
         default=DHTConfig().max_concurrent_requests,
         help="DHT RPCs in flight per peer (all peers share this one process's CPU)",
     )
