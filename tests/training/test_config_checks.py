@@ -75,3 +75,22 @@ def test_a_clock_that_returns_no_number_says_so_from_step() -> None:
         with pytest.raises(TypeError, match=r"AveragerConfig\.clock returned 'x'"):
             averager.step_blocking(timeout=5)
         averager.close()
+
+
+def test_client_mode_false_on_a_node_that_accepts_no_connections_is_refused() -> None:
+    """It was silently overridden: the peer, unable to take connections, stayed a sender."""
+    with run_in_background(listen=None, client_mode=True) as node:
+        with pytest.raises(ValueError, match="accepts none"):
+            Averager(
+                node,
+                "cfg/client",
+                [np.zeros(4, np.float32)],
+                config=AveragerConfig(client_mode=False),
+            )
+        Averager(node, "cfg/client", [np.zeros(4, np.float32)]).close()  # None: as the node
+
+
+@pytest.mark.parametrize("name", ["bandwidth", "gather_window"])
+def test_an_infinite_positive_number_is_refused_as_not_finite(name: str) -> None:
+    with pytest.raises(ValueError, match=f"AveragerConfig.{name} must be a finite positive number"):
+        AveragerConfig(**{name: float("inf")})

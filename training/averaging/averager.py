@@ -209,6 +209,12 @@ class Averager:
             f"|S={config.max_staleness}|decay={float(config.staleness_decay)!r}"
         )
         self._detail = describe_settings(self.layout, self.codec, config)
+        if config.client_mode is False and node.rpc.listen_address is None:
+            raise ValueError(
+                "AveragerConfig(client_mode=False) asks this peer to reduce a part, which "
+                "takes connections from the group, but its node accepts none (made with "
+                "client_mode=True or listen=None): leave client_mode None"
+            )
         client = node.client_mode if config.client_mode is None else config.client_mode
         self.client_mode = client or node.rpc.listen_address is None
         self._methods = method_prefix(prefix)

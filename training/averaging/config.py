@@ -98,7 +98,9 @@ class AveragerConfig:
         for name in ("gather_window", "join_timeout", "stall_timeout", "default_timeout"):
             value = self._real(name)
             if not (math.isfinite(value) and value > 0):
-                raise ValueError(f"AveragerConfig.{name} must be a positive number, got {value!r}")
+                raise ValueError(
+                    f"AveragerConfig.{name} must be a finite positive number, got {value!r}"
+                )
         if self.gather_window < MIN_GATHER_WINDOW:
             raise ValueError(
                 f"AveragerConfig.gather_window must be at least {MIN_GATHER_WINDOW} s (peers "
@@ -114,7 +116,9 @@ class AveragerConfig:
         if not 0.0 < self._real("result_share") < 1.0:
             raise ValueError("AveragerConfig.result_share must be in (0, 1)")
         if not (math.isfinite(self._real("bandwidth")) and self.bandwidth > 0):
-            raise ValueError("AveragerConfig.bandwidth must be a positive number")
+            raise ValueError(
+                f"AveragerConfig.bandwidth must be a finite positive number, got {self.bandwidth!r}"
+            )
         if self.chunk_bytes < 4096 or self.chunk_bytes % 4:
             raise ValueError("AveragerConfig.chunk_bytes must be a multiple of 4, >= 4096")
         if self.chunk_bytes > 2 * MiB:
