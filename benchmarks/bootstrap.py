@@ -21,8 +21,9 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Awaitable, Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import trio
 
@@ -34,12 +35,15 @@ from _args import at_least  # noqa: E402
 from peer import open_peer  # noqa: E402
 from peer.contacts import contacts_file, load_contacts  # noqa: E402
 
+T = TypeVar("T")
+
 BOOTSTRAP = [sys.executable, "-m", "peer.cli", "bootstrap", "--host", "127.0.0.1"]
 
 
-def start_bootstrap(
-    identity: Path, started: list[subprocess.Popen[str]]
-) -> tuple[subprocess.Popen[str], str, float]:
+STARTED: list[subprocess.Popen[str]] = []  # every node started: stopped on the way out
+
+
+def start_bootstrap(identity: Path) -> tuple[subprocess.Popen[str], str, float]:
     t0 = time.perf_counter()
     proc = subprocess.Popen(
         [*BOOTSTRAP, "--identity", str(identity)],
@@ -48,7 +52,7 @@ def start_bootstrap(
         text=True,
         cwd=ROOT,
     )
-    started.append(proc)
+    STARTED.append(proc)
     assert proc.stdout is not None
     address = proc.stdout.readline().strip()
     return proc, address, time.perf_counter() - t0
@@ -110,30 +114,49 @@ async def serve_peers(
     }
 
 
+async def until_sigterm(fn: Callable[..., Awaitable[T]], *args: Any) -> T | None:
+    """``fn(*args)``, or None if a SIGTERM came first (the peers then close cleanly)."""
+    with trio.open_signal_receiver(signal.SIGTERM) as signals:
+        async with trio.open_nursery() as nursery:
+            result: list[T] = []
+
+            async def run() -> None:
+                result.append(await fn(*args))
+                nursery.cancel_scope.cancel()
+
+            nursery.start_soon(run)
+            async for _ in signals:
+                nursery.cancel_scope.cancel()
+                break
+    return result[0] if result else None
+
+
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--peers", type=at_least(1), default=50)
     args = parser.parse_args()
-    # SIGTERM (`timeout`) unwinds like Ctrl-C: the node is stopped and its key file removed
+    # SIGTERM (`timeout`) unwinds like Ctrl-C: the nodes are stopped and the key file
+    # removed (inside trio.run, a signal receiver takes over: see until_sigterm)
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
-    started: list[subprocess.Popen[str]] = []
     with tempfile.TemporaryDirectory() as directory:
         identity = Path(directory) / "bootstrap.key"
         try:
             starts = []
             for _ in range(5):
-                proc, _, seconds = start_bootstrap(identity, started)
+                proc, _, seconds = start_bootstrap(identity)
                 starts.append(seconds)
                 proc.terminate()
                 proc.wait()
-            proc, address, _ = start_bootstrap(identity, started)
+            proc, address, _ = start_bootstrap(identity)
             idle = memory_kib(proc.pid)
-            result = trio.run(serve_peers, proc, address, args.peers, identity)
+            result = trio.run(until_sigterm, serve_peers, proc, address, args.peers, identity)
         finally:
-            for proc in started:
+            for proc in STARTED:
                 if proc.poll() is None:
                     proc.terminate()
                     proc.wait()
+    if result is None:
+        sys.exit(143)
     loaded = result["loaded"]
     print(
         json.dumps(
@@ -161,9 +184,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    try:
-        main()
-    except BaseExceptionGroup as group:  # SIGTERM raised in the peers' tasks: stopped
-        if group.split(SystemExit)[1] is not None:
-            raise
-        sys.exit(143)
+    main()

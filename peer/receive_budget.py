@@ -13,12 +13,18 @@ whoever handles it, e.g. a reducer within its ``retain_budget``).
   take it all; loopback hosts are not counted apart (local experiments run every peer on
   127.0.0.1).
 - When the budget (or the host's share) is spent, a reader waits; its peer is not read
-  meanwhile, so TCP holds the sender back.
+  meanwhile, so TCP holds the sender back. Frames get room in the order they asked (a
+  large one is not starved by smaller ones), but for one that waits for its own host's
+  share: frames from other hosts go past it. A waiting connection is not taken for a
+  silent peer, but one still waiting ``idle_timeout`` after its frame's header is closed
+  as idle (``peer.rpc``): parked connections must end.
 - While a frame waits, frames that are not arriving are cut off to make room (their
   connections end with a protocol error): one that got no byte for ``stall_timeout``, or
   that got less than ``MIN_RATE`` bytes per second on average since it began, once it is
-  ``stall_timeout`` old. A peer that trickles a byte now and then to keep its place must
-  send at that rate, for every frame it holds.
+  ``stall_timeout`` old; only the waiting frame's own host's, when it waits for that
+  host's share (cutting off another host's would free nothing it can use). A peer that
+  trickles a byte now and then to keep its place must send at that rate, for every frame
+  it holds.
 - A frame larger than the whole budget goes in alone. Small frames (under 64 KiB) take
   nothing from it: each connection reads at most one frame at a time, and
   ``HostConfig.max_connections`` bounds those.
@@ -79,9 +85,21 @@ class FrameHold:
         return min(last + stall_timeout, slow_until)
 
 
+class _Waiter:
+    __slots__ = ("event", "group", "hold", "meter", "size")
+
+    def __init__(self, size: int, group: str | None, meter: Meter) -> None:
+        self.size = size
+        self.group = group
+        self.meter = meter
+        self.event = trio.Event()
+        self.hold: FrameHold | None = None  # granted
+
+
 class ReceiveBudget:
     """At most ``limit`` bytes of large frames being received at once, ``share`` of it from
-    one remote host group."""
+    one remote host group. Frames get room in the order they asked, but for one that
+    waits for its own host's share: frames from other hosts go past it."""
 
     def __init__(self, limit: int, stall_timeout: float, share: float = 0.125) -> None:
         self.limit = limit
@@ -91,32 +109,37 @@ class ReceiveBudget:
         self.cut_off = 0  # stalled frames cut off to make room (for tests and stats)
         self._by_group: Counter[str] = Counter()
         self._holds: set[FrameHold] = set()
-        self._released = trio.lowlevel.ParkingLot()
+        self._waiters: list[_Waiter] = []  # oldest first
 
     async def acquire(self, size: int, group: str | None, meter: Meter) -> FrameHold:
         """Take ``size`` bytes for one frame from remote host ``group`` (None: counted in
         the total only), waiting for room and cutting off stalled frames to make it; give
         them back with :meth:`release`."""
-        while not self._fits(size, group):
-            now = trio.current_time()
-            wake_at = math.inf
-            for hold in self._holds:
-                if hold.scope.cancel_called:
-                    continue
-                stalled_at = hold.stalled_until(self.stall_timeout)
-                if now >= stalled_at:
-                    hold.scope.cancel()
-                    self.cut_off += 1
+        waiter = _Waiter(size, group, meter)
+        self._waiters.append(waiter)
+        try:
+            self._grant()
+            while waiter.hold is None:
+                # the oldest frame waiting for the total cuts off stalled frames of any
+                # host; one waiting for its host's share, only that host's
+                blocked = self._blocked(size, group)
+                if blocked == "total" and self._first_blocked_by_total() is waiter:
+                    wake_at = self._cut_off_stalled(None)
+                elif blocked == "host":
+                    wake_at = self._cut_off_stalled(group)
                 else:
-                    wake_at = min(wake_at, stalled_at)
-            with trio.move_on_at(wake_at):  # a release, or the next frame that stalls enough
-                await self._released.park()
-        hold = FrameHold(size, group, meter, trio.current_time())
-        self._holds.add(hold)
-        self.used += size
-        if group is not None:
-            self._by_group[group] += size
-        return hold
+                    wake_at = math.inf
+                with trio.move_on_at(wake_at):  # room granted, or a frame stalls enough
+                    await waiter.event.wait()
+                waiter.event = trio.Event()
+        except BaseException:
+            if waiter.hold is not None:  # granted as we were cancelled
+                self.release(waiter.hold)
+            raise
+        finally:
+            self._waiters.remove(waiter)
+            self._grant()  # (it may have held up the frames behind it)
+        return waiter.hold
 
     def release(self, hold: FrameHold) -> None:
         """The frame is whole, or its reading ended."""
@@ -127,12 +150,58 @@ class ReceiveBudget:
                 self._by_group[hold.group] -= hold.size
                 if not self._by_group[hold.group]:
                     del self._by_group[hold.group]
-            self._released.unpark_all()
+            self._grant()
 
-    def _fits(self, size: int, group: str | None) -> bool:
+    def _grant(self) -> None:
+        """Give room to the waiting frames that fit, oldest first; one that does not fit
+        the total stops the others (a large frame is not starved by smaller ones), one
+        that waits for its host's share does not."""
+        for waiter in self._waiters:
+            if waiter.hold is not None:
+                continue
+            blocked = self._blocked(waiter.size, waiter.group)
+            if blocked == "total":
+                return
+            if blocked == "host":
+                continue
+            waiter.hold = self._take(waiter.size, waiter.group, waiter.meter)
+            waiter.event.set()
+
+    def _first_blocked_by_total(self) -> _Waiter | None:
+        for waiter in self._waiters:
+            if waiter.hold is None and self._blocked(waiter.size, waiter.group) == "total":
+                return waiter
+        return None
+
+    def _take(self, size: int, group: str | None, meter: Meter) -> FrameHold:
+        hold = FrameHold(size, group, meter, trio.current_time())
+        self._holds.add(hold)
+        self.used += size
+        if group is not None:
+            self._by_group[group] += size
+        return hold
+
+    def _cut_off_stalled(self, group: str | None) -> float:
+        """Cut off the stalled frames (of ``group`` only, when given); returns when the
+        next one will have stalled, if nothing more arrives for it."""
+        now = trio.current_time()
+        wake_at = math.inf
+        for hold in self._holds:
+            if hold.scope.cancel_called or (group is not None and hold.group != group):
+                continue
+            stalled_at = hold.stalled_until(self.stall_timeout)
+            if now >= stalled_at:
+                hold.scope.cancel()
+                self.cut_off += 1
+            else:
+                wake_at = min(wake_at, stalled_at)
+        return wake_at
+
+    def _blocked(self, size: int, group: str | None) -> str:
+        """ "total" or "host" when a frame does not fit that limit now, else ""."""
         if self.used and self.used + size > self.limit:
-            return False
+            return "total"
         if group is None:
-            return True
+            return ""
         held = self._by_group.get(group, 0)
-        return not held or held + size <= self.host_limit
+        return "host" if held and held + size > self.host_limit else ""

@@ -405,6 +405,8 @@ class FrameReader:
         self.waiting = False
         """Parked until the budget has room: the peer is not read meanwhile (our pause,
         not its silence)."""
+        self.in_frame = False
+        """A frame's header came and its body is not all in yet (or waits for room)."""
 
     async def next_frame(self) -> memoryview | None:
         """The next frame's content, or None at a clean end of stream.
@@ -421,6 +423,13 @@ class FrameReader:
             raise RemoteProtocolError(
                 f"peer sent a frame of {length} bytes; the maximum is {self.max_frame_size}"
             )
+        self.in_frame = True
+        try:
+            return await self._frame(length)
+        finally:
+            self.in_frame = False
+
+    async def _frame(self, length: int) -> memoryview:
         budget = self._budget
         if length < _POOL_MIN or budget is None:
             return await self._body(length)

@@ -65,8 +65,10 @@ class Upkeep:
         4 minutes after the heal. A peer that is really gone costs 32 failed pings (a refused
         dial, or a timeout outside the request slots), about one a minute. At most 8 run at
         once, each freeing its slot as it ends (in batches that waited for their slowest,
-        256 silent contacts were pinged every 96 s, not 60)."""
-        slots = trio.CapacityLimiter(_RECONTACTS_AT_ONCE)
+        the others' slots stood idle), the longest due first; a ping task is started only
+        for a free slot (a queue of tasks grew without bound while departures came faster
+        than silent contacts' pings ended)."""
+        slots = trio.Semaphore(_RECONTACTS_AT_ONCE)
         pinging: set[PeerID] = set()
         async with trio.open_nursery() as nursery:
             while True:
@@ -78,25 +80,30 @@ class Upkeep:
                     await self._recontact_added.wait()
                 self._recontact_added = trio.Event()
                 now = trio.current_time()
-                for peer_id, (when, delay, node, left) in list(self._recontacts.items()):
-                    if when > now or peer_id in pinging:
-                        continue
-                    del self._recontacts[peer_id]
-                    if not self._dht.table.has_departed(peer_id):
-                        continue  # back already, or forgotten
+                due = sorted(
+                    (when, peer_id)
+                    for peer_id, (when, _, _, _) in self._recontacts.items()
+                    if when <= now and peer_id not in pinging
+                )
+                for _, peer_id in due:
+                    await slots.acquire()  # a task only for a free slot: no queue of tasks
+                    entry = self._recontacts.pop(peer_id, None)
+                    if entry is None or not self._dht.table.has_departed(peer_id):
+                        slots.release()
+                        continue  # back already, or forgotten (while we waited for the slot)
+                    _, delay, node, left = entry
+                    now = trio.current_time()
                     if now + delay <= left + _RECONTACT_FOR:
                         after = min(delay * _RECONTACT_GROWTH, _RECONTACT_MAX_DELAY)
                         self._recontacts[peer_id] = (now + delay, after, node, left)
                     pinging.add(peer_id)
                     nursery.start_soon(self._recontact, slots, pinging, node)
 
-    async def _recontact(
-        self, slots: trio.CapacityLimiter, pinging: set[PeerID], node: NodeInfo
-    ) -> None:
+    async def _recontact(self, slots: trio.Semaphore, pinging: set[PeerID], node: NodeInfo) -> None:
         try:
-            async with slots:
-                await self._dht.protocol.ping(node, take_slot=False)
+            await self._dht.protocol.ping(node, take_slot=False)
         finally:
+            slots.release()
             pinging.discard(node.peer_id)
             self._recontact_added.set()  # its next ping may be due already
 

@@ -8,6 +8,7 @@ from contextlib import AsyncExitStack
 import pytest
 import trio
 import trio.testing
+from secure_pairs import secure_pair
 
 from peer.host import HostConfig, open_rpc_host
 from peer.memnet import MemoryNetwork
@@ -195,16 +196,7 @@ async def test_the_per_host_limit_counts_an_ipv6_slash_64_as_one_host(
 
 
 async def _secure_pair() -> tuple[SecureStream, SecureStream]:
-    left, right = trio.testing.memory_stream_pair()
-    streams: dict[bool, SecureStream] = {}
-
-    async def shake(raw: trio.abc.Stream, identity: Identity, initiator: bool) -> None:
-        streams[initiator] = await secure_handshake(raw, identity, initiator=initiator)
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(shake, left, BAD, True)
-        nursery.start_soon(shake, right, SERVER, False)
-    return streams[True], streams[False]
+    return await secure_pair(BAD, SERVER)
 
 
 async def test_a_frame_announced_but_not_sent_gets_no_buffer(

@@ -10,6 +10,7 @@ import sys
 import pytest
 import trio
 import trio.testing
+from secure_pairs import secure_pair
 
 from peer.host import HostConfig, open_rpc_host
 from peer.memnet import MemoryNetwork
@@ -21,6 +22,7 @@ from protocol.address import Address
 from protocol.errors import RemoteProtocolError
 from protocol.framing import encode_frame_header
 from protocol.identity import Identity
+from protocol.rpc import FrameKind, RpcFrame, decode_rpc_frame, encode_rpc_frame
 
 SERVER = Identity.from_seed(b"s" * 32)
 PEER = Identity.from_seed(b"p" * 32)
@@ -29,16 +31,7 @@ CONTENT = bytes(range(256)) * (MIB // 256)
 
 
 async def _secure_pair() -> tuple[SecureStream, SecureStream]:
-    left, right = trio.testing.memory_stream_pair()
-    streams: dict[bool, SecureStream] = {}
-
-    async def shake(raw: trio.abc.Stream, identity: Identity, initiator: bool) -> None:
-        streams[initiator] = await secure_handshake(raw, identity, initiator=initiator)
-
-    async with trio.open_nursery() as nursery:
-        nursery.start_soon(shake, left, PEER, True)
-        nursery.start_soon(shake, right, SERVER, False)
-    return streams[True], streams[False]
+    return await secure_pair(PEER, SERVER)
 
 
 async def test_a_frame_waits_for_room_and_a_stalled_one_is_cut_off_to_make_it(
@@ -181,7 +174,8 @@ async def test_a_connection_waiting_for_room_is_neither_silent_nor_idle(
 ) -> None:
     """While our reader waits for room, the peer's replies queue behind the frame we have
     not read: calls to it went unanswered and the connection was aborted as silent after
-    10 s, and the idle watchdog closed it too (a reviewer). Neither is the peer's doing."""
+    10 s (a reviewer), which is not the peer's doing. (A frame still waiting
+    ``idle_timeout`` after its header is closed as idle: parked connections must end.)"""
     net = MemoryNetwork()
     config = HostConfig(receive_budget=MIB, idle_timeout=30.0, silence_timeout=5.0)
     holder = Identity.from_seed(b"h" * 32)
@@ -267,3 +261,70 @@ def _pooled_in_use() -> int:
         for buffer in buffers
         if sys.getrefcount(buffer) > 3  # the list, the loop variable, getrefcount's argument
     )
+
+
+async def test_a_slow_frame_on_an_otherwise_idle_connection_is_not_closed_midway(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The idle timer counted frames only: a 1 MiB request arriving at 20 KiB/s (50 s) on a
+    connection with an idle timeout of 20 s was closed midway (a reviewer: any 4 MiB frame
+    slower than ~70 KiB/s, with the default 60 s)."""
+    net = MemoryNetwork()
+    config = HostConfig(idle_timeout=20.0)
+    async with open_rpc_host(
+        SERVER, listen=Address("s", 1), network=net.interface("s"), config=config
+    ) as server:
+        server.register("echo", _echo)
+        with trio.fail_after(120):
+            raw = await net.interface("p").connect("s", 1)
+            client = await secure_handshake(raw, PEER, initiator=True)
+            request = RpcFrame(FrameKind.REQUEST, 1, method="echo", payload=bytes(MIB))
+            data = b"".join(bytes(piece) for piece in encode_rpc_frame(request))
+            for offset in range(0, len(data), 20 << 10):  # 20 KiB/s
+                await client.send_all(data[offset : offset + (20 << 10)])
+                await trio.sleep(1)
+            reply = decode_rpc_frame(await FrameReader(client, 4 * MIB).next_frame() or b"")
+    assert reply.kind is FrameKind.RESPONSE and reply.request_id == 1
+
+
+async def test_a_frame_waiting_for_its_hosts_share_cuts_off_no_other_hosts_frame(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A frame blocked only by its own host's share cut off another host's frame that had
+    paused (a reviewer): that frees nothing it can use."""
+    budget = ReceiveBudget(limit=8 * MIB, stall_timeout=10.0, share=0.25)  # 2 MiB per host
+    paused = ByteMeter()
+    with trio.fail_after(60):
+        other = await budget.acquire(MIB, "198.51.100.1", paused)  # gets nothing for 30 s
+        mine = await budget.acquire(2 * MIB, "203.0.113.7", ByteMeter())
+        with trio.move_on_after(30):  # waits for its host's share, and nothing else
+            await budget.acquire(MIB, "203.0.113.7", ByteMeter())
+        # its own host's stalled frame is cut off (it frees what the waiter can use)
+        assert not other.scope.cancel_called and mine.scope.cancel_called
+        budget.release(mine)
+        budget.release(other)
+
+
+async def test_frames_get_room_in_the_order_they_asked(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A large frame is not starved by smaller ones that keep coming after it."""
+    budget = ReceiveBudget(limit=4 * MIB, stall_timeout=100.0, share=1.0)
+    order: list[str] = []
+    with trio.fail_after(60):
+        first = await budget.acquire(3 * MIB, None, ByteMeter())
+
+        async def ask(name: str, size: int) -> None:
+            hold = await budget.acquire(size, None, ByteMeter())
+            order.append(name)
+            await trio.sleep(1)
+            budget.release(hold)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(ask, "large", 4 * MIB)
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(ask, "small", MIB)  # would fit now, but asked later
+            await trio.testing.wait_all_tasks_blocked()
+            assert not order
+            budget.release(first)
+    assert order == ["large", "small"]
