@@ -320,13 +320,13 @@ class RpcConnection:
     @property
     def _last_sign_of_use(self) -> float:
         """When the connection was last used: a frame read or written, or, while a frame
-        is arriving, its last bytes (a 4 MiB frame slower than ~70 KiB/s was closed for
-        idleness midway). A frame that waits for room in the receive budget counts from
-        its header: one still waiting after ``idle_timeout`` is closed, as any idle one."""
+        is arriving at 16 KiB/s or more, its last bytes (a 4 MiB frame slower than ~70
+        KiB/s was closed for idleness midway; see ``FrameReader.frame_progress``). A frame
+        that waits for room in the receive budget counts from its header: one still waiting
+        after ``idle_timeout`` is closed, as any idle one."""
         reader = self._reader
-        if reader is not None and reader.in_frame:
-            return max(self.last_activity, self.last_received)
-        return self.last_activity
+        progress = -math.inf if reader is None else reader.frame_progress()
+        return max(self.last_activity, progress)
 
     @property
     def _not_reading(self) -> bool:

@@ -8,6 +8,7 @@ straight into it, so a large payload is copied exactly once after the kernel.
 
 from __future__ import annotations
 
+import math
 import sys
 from collections import deque
 from collections.abc import Sequence
@@ -407,6 +408,17 @@ class FrameReader:
         not its silence)."""
         self.in_frame = False
         """A frame's header came and its body is not all in yet (or waits for room)."""
+        self._frame_started = -math.inf
+        self._frame_base = 0
+
+    def frame_progress(self) -> float:
+        """While a frame arrives: when its bytes last came, but no later than its start plus
+        what they would take at ``MIN_RATE`` (a trickle of a byte a minute does not keep a
+        connection busy); -inf between frames."""
+        if not self.in_frame:
+            return -math.inf
+        received = self._meter.bytes_received - self._frame_base
+        return min(self._meter.last_received, self._frame_started + received / MIN_RATE)
 
     async def next_frame(self) -> memoryview | None:
         """The next frame's content, or None at a clean end of stream.
@@ -424,6 +436,8 @@ class FrameReader:
                 f"peer sent a frame of {length} bytes; the maximum is {self.max_frame_size}"
             )
         self.in_frame = True
+        self._frame_started = trio.current_time()
+        self._frame_base = self._meter.bytes_received
         try:
             return await self._frame(length)
         finally:

@@ -5,6 +5,7 @@ sent 2.2 MiB of it and went quiet, and kept it after they closed."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 
 import pytest
@@ -328,3 +329,32 @@ async def test_frames_get_room_in_the_order_they_asked(
             assert not order
             budget.release(first)
     assert order == ["large", "small"]
+
+
+async def test_a_frame_trickling_in_does_not_keep_its_connection_open(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Bytes of a frame count as use only at 16 KiB/s or more: a header and then a byte
+    every 15 s would otherwise hold a connection open forever (idle timeout 20 s)."""
+    net = MemoryNetwork()
+    async with open_rpc_host(
+        SERVER,
+        listen=Address("s", 1),
+        network=net.interface("s"),
+        config=HostConfig(idle_timeout=20.0),
+    ) as server:
+        with trio.fail_after(300):
+            raw = await net.interface("p").connect("s", 1)
+            client = await secure_handshake(raw, PEER, initiator=True)
+            await client.send_all(encode_frame_header(1000))
+            await trio.testing.wait_all_tasks_blocked()
+            assert server.num_connections == 1
+            start = trio.current_time()
+            for _ in range(20):
+                await trio.sleep(15)
+                with contextlib.suppress(trio.BrokenResourceError):
+                    await client.send_all(b"\0")
+                await trio.testing.wait_all_tasks_blocked()
+                if not server.num_connections:
+                    break
+            assert not server.num_connections and trio.current_time() - start <= 45
