@@ -46,11 +46,14 @@ writer to a peer that reads slower than ~17 KiB/s is cut off too: ``HostConfig.s
 
 
 class Meter(Protocol):
-    """Where a frame's bytes are counted as they arrive (a ``SecureStream`` counts its
-    ciphertext, whole messages or not)."""
+    """Where a frame's bytes are counted as they arrive (a ``SecureStream`` counts them,
+    whole messages or not)."""
 
-    last_received: float
-    bytes_received: int
+    @property
+    def last_received(self) -> float: ...
+
+    @property
+    def bytes_received(self) -> int: ...
 
 
 class ByteMeter:
@@ -125,7 +128,7 @@ class ReceiveBudget:
                 blocked = self._blocked(size, group)
                 if blocked == "total" and self._first_blocked_by_total() is waiter:
                     wake_at = self._cut_off_stalled(None)
-                elif blocked == "host":
+                elif blocked == "host" and self._first_blocked_by_host(group) is waiter:
                     wake_at = self._cut_off_stalled(group)
                 else:
                     wake_at = math.inf
@@ -155,17 +158,36 @@ class ReceiveBudget:
     def _grant(self) -> None:
         """Give room to the waiting frames that fit, oldest first; one that does not fit
         the total stops the others (a large frame is not starved by smaller ones), one
-        that waits for its host's share does not."""
+        that waits for its host's share does not. The first of those that still wait for
+        the total, and the first of each host's that wait for its share, are woken too:
+        they are the ones that cut off stalled frames, and the frames now held are new
+        (the next waiter used to sleep on when the one before it left, and nothing was
+        cut off again)."""
+        hosts_woken: set[str | None] = set()
         for waiter in self._waiters:
             if waiter.hold is not None:
                 continue
             blocked = self._blocked(waiter.size, waiter.group)
             if blocked == "total":
+                waiter.event.set()
                 return
             if blocked == "host":
+                if waiter.group not in hosts_woken:
+                    hosts_woken.add(waiter.group)
+                    waiter.event.set()
                 continue
             waiter.hold = self._take(waiter.size, waiter.group, waiter.meter)
             waiter.event.set()
+
+    def _first_blocked_by_host(self, group: str | None) -> _Waiter | None:
+        for waiter in self._waiters:
+            if (
+                waiter.hold is None
+                and waiter.group == group
+                and self._blocked(waiter.size, waiter.group) == "host"
+            ):
+                return waiter
+        return None
 
     def _first_blocked_by_total(self) -> _Waiter | None:
         for waiter in self._waiters:

@@ -80,8 +80,7 @@ class SecureStream(trio.abc.Stream):
         self._receiving = False
         self.last_received = -math.inf
         """trio time ciphertext last arrived (-inf: none yet), whole messages or not."""
-        self.bytes_received = 0
-        """Bytes of ciphertext received so far, whole messages or not."""
+        self._plaintext_received = 0  # bytes decrypted so far
         self.write_started: float | None = None
         """trio time the raw write in progress (at most ``SEAL_SLICE`` bytes of data) began;
         None between writes. The host cuts off a peer that lets one stall (see ``HostConfig``):
@@ -89,6 +88,13 @@ class SecureStream(trio.abc.Stream):
 
     def __repr__(self) -> str:
         return f"<SecureStream {self.remote_peer_id.short()} at {self.remote_host}>"
+
+    @property
+    def bytes_received(self) -> int:
+        """Bytes of data received so far: those decrypted, and the ciphertext of messages
+        not whole yet (a slow message counts as it comes). An empty message adds nothing:
+        18 bytes of it a second must not pass for a frame's progress."""
+        return self._plaintext_received + self._transport.buffered
 
     # -- sending ---------------------------------------------------------------------------
 
@@ -310,11 +316,13 @@ class SecureStream(trio.abc.Stream):
                     if plaintext is NEED_DATA:
                         return None
                     assert isinstance(plaintext, bytes)
+                    self._plaintext_received += len(plaintext)
                     self._pending = memoryview(plaintext)
                     return self._take_pending(target)
                 if n is NEED_DATA:
                     break
                 assert isinstance(n, int)
+                self._plaintext_received += n
                 filled += n
         except ProtocolError as exc:
             self._fail(exc)
@@ -342,7 +350,6 @@ class SecureStream(trio.abc.Stream):
             self._fail(exc)
             raise trio.BrokenResourceError(f"secure channel failed: {exc}") from exc
         self.last_received = trio.current_time()
-        self.bytes_received += len(data)
         return True
 
     def _fail(self, exc: ProtocolError) -> None:

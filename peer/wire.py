@@ -400,9 +400,13 @@ class FrameReader:
         self._pool = pool
         self._budget = budget
         self._group = group
-        # a SecureStream counts its ciphertext as it comes, whole messages or not
-        self._meter: Meter = stream if isinstance(stream, SecureStream) else ByteMeter()
-        self._counts = not isinstance(stream, SecureStream)
+        # a SecureStream counts its bytes as they come, whole messages or not
+        self._own_meter: ByteMeter | None = None
+        self._meter: Meter
+        if isinstance(stream, SecureStream):
+            self._meter = stream
+        else:
+            self._meter = self._own_meter = ByteMeter()
         self.waiting = False
         """Parked until the budget has room: the peer is not read meanwhile (our pause,
         not its silence)."""
@@ -454,7 +458,11 @@ class FrameReader:
             self.waiting = False
         try:
             with hold.scope:
-                return await self._body(length)
+                # within the budget, the buffer comes at once (the budget bounds what
+                # announced frames hold): each message then decrypts straight into it as
+                # it comes, and what the frame got is its plaintext (held back as
+                # ciphertext until half of it was in, it could be empty messages)
+                return await self._body(length, wait_for_half=False)
             raise RemoteProtocolError(
                 f"a frame of {length} bytes stalled (nothing for {budget.stall_timeout:g} s, or "
                 f"under {MIN_RATE >> 10} KiB/s) while other frames waited for the receive budget"
@@ -462,8 +470,8 @@ class FrameReader:
         finally:
             budget.release(hold)
 
-    async def _body(self, length: int) -> memoryview:
-        if length >= _POOL_MIN and self._wait_buffered is not None:
+    async def _body(self, length: int, wait_for_half: bool = True) -> memoryview:
+        if wait_for_half and length >= _POOL_MIN and self._wait_buffered is not None:
             # Allocate once half of it is here: a peer that announces 4 MiB frames and
             # sends nothing more would otherwise make each connection hold 4 MiB.
             await self._wait_buffered(length // 2)
@@ -480,7 +488,7 @@ class FrameReader:
                     return False
                 raise RemoteProtocolError("stream ended inside a frame (truncated frame)")
             filled += n
-            if self._counts:
-                self._meter.bytes_received += n
-                self._meter.last_received = trio.current_time()
+            if self._own_meter is not None:
+                self._own_meter.bytes_received += n
+                self._own_meter.last_received = trio.current_time()
         return True

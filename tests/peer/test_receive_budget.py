@@ -23,6 +23,7 @@ from protocol.address import Address
 from protocol.errors import RemoteProtocolError
 from protocol.framing import encode_frame_header
 from protocol.identity import Identity
+from protocol.noise.transport import LENGTH_PREFIX
 from protocol.rpc import FrameKind, RpcFrame, decode_rpc_frame, encode_rpc_frame
 
 SERVER = Identity.from_seed(b"s" * 32)
@@ -358,3 +359,79 @@ async def test_a_frame_trickling_in_does_not_keep_its_connection_open(
                 if not server.num_connections:
                     break
             assert not server.num_connections and trio.current_time() - start <= 45
+
+
+async def test_the_next_waiting_frame_cuts_off_stalled_frames_when_the_first_leaves(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Only the first frame waiting for the total cuts off stalled ones; when it left (its
+    connection closed), the next slept on and nothing was cut off again (a reviewer)."""
+    budget = ReceiveBudget(limit=8 * MIB, stall_timeout=10.0, share=1.0)
+    with trio.fail_after(60):
+        stalled = [await budget.acquire(4 * MIB, None, ByteMeter()) for _ in range(2)]
+        first = trio.CancelScope()
+        granted = trio.Event()
+
+        async def wait_first() -> None:
+            with first:
+                await budget.acquire(4 * MIB, None, ByteMeter())
+
+        async def wait_next() -> None:
+            budget.release(await budget.acquire(4 * MIB, None, ByteMeter()))
+            granted.set()
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(wait_first)
+            await trio.testing.wait_all_tasks_blocked()
+            nursery.start_soon(wait_next)
+            await trio.sleep(5)
+            first.cancel()  # its connection is gone
+            await trio.sleep(6)
+            assert all(hold.scope.cancel_called for hold in stalled)
+            for hold in stalled:  # (their readers would, cut off)
+                budget.release(hold)
+            await granted.wait()
+
+
+async def test_empty_secure_messages_are_no_progress_of_a_frame(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A header, then only empty Noise messages (18 bytes, no data) at 27 KiB/s: counted
+    as ciphertext, they passed for progress, and the frame kept its room and its
+    connection forever (a reviewer). It is cut off for the frame waiting behind it."""
+    net = MemoryNetwork()
+    config = HostConfig(receive_budget=4 * MIB)
+    async with open_rpc_host(
+        SERVER, listen=Address("s", 1), network=net.interface("s"), config=config
+    ) as server:
+        with trio.fail_after(120):
+            raw = await net.interface("a").connect("s", 1)
+            attacker = await secure_handshake(raw, PEER, initiator=True)
+            await attacker.send_all(encode_frame_header(4 * MIB) + bytes(100))
+
+            async def pad() -> None:
+                with contextlib.suppress(trio.BrokenResourceError):
+                    while True:
+                        await attacker.transport_stream.send_all(_empty_messages(attacker, 1500))
+                        await trio.sleep(1)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(pad)
+                raw = await net.interface("h").connect("s", 1)
+                honest = await secure_handshake(raw, Identity.from_seed(b"o" * 32), initiator=True)
+                await honest.send_all(encode_frame_header(4 * MIB))
+                await trio.sleep(30)
+                assert server._receive_budget.cut_off == 1
+                nursery.cancel_scope.cancel()
+
+
+def _empty_messages(stream: SecureStream, count: int) -> bytes:
+    """``count`` empty transport messages, sealed by hand: the API sends none (they are
+    valid, and a peer may send them)."""
+    transport = stream._transport
+    out = []
+    for _ in range(count):
+        sealed = transport._seal_aead.encrypt(transport._seal_nonce(transport._seal_n), b"", None)
+        transport._seal_n += 1
+        out.append(LENGTH_PREFIX.pack(len(sealed)) + sealed)
+    return b"".join(out)
