@@ -121,7 +121,7 @@ class ReceiveBudget:
         waiter = _Waiter(size, group, meter)
         self._waiters.append(waiter)
         try:
-            self._grant()
+            self._grant({group})
             while waiter.hold is None:
                 # the oldest frame waiting for the total cuts off stalled frames of any
                 # host; one waiting for its host's share, only that host's
@@ -141,7 +141,7 @@ class ReceiveBudget:
             raise
         finally:
             self._waiters.remove(waiter)
-            self._grant()  # (it may have held up the frames behind it)
+            self._grant({group})  # (it may have held up the frames behind it)
         return waiter.hold
 
     def release(self, hold: FrameHold) -> None:
@@ -153,17 +153,18 @@ class ReceiveBudget:
                 self._by_group[hold.group] -= hold.size
                 if not self._by_group[hold.group]:
                     del self._by_group[hold.group]
-            self._grant()
+            self._grant({hold.group})
 
-    def _grant(self) -> None:
+    def _grant(self, changed: set[str | None]) -> None:
         """Give room to the waiting frames that fit, oldest first; one that does not fit
         the total stops the others (a large frame is not starved by smaller ones), one
         that waits for its host's share does not. The first of those that still wait for
-        the total, and the first of each host's that wait for its share, are woken too:
-        they are the ones that cut off stalled frames, and the frames now held are new
-        (the next waiter used to sleep on when the one before it left, and nothing was
-        cut off again)."""
-        hosts_woken: set[str | None] = set()
+        the total, and the first of each host's that wait for its share when that host's
+        frames or waiters ``changed`` (or it got room for one now), are woken too: they
+        are the ones that cut off stalled frames, and the frames now held are new (the
+        next waiter used to sleep on when the one before it left, and nothing was cut off
+        again; waking every host's on every change cost a core with 60 hosts waiting)."""
+        hosts_seen: set[str | None] = set()
         for waiter in self._waiters:
             if waiter.hold is not None:
                 continue
@@ -172,11 +173,13 @@ class ReceiveBudget:
                 waiter.event.set()
                 return
             if blocked == "host":
-                if waiter.group not in hosts_woken:
-                    hosts_woken.add(waiter.group)
-                    waiter.event.set()
+                if waiter.group not in hosts_seen:
+                    hosts_seen.add(waiter.group)
+                    if waiter.group in changed:
+                        waiter.event.set()
                 continue
             waiter.hold = self._take(waiter.size, waiter.group, waiter.meter)
+            changed.add(waiter.group)
             waiter.event.set()
 
     def _first_blocked_by_host(self, group: str | None) -> _Waiter | None:

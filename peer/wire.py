@@ -451,9 +451,11 @@ class FrameReader:
         budget = self._budget
         if length < _POOL_MIN or budget is None:
             return await self._body(length)
+        # the size of the buffer it will take (pooled sizes are whole multiples of 64 KiB)
+        size = -(-length // _POOL_MIN) * _POOL_MIN
         self.waiting = True
         try:
-            hold = await budget.acquire(length, self._group, self._meter)
+            hold = await budget.acquire(size, self._group, self._meter)
         finally:
             self.waiting = False
         try:

@@ -435,3 +435,19 @@ def _empty_messages(stream: SecureStream, count: int) -> bytes:
         transport._seal_n += 1
         out.append(LENGTH_PREFIX.pack(len(sealed)) + sealed)
     return b"".join(out)
+
+
+async def test_a_frame_is_charged_the_buffer_it_takes(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Pooled buffers are whole multiples of 64 KiB: frames of 64 KiB + 1 byte were charged
+    their length and took twice that, so headers alone held twice the budget (a reviewer)."""
+    budget = ReceiveBudget(limit=MIB, stall_timeout=10.0, share=1.0)
+    sender, receiver = await _secure_pair()
+    with trio.fail_after(10):
+        await sender.send_all(encode_frame_header((64 << 10) + 1))
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(FrameReader(receiver, 4 * MIB, FramePool(), budget).next_frame)
+            await trio.testing.wait_all_tasks_blocked()
+            assert budget.used == 128 << 10
+            nursery.cancel_scope.cancel()
