@@ -7,13 +7,14 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from contextlib import AbstractAsyncContextManager
 
 import pytest
 import trio
 import trio.testing
 from secure_pairs import secure_pair
 
-from peer.host import HostConfig, open_rpc_host
+from peer.host import HostConfig, RpcHost, open_rpc_host
 from peer.memnet import MemoryNetwork
 from peer.receive_budget import ByteMeter, ReceiveBudget
 from peer.rpc import Reply
@@ -182,18 +183,13 @@ async def test_a_connection_waiting_for_room_is_neither_silent_nor_idle(
     config = HostConfig(receive_budget=MIB, idle_timeout=30.0, silence_timeout=5.0)
     holder = Identity.from_seed(b"h" * 32)
     async with (
-        open_rpc_host(
-            SERVER, listen=Address("s", 1), network=net.interface("s"), config=config
-        ) as server,
-        open_rpc_host(
-            PEER, listen=Address("p", 1), network=net.interface("p"), config=config
-        ) as peer,
+        _server(net, config) as server,
+        _host(net, PEER, "p", config) as peer,
     ):
         server.register("echo", lambda request: _echo(request))
         peer.register("ping", lambda request: _pong(request))
         with trio.fail_after(120):
-            raw = await net.interface("h").connect("s", 1)
-            hog = await secure_handshake(raw, holder, initiator=True)
+            hog = await _dial(net, "h", holder)
             content = bytes(MIB - 64)
             await hog.send_all(encode_frame_header(MIB) + content[: MIB // 2])
 
@@ -239,12 +235,9 @@ async def test_an_abandoned_frame_leaves_no_buffer_behind_with_the_closed_connec
     buffer (a trial's node: 155 MiB after 60 such connections had gone)."""
     net = MemoryNetwork()
     config = HostConfig(receive_budget=8 * MIB)
-    async with open_rpc_host(
-        SERVER, listen=Address("s", 1), network=net.interface("s"), config=config
-    ) as host:
+    async with _server(net, config) as host:
         with trio.fail_after(30):
-            raw = await net.interface("p").connect("s", 1)
-            attacker = await secure_handshake(raw, PEER, initiator=True)
+            attacker = await _dial(net, "p", PEER)
             await attacker.send_all(encode_frame_header(MIB) + CONTENT[: 600 << 10])
             await trio.testing.wait_all_tasks_blocked()
             in_use = _pooled_in_use()
@@ -273,13 +266,10 @@ async def test_a_slow_frame_on_an_otherwise_idle_connection_is_not_closed_midway
     slower than ~70 KiB/s, with the default 60 s)."""
     net = MemoryNetwork()
     config = HostConfig(idle_timeout=20.0)
-    async with open_rpc_host(
-        SERVER, listen=Address("s", 1), network=net.interface("s"), config=config
-    ) as server:
+    async with _server(net, config) as server:
         server.register("echo", _echo)
         with trio.fail_after(120):
-            raw = await net.interface("p").connect("s", 1)
-            client = await secure_handshake(raw, PEER, initiator=True)
+            client = await _dial(net, "p", PEER)
             request = RpcFrame(FrameKind.REQUEST, 1, method="echo", payload=bytes(MIB))
             data = b"".join(bytes(piece) for piece in encode_rpc_frame(request))
             for offset in range(0, len(data), 20 << 10):  # 20 KiB/s
@@ -345,8 +335,7 @@ async def test_a_frame_trickling_in_does_not_keep_its_connection_open(
         config=HostConfig(idle_timeout=20.0),
     ) as server:
         with trio.fail_after(300):
-            raw = await net.interface("p").connect("s", 1)
-            client = await secure_handshake(raw, PEER, initiator=True)
+            client = await _dial(net, "p", PEER)
             await client.send_all(encode_frame_header(1000))
             await trio.testing.wait_all_tasks_blocked()
             assert server.num_connections == 1
@@ -401,12 +390,9 @@ async def test_empty_secure_messages_are_no_progress_of_a_frame(
     connection forever (a reviewer). It is cut off for the frame waiting behind it."""
     net = MemoryNetwork()
     config = HostConfig(receive_budget=4 * MIB)
-    async with open_rpc_host(
-        SERVER, listen=Address("s", 1), network=net.interface("s"), config=config
-    ) as server:
+    async with _server(net, config) as server:
         with trio.fail_after(120):
-            raw = await net.interface("a").connect("s", 1)
-            attacker = await secure_handshake(raw, PEER, initiator=True)
+            attacker = await _dial(net, "a", PEER)
             await attacker.send_all(encode_frame_header(4 * MIB) + bytes(100))
 
             async def pad() -> None:
@@ -417,8 +403,7 @@ async def test_empty_secure_messages_are_no_progress_of_a_frame(
 
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(pad)
-                raw = await net.interface("h").connect("s", 1)
-                honest = await secure_handshake(raw, Identity.from_seed(b"o" * 32), initiator=True)
+                honest = await _dial(net, "h", Identity.from_seed(b"o" * 32))
                 await honest.send_all(encode_frame_header(4 * MIB))
                 await trio.sleep(30)
                 assert server._receive_budget.cut_off == 1
@@ -451,3 +436,22 @@ async def test_a_frame_is_charged_the_buffer_it_takes(
             await trio.testing.wait_all_tasks_blocked()
             assert budget.used == 128 << 10
             nursery.cancel_scope.cancel()
+
+
+def _host(
+    net: MemoryNetwork, identity: Identity, host: str, config: HostConfig
+) -> AbstractAsyncContextManager[RpcHost]:
+    return open_rpc_host(
+        identity, listen=Address(host, 1), network=net.interface(host), config=config
+    )
+
+
+def _server(net: MemoryNetwork, config: HostConfig) -> AbstractAsyncContextManager[RpcHost]:
+    """The host under test, at s:1."""
+    return _host(net, SERVER, "s", config)
+
+
+async def _dial(net: MemoryNetwork, host: str, identity: Identity) -> SecureStream:
+    """A secure connection to the server from ``host``, by hand (as a hostile peer would)."""
+    raw = await net.interface(host).connect("s", 1)
+    return await secure_handshake(raw, identity, initiator=True)
