@@ -406,7 +406,10 @@ async def _bootstrap(args: argparse.Namespace, stop: _SignalStop) -> int:
     # keeps 256 MiB, 96 MiB and 256 MiB.
     FRAME_POOL.limit = BOOTSTRAP_POOL_BYTES
     config = PeerConfig(
-        host=HostConfig(receive_budget=BOOTSTRAP_RECEIVE_BYTES),
+        host=HostConfig(
+            receive_budget=BOOTSTRAP_RECEIVE_BYTES,
+            receive_budget_per_host=BOOTSTRAP_RECEIVE_BYTES // 8,  # it averages nothing
+        ),
         dht=DHTConfig(max_stored_bytes=BOOTSTRAP_STORED_BYTES),
     )
     try:

@@ -122,7 +122,9 @@ class RpcHost:
         self.peer_id: PeerID = identity.peer_id
         self.config = config
         self.network = network
-        self._receive_budget = ReceiveBudget(config.receive_budget, config.receive_stall_timeout)
+        self._receive_budget = ReceiveBudget(
+            config.receive_budget, config.receive_stall_timeout, config.receive_budget_per_host
+        )
         if config.max_inflight_requests < MAX_INFLIGHT_REQUESTS:
             logger.warning(
                 "HostConfig.max_inflight_requests is %d: peers may keep %d requests in flight "

@@ -59,10 +59,15 @@ class HostConfig:
     """Connect plus handshake, for outbound connections."""
     receive_budget: int = 256 << 20
     """Bytes of large frames (64 KiB or more) being received at once, all connections
-    together, an eighth of it at most from one remote host (loopback not counted apart); a
-    frame that does not fit waits for room, its peer not read meanwhile (see
+    together; a frame that does not fit waits for room, its peer not read meanwhile (see
     ``peer.receive_budget``). It bounds what peers that announce large frames and send part
-    of each can make us hold."""
+    of each can make us hold. Keep it well above what averaging receives at once (a chunk,
+    2 MiB by default, from each member, and a result item from each reducer): a connection
+    whose frame waits is not read, and the averager's pings on it go unanswered."""
+    receive_budget_per_host: int | None = None
+    """Of ``receive_budget``, the most that one remote host (an IPv6 /64) may hold (but one
+    frame of any size); loopback hosts are not counted apart. None: no limit apart (the
+    peers behind a NAT share one address)."""
     receive_stall_timeout: float = 10.0
     """A large frame that received nothing for this long, or under 16 KiB/s on average once
     this old, is cut off (its connection closed) when another frame waits for room in
@@ -99,6 +104,14 @@ class HostConfig:
             raise ValueError(
                 "HostConfig.handshake_burst_per_ip must be at least 1, "
                 f"got {self.handshake_burst_per_ip}"
+            )
+        per_host = self.receive_budget_per_host
+        if per_host is not None and (
+            isinstance(per_host, bool) or not isinstance(per_host, int) or per_host < 1
+        ):
+            raise ValueError(
+                "HostConfig.receive_budget_per_host must be None or an integer of at least 1, "
+                f"got {per_host!r}"
             )
         if not self.silence_timeout > 0:  # math.inf turns the check off
             raise ValueError(

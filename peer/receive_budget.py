@@ -8,10 +8,14 @@ meant to stay small. So a reader takes a frame's length from the budget before i
 frame's body, and gives it back once the frame is whole (the payload then belongs to
 whoever handles it, e.g. a reducer within its ``retain_budget``).
 
-- One remote host (an IPv4 address, an IPv6 /64: ``peer.remote_hosts.host_group``) holds
-  at most ``share`` of the budget (but always room for one frame), so that one host cannot
+- One remote host (an IPv4 address, an IPv6 /64: ``peer.remote_hosts.host_group``) may be
+  held to ``host_limit`` of it (but always room for one frame), so that one host cannot
   take it all; loopback hosts are not counted apart (local experiments run every peer on
-  127.0.0.1).
+  127.0.0.1). Off by default (``HostConfig.receive_budget_per_host``): the peers of a NAT
+  share one address, and 17 averaging peers behind one, limited to an eighth of the
+  budget at each other's, lost nearly whole rounds on 10 Mbit/s links (their frames
+  waited, and a connection whose frame waits is not read: the pings on it went
+  unanswered). ``swarm bootstrap`` sets it.
 - When the budget (or the host's share) is spent, a reader waits; its peer is not read
   meanwhile, so TCP holds the sender back. Frames get room in the order they asked (a
   large one is not starved by smaller ones), but for one that waits for its own host's
@@ -100,14 +104,14 @@ class _Waiter:
 
 
 class ReceiveBudget:
-    """At most ``limit`` bytes of large frames being received at once, ``share`` of it from
-    one remote host group. Frames get room in the order they asked, but for one that
-    waits for its own host's share: frames from other hosts go past it."""
+    """At most ``limit`` bytes of large frames being received at once, ``host_limit`` of it
+    from one remote host group (None: no limit apart). Frames get room in the order they
+    asked, but for one that waits for its own host's share: other hosts' frames go past it."""
 
-    def __init__(self, limit: int, stall_timeout: float, share: float = 0.125) -> None:
+    def __init__(self, limit: int, stall_timeout: float, host_limit: int | None = None) -> None:
         self.limit = limit
         self.stall_timeout = stall_timeout
-        self.host_limit = max(1, int(limit * share))
+        self.host_limit = limit if host_limit is None else host_limit
         self.used = 0
         self.cut_off = 0  # stalled frames cut off to make room (for tests and stats)
         self._by_group: Counter[str] = Counter()

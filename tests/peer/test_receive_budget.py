@@ -40,7 +40,7 @@ async def _secure_pair() -> tuple[SecureStream, SecureStream]:
 async def test_a_frame_waits_for_room_and_a_stalled_one_is_cut_off_to_make_it(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    budget = ReceiveBudget(limit=MIB + MIB // 2, stall_timeout=10.0, share=1.0)  # one frame
+    budget = ReceiveBudget(limit=MIB + MIB // 2, stall_timeout=10.0)  # one frame
     stalling, stalled_side = await _secure_pair()
     honest, honest_side = await _secure_pair()
     pool = FramePool()
@@ -79,7 +79,7 @@ async def test_a_frame_that_keeps_arriving_is_not_cut_off(
     """Slow is not stalled: a frame that arrives at 32 KiB/s, in pieces smaller than a
     secure message (64 KiB: counted as they come, not once a message is whole), keeps its
     room, and the frame waiting behind it comes in after it."""
-    budget = ReceiveBudget(limit=MIB, stall_timeout=10.0, share=1.0)
+    budget = ReceiveBudget(limit=MIB, stall_timeout=10.0)
     slow, slow_side = await _secure_pair()
     other, other_side = await _secure_pair()
     got: list[bytes] = []
@@ -106,7 +106,7 @@ async def test_a_frame_that_keeps_arriving_is_not_cut_off(
 async def test_a_frame_larger_than_the_budget_comes_in_alone(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    budget = ReceiveBudget(limit=MIB // 2, stall_timeout=10.0, share=1.0)
+    budget = ReceiveBudget(limit=MIB // 2, stall_timeout=10.0)
     sender, receiver = await _secure_pair()
     with trio.fail_after(10):
         await sender.send_all(encode_frame_header(MIB) + CONTENT)
@@ -119,7 +119,7 @@ async def test_a_frame_that_trickles_in_is_cut_off_when_another_waits(
 ) -> None:
     """A byte every 9 s kept a frame's room forever (a reviewer): under MIN_RATE on average
     once stall_timeout old, it counts as stalled."""
-    budget = ReceiveBudget(limit=MIB, stall_timeout=10.0, share=1.0)
+    budget = ReceiveBudget(limit=MIB, stall_timeout=10.0)
     trickling, trickling_side = await _secure_pair()
     honest, honest_side = await _secure_pair()
     outcomes: dict[str, object] = {}
@@ -156,9 +156,9 @@ async def test_a_frame_that_trickles_in_is_cut_off_when_another_waits(
 async def test_one_remote_host_holds_at_most_its_share(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
-    """Frames from one host take at most ``share`` of the budget (but one frame always
+    """Frames from one host take at most ``host_limit`` of the budget (but one frame always
     fits): another host's frame does not wait behind them."""
-    budget = ReceiveBudget(limit=8 * MIB, stall_timeout=10.0, share=0.25)  # 2 MiB per host
+    budget = ReceiveBudget(limit=8 * MIB, stall_timeout=10.0, host_limit=2 * MIB)
     with trio.fail_after(10):
         first = await budget.acquire(2 * MIB, "203.0.113.7", ByteMeter())
         with trio.move_on_after(5) as waited:  # its second frame waits for its share
@@ -284,7 +284,7 @@ async def test_a_frame_waiting_for_its_hosts_share_cuts_off_no_other_hosts_frame
 ) -> None:
     """A frame blocked only by its own host's share cut off another host's frame that had
     paused (a reviewer): that frees nothing it can use."""
-    budget = ReceiveBudget(limit=8 * MIB, stall_timeout=10.0, share=0.25)  # 2 MiB per host
+    budget = ReceiveBudget(limit=8 * MIB, stall_timeout=10.0, host_limit=2 * MIB)
     paused = ByteMeter()
     with trio.fail_after(60):
         other = await budget.acquire(MIB, "198.51.100.1", paused)  # gets nothing for 30 s
@@ -301,7 +301,7 @@ async def test_frames_get_room_in_the_order_they_asked(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     """A large frame is not starved by smaller ones that keep coming after it."""
-    budget = ReceiveBudget(limit=4 * MIB, stall_timeout=100.0, share=1.0)
+    budget = ReceiveBudget(limit=4 * MIB, stall_timeout=100.0)
     order: list[str] = []
     with trio.fail_after(60):
         first = await budget.acquire(3 * MIB, None, ByteMeter())
@@ -355,7 +355,7 @@ async def test_the_next_waiting_frame_cuts_off_stalled_frames_when_the_first_lea
 ) -> None:
     """Only the first frame waiting for the total cuts off stalled ones; when it left (its
     connection closed), the next slept on and nothing was cut off again (a reviewer)."""
-    budget = ReceiveBudget(limit=8 * MIB, stall_timeout=10.0, share=1.0)
+    budget = ReceiveBudget(limit=8 * MIB, stall_timeout=10.0)
     with trio.fail_after(60):
         stalled = [await budget.acquire(4 * MIB, None, ByteMeter()) for _ in range(2)]
         first = trio.CancelScope()
@@ -427,7 +427,7 @@ async def test_a_frame_is_charged_the_buffer_it_takes(
 ) -> None:
     """Pooled buffers are whole multiples of 64 KiB: frames of 64 KiB + 1 byte were charged
     their length and took twice that, so headers alone held twice the budget (a reviewer)."""
-    budget = ReceiveBudget(limit=MIB, stall_timeout=10.0, share=1.0)
+    budget = ReceiveBudget(limit=MIB, stall_timeout=10.0)
     sender, receiver = await _secure_pair()
     with trio.fail_after(10):
         await sender.send_all(encode_frame_header((64 << 10) + 1))
