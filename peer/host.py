@@ -221,9 +221,14 @@ class RpcHost:
     def last_heard(self, peer_id: PeerID) -> float:
         """trio time bytes from ``peer_id`` last arrived, on any open connection (-inf:
         none), part of a frame included. A peer whose answer to one call is late but whose
-        bytes keep coming is busy, not frozen."""
-        times = [c.last_received for c in self._connections if c.peer_id == peer_id]
-        return max(times, default=-math.inf)
+        bytes keep coming is busy, not frozen. Now, while we are the ones not reading one
+        of its connections (its frame waits for room in the receive budget): the averager
+        took such peers for frozen, and dropped them, when its pings' answers queued
+        behind that frame."""
+        connections = [c for c in self._connections if c.peer_id == peer_id]
+        if any(c.not_reading for c in connections):
+            return trio.current_time()
+        return max((c.last_received for c in connections), default=-math.inf)
 
     # -- handlers --------------------------------------------------------------------------
 

@@ -329,7 +329,7 @@ class RpcConnection:
         return max(self.last_activity, progress)
 
     @property
-    def _not_reading(self) -> bool:
+    def not_reading(self) -> bool:
         """Our reader waits, not the peer: for a stream's consumer, or for room in the
         receive budget for the frame it announced."""
         return self._reader_paused or (self._reader is not None and self._reader.waiting)
@@ -343,7 +343,7 @@ class RpcConnection:
         a reset, and every call would time out on it for ~15 minutes (an averaging member
         was alone round after round). A call cancelled sooner (a hedged lookup's) proves
         nothing: the peer does not answer what we cancelled."""
-        if self._not_reading:
+        if self.not_reading:
             return  # we are not reading (a stream's consumer lags): the peer may be talking
         now, received = trio.current_time(), self.last_received
         if self._unanswered_since is not None and received > self._unanswered_since:

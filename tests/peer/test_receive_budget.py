@@ -211,11 +211,15 @@ async def test_a_connection_waiting_for_room_is_neither_silent_nor_idle(
                 await trio.testing.wait_all_tasks_blocked()
                 start = trio.current_time()
                 nursery.start_soon(honest_call)
+                heard: list[bool] = []
                 for _ in range(8):  # the server calls the waiting peer meanwhile
                     await trio.sleep(5)
                     with trio.move_on_after(2):
                         await server.call(Address("p", 1, PEER.peer_id), "ping")
+                    # (what the averager asks before it takes a peer for frozen)
+                    heard.append(server.last_heard(PEER.peer_id) == trio.current_time())
                 await done.wait()
+                assert heard[:3] == [True] * 3, heard  # parked by us: heard "now"
                 nursery.cancel_scope.cancel()
     assert answered[0] - start > 20  # it waited for the slow frame, and was not cut off
 
