@@ -130,10 +130,8 @@ class ReceiveBudget:
                 # the oldest frame waiting for the total cuts off stalled frames of any
                 # host; one waiting for its host's share, only that host's
                 blocked = self._blocked(size, group)
-                if blocked == "total" and self._first_blocked_by_total() is waiter:
-                    wake_at = self._cut_off_stalled(None)
-                elif blocked == "host" and self._first_blocked_by_host(group) is waiter:
-                    wake_at = self._cut_off_stalled(group)
+                if blocked and self._first_blocked(blocked, group) is waiter:
+                    wake_at = self._cut_off_stalled(None if blocked == "total" else group)
                 else:
                     wake_at = math.inf
                 with trio.move_on_at(wake_at):  # room granted, or a frame stalls enough
@@ -186,19 +184,14 @@ class ReceiveBudget:
             changed.add(waiter.group)
             waiter.event.set()
 
-    def _first_blocked_by_host(self, group: str | None) -> _Waiter | None:
+    def _first_blocked(self, blocked: str, group: str | None) -> _Waiter | None:
+        """The oldest waiter blocked by ``blocked`` ("total", or "host": of ``group``)."""
         for waiter in self._waiters:
             if (
                 waiter.hold is None
-                and waiter.group == group
-                and self._blocked(waiter.size, waiter.group) == "host"
+                and (blocked == "total" or waiter.group == group)
+                and self._blocked(waiter.size, waiter.group) == blocked
             ):
-                return waiter
-        return None
-
-    def _first_blocked_by_total(self) -> _Waiter | None:
-        for waiter in self._waiters:
-            if waiter.hold is None and self._blocked(waiter.size, waiter.group) == "total":
                 return waiter
         return None
 
