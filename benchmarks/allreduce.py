@@ -14,7 +14,8 @@ peer's butterfly time (``allreduce_s``, matchmaking excluded, as gloo's time exc
 rendezvous) and of its whole step (``step_s``, matchmaking included), the mean CPU time of a peer's
 step (``cpu_s``; well under ``step_s`` x cores / peers: the peers waited for each other;
 the figure to watch on a loaded machine), and how many large buffers a peer allocated per
-step (``fresh_buffers``: received frames, upload blobs, results; each one page-faults).
+step (``fresh_buffers``: received frames, upload blobs, results, float64 sums; each one
+page-faults).
 ``--chunk-bytes`` and ``--max-inflight`` override the ``AveragerConfig`` defaults.
 Shaped runs add the wire-time lower bound ``2 (n-1)/n * encoded bytes / rate`` and the
 ratio to it. Two shapers, named in the report: ``--shaper stream`` (the default) shapes
@@ -165,6 +166,7 @@ def _fresh_buffers(averager: Any) -> dict[str, int]:
         "frames": FRAME_POOL.allocated,
         "uploads": averager._pool.allocated,
         "results": averager._results.allocated,
+        "wide_sums": averager._wide.allocated,
     }
 
 

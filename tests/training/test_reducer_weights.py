@@ -8,7 +8,7 @@ import pytest
 
 from protocol.codecs import get_codec
 from protocol.identity import Identity, PeerID
-from training.averaging.reducer import DropReason, Member, PartReducer
+from training.averaging.reducer import DropReason, Member, PartReducer, wide_sum_wanted
 from training.averaging.scans import FLT_MAX, convex_shares, float32_below
 
 LENGTH, CHUNK = 20, 8
@@ -19,13 +19,19 @@ def peer(i: int) -> PeerID:
 
 
 def reduce(
-    codec: str, weights: tuple[float, ...], data: list[np.ndarray], senders: int | None = None
+    codec: str,
+    weights: tuple[float, ...],
+    data: list[np.ndarray],
+    senders: int | None = None,
+    wide: bool = False,
 ) -> tuple[PartReducer, np.ndarray]:
     """We are peer 0 (our values already in the sum's buffer); the first ``senders`` others
-    (default: all) send everything through ``codec``, the rest nothing."""
+    (default: all) send everything through ``codec``, the rest nothing. ``wide``: the sum
+    in float64."""
     members = [Member(peer(i), w, 0) for i, w in enumerate(weights)]
     acc = data[0].copy()
     reducer = PartReducer(
+        wide=np.empty(LENGTH, np.float64) if wide else None,
         length=LENGTH,
         chunk_elements=CHUNK,
         codec=get_codec(codec),
@@ -64,11 +70,12 @@ def spread(value: float, seed: int) -> np.ndarray:
         ((1.0, 2.0, 3.0), (1e-30, -2e-30, 3e-30)),  # tiny values stay exact too
     ],
 )
+@pytest.mark.parametrize("wide", [False, True], ids=["float32", "float64"])
 def test_any_positive_finite_weights_give_the_weighted_mean(
-    weights: tuple[float, ...], scales: tuple[float, ...]
+    weights: tuple[float, ...], scales: tuple[float, ...], wide: bool
 ) -> None:
     data = [spread(scale, i) for i, scale in enumerate(scales)]
-    reducer, _ = reduce("none", weights, data)
+    reducer, _ = reduce("none", weights, data, wide=wide)
     outcome = reducer.finalize({})
     assert outcome.contributors == tuple(peer(i) for i in range(len(weights)))
     assert outcome.note == "" and outcome.weight == pytest.approx(sum(weights))
@@ -205,3 +212,67 @@ def test_a_mean_at_float32s_largest_is_served_when_no_division_is_needed() -> No
     outcome = reducer.finalize({})
     assert outcome.note == "" and outcome.weight == 2.0
     np.testing.assert_array_equal(reducer.mean(), data[0])
+
+
+@pytest.mark.parametrize(
+    "weights",
+    [(1.0, 1.0, 1.0), (1.0, 2.0, 3.0, 1.0), (0.1, 0.7, 1.3), (1.0,) * 16, (1e307, 2e307, 5e307)],
+    ids=str,
+)
+def test_a_float64_sum_is_within_a_rounding_of_the_exact_mean_where_values_cancel(
+    weights: tuple[float, ...],
+) -> None:
+    """With three senders or more (the ``none`` codec) the sum is kept in float64 and
+    rounded to float32 once: each element of the mean is within a float32 rounding of the
+    exact weighted mean, even where the contributions nearly cancel (a float32 sum rounds
+    at each addition, by up to 2**-24 of the partial sums: far more than that, relatively,
+    beside a mean near zero)."""
+    assert wide_sum_wanted(get_codec("none"), len(weights))
+    rng = np.random.default_rng(11)
+    data = [rng.standard_normal(LENGTH).astype(np.float32) for _ in weights[:-1]]
+    # the last sender's values cancel the others' weighted sum but for a small remainder
+    top = max(weights)
+    partial = sum(w / top * d.astype(np.float64) for w, d in zip(weights, data, strict=False))
+    remainder = 1e-4 * rng.standard_normal(LENGTH)
+    data.append(((remainder - partial) / (weights[-1] / top)).astype(np.float32))
+    exact = sum(w / top * d.astype(np.float64) for w, d in zip(weights, data, strict=True))
+    exact /= sum(w / top for w in weights)
+    wide, _ = reduce("none", weights, data, wide=True)
+    wide.finalize({})
+    np.testing.assert_allclose(wide.mean(), exact, rtol=2**-23, atol=0)
+    narrow, _ = reduce("none", weights, data)  # what the float32 sum gives instead
+    narrow.finalize({})
+    assert not np.allclose(narrow.mean(), exact, rtol=1e-6, atol=0)
+
+
+def test_a_float64_sum_leaves_nothing_of_a_dropped_sender() -> None:
+    """A sender that delivered part of its chunks and was dropped is subtracted again; the
+    mean of the others is still within a float32 rounding of theirs."""
+    rng = np.random.default_rng(12)
+    data = [rng.standard_normal(LENGTH).astype(np.float32) for _ in range(4)]
+    members = [Member(peer(i), 1.0 + i, 0) for i in range(4)]
+    reducer = PartReducer(
+        length=LENGTH, chunk_elements=CHUNK, codec=get_codec("none"), members=members,
+        senders=[m.peer_id for m in members], max_staleness=2, decay=0.5, acc=data[0].copy(),
+        scratch=np.empty(CHUNK, np.float32), local=peer(0), wide=np.empty(LENGTH, np.float64),
+    )  # fmt: skip
+    encoder = get_codec("none")
+    for member, values in zip(members[1:], data[1:], strict=True):
+        chunks = reducer.n_chunks if member.peer_id != peer(2) else reducer.n_chunks - 1
+        for index in range(chunks):
+            blob = encoder.encode(values[index * CHUNK : (index + 1) * CHUNK])
+            reducer.add_chunk(member.peer_id, index, 0, member.weight, blob)
+    outcome = reducer.finalize({})
+    assert outcome.dropped == ((peer(2), DropReason.TIMEOUT),)
+    kept = [0, 1, 3]
+    exact = sum(members[i].weight * data[i].astype(np.float64) for i in kept)
+    exact /= sum(members[i].weight for i in kept)
+    np.testing.assert_allclose(reducer.mean(), exact, rtol=2**-23, atol=0)
+
+
+def test_only_none_with_three_senders_or_more_sums_in_float64() -> None:
+    """The lossy codecs' error dwarfs float32's; two senders are one rounding already."""
+    assert not wide_sum_wanted(get_codec("none"), 2)
+    assert wide_sum_wanted(get_codec("none"), 3)
+    for codec in ("float16", "int8"):
+        assert not wide_sum_wanted(get_codec(codec), 16)

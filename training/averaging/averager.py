@@ -238,6 +238,7 @@ class Averager:
         # per-part share of max_inflight is rounded up, see Butterfly)
         self._pool = BufferPool(config.max_inflight + config.group_size)
         self._results = SharedBuffer()  # our part's encoded mean, reused across rounds
+        self._wide = SharedBuffer()  # our part's float64 sum (none, 3+ peers), reused too
         # topk: what compression kept out of our contributions, sent with the next ones
         self.feedback = (
             ErrorFeedback(self.flat.total, self.codec, chunk) if self.codec.name == "topk" else None
@@ -531,7 +532,7 @@ class Averager:
         if plan.my_part is not None:
             service = ReducerService(
                 plan, plan.my_part, self.flat, self.codec, self.config, liveness,
-                self._scratch, self._results,
+                self._scratch, self._results, self._wide,
             )  # fmt: skip
         assert self._active is not None
         self._active.service = service

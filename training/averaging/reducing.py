@@ -34,7 +34,14 @@ from .layout import FlatVector, Float32Array, Span, chunk_span
 from .messages import ChunkHeader, ResultHeader
 from .pieces import RangeCodec
 from .plan import Liveness, Plan
-from .reducer import ChunkRejected, DropReason, Member, PartOutcome, PartReducer
+from .reducer import (
+    ChunkRejected,
+    DropReason,
+    Member,
+    PartOutcome,
+    PartReducer,
+    wide_sum_wanted,
+)
 from .scans import overflow_note
 
 logger = logging.getLogger(__name__)
@@ -55,6 +62,7 @@ class ReducerService:
         liveness: Liveness,
         scratch: Float32Array,
         results: SharedBuffer | None = None,
+        wide: SharedBuffer | None = None,
     ) -> None:
         self.plan = plan
         self.part = part
@@ -77,7 +85,11 @@ class ReducerService:
         # part still get them: the mean over its one contributor).
         self.solo = False
         # The sum builds up in place, in our own span of the flat vector (it holds our values;
-        # the tensors keep them too, for when the round fails).
+        # the tensors keep them too, for when the round fails), or in float64 beside it
+        # (``none`` with three senders or more: see wide_sum_wanted).
+        wide_sum = None
+        if wide_sum_wanted(codec, len(members)):
+            wide_sum = np.frombuffer((wide or SharedBuffer()).get(8 * length), np.float64, length)
         self.reducer = PartReducer(
             length=length,
             chunk_elements=config.chunk_elements,
@@ -93,6 +105,7 @@ class ReducerService:
             local=plan.me,
             local_values=self.target,
             defer_load=True,  # see load(): after our uploads are under way
+            wide=wide_sum,
         )
         # spans of several tensors (or other dtypes) are copied into the flat vector first;
         # topk: the averager already put our sparsified values there

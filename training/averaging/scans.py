@@ -67,14 +67,19 @@ def magnitude(values: torch.Tensor) -> float:
     return max(-float(low), float(high))
 
 
-def scale_magnitude(dst: Float32Array, src: Float32Array | None, factor: float) -> float:
+def scale_magnitude(dst: np.ndarray, src: Float32Array | None, factor: float) -> float:
     """``dst[...] = factor * src`` (``src`` None: ``dst *= factor``), and :func:`magnitude`
     of the result, each piece measured right after it is written (one pass over memory);
-    stops at the first piece that is not finite (and returns its magnitude)."""
+    stops at the first piece that is not finite (and returns its magnitude). A float64
+    ``dst`` gets the product in float64 (not a float32 product widened)."""
     largest = 0.0
+    widen = dst.dtype != np.float32
     for i in range(0, len(dst), PIECE):
         piece = torch.from_numpy(dst[i : i + PIECE])
-        if src is not None:
+        if src is not None and widen:
+            piece.copy_(as_tensor(src[i : i + PIECE]))
+            piece.mul_(factor)
+        elif src is not None:
             torch.mul(as_tensor(src[i : i + PIECE]), factor, out=piece)
         elif factor != 1.0:
             piece.mul_(factor)
