@@ -640,6 +640,55 @@ async def test_a_member_whose_step_was_cancelled_costs_the_others_a_stall_timeou
             await next_round_without(members, victim)
 
 
+async def test_a_reducer_whose_step_ends_before_its_mean_is_ready_ends_waiting_downloads(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A member's step is cancelled (by its caller) after the group was confirmed, while
+    another member's request for its part waits for the mean: that request is answered
+    ``not_found`` at once, as a request that comes after the step ended is, so the others
+    drop the part and finish at once (a review found them held a whole stall timeout)."""
+    results = ReducerService.results
+    caught: list[bool] = []
+
+    async def cancelling_results(self: ReducerService, member: PeerID) -> AsyncIterator[Reply]:
+        if self.plan.me == victim_id and not caught:
+            caught.append(not self.ready.is_set())
+            scope.cancel()  # the victim's step ends while this request waits
+        async with aclosing(results(self, member)) as items:
+            async for item in items:
+                yield item
+
+    with trio.fail_after(120):
+        async with memnet_swarm(3) as (_, nodes):
+            members = make_members(nodes, 3 * 4096, fast_config())
+            victim = non_leader(members)
+            victim_id = members[victim].peer_id
+            scope = trio.CancelScope()
+            monkeypatch.setattr(ReducerService, "results", cancelling_results)
+            took: list[tuple[AveragingInfo | None, float]] = [(None, 0.0)] * 3
+
+            async def one(i: int) -> None:
+                start = trio.current_time()
+                with scope if i == victim else contextlib.nullcontext():
+                    info = await members[i].averager.step(members[i].weight, timeout=TIMEOUT)
+                    took[i] = (info, trio.current_time() - start)
+
+            async with trio.open_nursery() as nursery:
+                for i in range(3):
+                    nursery.start_soon(one, i)
+            monkeypatch.setattr(ReducerService, "results", results)
+            assert caught == [True]  # the request came before the victim's mean was ready
+            stall = members[0].averager.config.stall_timeout
+            for i, (info, elapsed) in enumerate(took):
+                if i == victim:
+                    assert info is None
+                    continue
+                assert info is not None and info.outcome is Outcome.PARTIAL, str(info)
+                assert info.dropped.get(victim_id) is DropReason.DEAD
+                assert elapsed < stall, (elapsed, stall)
+            await next_round_without(members, victim)
+
+
 async def test_a_download_retried_after_a_reset_that_the_reducer_no_longer_serves_says_so(
     autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:

@@ -415,6 +415,8 @@ class Averager:
         finally:
             if self._active is not None:
                 self._active.ready.set()
+                if self._active.service is not None:  # its waiting result streams end
+                    self._active.service.close()
                 self._active = None
             self._matchmaker.led = None
             self._busy = False

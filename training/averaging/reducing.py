@@ -139,6 +139,7 @@ class ReducerService:
         self.raw = isinstance(codec, NoneCodec)  # results are raw views of the mean
         self.raw_chunks: set[int] = set()  # topk: result chunks sent dense (raw float32)
         self.ready = trio.Event()
+        self.closed = False  # our step left the round (see close)
         self.downloaded: set[PeerID] = set()
         self.last_download = trio.current_time()
 
@@ -476,6 +477,7 @@ class ReducerService:
         )
         self.last_download = trio.current_time()
         self.ready.set()
+        self._notify()  # (result streams wait on _changed: see results)
         return outcome
 
     async def publish(self) -> None:
@@ -570,9 +572,24 @@ class ReducerService:
 
     # -- results out ---------------------------------------------------------------------
 
+    def close(self) -> None:
+        """Our step left the round: result streams still waiting for the header end at
+        once (``not_found``, as for a member that asks after the step ended) instead of
+        holding the member until its stall timeout. Streams under way go on."""
+        self.closed = True
+        self._notify()
+
     async def results(self, member: PeerID) -> AsyncGenerator[Reply, None]:
-        """The result stream for ``member``: the header, then every blob as it is ready."""
-        await self.ready.wait()
+        """The result stream for ``member``: the header, then every blob as it is ready.
+
+        Raises:
+            RemoteError: ``not_found`` when our step left the round before the mean was
+                ready (see :meth:`close`).
+        """
+        while not self.ready.is_set():
+            if self.closed:
+                raise RemoteError("not_found", f"round {self.plan.round} ended here first")
+            await self._changed.wait()
         assert self.header is not None
         self.last_download = trio.current_time()
         yield Reply(self.header.to_body())
