@@ -216,18 +216,22 @@ def test_a_mean_at_float32s_largest_is_served_when_no_division_is_needed() -> No
 
 @pytest.mark.parametrize(
     "weights",
-    [(1.0, 1.0, 1.0), (1.0, 2.0, 3.0, 1.0), (0.1, 0.7, 1.3), (1.0,) * 16, (1e307, 2e307, 5e307)],
+    [
+        (1.0, 1.0, 1.0), (1.0, 2.0, 3.0, 1.0), (0.1, 0.7, 1.3), (1.0,) * 16,
+        (1e307, 2e307, 5e307), (1.0, 3.0), (3.0, 1.0), (0.3, 1.7), (48.0, 32.0), (1.0, 2.0),
+    ],
     ids=str,
-)
+)  # fmt: skip
 def test_a_float64_sum_is_within_a_rounding_of_the_exact_mean_where_values_cancel(
     weights: tuple[float, ...],
 ) -> None:
-    """With three senders or more (the ``none`` codec) the sum is kept in float64 and
-    rounded to float32 once: each element of the mean is within a float32 rounding of the
-    exact weighted mean, even where the contributions nearly cancel (a float32 sum rounds
-    at each addition, by up to 2**-24 of the partial sums: far more than that, relatively,
-    beside a mean near zero)."""
-    assert wide_sum_wanted(get_codec("none"), len(weights))
+    """With three senders or more, or two whose float32 shares would round our values
+    (the ``none`` codec), the sum is kept in float64 and rounded to float32 once: each
+    element of the mean is within a float32 rounding of the exact weighted mean, even where
+    the contributions nearly cancel (a float32 sum rounds at each addition, by up to 2**-24
+    of the partial sums: far more than that, relatively, beside a mean near zero)."""
+    effective = {peer(i): w for i, w in enumerate(weights)}
+    wanted = wide_sum_wanted(get_codec("none"), effective, peer(0))
     rng = np.random.default_rng(11)
     data = [rng.standard_normal(LENGTH).astype(np.float32) for _ in weights[:-1]]
     # the last sender's values cancel the others' weighted sum but for a small remainder
@@ -237,12 +241,13 @@ def test_a_float64_sum_is_within_a_rounding_of_the_exact_mean_where_values_cance
     data.append(((remainder - partial) / (weights[-1] / top)).astype(np.float32))
     exact = sum(w / top * d.astype(np.float64) for w, d in zip(weights, data, strict=True))
     exact /= sum(w / top for w in weights)
-    wide, _ = reduce("none", weights, data, wide=True)
-    wide.finalize({})
-    np.testing.assert_allclose(wide.mean(), exact, rtol=2**-23, atol=0)
-    narrow, _ = reduce("none", weights, data)  # what the float32 sum gives instead
-    narrow.finalize({})
-    assert not np.allclose(narrow.mean(), exact, rtol=1e-6, atol=0)
+    reducer, _ = reduce("none", weights, data, wide=wanted)  # as the service decides
+    reducer.finalize({})
+    np.testing.assert_allclose(reducer.mean(), exact, rtol=2**-23, atol=0)
+    if wanted:  # what a float32 sum would give instead
+        narrow, _ = reduce("none", weights, data)
+        narrow.finalize({})
+        assert not np.allclose(narrow.mean(), exact, rtol=1e-6, atol=0)
 
 
 def test_a_float64_sum_leaves_nothing_of_a_dropped_sender() -> None:
@@ -270,9 +275,42 @@ def test_a_float64_sum_leaves_nothing_of_a_dropped_sender() -> None:
     np.testing.assert_allclose(reducer.mean(), exact, rtol=2**-23, atol=0)
 
 
-def test_only_none_with_three_senders_or_more_sums_in_float64() -> None:
-    """The lossy codecs' error dwarfs float32's; two senders are one rounding already."""
-    assert not wide_sum_wanted(get_codec("none"), 2)
-    assert wide_sum_wanted(get_codec("none"), 3)
-    for codec in ("float16", "int8"):
-        assert not wide_sum_wanted(get_codec(codec), 16)
+@pytest.mark.parametrize(
+    ("codec", "weights", "own", "wide"),
+    [
+        ("none", (1.0, 1.0), 0, False),  # one fused multiply-add
+        ("none", (1.0, 2.0), 0, False),
+        ("none", (1.0, 2.0), 1, False),  # ... and one division by 3/4
+        ("none", (32.0, 48.0), 0, False),
+        ("none", (32.0, 48.0), 1, True),  # our share 3/8: our values would round
+        ("none", (1.0, 3.0), 1, True),
+        ("none", (0.3, 1.7), 0, True),  # no exact float32 ratio
+        ("none", (1.0, 1.0, 1.0), 0, True),
+        ("none", (5.0, None, 5.0), 0, False),  # a stale sender does not count
+        ("none", (None, 5.0, 7.0), 0, True),  # our own values are stale
+        ("none", (1.0,), 0, False),
+        ("float16", (1.0, 3.0, 5.0), 0, False),  # the lossy codecs' error dwarfs float32's
+        ("int8", (0.3, 1.7), 0, False),
+        ("topk", (1.0, 1.0, 1.0), 0, False),
+    ],
+    ids=str,
+)
+def test_the_sum_is_float64_where_float32_would_round_more_than_twice(
+    codec: str, weights: tuple[float | None, ...], own: int, wide: bool
+) -> None:
+    params = {"fraction": 0.5} if codec == "topk" else {}
+    effective = {peer(i): w for i, w in enumerate(weights)}
+    assert wide_sum_wanted(get_codec(codec, **params), effective, peer(own)) is wide
+
+
+def test_opposite_contributions_cancel_exactly_in_a_float64_sum() -> None:
+    """Shares are the weights over a power of two, exact: ``a``, ``-a`` and 0 with equal
+    weights average to exactly 0 (with each weight over the total, 1/3 rounded, our scaled
+    values and the others' fused products differed by 2**-53 of them: a review)."""
+    rng = np.random.default_rng(13)
+    a = rng.standard_normal(LENGTH).astype(np.float32)
+    for weights in ((1.0, 1.0, 1.0), (3.0, 3.0, 3.0, 3.0, 3.0), (0.1, 0.1, 0.1)):
+        data = [a, -a, *([np.zeros(LENGTH, np.float32)] * (len(weights) - 2))]
+        reducer, _ = reduce("none", weights, data, wide=True)
+        reducer.finalize({})
+        np.testing.assert_array_equal(reducer.mean(), np.zeros(LENGTH, np.float32))

@@ -37,6 +37,7 @@ import math
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from enum import StrEnum
+from fractions import Fraction
 
 import numpy as np
 import torch
@@ -48,6 +49,7 @@ from protocol.identity import PeerID
 from .layout import Float32Array, chunk_count, chunk_span
 from .pieces import RangeCodec
 from .scans import (
+    PIECE,
     as_tensor,
     convex_shares,
     magnitude,
@@ -173,16 +175,20 @@ class PartReducer:
         self.members = {m.peer_id: m for m in members}
         # the running sum: in place in ``acc`` (float32), or in ``wide`` (float64, see
         # wide_sum_wanted); the mean goes to ``acc`` (or finalize's ``out``) either way
-        self._acc_array: np.ndarray = acc[:length] if wide is None else wide[:length]
+        mean: Float32Array = acc[:length]
+        self._acc_array: np.ndarray = mean if wide is None else wide[:length]
         if wide is not None and (wide.dtype != np.float64 or len(wide) < length):
             raise ValueError(f"wide must be float64 of at least {length} elements")
         self._acc = torch.from_numpy(self._acc_array)
+        # float64 products of a piece of a chunk (see _accumulate)
+        self._product = None if wide is None else torch.empty(PIECE, dtype=torch.float64)
         self._scratch = scratch
         weights = effective_weights(self.members.values(), max_staleness, decay)
         senders = list(senders)
         counted = {p: w for p in senders if (w := weights[p]) is not None}
-        # float64 sums take float64 shares (each weight over the total; any product with a
-        # float32 value rounds at 2**-53), float32 ones exact float32 shares where possible
+        # float64 sums take float64 shares (each weight over a power of two: products with
+        # float32 values exact for weights of up to 29 significant bits, else rounded at
+        # 2**-53), float32 ones exact float32 shares where possible
         shares = _wide_shares(counted) if wide is not None else convex_shares(counted, own=local)
         self.senders: dict[PeerID, _Sender] = {}
         for peer_id in senders:
@@ -196,7 +202,7 @@ class PartReducer:
                 sender.done = self.n_chunks == 0
             self.senders[peer_id] = sender
         self.finalized = False
-        self._mean: Float32Array = acc[:length]
+        self._mean = mean
         self._share = 1.0  # the contributors' shares together, once finalized
         self._largest = 0.0  # the largest |value| added (ours included): overflow is possible
         # only when it nears what the codec can send back
@@ -316,7 +322,7 @@ class PartReducer:
         sender.largest = max(sender.largest, scaled)
         added = scaled <= SUBTRACT_FACTOR * self._settled
         if added:  # else kept aside until the sender completes (see SUBTRACT_FACTOR)
-            self._acc[start:stop].add_(values, alpha=sender.share)
+            self._accumulate(start, values, sender.share)
         sender.received[index] = 1
         sender.retained.append((index, blob, raw, added))
         sender.retained_bytes += memoryview(blob).nbytes
@@ -416,7 +422,7 @@ class PartReducer:
             if not added:
                 start, stop = chunk_span(self.length, self.chunk_elements, index)
                 values = as_tensor(self._decode(blob, start, stop, raw))
-                self._acc[start:stop].add_(values, alpha=sender.share)
+                self._accumulate(start, values, sender.share)
         self._settled = max(self._settled, sender.largest)
         sender.done = True
         sender.retained.clear()
@@ -433,7 +439,7 @@ class PartReducer:
                 continue
             start, stop = chunk_span(self.length, self.chunk_elements, index)
             values = self._decode(blob, start, stop, raw)
-            self._acc[start:stop].sub_(as_tensor(values), alpha=sender.share)
+            self._accumulate(start, as_tensor(values), -sender.share)
         sender.retained.clear()
         sender.retained_bytes = 0
 
@@ -526,6 +532,22 @@ class PartReducer:
 
     # -- helpers -------------------------------------------------------------------------
 
+    def _accumulate(self, start: int, values: torch.Tensor, share: float) -> None:
+        """``sum[start:start + len(values)] += share * values``: one fused multiply-add in
+        float32; in float64, the product rounded first (in a small scratch, while in
+        cache), as our own scaled values are, so that opposite contributions cancel
+        exactly whatever the shares (a fused one left 2**-53 of them: a review)."""
+        target = self._acc[start : start + len(values)]
+        if self._product is None:
+            target.add_(values, alpha=share)
+            return
+        for i in range(0, len(values), PIECE):
+            piece = values[i : i + PIECE]
+            product = self._product[: len(piece)]
+            product.copy_(piece)
+            product.mul_(share)
+            target[i : i + len(piece)].add_(product)
+
     def _expect(self, peer_id: PeerID) -> _Sender:
         sender = self.senders.get(peer_id)
         if sender is None or sender.done or sender.reason is not None or self.finalized:
@@ -554,25 +576,47 @@ class PartReducer:
             raise ChunkRejected(DropReason.GARBAGE, str(exc)) from None
 
 
-def wide_sum_wanted(codec: Codec, senders: int) -> bool:
-    """Whether a part's sum is kept in float64: with the ``none`` codec and three senders
-    or more. A float32 sum of three or more rounds at every addition, by up to 2**-24 of
-    the partial sums, which is large beside a mean where the contributions cancel (a few
-    hundred elements in 100,000 beyond ``rtol=1e-6``); the float64 one rounds once, to the
-    float32 mean, so each element is within float32's rounding of the exact weighted mean.
-    With two senders the float32 sum is one fused multiply-add, rounded once already; the
-    lossy codecs' own error dwarfs float32's. Costs 8 bytes per element of the part."""
-    return isinstance(codec, NoneCodec) and senders >= 3
+def wide_sum_wanted(
+    codec: Codec, weights: Mapping[PeerID, float | None], own: PeerID | None
+) -> bool:
+    """Whether a part's sum is kept in float64 (``weights``: the part's senders' effective
+    weights, None for the stale; ``own``: the reducing peer).
+
+    Only with the ``none`` codec (the lossy codecs' own error dwarfs float32's), and only
+    where the float32 sum would round more than twice: with three senders or more (each
+    addition rounds, by up to 2**-24 of the partial sums, which is large beside a mean where
+    the contributions cancel), or with two whose float32 shares are not exact ratios of
+    their weights with ours a power of two (then our values, scaled in place, round too).
+    Two senders with equal weights, or weights 1 and 2, keep the float32 sum: one fused
+    multiply-add and at most one division. Costs 8 bytes per element of the part."""
+    if not isinstance(codec, NoneCodec):
+        return False
+    counted = {p: w for p, w in weights.items() if w is not None}
+    if len(counted) < 2:
+        return False
+    if len(counted) > 2 or own is None or own not in counted:
+        return True
+    shares = convex_shares(counted, own=own)
+    ours = shares[own]
+    if ours <= 0 or math.frexp(ours)[0] != 0.5:  # not a power of two
+        return True
+    base = Fraction(counted[own]) / Fraction(ours)
+    return any(Fraction(w) != Fraction(shares[p]) * base for p, w in counted.items())
 
 
 def _wide_shares(weights: Mapping[PeerID, float]) -> dict[PeerID, float]:
-    """Each weight over their total, in float64 (for a float64 sum); over the largest
-    first, so that weights near float64's largest do not overflow the total."""
+    """Each weight over the smallest power of two at least their total, in float64: exact
+    (but for weights 2**1000 times smaller than the largest, which underflow), so that
+    equal weights give equal shares and opposite contributions cancel exactly."""
     top = max(weights.values(), default=0.0)
     if top <= 0:
         return dict.fromkeys(weights, 0.0)
-    total = math.fsum(w / top for w in weights.values())
-    return {p: (w / top) / total for p, w in weights.items()}
+    _, shift = math.frexp(top)
+    scaled = {p: math.ldexp(w, -shift) for p, w in weights.items()}  # < 1 each, exact
+    mantissa, exponent = math.frexp(math.fsum(scaled.values()))
+    if mantissa == 0.5:  # the total is a power of two: that one
+        exponent -= 1
+    return {p: math.ldexp(w, -exponent) for p, w in scaled.items()}
 
 
 def decode_raw(payload: bytes | memoryview, count: int) -> Float32Array:

@@ -40,6 +40,7 @@ from .reducer import (
     Member,
     PartOutcome,
     PartReducer,
+    effective_weights,
     wide_sum_wanted,
 )
 from .scans import overflow_note
@@ -88,7 +89,8 @@ class ReducerService:
         # the tensors keep them too, for when the round fails), or in float64 beside it
         # (``none`` with three senders or more: see wide_sum_wanted).
         wide_sum = None
-        if wide_sum_wanted(codec, len(members)):
+        weights = effective_weights(members, config.max_staleness, config.staleness_decay)
+        if wide_sum_wanted(codec, weights, plan.me):
             wide_sum = np.frombuffer((wide or SharedBuffer()).get(8 * length), np.float64, length)
         self.reducer = PartReducer(
             length=length,
