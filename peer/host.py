@@ -404,7 +404,8 @@ class RpcHost:
     def _pooled(self, address: Address) -> RpcConnection | None:
         peer_id = address.peer_id or self._by_address.get(address.hostport)
         connection = self._by_peer.get(peer_id) if peer_id is not None else None
-        return connection if connection is not None and not connection.closed else None
+        # (not one closing after our bye: a request written after it is never read)
+        return connection if connection is not None and not connection.closing else None
 
     async def _connection(self, address: Address) -> RpcConnection:
         self.check_loop()
@@ -425,7 +426,10 @@ class RpcHost:
             error = PeerUnavailableError  # the kind is kept: a busy peer is no dead one
             if isinstance(dial.error, SelfDialError | PeerBusyError):
                 error = type(dial.error)
-            raise error(f"cannot reach {address}: {dial.error}") from dial.error
+            detail = str(dial.error)
+            if isinstance(dial.error, trio.TooSlowError):  # (it has no text of its own)
+                detail = f"no connection within the dial timeout ({self.config.dial_timeout:g} s)"
+            raise error(f"cannot reach {address}: {detail}") from dial.error
         return dial.connection
 
     def _is_own(self, address: Address) -> bool:
@@ -522,7 +526,7 @@ class RpcHost:
         self.connections_opened += 1
         self._connections[connection] = initiator
         current = self._by_peer.get(peer_id)
-        if current is None or current.closed or initiator.raw < self._connections[current].raw:
+        if current is None or current.closing or initiator.raw < self._connections[current].raw:
             self._by_peer[peer_id] = connection
         logger.debug("%r: connected to %s at %s", self, peer_id.short(), secure.remote_host)
         if group is not None:
@@ -547,7 +551,7 @@ class RpcHost:
     def _promote(self, peer_id: PeerID) -> None:
         """After the pooled connection to ``peer_id`` ended, pool another live one, if any."""
         others = [(i.raw, id(c), c) for c, i in self._connections.items() if c.peer_id == peer_id]
-        others = [entry for entry in others if not entry[2].closed]
+        others = [entry for entry in others if not entry[2].closing]
         if others:
             self._by_peer[peer_id] = min(others)[2]
 

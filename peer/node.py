@@ -25,6 +25,7 @@ import trio
 
 from protocol.address import Address, canonical_host
 from protocol.errors import AddressError
+from protocol.framing import MIN_PEER_FRAME_SIZE
 from protocol.identity import Identity, PeerID
 
 from .dht import DHT, DHTConfig
@@ -35,10 +36,6 @@ from .network import Network
 
 __all__ = ["MIN_PEER_FRAME_SIZE", "Peer", "PeerConfig", "open_peer"]
 
-MIN_PEER_FRAME_SIZE = (2 << 20) + (64 << 10)
-"""The smallest ``HostConfig.max_frame_size`` a peer accepts: the frames peers send each
-other (a DHT reply or store of 64 entries: ~1.1 MiB; an averaging chunk of the largest
-``chunk_bytes``, 2 MiB, with its header) must fit."""
 
 logger = logging.getLogger(__name__)
 

@@ -50,7 +50,7 @@ from typing import Any
 import trio
 
 from protocol.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
-from protocol.framing import DEFAULT_MAX_FRAME_SIZE, HEADER
+from protocol.framing import DEFAULT_MAX_FRAME_SIZE, HEADER, MIN_PEER_FRAME_SIZE
 from protocol.identity import PeerID
 from protocol.rpc import (
     MAX_ERROR_CODE_LENGTH,
@@ -98,6 +98,8 @@ _NO_LIMIT = (1 << 32) - 1
 _DIRECT_MAX = 1 << 16
 """Frames up to this size are written by the task that made them when the stream is idle."""
 _WRITE_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
+_BYE_GRACE = 5.0
+"""Seconds an idle connection waits for its ``bye`` to be written before it is closed."""
 
 
 class _Incoming:
@@ -149,6 +151,9 @@ class RpcConnection:
         self.peer_id = peer_id
         self.remote_host = remote_host
         self.max_frame_size = max_frame_size
+        # the peer accepts at least the protocol's least maximum, perhaps no more: a frame
+        # beyond it that the peer refused would end the connection for every call on it
+        self.max_send_frame_size = min(max_frame_size, MIN_PEER_FRAME_SIZE)
         self.max_inflight_requests = max_inflight_requests
         self.idle_timeout = idle_timeout
         self.silence_timeout = silence_timeout
@@ -376,10 +381,13 @@ class RpcConnection:
         await self._acquire_slot()
         try:
             pending = PendingStream()
+            sent_at = trio.current_time()
             request_id, request = await self._send_request(method, body, payload, pending)
             try:
                 yield ReplyStream(pending)
             finally:
+                if not _finished(pending):  # left unanswered: as a call's (see call)
+                    self._note_unanswered(sent_at)
                 self._cancel_remote(request_id, pending, request)
                 self._pending.pop(request_id, None)
                 self._outbox.detach(request)  # (see call)
@@ -401,8 +409,17 @@ class RpcConnection:
         payload: bytes | memoryview,
         pending: PendingCall | PendingStream,
     ) -> tuple[int, list[bytes | memoryview]]:
-        """Send a request frame; its id, and its pieces (to withdraw it on cancellation)."""
+        """Send a request frame; its id, and its pieces (to withdraw it on cancellation).
+
+        Raises:
+            ConnectionClosedError: closed, or closing after our ``bye`` (the peer would
+                not read the request): never sent, the host sends it on another connection.
+        """
         self._check_open()
+        if self._bye_cause is not None:
+            raise ConnectionClosedError(
+                f"connection to {self.peer_id.short()} is closing"
+            ) from self._bye_cause
         request_id = self._allocate_id()
         frame = RpcFrame(
             FrameKind.REQUEST,
@@ -482,7 +499,7 @@ class RpcConnection:
             flush: list[bytes | memoryview] = []
             if request_id is not None:
                 flush = self._encode(RpcFrame(FrameKind.CANCEL, request_id))[0]
-            self._outbox.put_nowait(flush)
+            self._outbox.put_nowait(flush, urgent=bool(flush))  # (see _cancel_remote)
             raise
         except BaseException as exc:
             cause = exc if isinstance(exc, _WRITE_ERRORS) else None
@@ -513,8 +530,13 @@ class RpcConnection:
         if self._outbox.withdraw(request):
             return  # never sent: the peer knows nothing of it
         # The writer may be sealing this payload slice by slice from the caller's buffer:
-        # it finishes from a copy (the peer then gets the request, and the cancel).
-        self._outbox.put_nowait(self._encode(RpcFrame(FrameKind.CANCEL, request_id))[0])
+        # it finishes from a copy (the peer then gets the request, and the cancel). The
+        # cancel goes with the requests (urgent, in order): our slot is free once we return,
+        # and a request sent in it must not reach the peer first (one more than
+        # max_inflight_requests in flight there: it ends the connection, a review found).
+        self._outbox.put_nowait(
+            self._encode(RpcFrame(FrameKind.CANCEL, request_id))[0], urgent=True
+        )
 
     def _check_open(self) -> None:
         if self.closed:
@@ -532,15 +554,16 @@ class RpcConnection:
         """The frame's pieces and their total size in bytes.
 
         Raises:
-            LimitExceededError: if the frame exceeds ``max_frame_size``.
+            LimitExceededError: if the frame exceeds ``max_send_frame_size``.
             LocalProtocolError: if the frame is invalid (see ``encode_rpc_frame``).
         """
         pieces = encode_rpc_frame(frame, _NO_LIMIT)
         total = len(pieces[0]) + memoryview(pieces[1]).nbytes
-        if total - HEADER.size > self.max_frame_size:
+        if total - HEADER.size > self.max_send_frame_size:
             raise LimitExceededError(
                 f"a {frame.kind.value!r} frame of {total - HEADER.size} bytes exceeds the "
-                f"maximum {self.max_frame_size}; send large data in several calls or stream items"
+                f"maximum {self.max_send_frame_size} (what every peer accepts); send large "
+                "data in several calls or stream items"
             )
         return pieces, total
 
@@ -581,6 +604,10 @@ class RpcConnection:
         # idle timer's work too: a connection whose only news since it went quiet is calls
         # of ours, unanswered. The peer never read them: they fail as never sent, and the
         # host retries them on a fresh connection.
+        if self._bye_cause is not None:  # the peer closed on reading our bye
+            self._fail_unread()
+            self._shutdown(self._bye_cause)
+            return
         quiet = trio.current_time() - self.last_activity >= self.idle_timeout / 2
         if not self._fail_unread() and not self.closed and not quiet:
             self.lost = True
@@ -670,10 +697,26 @@ class RpcConnection:
             return
         self._reader_paused = True
         try:
-            await pending.send.send(item)
+            interval = self.silence_timeout / 4
+            while True:
+                with trio.move_on_after(interval):  # (an item not sent when it fires)
+                    await pending.send.send(item)
+                    return
+                self._keepalive()
         finally:
             self._reader_paused = False
             self._frame_received = trio.current_time()
+
+    def _keepalive(self) -> None:
+        """Show the peer we are alive while our reader waits for a stream's consumer: its
+        calls to us go unanswered meanwhile, and after ``silence_timeout`` it took us for
+        gone and closed the connection, the stream with it (a review). A ``cancel`` for a
+        request id we have no call under: the peer ignores it (protocol.md, section 4)."""
+        request_id = MAX_REQUEST_ID
+        while request_id in self._pending:
+            request_id -= 1
+        frame = RpcFrame(FrameKind.CANCEL, request_id)
+        self._outbox.put_nowait(self._encode(frame)[0], urgent=True)
 
     # -- serving ---------------------------------------------------------------------------
 
@@ -736,7 +779,10 @@ class RpcConnection:
         self._outbox.put_nowait(pieces, urgent=size <= _DIRECT_MAX, size=size)  # large: waits
 
     def _error_reply(self, method: str, exc: Exception) -> tuple[str, str]:
-        """The error code and message that answer a handler's exception."""
+        """The error code and message that answer a handler's exception (a group of one,
+        as a nursery in the handler wraps it, answers as that one)."""
+        while isinstance(exc, ExceptionGroup) and len(exc.exceptions) == 1:
+            exc = exc.exceptions[0]
         if isinstance(exc, RemoteError):
             return exc.code, exc.message
         if isinstance(exc, LocalProtocolError):  # e.g. our reply's body cannot be packed
@@ -835,7 +881,12 @@ class RpcConnection:
             self._outbox.release()
             self.last_activity = trio.current_time()
             if self._bye_cause is not None and self._outbox.empty:
-                self._shutdown(self._bye_cause)  # our bye is written
+                # Our bye is written. The peer closes when it reads it (a request of its
+                # that crossed the bye then fails there as unread and goes again on a fresh
+                # connection); until then, or the grace, our end stays open, so that its
+                # writes meanwhile do not fail as a lost connection instead (a review)
+                await trio.sleep(_BYE_GRACE)
+                self._shutdown(self._bye_cause)
                 return
 
     async def _idle_watchdog(self) -> None:
@@ -845,7 +896,14 @@ class RpcConnection:
             if now >= deadline:
                 if not self.num_inflight and not self._call_slots.statistics().tasks_waiting:
                     logger.debug("%r: idle for %.1f s, closing", self, self.idle_timeout)
-                    self._shutdown(PeerUnavailableError("connection closed for idleness"))
+                    # With a bye first: a request of the peer's crossing our close is then
+                    # sent again on a fresh connection, whatever the peer's own idle
+                    # timeout (its guess that we never read it went by its own: a call
+                    # failed when the two differed, a review found)
+                    cause = PeerUnavailableError("connection closed for idleness")
+                    self.close_idle_nowait(cause)
+                    await trio.sleep(_BYE_GRACE)  # the writer closes once the bye is out
+                    self._shutdown(cause)
                     return
                 deadline = now + self.idle_timeout
             await trio.sleep_until(deadline)

@@ -18,6 +18,10 @@ import struct
 from .errors import LocalProtocolError, RemoteProtocolError
 
 DEFAULT_MAX_FRAME_SIZE = 4 << 20
+MIN_PEER_FRAME_SIZE = (2 << 20) + (64 << 10)
+"""The smallest maximum frame size a peer may have: the largest frame a sender may count on
+every peer to accept (a DHT reply or store of 64 entries: ~1.1 MiB; an averaging chunk of
+the largest ``chunk_bytes``, 2 MiB, with its header)."""
 HEADER = struct.Struct(">I")
 
 

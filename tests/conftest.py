@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import signal
 
+import pytest
+
 # A suite started in the background by a non-interactive shell (`make check &`, nohup)
 # inherits SIGINT ignored, and so would every command the tests start: `swarm bootstrap`
 # keeps an inherited ignored SIGINT ignored (by design), and the tests that stop it with
@@ -30,3 +32,12 @@ def _raise_the_file_limit(wanted: int = 16384) -> None:
 
 
 _raise_the_file_limit()
+
+
+@pytest.fixture
+def oversized_sends(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Let this test's hosts send frames up to their own maximum (4 MiB by default), as a
+    hostile peer may: ours send at most ``MIN_PEER_FRAME_SIZE``, which every peer accepts."""
+    from protocol.framing import DEFAULT_MAX_FRAME_SIZE
+
+    monkeypatch.setattr("peer.rpc.MIN_PEER_FRAME_SIZE", DEFAULT_MAX_FRAME_SIZE)

@@ -129,3 +129,29 @@ async def test_a_full_bootstrap_node_does_not_set_off_a_chain_of_dials(
             stop.set()
     print(f"{accepted} connections accepted in 120 s")
     assert accepted <= 12, f"{accepted} connections in 120 s"
+
+
+async def test_our_own_call_in_the_instant_we_say_bye_goes_on_a_fresh_connection(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A host closes an idle connection (``bye``, then the close once it is written) and,
+    in the same instant, calls that peer: the call does not take the closing connection
+    (a request written after our bye is never read; a review found it failed with the
+    bye's cause), it dials a fresh one and is answered."""
+    from test_rpc import two_hosts
+
+    from peer.errors import PeerUnavailableError
+
+    async with two_hosts(MemoryNetwork(latency=0.01)) as (a, b, address):
+        a.register("echo", echo)
+        b.register("echo", echo)
+        await a.call(address, "echo", {})
+        await trio.sleep(2)
+        closing = b._by_peer[a.peer_id]
+        opened = b.connections_opened
+        with trio.fail_after(10):
+            closing.close_idle_nowait(PeerUnavailableError("closed for a newcomer"))
+            reply = await b.call(a.listen_address, "echo", {"x": 1})
+        assert reply.body == {"x": 1}
+        assert b.connections_opened == opened + 1
+        assert closing.closing and b._by_peer[a.peer_id] is not closing

@@ -59,3 +59,44 @@ async def test_pings_a_minute_apart_never_fail_against_a_live_peer(
                 results.append(await b.dht.protocol.ping(node_a))
                 await trio.sleep(gap)
             assert all(results), results
+
+
+async def test_a_call_crossing_the_idle_close_of_a_peer_with_a_shorter_idle_timeout_succeeds(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The peer closes idle connections after 20 s, we after 60 s: our guess that a call
+    crossing its close was never read went by our own timeout, and calls sent up to ~10 ms
+    before its close failed (10 of 61 offsets, a review). The idle close now says ``bye``
+    first and keeps its end open until we close ours: such a call fails as unread and is
+    sent again on a fresh connection."""
+    from peer.host import HostConfig, open_rpc_host
+    from peer.rpc import Reply, Request
+    from protocol.address import Address
+    from protocol.identity import Identity
+
+    async def echo(request: Request) -> Reply:
+        return Reply(request.body)
+
+    failures = []
+    for offset in [20 + d / 1000 for d in range(-30, 31, 3)]:
+        net = MemoryNetwork(latency=0.01)
+        async with (
+            open_rpc_host(
+                Identity.from_seed(b"i" * 32), listen=Address("a", 1),
+                network=net.interface("a"), config=HostConfig(idle_timeout=60),
+            ) as a,
+            open_rpc_host(
+                Identity.from_seed(b"j" * 32), listen=Address("b", 1),
+                network=net.interface("b"), config=HostConfig(idle_timeout=20),
+            ) as b,
+        ):  # fmt: skip
+            b.register("echo", echo)
+            assert b.listen_address is not None
+            await a.call(b.listen_address, "echo", {})
+            await trio.sleep(offset)
+            try:
+                with trio.fail_after(5):
+                    await a.call(b.listen_address, "echo", {"x": 1})
+            except Exception as exc:
+                failures.append((offset, repr(exc)))
+    assert not failures, failures

@@ -480,3 +480,51 @@ def test_host_limits_and_timeouts_that_cannot_work_are_refused(field: str, value
     with pytest.raises(ValueError, match=f"HostConfig.{field} must be"):
         HostConfig(**{field: value})  # type: ignore[arg-type]
     assert HostConfig(idle_timeout=float("inf")).idle_timeout == float("inf")  # never
+
+
+async def test_a_reply_beyond_what_every_peer_accepts_is_an_error_not_a_lost_connection(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Peers may set different maximum frame sizes (at least ``MIN_PEER_FRAME_SIZE``). A
+    callee at the default 4 MiB answering 3 MiB to a caller at the minimum: the caller's
+    reader refused the frame and dropped the connection, failing a bystander call too,
+    with an untyped error (a review). Frames beyond the minimum are not sent at all now:
+    the reply is ``internal: reply too large``, and the request side refuses before it
+    sends."""
+    from peer.errors import LimitExceededError, RemoteError
+    from protocol.framing import MIN_PEER_FRAME_SIZE
+
+    async def blob(request: Request) -> Reply:
+        return Reply({}, bytes(request.body["size"]))
+
+    async def slow(request: Request) -> Reply:
+        await trio.sleep(1)
+        return Reply({"slow": True})
+
+    net = MemoryNetwork(latency=0.01)
+    small = HostConfig(max_frame_size=MIN_PEER_FRAME_SIZE)
+    id_a, id_b = Identity.from_seed(b"a" * 32), Identity.from_seed(b"b" * 32)
+    async with (
+        open_rpc_host(id_a, listen=Address("a", 1), network=net.interface("a"), config=small) as a,
+        open_rpc_host(id_b, listen=Address("b", 1), network=net.interface("b")) as b,
+    ):
+        b.register("blob", blob)
+        b.register("slow", slow)
+        assert b.listen_address is not None
+        address = b.listen_address
+        with trio.fail_after(30):
+            await a.call(address, "blob", {"size": 10})
+            async with trio.open_nursery() as nursery:
+                replies: list[Reply] = []
+
+                async def bystander() -> None:
+                    replies.append(await a.call(address, "slow"))
+
+                nursery.start_soon(bystander)
+                await trio.sleep(0.1)
+                with pytest.raises(RemoteError) as caught:
+                    await a.call(address, "blob", {"size": 3 << 20})
+                assert (caught.value.code, caught.value.message) == ("internal", "reply too large")
+                with pytest.raises(LimitExceededError):  # and nothing is sent
+                    await b.call(a.listen_address, "blob", {}, bytes(3 << 20))  # type: ignore[arg-type]
+            assert replies[0].body == {"slow": True}

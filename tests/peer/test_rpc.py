@@ -599,3 +599,24 @@ def test_an_unregistered_method_is_free_again() -> None:
     assert "x.ping" not in registry.unary
     registry.register_quick("x.ping", lambda request: Reply({}))
     assert "x.ping" in registry.quick
+
+
+async def test_a_typed_error_raised_in_a_handlers_nursery_keeps_its_code(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """trio wraps a child task's error in an exception group: a handler's ``RemoteError``
+    raised there reached the caller as ``internal: ExceptionGroup`` (a review)."""
+
+    async def grouped(request: Request) -> Reply:
+        async def fail() -> None:
+            raise RemoteError("not_found", "no such round")
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(fail)
+        return Reply({})
+
+    async with two_hosts(MemoryNetwork(latency=0.01)) as (a, b, address):
+        b.register("grouped", grouped)
+        with trio.fail_after(10), pytest.raises(RemoteError) as caught:
+            await a.call(address, "grouped")
+        assert (caught.value.code, caught.value.message) == ("not_found", "no such round")

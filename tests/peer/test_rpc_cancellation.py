@@ -101,7 +101,7 @@ async def test_a_deadline_passing_as_the_reply_is_written_keeps_the_connection(
                 downloads: list[Reply] = []
 
                 async def download(downloads: list[Reply] = downloads) -> None:
-                    downloads.append(await a.call(address, "blob", {"size": 3 << 20}))
+                    downloads.append(await a.call(address, "blob", {"size": 2 << 20}))
 
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(download)
@@ -162,14 +162,14 @@ async def test_a_call_given_up_on_a_congested_connection_keeps_it_for_the_upload
                 uploads: list[Reply] = []
 
                 async def upload(uploads: list[Reply] = uploads) -> None:
-                    uploads.append(await a.call(address, "sink", {}, bytes(3 << 20)))
+                    uploads.append(await a.call(address, "sink", {}, bytes(2 << 20)))
 
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(upload)
                     await trio.sleep(step * 0.0007)
                     with trio.move_on_after(0.005):
                         await a.call(address, "slow_echo", {"delay": 0})
-                assert uploads[0].body == {"n": 3 << 20}
+                assert uploads[0].body == {"n": 2 << 20}
             await a.call(address, "slow_echo", {"delay": 0})
             assert a.connections_opened == opened, "a connection was closed and dialled again"
             assert_settled(a, b)
@@ -196,7 +196,7 @@ async def test_an_upload_cancelled_midway_is_finished_from_a_copy(
             opened = a.connections_opened
             answered = 0
             for step in range(40):
-                payload = bytearray(b"u" * (3 << 20))
+                payload = bytearray(b"u" * (2 << 20))
                 replies: list[Reply] = []
                 async with trio.open_nursery() as nursery:
                     nursery.start_soon(other_call, a, address, replies)
@@ -208,7 +208,7 @@ async def test_an_upload_cancelled_midway_is_finished_from_a_copy(
                 await trio.sleep(1)
             assert a.connections_opened == opened, "a connection was closed and dialled again"
             assert len(received) > answered, "no call was cancelled midway through its upload"
-            assert all(data == b"u" * (3 << 20) for data in received), "read after return"
+            assert all(data == b"u" * (2 << 20) for data in received), "read after return"
             assert_settled(a, b)
 
 
@@ -269,7 +269,7 @@ async def test_a_stream_left_early_sends_none_of_its_queued_items(
             assert_settled(a, b)
 
 
-UPLOAD = (4 << 20) - 4096
+UPLOAD = (2 << 20) - 4096
 
 
 async def pong(request: Request) -> Reply:
@@ -330,3 +330,37 @@ async def test_a_reply_that_comes_before_the_upload_is_written_stops_reading_the
             payload[:] = b"X" * UPLOAD
             await arrived.wait()
             assert received[0] == b"u" * UPLOAD, "the payload was read after the call returned"
+
+
+async def test_a_cancel_reaches_the_peer_before_a_request_sent_in_the_slot_it_freed() -> None:
+    """With every call slot taken, a call given up frees its slot at once; the next call's
+    request must not reach the peer before that call's cancel, or the peer counts one more
+    request than ``max_inflight_requests`` and ends the connection (a review: the cancel
+    waited in the bulk queue while the request went ahead, and all 128 calls failed)."""
+    from test_rpc import wired_connection
+
+    with trio.fail_after(5):
+        async with wired_connection(max_inflight_requests=4) as (connection, wire):
+            scopes = [trio.CancelScope() for _ in range(5)]
+
+            async def call(i: int) -> None:
+                with scopes[i]:
+                    await connection.call("remote.method", {"i": i})
+
+            async with trio.open_nursery() as nursery:
+                for i in range(4):
+                    nursery.start_soon(call, i)
+                requests = [await wire.receive() for _ in range(4)]
+                assert [r.kind for r in requests] == [FrameKind.REQUEST] * 4
+                scopes[0].cancel()  # its slot is free at once...
+                nursery.start_soon(call, 4)  # ...and taken by the next call
+                frames = [await wire.receive(), await wire.receive()]
+                assert [(f.kind, f.body.get("i")) for f in frames] == [
+                    (FrameKind.CANCEL, None),
+                    (FrameKind.REQUEST, 4),
+                ], frames
+                (first,) = [r for r in requests if r.body["i"] == 0]
+                assert frames[0].request_id == first.request_id
+                assert not connection.closed
+                for scope in scopes:
+                    scope.cancel()

@@ -43,6 +43,7 @@ async def _pair() -> AsyncIterator[tuple[MemoryNetwork, RpcHost, Address]]:
     ):
         a.register("never", _never)
         a.register("echo", _echo)
+        a.register_stream("echo_items", _echo_items)
         address = a.listen_address
         assert address is not None
         yield net, b, address
@@ -74,6 +75,39 @@ async def test_calls_unanswered_through_the_silence_timeout_close_the_connection
             assert b.connections_opened == opened + 1
 
 
+async def _stream_unanswered(b: RpcHost, address: Address, wait: float) -> None:
+    with trio.move_on_after(wait):
+        async with b.stream(address, "echo_items") as items:
+            async for _ in items:
+                raise AssertionError("no item expected")
+
+
+async def _echo_items(request: Request) -> AsyncIterator[Reply]:
+    yield Reply(request.body)
+
+
+async def test_streams_unanswered_through_the_silence_timeout_close_the_connection(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Streams count as calls: a connection used only for streams went silent and stayed
+    open, each stream timing out, until the kernel gave up (a review)."""
+    with trio.fail_after(120):
+        async with _pair() as (net, b, address):
+            await b.call(address, "echo", {"x": 1})
+            opened = b.connections_opened
+            net.freeze_host("a")
+            for _ in range(2):
+                await _stream_unanswered(b, address, 3.0)
+                await trio.sleep(1.0)
+            assert b.num_connections == 1
+            await _stream_unanswered(b, address, 3.0)  # 11 s of silence: closed
+            await trio.sleep(0.1)
+            assert b.num_connections == 0
+            net.unfreeze_host("a")
+            assert (await b.call(address, "echo", {"x": 2})).body == {"x": 2}
+            assert b.connections_opened == opened + 1
+
+
 async def test_a_peer_that_talks_or_calls_cancelled_early_keep_the_connection(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
@@ -88,3 +122,49 @@ async def test_a_peer_that_talks_or_calls_cancelled_early_keep_the_connection(
                 await _unanswered(b, address, 0.2)
                 await trio.sleep(0.8)
             assert b.connections_opened == opened and b.num_connections == 1
+
+
+async def _count(request: Request) -> AsyncIterator[Reply]:
+    for i in range(request.body["n"]):
+        yield Reply({"i": i}, bytes(10_000))
+
+
+async def test_the_streaming_peer_does_not_take_a_paused_consumer_for_silent(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """While our reader waits for a stream's consumer (its buffer full), the streaming
+    peer's own calls to us go unanswered; after its silence timeout it closed the
+    connection, the stream with it, though we were alive (a review). A paused reader
+    now sends a ``cancel`` for an id it has no call under every quarter of the silence
+    timeout, which the peer ignores but hears."""
+    net = MemoryNetwork(latency=0.01, window=1 << 16)
+    config = HostConfig(silence_timeout=10.0)
+    async with (
+        open_rpc_host(ID_A, listen=Address("a", 1), network=net.interface("a"), config=config) as a,
+        open_rpc_host(ID_B, listen=Address("b", 1), network=net.interface("b"), config=config) as b,
+    ):
+        b.register_stream("count", _count)
+        a.register("echo", _echo)
+        assert a.listen_address is not None and b.listen_address is not None
+        await b.call(a.listen_address, "echo", {})
+        got: list[int] = []
+        outcomes: list[str] = []
+
+        async def pinger() -> None:  # the streaming peer's calls while we do not read
+            for _ in range(8):
+                with trio.move_on_after(1.5):
+                    await b.call(a.listen_address, "echo", {})
+                    outcomes.append("ok")
+                await trio.sleep(0.5)
+
+        with trio.fail_after(120):
+            async with a.stream(b.listen_address, "count", {"n": 100}) as items:
+                async for item in items:
+                    got.append(item.body["i"])
+                    if len(got) == 1:
+                        await trio.sleep(0.5)  # the buffer fills; our reader waits
+                        async with trio.open_nursery() as nursery:
+                            nursery.start_soon(pinger)  # 16 s: past the silence timeout
+        assert got == list(range(100))
+        assert not outcomes  # (unanswered: one connection, read in order)
+        assert a.num_connections == b.num_connections == 1

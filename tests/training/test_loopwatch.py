@@ -31,6 +31,22 @@ async def test_a_loop_that_stood_still_is_measured(
     assert watch.note(8.0) == ""
 
 
+async def test_a_stall_whose_late_wake_up_has_not_run_yet_counts(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """After a suspension the work may end (its timeout passed) before the watch's late
+    wake-up runs: stop() counts the wake-up still due (an outside tester's leader, stopped
+    while it held the joins, read ``alone`` with no word of the stall)."""
+    watch = LoopWatch("matchmaking")
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(watch.run)
+        await trio.sleep(0.1)  # the watch sleeps, its wake-up due at 0.25
+        autojump_clock.jump(7.0)  # a suspension: no task ran
+        watch.stop()  # the work ends first
+    assert 6.5 <= watch.longest <= 7.0
+    assert watch.note(1.0).startswith("this process stood still for")
+
+
 async def test_a_step_that_stood_still_in_matchmaking_says_so(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

@@ -23,7 +23,9 @@ MiB = 1 << 20
 
 
 async def test_a_member_refused_as_busy_before_confirmation_sends_again(
-    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+    autojump_clock: trio.testing.MockClock,
+    monkeypatch: pytest.MonkeyPatch,
+    oversized_sends: None,  # the stranger's 4 MiB chunks
 ) -> None:
     with trio.fail_after(120):
         async with memnet_swarm(3) as (_, nodes):
