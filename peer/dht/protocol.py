@@ -70,6 +70,9 @@ from .storage import DHTStorage
 
 logger = logging.getLogger(__name__)
 
+_REJOINED_MEMORY = 4096
+"""Contacts remembered for the once-per-republish-interval rule of ``_rejoined``."""
+
 # A FIND_VALUE reply carries at most this many value bytes (the frame limit is a few MiB);
 # a key holding more answers in pages (the reply says ``more``; the caller asks again
 # ``after`` the last subkey it got). A key may hold 1024 subkeys of 16 KiB.
@@ -122,6 +125,9 @@ class DHTProtocol:
         # a restart elsewhere), for the "peer left" line; see ping_failure
         self._unreachable: set[PeerID] = set()
         self._unparsable: set[PeerID] = set()  # senders of requests we could not parse
+        # known contacts that looked up their own id (a restart with the same identity),
+        # by when we last handed keys over to them for it: see _on_find_node
+        self._rejoined_at: dict[PeerID, float] = {}
         self._next_unparsable_warning = -math.inf
 
     def register(self) -> None:
@@ -137,10 +143,13 @@ class DHTProtocol:
         """``node`` proved its id to us and is reachable at its address."""
         if node.address is None:
             return
-        known = node.peer_id in self.table
+        previous = self.table.get(node.peer_id)
         to_ping = self.table.update(node, self._now())
-        if not known and node.peer_id in self.table:
-            self._joined(node)
+        if node.peer_id in self.table:
+            if previous is None:
+                self._joined(node)
+            elif previous.address != node.address:  # back elsewhere: perhaps restarted
+                self._rejoined(node, node.address)
         if to_ping is not None:
             try:
                 self._ping_send.send_nowait(to_ping)
@@ -153,6 +162,30 @@ class DHTProtocol:
         logger.info("peer joined: %s at %s", node.peer_id.short(), node.address)
         if self.on_new_contact is not None:
             self.on_new_contact(node)
+
+    def _rejoined(self, known: NodeInfo, sender: str | None) -> None:
+        """A contact we knew looks up its own id, as a node does when it joins: perhaps it
+        restarted with the same identity (a bootstrap host's key file), its storage empty.
+        Being known, it got no handover (a rolling restart of every holder lost the records
+        whose owners had left: a review), so it gets one now, at most once per
+        ``republish_interval`` for each contact."""
+        if self.on_new_contact is None or known.address != sender:
+            return  # (at another address: learn() hands over once that one is proven)
+        now = self._now()
+        last = self._rejoined_at.get(known.peer_id)
+        if last is not None and now - last < self.config.republish_interval:
+            return
+        if len(self._rejoined_at) >= _REJOINED_MEMORY:
+            self._rejoined_at = {
+                p: t
+                for p, t in self._rejoined_at.items()
+                if now - t < self.config.republish_interval
+            }
+            if len(self._rejoined_at) >= _REJOINED_MEMORY:
+                return
+        self._rejoined_at[known.peer_id] = now
+        logger.debug("%s looked up its own id: handing keys over", known.peer_id.short())
+        self.on_new_contact(known)
 
     def check_alive(self, peer_id: PeerID) -> None:
         """``peer_id``'s side ended our connection: ping it (if it is a contact), so that a
@@ -257,7 +290,10 @@ class DHTProtocol:
 
     def _on_find_node(self, request: Request) -> Reply:
         message = self._parse(FindNodeRequest, request)
+        known = self.table.get(request.peer_id)
         self._learn_sender(request, message.sender)
+        if known is not None and message.target == DHTID.from_peer_id(request.peer_id):
+            self._rejoined(known, message.sender)
         nodes = self.table.nearest(message.target, self.config.k, exclude=request.peer_id)
         return Reply(FindNodeResponse(tuple(nodes)).to_body())
 

@@ -198,9 +198,6 @@ class DHTStorage:
         now = self._clock()
         validate_entry(key, entry, now=now, key_owner=key_owner)
         self.expire()
-        if self.num_bytes + _cost(entry) > self.max_bytes:
-            logger.debug("storage full (%d bytes): refused an entry", self.max_bytes)
-            return False
         record = self._records.get(key)
         if record is None and len(self._records) >= self.max_keys:
             logger.debug("storage full (%d keys): refused a new key", self.max_keys)
@@ -213,6 +210,12 @@ class DHTStorage:
         if not taken:
             return False
         if leaving != entry:  # an identical one again (a republish) changes nothing
+            # the entry it replaces makes room (a full store refused an owner's newer
+            # version of its own entry, and kept serving the stale one: a review)
+            freed = 0 if leaving is None else _cost(leaving)
+            if self.num_bytes + _cost(entry) - freed > self.max_bytes:
+                logger.debug("storage full (%d bytes): refused an entry", self.max_bytes)
+                return False
             if source is not None and not self._within_quota(key, entry, leaving, source):
                 return False
             if record is None:

@@ -174,3 +174,25 @@ def test_expired_and_oversized_records_are_refused_clearly(
         Entry(None, bytes(MAX_VALUE_BYTES + 1), clock.now + 5)
     assert isinstance(info.value, ValueError)
     assert len(storage) == 0
+
+
+def test_a_full_store_takes_a_newer_version_of_an_entry_it_holds() -> None:
+    """The entry it replaces makes room: a full store refused an owner's newer version of
+    its own entry of the same size, and kept serving the stale one (a review)."""
+    now = [1_700_000_000.0]
+    value = msgpack.packb("x" * 100)
+    cost = len(value) + ENTRY_OVERHEAD
+    storage = DHTStorage(clock=lambda: now[0], max_bytes=cost * 4, max_share_per_source=1.0)
+    key = DHTID.from_key("run/progress")
+    assert storage.store(key, Entry("peerA", msgpack.packb("y" * 100), now[0] + 100))
+    for i in range(3):
+        assert storage.store(DHTID.from_key(f"other{i}"), Entry(None, value, now[0] + 1000))
+    assert storage.num_bytes == storage.max_bytes  # full
+    newer = Entry("peerA", msgpack.packb("z" * 100), now[0] + 200)
+    assert storage.store(key, newer)
+    assert storage.get(key)["peerA"] == newer
+    assert storage.num_bytes == storage.max_bytes
+    bigger = Entry("peerA", msgpack.packb("z" * 101), now[0] + 300)  # one byte more: no room
+    assert not storage.store(key, bigger)
+    assert storage.store(key, newer)  # the same entry again (a republish) is held
+    assert not storage.store(DHTID.from_key("new"), Entry(None, value, now[0] + 1000))
