@@ -131,6 +131,39 @@ async def test_retry_while_the_first_call_still_waits_is_no_garbage(
     np.testing.assert_allclose(tensor.numpy(), 1.0, rtol=1e-6)  # (0 + 1 + 2) / 3, once each
 
 
+@pytest.mark.parametrize("taken", [False, True], ids=["retry-waits", "retry-taken"])
+async def test_a_first_call_that_wakes_after_its_retry_is_no_garbage(
+    autojump_clock: trio.testing.MockClock, taken: bool
+) -> None:
+    """A chunk that came before our group was confirmed is parked (``Averager._park``); its
+    retry (the sender's connection died silently) parks beside it, and when the group is
+    confirmed either may run first. The retry first, the first call found the chunk
+    waiting (or taken) and dropped the honest sender as garbage, and benched it (a
+    review: 17 of 40 runs). The first call is superseded instead: ``sent again``."""
+    service, tensor = service_for(1)
+    values = {1: np.full(2 * CHUNK, 2.0, np.float32)}
+    answers: list[str] = []
+    send = chunk_sender(service, values, answers)
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(send, 1, 0, True)  # the retry runs first: waits for our load
+            await trio.sleep(0.1)
+            if taken:
+                await service.load()
+                await trio.sleep(0.1)
+                assert answers == ["1:0:ok"]
+            await send(1, 0)  # then the first call, woken late
+            if not taken:
+                await service.load()
+        await send(1, 1)
+        outcome = await service.reduce(trio.current_time() + 5)
+        await service.publish()
+    assert "1:0:bad_request: chunk 0 was sent again" in answers, answers
+    assert service.reducer.reason(peer(1)) is None, answers
+    assert set(outcome.contributors) == {peer(0), peer(1)}, answers
+    np.testing.assert_allclose(tensor.numpy(), 1.0, rtol=1e-6)  # (0 + 2) / 2, once
+
+
 async def test_a_liar_flooding_retries_holds_one_payload_per_chunk_and_counts_once(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

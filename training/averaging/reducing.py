@@ -132,6 +132,7 @@ class ReducerService:
         # a chunk's call while it waits (admission, our load): its scope, and an event set
         # when it is over (see _supersede)
         self._waiting_calls: dict[tuple[PeerID, int], tuple[trio.CancelScope, trio.Event]] = {}
+        self._retries: set[tuple[PeerID, int]] = set()  # chunks a retry call came for
         self._reserved = 0
         self._changed = trio.Event()
         self.outcome: PartOutcome | None = None
@@ -181,6 +182,17 @@ class ReducerService:
             self._drop(sender, header.abort)
             return Reply({})
         self._check_pending(sender)
+        key = (sender, header.chunk)
+        retried = not header.retry and key in self._retries
+        if retried and (
+            key in self._waiting_calls
+            or reducer.is_resend(sender, header.chunk, payload, header.raw)
+        ):
+            # The first call of a chunk whose retry came first: both were parked until our
+            # group was confirmed, and the retry woke first (it now waits, or was taken).
+            # It is superseded, as in _supersede, not a second copy (that dropped an honest
+            # sender as garbage and benched it: a review).
+            raise RemoteError("bad_request", f"chunk {header.chunk} was sent again")
         placed = False  # holds the sender's place in the admission queue (see _supersede)
         try:
             if header.retry:
@@ -197,7 +209,8 @@ class ReducerService:
             if placed:
                 self._stop_waiting(sender)
             raise
-        key = (sender, header.chunk)
+        if header.retry:
+            self._retries.add(key)
         scope, over = self._waiting_calls[key] = (trio.CancelScope(), trio.Event())
         try:
             with scope:
