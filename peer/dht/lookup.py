@@ -63,6 +63,12 @@ class _Candidate:
     distance: int
     hop: int
     status: _Status = _Status.NEW
+    retried: int = 0  # times it was asked again at another address (see LookupState.add)
+
+
+_MAX_ADDRESS_RETRIES = 3
+"""Other addresses a node that failed is asked at, when replies name it there: a lie about
+its address (a dead one) must not hide it for good, nor may lies cost many dials."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,6 +110,17 @@ class LookupState:
         known = self._candidates.get(node.peer_id)
         if known is not None:
             known.hop = min(known.hop, hop)
+            if (
+                known.status is _Status.FAILED
+                and node.address != known.node.address
+                and known.retried < _MAX_ADDRESS_RETRIES
+            ):
+                # It failed at the address we first heard; another reply names another:
+                # ask it there (an initial peer that named the k closest at dead addresses
+                # hid them from a newcomer for good: a review)
+                known.node, known.status = node, _Status.NEW
+                known.retried += 1
+                bisect.insort(self._order, (known.distance, node.peer_id))
             return
         distance = self._distance(node)
         self._candidates[node.peer_id] = _Candidate(node, distance, hop)

@@ -34,14 +34,16 @@ class Holders:
         # peer -> (distance to the key, True/False: answered holding it or not; None: not
         # yet answered); failed nodes leave
         self._nodes: dict[PeerID, tuple[int, bool | None]] = {}
-        self._failed: set[PeerID] = set()  # never asked again by the lookup
+        # addresses at which a node failed (the lookup asks it again only elsewhere)
+        self._failed: dict[PeerID, set[str]] = {}
         self.any = False  # some node answered holding the key
 
     def learn(self, nodes: Sequence[NodeInfo]) -> None:
         """Candidates, as the lookup takes them: the k closest of a reply, dialable ones."""
         dialable = [n for n in nodes if n.address is not None]
         for node in heapq.nsmallest(self._k, dialable, key=self._distance):
-            if node.peer_id not in self._nodes and node.peer_id not in self._failed:
+            failed_at = self._failed.get(node.peer_id, ())
+            if node.peer_id not in self._nodes and node.address not in failed_at:
                 self._nodes[node.peer_id] = (self._distance(node), None)
 
     def _distance(self, node: NodeInfo) -> int:
@@ -53,7 +55,8 @@ class Holders:
 
     def failed(self, node: NodeInfo) -> None:
         self._nodes.pop(node.peer_id, None)
-        self._failed.add(node.peer_id)
+        if node.address is not None:
+            self._failed.setdefault(node.peer_id, set()).add(node.address)
 
     def _counted(self) -> int:
         if not self._closest_first:

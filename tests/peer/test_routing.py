@@ -242,6 +242,38 @@ def test_lookup_state_drops_failed_and_stops_when_k_closest_answered() -> None:
     assert (result.queried, result.failed) == (4, 1)
 
 
+def test_a_node_that_failed_at_one_address_is_asked_at_another_a_reply_names() -> None:
+    """One reply names a node at a dead address, a later one at its real address: it is
+    asked there (the lookup kept the first address, and the node was lost to it for good:
+    a review), at most three other addresses, and never again at one that failed."""
+    from peer.dht.reading import Holders
+
+    state = LookupState(target=0, k=2)
+    holders = Holders(DHTID(0), k=2, quorum=1, closest_first=True)
+    near = node(1)
+    lie = NodeInfo(near.peer_id, "10.66.0.1:4000")
+    state.add(lie, hop=1)
+    holders.learn([lie])
+    assert state.next_to_query() == lie
+    state.on_failure(lie)
+    holders.failed(lie)
+    state.add(lie, hop=2)  # the same lie again: nothing to retry
+    holders.learn([lie])
+    assert state.next_to_query() is None and holders.missing() == 1
+    state.add(near, hop=2)  # an honest reply names its real address
+    holders.learn([near])
+    assert state.next_to_query() == near
+    state.on_answer(near, [])
+    holders.answered(near.peer_id, DHTID.from_peer_id(near.peer_id), True)
+    assert holders.enough() and state.result().closest == (near,)
+    for i in range(5):  # lies at ever new addresses cost at most three more tries
+        liar = NodeInfo(node(2).peer_id, f"10.66.1.{i}:4000")
+        state.add(liar, hop=3)
+        if (asked := state.next_to_query()) is not None:
+            state.on_failure(asked)
+    assert state.queried == 1 + 1 + 4
+
+
 @pytest.mark.parametrize("alpha", [1, 3])
 async def test_lookup_keeps_alpha_in_flight_then_fans_out(
     alpha: int, autojump_clock: trio.abc.Clock
