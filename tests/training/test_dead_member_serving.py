@@ -107,3 +107,47 @@ async def test_survivors_stop_serving_a_member_killed_with_nothing_left_owed(
                 assert info.outcome is Outcome.AVERAGED, info
                 print(f"allreduce_s {info.allreduce_s:.3f}")
                 assert info.allreduce_s < STALL / 2, info.allreduce_s
+
+
+@pytest.mark.parametrize(("n", "delay", "size"), [(8, 0.1, 16384 * 8), (4, 0.5, 65536)])
+async def test_a_slow_member_with_one_download_slot_gets_every_part(
+    autojump_clock: trio.testing.MockClock, n: int, delay: float, size: int
+) -> None:
+    """One download at a time each (``max_downloads=1``), one member's link slow: it lost
+    parts, reporting live reducers ``dead`` (a review, 1 round in 3 at 8 members, 4 in 6
+    at 4 with a slower link). Two causes: its stall clock for a part ran while it waited
+    for the slot, so it probed the reducer as soon as it began, found it done serving and
+    dropped the items on their way; and a reducer that saw no download for a stall timeout
+    stopped serving before the slow member asked. Now the stall clock starts with the
+    download, and a reducer serves on while a member that has not fetched answers in the
+    round."""
+    import trio.testing
+    from test_averaging_support import verify_round
+
+    from peer import MemoryNetwork
+
+    net = MemoryNetwork(latency=0.005, window=8192)
+    with trio.fail_after(300):
+        async with memnet_swarm(n, network=net, first_seed=60) as (net, nodes):
+            members = make_members(nodes, size, fast_config(max_downloads=1, group_size=16))
+            verify_round(members, [info for info, _ in await step_all(members, 30.0)])
+            for m in members:
+                m.data = m.array.copy()
+
+            async def slow_down() -> None:  # its link slows once every group is formed
+                while not all(  # noqa: ASYNC110 - no event to wait on
+                    m.averager._active is not None and m.averager._active.service is not None
+                    for m in members
+                ):
+                    await trio.sleep(0.0005)
+                await trio.sleep(0.01)
+                net.slow_host(host_of(n - 1), delay)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(slow_down)
+                results = await step_all(members, 20.0)
+    infos = [info for info, _ in results]
+    verify_round(members, infos)  # type: ignore[arg-type]
+    for info, elapsed in results:
+        assert info is not None and info.outcome is Outcome.AVERAGED, str(info)
+        assert elapsed < 20.0

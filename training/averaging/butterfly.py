@@ -283,6 +283,10 @@ class Butterfly:
         received = False
         note = "the reducer did not answer in time"
         async with self._downloads, trio.open_nursery() as nursery:
+            # the stall clock starts with the download, not while it waited for a slot
+            # (max_downloads): a member with one slot probed each reducer at once, found
+            # it done serving, and dropped a part whose items were on their way (a review)
+            progress[0] = trio.current_time()
             nursery.start_soon(
                 self.liveness.watch,
                 reducer,

@@ -383,7 +383,17 @@ class ReducerService:
             if expected <= self.downloaded | gone:
                 return
             if trio.current_time() >= self.last_download + stall:
-                return
+                # No download for a stall timeout: serve on while a member that has not
+                # fetched the result answers that it is in the round (a slow member whose
+                # one download slot other parts held asked after we stopped, and lost the
+                # part, reporting us dead: a review); stop once none does.
+                async with trio.open_nursery() as nursery:
+                    for peer_id in fetching - gone:
+                        nursery.start_soon(self.liveness.probe, peer_id)
+                if not fetching - set(self.liveness.bad):
+                    return
+                self.last_download = trio.current_time()
+                continue
             # a member found dead meanwhile (by our own upload or download to it, or a
             # client whose connection ended) will not fetch: wake for that too
             with trio.move_on_at(min(self.last_download + stall, due)):
