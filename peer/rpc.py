@@ -98,6 +98,9 @@ _NO_LIMIT = (1 << 32) - 1
 _DIRECT_MAX = 1 << 16
 """Frames up to this size are written by the task that made them when the stream is idle."""
 _WRITE_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
+_PEER_SILENCE = 10.0
+"""The silence a peer may take for a dead connection (HostConfig.silence_timeout's
+default): a reader paused for a stream's consumer shows it is alive more often."""
 _BYE_GRACE = 5.0
 """Seconds an idle connection waits for its ``bye`` to be written before it is closed."""
 
@@ -176,6 +179,7 @@ class RpcConnection:
         self._frame_received = -math.inf
         self._reader_paused = False  # waiting for a stream's consumer, not reading
         self._bye_cause: BaseException | None = None  # see close_idle_nowait
+        self._bye_grace = False
 
     def __repr__(self) -> str:
         return f"<RpcConnection {self.peer_id.short()} at {self.remote_host}>"
@@ -233,17 +237,25 @@ class RpcConnection:
         ``cause``); :meth:`aclose` without waiting for the tasks to finish."""
         self._shutdown(cause)
 
-    def close_idle_nowait(self, cause: BaseException) -> None:
+    def close_idle_nowait(self, cause: BaseException, *, grace: bool = False) -> None:
         """End an idle connection on our side's initiative, telling the peer first (a
         ``bye`` frame, then the close once it is written): the peer then reads the close
         as ours, not as a departure, so it does not dial back to check on us (which, with
         every slot taken, would push another idle peer out, and so on), and it sends again
         on a fresh connection any request that crossed the ``bye``: we do not serve
-        requests that arrive after it. A connection already closing is left as it is."""
+        requests that arrive after it. A connection already closing is left as it is.
+
+        The bye goes after the frames already queued (a reply queued, its request no
+        longer counted in flight, was overtaken by an urgent bye: the peer failed it as
+        unread and sent it again, running the handler twice; a review). With ``grace``
+        (the idle timer's close) our end then stays open until the peer closes its own,
+        or ``_BYE_GRACE``; without (making room for a newcomer) it closes once the bye is
+        written, so that the slot is free at once."""
         if self.closed or self._bye_cause is not None:
             return
         self._bye_cause = cause
-        self._outbox.put_nowait(self._encode(RpcFrame(FrameKind.BYE, 0))[0], urgent=True)
+        self._bye_grace = grace
+        self._outbox.put_nowait(self._encode(RpcFrame(FrameKind.BYE, 0))[0])
 
     @property
     def closing(self) -> bool:
@@ -697,7 +709,9 @@ class RpcConnection:
             return
         self._reader_paused = True
         try:
-            interval = self.silence_timeout / 4
+            # paced for the peer's silence rule, not ours (the protocol's 10 s at most:
+            # with ours longer, or off, the peer took us for silent; a review)
+            interval = min(self.silence_timeout, _PEER_SILENCE) / 4
             while True:
                 with trio.move_on_after(interval):  # (an item not sent when it fires)
                     await pending.send.send(item)
@@ -885,7 +899,8 @@ class RpcConnection:
                 # that crossed the bye then fails there as unread and goes again on a fresh
                 # connection); until then, or the grace, our end stays open, so that its
                 # writes meanwhile do not fail as a lost connection instead (a review)
-                await trio.sleep(_BYE_GRACE)
+                if self._bye_grace:
+                    await trio.sleep(_BYE_GRACE)
                 self._shutdown(self._bye_cause)
                 return
 
@@ -901,7 +916,7 @@ class RpcConnection:
                     # timeout (its guess that we never read it went by its own: a call
                     # failed when the two differed, a review found)
                     cause = PeerUnavailableError("connection closed for idleness")
-                    self.close_idle_nowait(cause)
+                    self.close_idle_nowait(cause, grace=True)
                     await trio.sleep(_BYE_GRACE)  # the writer closes once the bye is out
                     self._shutdown(cause)
                     return

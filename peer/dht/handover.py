@@ -40,12 +40,16 @@ class Handover:
         self._dht = dht
         # New contacts whose keys we may hold, for the handover task (bounded: a burst of
         # joins drops some, and republish covers those).
-        self._newcomers_send, self._newcomers = trio.open_memory_channel[NodeInfo](_HANDOVER_QUEUE)
+        self._newcomers_send, self._newcomers = trio.open_memory_channel[tuple[NodeInfo, bool]](
+            _HANDOVER_QUEUE
+        )
 
-    def on_new_contact(self, node: NodeInfo) -> None:
-        """A contact new to the routing table: hand it the keys it should hold (queued)."""
+    def on_new_contact(self, node: NodeInfo, check: bool = False) -> None:
+        """A contact new to the routing table: hand it the keys it should hold (queued);
+        ``check``: a known one that may have restarted, handed them only if it lacks one
+        (see :meth:`hand_over`)."""
         try:
-            self._newcomers_send.send_nowait(node)
+            self._newcomers_send.send_nowait((node, check))
         except trio.WouldBlock:
             logger.debug("handover queue full: %s waits for republish", node.peer_id.short())
 
@@ -53,23 +57,25 @@ class Handover:
         """Hand keys over to the queued newcomers, a few at a time, until cancelled."""
         slots = trio.Semaphore(_HANDOVER_NEWCOMERS)  # the rest wait in the bounded queue
 
-        async def one(node: NodeInfo) -> None:
+        async def one(node: NodeInfo, check: bool) -> None:
             try:
-                await self.hand_over(node)
+                await self.hand_over(node, check=check)
             except SwarmError:
                 logger.debug("handover to %s failed", node.peer_id.short(), exc_info=True)
             finally:
                 slots.release()
 
         async with trio.open_nursery() as nursery:
-            async for node in self._newcomers:
+            async for node, check in self._newcomers:
                 await slots.acquire()
-                nursery.start_soon(one, node)
+                nursery.start_soon(one, node, check)
 
-    async def hand_over(self, node: NodeInfo) -> int:
+    async def hand_over(self, node: NodeInfo, *, check: bool = False) -> int:
         """Store at ``node``, a new contact, the keys we hold for which it is among the k
         closest nodes we know, when we are among the ``_HANDOVER_SENDERS`` (3) closest to the
         key of the others (the paper's join rule, with a few senders per key, not all k).
+        With ``check`` (a known contact that may have restarted), first ask it for the first
+        of those keys: nothing is handed over when it holds some of it.
 
         Returns:
             How many keys were handed over.
@@ -96,6 +102,13 @@ class Handover:
                 continue
             if should_hand_over(others, key_id, self._dht.node_id, new_id, k):
                 todo.append((key_id, name))
+                if check:
+                    break  # one is enough to ask about
+        if check and todo:
+            reply = await self._dht.protocol.find_value(node, todo[0][0])
+            if reply is None or reply.entries:
+                return 0  # gone, or it kept its storage: no restart to make up for
+            return await self.hand_over(node)
         sent = 0
 
         async def one(job: tuple[DHTID, str]) -> None:

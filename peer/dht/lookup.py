@@ -63,7 +63,7 @@ class _Candidate:
     distance: int
     hop: int
     status: _Status = _Status.NEW
-    retried: int = 0  # times it was asked again at another address (see LookupState.add)
+    failed_at: set[str] | None = None  # addresses at which it failed (see LookupState.add)
 
 
 _MAX_ADDRESS_RETRIES = 3
@@ -110,16 +110,16 @@ class LookupState:
         known = self._candidates.get(node.peer_id)
         if known is not None:
             known.hop = min(known.hop, hop)
+            failed_at = known.failed_at or set()
             if (
                 known.status is _Status.FAILED
-                and node.address != known.node.address
-                and known.retried < _MAX_ADDRESS_RETRIES
+                and node.address not in failed_at
+                and len(failed_at) <= _MAX_ADDRESS_RETRIES
             ):
                 # It failed at the address we first heard; another reply names another:
                 # ask it there (an initial peer that named the k closest at dead addresses
                 # hid them from a newcomer for good: a review)
                 known.node, known.status = node, _Status.NEW
-                known.retried += 1
                 bisect.insort(self._order, (known.distance, node.peer_id))
             return
         distance = self._distance(node)
@@ -185,6 +185,8 @@ class LookupState:
 
     def on_failure(self, node: NodeInfo) -> None:
         candidate = self._candidates[node.peer_id]
+        if node.address is not None:
+            candidate.failed_at = (candidate.failed_at or set()) | {node.address}
         self.failed += 1
         if candidate.status is not _Status.GIVEN_UP:
             self.in_flight -= 1

@@ -70,6 +70,8 @@ from .storage import DHTStorage
 
 logger = logging.getLogger(__name__)
 
+_REJOIN_AFTER_JOIN = 60.0
+"""Seconds after a contact joined during which its own-id lookup hands nothing over again."""
 _REJOINED_MEMORY = 4096
 """Contacts remembered for the once-per-republish-interval rule of ``_rejoined``."""
 
@@ -116,8 +118,9 @@ class DHTProtocol:
         self._proving_from: set[str] = set()
         self._addresses: dict[tuple[str, PeerID], Address] = {}
         self._limiter = trio.CapacityLimiter(config.max_concurrent_requests)
-        # Called with each contact that enters the routing table (the DHT hands keys over).
-        self.on_new_contact: Callable[[NodeInfo], None] | None = None
+        # Called with each contact that enters the routing table (the DHT hands keys over),
+        # and with ``check=True`` for a known one that may have restarted (see _rejoined).
+        self.on_new_contact: Callable[[NodeInfo, bool], None] | None = None
         table.on_promoted = self._joined
         self.calls_sent = 0
         self.calls_failed = 0
@@ -161,14 +164,20 @@ class DHTProtocol:
         replacement cache when a contact left)."""
         logger.info("peer joined: %s at %s", node.peer_id.short(), node.address)
         if self.on_new_contact is not None:
-            self.on_new_contact(node)
+            # its own-id lookup follows the join: no second handover for it (one that
+            # restarts after a minute still gets one; see _rejoined)
+            window = self.config.republish_interval
+            self._rejoined_at[node.peer_id] = self._now() - window + _REJOIN_AFTER_JOIN
+            self.on_new_contact(node, False)
 
     def _rejoined(self, known: NodeInfo, sender: str | None) -> None:
-        """A contact we knew looks up its own id, as a node does when it joins: perhaps it
-        restarted with the same identity (a bootstrap host's key file), its storage empty.
-        Being known, it got no handover (a rolling restart of every holder lost the records
-        whose owners had left: a review), so it gets one now, at most once per
-        ``republish_interval`` for each contact."""
+        """A contact we knew looks up its own id, as a node does when it joins (and at each
+        refresh): perhaps it restarted with the same identity (a bootstrap host's key
+        file), its storage empty. Being known, it got no handover (a rolling restart of
+        every holder lost the records whose owners had left: a review). So the handover
+        first asks it for one key it should hold, and hands them all over only when it
+        has none of that key (a refresh of a node that did not restart costs that one
+        request); at most once per ``republish_interval`` for each contact."""
         if self.on_new_contact is None or known.address != sender:
             return  # (at another address: learn() hands over once that one is proven)
         now = self._now()
@@ -184,8 +193,8 @@ class DHTProtocol:
             if len(self._rejoined_at) >= _REJOINED_MEMORY:
                 return
         self._rejoined_at[known.peer_id] = now
-        logger.debug("%s looked up its own id: handing keys over", known.peer_id.short())
-        self.on_new_contact(known)
+        logger.debug("%s looked up its own id: checking its storage", known.peer_id.short())
+        self.on_new_contact(known, True)
 
     def check_alive(self, peer_id: PeerID) -> None:
         """``peer_id``'s side ended our connection: ping it (if it is a contact), so that a

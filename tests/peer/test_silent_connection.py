@@ -6,9 +6,11 @@ whose calls were cancelled early (a hedged lookup's: the peer never answers thos
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import pytest
 import trio
 import trio.testing
 
@@ -129,18 +131,21 @@ async def _count(request: Request) -> AsyncIterator[Reply]:
         yield Reply({"i": i}, bytes(10_000))
 
 
+@pytest.mark.parametrize("ours", [10.0, 60.0, math.inf])
 async def test_the_streaming_peer_does_not_take_a_paused_consumer_for_silent(
-    autojump_clock: trio.testing.MockClock,
+    autojump_clock: trio.testing.MockClock, ours: float
 ) -> None:
     """While our reader waits for a stream's consumer (its buffer full), the streaming
     peer's own calls to us go unanswered; after its silence timeout it closed the
     connection, the stream with it, though we were alive (a review). A paused reader
     now sends a ``cancel`` for an id it has no call under every quarter of the silence
-    timeout, which the peer ignores but hears."""
+    timeout (the peer's: 10 s at most, whatever ours; paced by ours, 60 s or off, they
+    came too seldom), which the peer ignores but hears."""
     net = MemoryNetwork(latency=0.01, window=1 << 16)
     config = HostConfig(silence_timeout=10.0)
+    mine = HostConfig(silence_timeout=ours)
     async with (
-        open_rpc_host(ID_A, listen=Address("a", 1), network=net.interface("a"), config=config) as a,
+        open_rpc_host(ID_A, listen=Address("a", 1), network=net.interface("a"), config=mine) as a,
         open_rpc_host(ID_B, listen=Address("b", 1), network=net.interface("b"), config=config) as b,
     ):
         b.register_stream("count", _count)
@@ -151,7 +156,7 @@ async def test_the_streaming_peer_does_not_take_a_paused_consumer_for_silent(
         outcomes: list[str] = []
 
         async def pinger() -> None:  # the streaming peer's calls while we do not read
-            for _ in range(8):
+            for _ in range(16):
                 with trio.move_on_after(1.5):
                     await b.call(a.listen_address, "echo", {})
                     outcomes.append("ok")
@@ -164,7 +169,7 @@ async def test_the_streaming_peer_does_not_take_a_paused_consumer_for_silent(
                     if len(got) == 1:
                         await trio.sleep(0.5)  # the buffer fills; our reader waits
                         async with trio.open_nursery() as nursery:
-                            nursery.start_soon(pinger)  # 16 s: past the silence timeout
+                            nursery.start_soon(pinger)  # 32 s: past the silence timeout
         assert got == list(range(100))
         assert not outcomes  # (unanswered: one connection, read in order)
         assert a.num_connections == b.num_connections == 1

@@ -369,6 +369,11 @@ class ReducerService:
         # too: a member that fetches its parts one at a time (max_downloads=1) found our
         # step ended and reported us dead, while the others reported the part "all".
         stall = self.config.stall_timeout
+        # extensions for members that have not fetched yet but answer (below): as many as
+        # a member with our max_downloads slots could need to come to our part, no more
+        # (one that never fetches, hostile or having given up on the part, held every
+        # reducer's step to its deadline: a review)
+        extensions = math.ceil(len(self.plan.reducers) / self.config.max_downloads)
         while True:
             fetching = expected - self.downloaded
             due = self.liveness.mark_gone_clients(p for p in fetching if p in self.progress)
@@ -387,6 +392,9 @@ class ReducerService:
                 # fetched the result answers that it is in the round (a slow member whose
                 # one download slot other parts held asked after we stopped, and lost the
                 # part, reporting us dead: a review); stop once none does.
+                if extensions <= 0:
+                    return
+                extensions -= 1
                 async with trio.open_nursery() as nursery:
                     for peer_id in fetching - gone:
                         nursery.start_soon(self.liveness.probe, peer_id)
