@@ -157,3 +157,45 @@ async def test_a_slow_member_with_one_download_slot_gets_every_part(
     for info, elapsed in results:
         assert info is not None and info.outcome is Outcome.AVERAGED, str(info)
         assert elapsed < 30.0
+
+
+async def test_a_member_with_fewer_download_slots_than_the_reducers_gets_every_part(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``max_downloads`` is each member's own: a reducer that capped its extra serving by
+    its own (8: one stall timeout more) cut off a member with one slot, which lost two
+    parts and reported their live reducers ``dead`` (a review). The cap assumes one slot."""
+    from test_averaging_support import verify_round
+
+    from peer import MemoryNetwork
+
+    net = MemoryNetwork(latency=0.005, window=8192)
+    serving = trio.Event()
+    serve = ReducerService.serve
+
+    async def noted(self: ReducerService) -> None:
+        serving.set()
+        await serve(self)
+
+    with trio.fail_after(900):
+        async with memnet_swarm(8, network=net, first_seed=60) as (net, nodes):
+            size = 131072 * 2
+            others = fast_config(max_downloads=8, group_size=16, stall_timeout=3.0)
+            one_slot = fast_config(max_downloads=1, group_size=16, stall_timeout=3.0)
+            members = make_members(nodes[:-1], size, others)
+            members += make_members(nodes[-1:], size, one_slot, seed=1)
+            verify_round(members, [info for info, _ in await step_all(members, 30.0)])
+            for m in members:
+                m.data = m.array.copy()
+            monkeypatch.setattr(ReducerService, "serve", noted)
+
+            async def slow_down() -> None:  # its link slows once the reducers serve
+                await serving.wait()
+                net.slow_host(host_of(7), 0.5)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(slow_down)
+                results = await step_all(members, 500.0)
+    verify_round(members, [info for info, _ in results])  # type: ignore[misc]
+    for info, _ in results:
+        assert info is not None and info.outcome is Outcome.AVERAGED, str(info)

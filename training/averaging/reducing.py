@@ -370,10 +370,11 @@ class ReducerService:
         # step ended and reported us dead, while the others reported the part "all".
         stall = self.config.stall_timeout
         # extensions for members that have not fetched yet but answer (below): as many as
-        # a member with our max_downloads slots could need to come to our part, no more
-        # (one that never fetches, hostile or having given up on the part, held every
-        # reducer's step to its deadline: a review)
-        extensions = math.ceil(len(self.plan.reducers) / self.config.max_downloads)
+        # a member with one download slot (max_downloads is each member's own setting)
+        # could need to come to our part, no more (one that never fetches, hostile or
+        # having given up on the part, held every reducer's step to its deadline, and a
+        # cap by our own max_downloads cut off a member with fewer slots: two reviews)
+        extensions = len(self.plan.reducers)
         while True:
             fetching = expected - self.downloaded
             due = self.liveness.mark_gone_clients(p for p in fetching if p in self.progress)
