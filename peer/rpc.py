@@ -102,7 +102,8 @@ _PEER_SILENCE = 10.0
 """The silence a peer may take for a dead connection (HostConfig.silence_timeout's
 default): a reader paused for a stream's consumer shows it is alive more often."""
 _BYE_GRACE = 5.0
-"""Seconds an idle connection waits for its ``bye`` to be written before it is closed."""
+"""Seconds a connection closed for idleness keeps its end open after its ``bye``, for the
+peer to close first (and the most its watchdog waits for that, the bye's write included)."""
 
 
 class _Incoming:
