@@ -171,45 +171,46 @@ async def test_evicting_idle_dead_peers_keeps_within_max_connections(
     config = HostConfig(max_connections=4, max_connections_per_ip=4)
     peak = 0
     server_id = Identity.from_seed(b"s" * 32)
-    async with open_rpc_host(
-        server_id, listen=Address("s", 1), network=net.interface("s"), config=config
-    ) as server:
-        server.register("echo", echo)
-        address = server.listen_address
-        assert address is not None
-        async with trio.open_nursery() as nursery:
+    with trio.fail_after(60):
+        async with open_rpc_host(
+            server_id, listen=Address("s", 1), network=net.interface("s"), config=config
+        ) as server:
+            server.register("echo", echo)
+            address = server.listen_address
+            assert address is not None
+            async with trio.open_nursery() as nursery:
 
-            async def watch() -> None:
-                nonlocal peak
-                while True:
-                    peak = max(peak, server.num_connections)
-                    await trio.sleep(0.01)
+                async def watch() -> None:
+                    nonlocal peak
+                    while True:
+                        peak = max(peak, server.num_connections)
+                        await trio.sleep(0.01)
 
-            async def client(i: int, ready: trio.Event) -> None:
-                identity = Identity.from_seed(bytes([65 + i]) * 32)
-                async with open_rpc_host(
-                    identity, listen=None, network=net.interface(f"c{i}")
-                ) as c:
-                    await c.call(address, "echo", {"i": i})
-                    ready.set()
-                    await trio.sleep_forever()
+                async def client(i: int, ready: trio.Event) -> None:
+                    identity = Identity.from_seed(bytes([65 + i]) * 32)
+                    async with open_rpc_host(
+                        identity, listen=None, network=net.interface(f"c{i}")
+                    ) as c:
+                        await c.call(address, "echo", {"i": i})
+                        ready.set()
+                        await trio.sleep_forever()
 
-            nursery.start_soon(watch)
-            for i in range(4):  # idle peers fill the slots, then go dark (no FIN)
-                ready = trio.Event()
-                nursery.start_soon(client, i, ready)
-                await ready.wait()
-            await trio.sleep(2)
-            for i in range(4):
-                net.freeze_host(f"c{i}")
-            for i in range(4, 8):  # each newcomer evicts one of them
-                ready = trio.Event()
-                nursery.start_soon(client, i, ready)
-                with trio.fail_after(10):
+                nursery.start_soon(watch)
+                for i in range(4):  # idle peers fill the slots, then go dark (no FIN)
+                    ready = trio.Event()
+                    nursery.start_soon(client, i, ready)
                     await ready.wait()
-                await trio.sleep(0.3)
-            assert peak <= 4 and server.num_connections == 4
-            nursery.cancel_scope.cancel()
+                await trio.sleep(2)
+                for i in range(4):
+                    net.freeze_host(f"c{i}")
+                for i in range(4, 8):  # each newcomer evicts one of them
+                    ready = trio.Event()
+                    nursery.start_soon(client, i, ready)
+                    with trio.fail_after(10):
+                        await ready.wait()
+                    await trio.sleep(0.3)
+                assert peak <= 4 and server.num_connections == 4
+                nursery.cancel_scope.cancel()
 
 
 @pytest.mark.parametrize("at", [3.75, 4.0, 4.25])
@@ -229,29 +230,30 @@ async def test_a_bye_goes_after_the_replies_already_queued(
 
     net = MemoryNetwork(latency=0.6, window=1)  # a slow link
     config = HostConfig(max_connections=1, max_connections_per_ip=8)
-    async with open_rpc_host(
-        Identity.from_seed(b"s" * 32), listen=Address("s", 1),
-        network=net.interface("s"), config=config,
-    ) as server:  # fmt: skip
-        server.register("big", big)
-        server.register("echo", echo)
-        address = server.listen_address
-        assert address is not None
-        caller_id, newcomer_id = Identity.from_seed(b"c" * 32), Identity.from_seed(b"d" * 32)
-        async with open_rpc_host(caller_id, listen=None, network=net.interface("c")) as c:
-            await c.connect(address)
-            start = trio.current_time()
+    with trio.fail_after(120):
+        async with open_rpc_host(
+            Identity.from_seed(b"s" * 32), listen=Address("s", 1),
+            network=net.interface("s"), config=config,
+        ) as server:  # fmt: skip
+            server.register("big", big)
+            server.register("echo", echo)
+            address = server.listen_address
+            assert address is not None
+            caller_id, newcomer_id = Identity.from_seed(b"c" * 32), Identity.from_seed(b"d" * 32)
+            async with open_rpc_host(caller_id, listen=None, network=net.interface("c")) as c:
+                await c.connect(address)
+                start = trio.current_time()
 
-            async def one(n: int) -> None:
-                with trio.fail_after(60), contextlib.suppress(PeerUnavailableError):
-                    await c.call(address, "big", {"n": n})
+                async def one(n: int) -> None:
+                    with trio.fail_after(60), contextlib.suppress(PeerUnavailableError):
+                        await c.call(address, "big", {"n": n})
 
-            async with trio.open_nursery() as nursery:
-                for n in (1, 2, 3):
-                    nursery.start_soon(one, n)
-                await trio.sleep_until(start + at)
-                network = net.interface("n")
-                async with open_rpc_host(newcomer_id, listen=None, network=network) as newcomer:
-                    with contextlib.suppress(PeerUnavailableError):
-                        await newcomer.call(address, "echo", {"hi": 1})
-    assert sorted(executions) == [1, 2, 3], executions
+                async with trio.open_nursery() as nursery:
+                    for n in (1, 2, 3):
+                        nursery.start_soon(one, n)
+                    await trio.sleep_until(start + at)
+                    network = net.interface("n")
+                    async with open_rpc_host(newcomer_id, listen=None, network=network) as newcomer:
+                        with contextlib.suppress(PeerUnavailableError):
+                            await newcomer.call(address, "echo", {"hi": 1})
+        assert sorted(executions) == [1, 2, 3], executions

@@ -78,25 +78,26 @@ async def test_a_call_crossing_the_idle_close_of_a_peer_with_a_shorter_idle_time
         return Reply(request.body)
 
     failures = []
-    for offset in [20 + d / 1000 for d in range(-30, 31, 3)]:
-        net = MemoryNetwork(latency=0.01)
-        async with (
-            open_rpc_host(
-                Identity.from_seed(b"i" * 32), listen=Address("a", 1),
-                network=net.interface("a"), config=HostConfig(idle_timeout=60),
-            ) as a,
-            open_rpc_host(
-                Identity.from_seed(b"j" * 32), listen=Address("b", 1),
-                network=net.interface("b"), config=HostConfig(idle_timeout=20),
-            ) as b,
-        ):  # fmt: skip
-            b.register("echo", echo)
-            assert b.listen_address is not None
-            await a.call(b.listen_address, "echo", {})
-            await trio.sleep(offset)
-            try:
-                with trio.fail_after(5):
-                    await a.call(b.listen_address, "echo", {"x": 1})
-            except Exception as exc:
-                failures.append((offset, repr(exc)))
-    assert not failures, failures
+    with trio.fail_after(600):
+        for offset in [20 + d / 1000 for d in range(-30, 31, 3)]:
+            net = MemoryNetwork(latency=0.01)
+            async with (
+                open_rpc_host(
+                    Identity.from_seed(b"i" * 32), listen=Address("a", 1),
+                    network=net.interface("a"), config=HostConfig(idle_timeout=60),
+                ) as a,
+                open_rpc_host(
+                    Identity.from_seed(b"j" * 32), listen=Address("b", 1),
+                    network=net.interface("b"), config=HostConfig(idle_timeout=20),
+                ) as b,
+            ):  # fmt: skip
+                b.register("echo", echo)
+                assert b.listen_address is not None
+                await a.call(b.listen_address, "echo", {})
+                await trio.sleep(offset)
+                try:
+                    with trio.fail_after(5):
+                        await a.call(b.listen_address, "echo", {"x": 1})
+                except Exception as exc:
+                    failures.append((offset, repr(exc)))
+        assert not failures, failures

@@ -238,7 +238,7 @@ class Averager:
         # per-part share of max_inflight is rounded up, see Butterfly)
         self._pool = BufferPool(config.max_inflight + config.group_size)
         self._results = SharedBuffer()  # our part's encoded mean, reused across rounds
-        self._wide = SharedBuffer()  # our part's float64 sum (none, 3+ peers), reused too
+        self._wide = SharedBuffer()  # our part's float64 sum (see wide_sum_wanted), reused
         # topk: what compression kept out of our contributions, sent with the next ones
         self.feedback = (
             ErrorFeedback(self.flat.total, self.codec, chunk) if self.codec.name == "topk" else None

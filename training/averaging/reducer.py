@@ -21,7 +21,8 @@ Rules (what a reducer promises):
   never exceeds the largest
   ``|value|`` (but by rounding) whatever the weights (any positive finite float64).
   With ``wide`` (see :func:`wide_sum_wanted`) the sum is float64 and so are the shares
-  (each weight over the total): rounded to float32 once, in :meth:`PartReducer.divide`.
+  (each weight over a power of two, exact), every product rounded alike; the mean is
+  rounded to float32 once, in :meth:`PartReducer.divide`.
   :meth:`PartReducer.finalize` divides by the shares of the senders that counted (no
   division when they sum to exactly 1), which cannot overflow unless
   their mean does, and checks that the mean fits what the codec can send back (float16:
