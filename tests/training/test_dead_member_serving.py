@@ -125,7 +125,8 @@ async def test_a_slow_member_with_one_download_slot_gets_every_part(
     not fetched answers in the round (4 of 6 rounds lost a part at 4 members with a 0.5 s
     link and a 2 s stall timeout before, 0 of 6 after, in a scratch run of the review's
     scenario; the second case here, with a 3 s stall timeout to keep its pings from
-    reading as frozen, passes either way)."""
+    reading as frozen, passes either way; test_serve_extension.py tests the extension
+    and its bound deterministically)."""
     import trio.testing
     from test_averaging_support import verify_round
 
