@@ -163,6 +163,9 @@ def _inference_tensor() -> torch.Tensor:
         (lambda: torch.nn.BatchNorm1d(2).num_batches_tracked, TypeError, "num_batches_tracked"),
         # numpy's own name for the dtype it was given (not torch.int32)
         (lambda: np.zeros(3, dtype=np.int32), TypeError, "tensor 1 has dtype int32: only"),
+        # a scale format and a packed one: a copy of the second failed only mid-step
+        (lambda: torch.ones(3).to(torch.float8_e8m0fnu), TypeError, "e8m0fnu, which does not"),
+        (lambda: torch.zeros(3, dtype=torch.uint8).view(torch.float4_e2m1fn_x2), TypeError, "x2,"),
     ],
     ids=[
         "inference",
@@ -172,6 +175,8 @@ def _inference_tensor() -> torch.Tensor:
         "longdouble",
         "int64",
         "np-int32",
+        "float8-e8m0",
+        "float4",
     ],
 )
 async def test_tensors_that_cannot_be_averaged_in_place_are_refused_naming_them(
@@ -353,3 +358,37 @@ async def test_tensors_changed_in_place_during_the_all_reduce_warn(
                 infos = await step_together(averagers, [1.0, 1.0])
     assert all(info.averaged_fraction == 1.0 for info in infos)
     assert torch.equal(lists[0][0], lists[1][0])
+
+
+@pytest.mark.parametrize(
+    "dtype",
+    [torch.float16, torch.bfloat16]
+    + [getattr(torch, f"float8_{n}") for n in ("e4m3fn", "e4m3fnuz", "e5m2", "e5m2fnuz")],
+    ids=str,
+)
+def test_a_mean_beyond_a_narrow_dtypes_range_is_stored_as_its_largest_value(
+    dtype: torch.dtype,
+) -> None:
+    """Finite float32 values beyond a narrow dtype's range (a hostile sender's, or a codec's
+    error) are stored as ±its largest value: float8_e5m2 made them infinite and the fnuz
+    float8s NaN, in a part reported ``all`` (a review; only float8_e4m3fn saturates by
+    itself). Infinities and NaN stay as they are."""
+    from training.averaging.layout import FlatVector
+
+    top = float(torch.finfo(dtype).max)
+    target = torch.zeros(6, dtype=dtype)
+    flat = FlatVector.of([target])
+    beyond = min(top * 4, float(np.finfo(np.float32).max))  # finite in float32
+    inf = float("inf")
+    flat.tensor.copy_(torch.tensor([beyond, -beyond, 1.0, -2.0, inf, float("nan")]))
+    flat.store((0, 4))  # the finite ones
+    assert target.float()[:4].tolist() == [top, -top, 1.0, -2.0]
+    flat.store((4, 6))
+    stored = target.float()[4:]
+    if dtype in (torch.float8_e4m3fn,):  # no infinity in the dtype: its cast saturates
+        assert stored[0] == top
+    elif "fnuz" in str(dtype):  # no infinity either: NaN stands for it
+        assert stored[0].isnan()
+    else:
+        assert stored[0] == inf
+    assert stored[1].isnan()

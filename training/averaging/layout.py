@@ -107,7 +107,9 @@ def as_tensors(tensors: Iterable[Any]) -> list[torch.Tensor]:
     Raises:
         TypeError: if ``tensors`` is one tensor or a mapping (a ``state_dict()``) rather than a
             list, or an item is None (a ``.grad`` before the first backward), neither a torch
-            tensor nor a numpy array (or one torch cannot view), or not floating.
+            tensor nor a numpy array (or one torch cannot view), or not floating, or of
+            a float dtype that does not average (not in ``AVERAGED_DTYPES``:
+            float8_e8m0fnu, float4_e2m1fn_x2).
         ValueError: if a tensor is not on the CPU, sparse, not contiguous, read-only, an
             inference tensor or a negative view, if two tensors share memory, or if the list
             is empty.
@@ -139,6 +141,12 @@ def as_tensors(tensors: Iterable[Any]) -> list[torch.Tensor]:
             hint = "" if tensor.is_complex() else _INTEGER_HINT
             dtype = item.dtype if isinstance(item, np.ndarray) else tensor.dtype  # as given
             raise TypeError(f"tensor {i} has dtype {dtype}: only floating tensors average{hint}")
+        if tensor.dtype not in AVERAGED_DTYPES:  # checked before its first copy fails
+            names = ", ".join(str(d).removeprefix("torch.") for d in AVERAGED_DTYPES)
+            raise TypeError(
+                f"tensor {i} has dtype {tensor.dtype}, which does not average (a scale or "
+                f"packed format); the float dtypes that do: {names}"
+            )
         if tensor.is_inference():  # its first in-place write would raise, mid-round
             raise ValueError(
                 f"tensor {i} is an inference tensor (made under torch.inference_mode()): it "
@@ -421,9 +429,20 @@ class FlatVector:
             target.copy_(values)
 
 
-_NARROW_MAX = {dtype: float(torch.finfo(dtype).max) for dtype in (torch.float16, torch.bfloat16)}
-"""The largest finite value of the float dtypes whose casts from float32 overflow to
-infinity (torch's float8 casts saturate by themselves)."""
+_FLOAT8_NAMES = ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
+_FLOAT8 = tuple(getattr(torch, name) for name in _FLOAT8_NAMES if hasattr(torch, name))
+AVERAGED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, *_FLOAT8)
+"""The float dtypes that average. Not the scale and packed formats (``float8_e8m0fnu``
+holds no sign and no zero, ``float4_e2m1fn_x2`` two values per byte): a mean of them is
+not a value of theirs."""
+
+_NARROW_MAX = {
+    dtype: float(torch.finfo(dtype).max) for dtype in AVERAGED_DTYPES if dtype.itemsize < 4
+}
+"""The largest finite value of the float dtypes narrower than float32, whose casts from it
+overflow: to infinity (float16, bfloat16, float8_e5m2) or NaN (the ``fnuz`` float8s; only
+float8_e4m3fn saturates by itself). A sender's finite values beyond the range made an
+honest reducer's tensor infinite or NaN, its part reported ``all`` (a review)."""
 
 
 def _saturated(values: torch.Tensor, top: float) -> torch.Tensor:
