@@ -47,6 +47,7 @@ from .base import (
     as_float_array,
     header_size,
     int_param,
+    read_header,
 )
 
 DEFAULT_BLOCK_SIZE = 4096
@@ -224,7 +225,14 @@ class Int8Codec(Codec):
             offset = 0
             for start, length in zip(plan.starts.tolist(), plan.lengths.tolist(), strict=True):
                 size = self.encoded_size(length)
-                self.decode_into(mv[offset : offset + size], out[start : start + length])
+                piece = mv[offset : offset + size]
+                header = read_header(piece)
+                if header.codec == self.name and header.param != self.block_size:
+                    # (as many blocks of another size would decode: blocks of ours, stated)
+                    raise RemoteProtocolError(
+                        f"an int8 blob of block_size {header.param}, not {self.block_size}"
+                    )
+                self.decode_into(piece, out[start : start + length])
                 offset += size
             return out
         scales = source[kinds == 1].view("<f4")

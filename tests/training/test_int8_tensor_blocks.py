@@ -123,6 +123,38 @@ def test_a_payload_that_is_not_the_pieces_blobs_is_refused() -> None:
         ranges.decode_into(swapped, out, 0)
 
 
+@pytest.mark.parametrize("pieces", [1, 2, 20], ids=["one-blob", "few-pieces", "many-pieces"])
+def test_blobs_of_another_block_size_that_are_as_long_are_refused(pieces: int) -> None:
+    """A chunk counts only if it is what the round's codec makes of it: blocks of 300 make
+    as many blocks as the round's 256 over 1024 values (the same bytes), and were decoded,
+    straddling the round's blocks (a review). Each decoding path refuses them now."""
+    ours, other = get_codec("int8", block_size=256), get_codec("int8", block_size=300)
+    length = 1024
+    offsets = np.linspace(0, pieces * length, pieces + 1).astype(int)
+    ranges = RangeCodec(ours, offsets)
+    values = np.ones(pieces * length, np.float32)
+    values[200] = 1000.0  # in the first block of either size
+    good = bytearray(ranges.encoded_size(0, values.size))
+    ranges.encode_into(values, good, 0)
+    forged = b"".join(other.encode(values[a:b]) for a, b in itertools.pairwise(offsets))
+    assert len(forged) == len(good)
+    out = np.empty(values.size, np.float32)
+    # the round's blocks keep 256..299 within 1/254 of their own largest magnitude, 1;
+    # the forged ones put them in a block with 1000, which decodes them as 0
+    decoded = ranges.decode_into(bytes(good), out, 0)[256:300]
+    assert np.abs(decoded - 1.0).max() <= 1 / 254
+    assert (other.decode(forged[: other.encoded_size(length)])[256:300] == 0).all()
+    with pytest.raises(RemoteProtocolError, match="block_size 300"):
+        ranges.decode_into(forged, out, 0)
+    # one dimension too: a (1024, 1) blob is as long as its 1-d form
+    reshaped = b"".join(
+        ours.encode(values[a:b].reshape(-1, 1)) for a, b in itertools.pairwise(offsets)
+    )
+    if len(reshaped) == len(good):  # (the header grows by a dimension: longer, refused)
+        with pytest.raises(RemoteProtocolError):
+            ranges.decode_into(reshaped, out, 0)
+
+
 def test_a_reducer_drops_a_sender_whose_chunk_spans_tensors_in_one_blob() -> None:
     """The size check: a v6-style chunk (one blob over two tensors) is garbage."""
     int8 = get_codec("int8")

@@ -24,7 +24,7 @@ from typing import Any
 import numpy.typing as npt
 
 from protocol.codecs import Int8Codec
-from protocol.codecs.base import Codec, Float32Array, header_size
+from protocol.codecs.base import Codec, Float32Array, header_size, read_header
 from protocol.errors import RemoteProtocolError
 
 Span = tuple[int, int]
@@ -46,6 +46,27 @@ class RangeCodec:
         inner = sorted({int(x) for x in offsets[1:-1]}) if len(offsets) > 2 else []
         # only int8 has blocks to keep within a tensor
         self.cuts: tuple[int, ...] = tuple(inner) if isinstance(codec, Int8Codec) else ()
+
+    def _check_blob(self, blob: bytes | memoryview, length: int) -> None:
+        """An int8 blob must be of the round's block size, over ``length`` elements in one
+        dimension: the codec decodes any block size, and another one that makes as many
+        blocks has the same size (a review: blocks of 300 under a round's 256 counted,
+        straddling the round's blocks, so a tensor's error no longer bounded by its own
+        magnitudes). The other codecs' sizes pin their parameters.
+
+        Raises:
+            RemoteProtocolError: another block size, or shape.
+        """
+        if not isinstance(self.codec, Int8Codec):
+            return
+        header = read_header(blob)
+        if header.codec == "int8" and header.param != self.codec.block_size:
+            raise RemoteProtocolError(
+                f"an int8 blob of block_size {header.param}, not the round's "
+                f"{self.codec.block_size}"
+            )
+        if header.shape != (length,):
+            raise RemoteProtocolError(f"a blob of shape {header.shape}, not ({length},)")
 
     def pieces(self, start: int, stop: int) -> list[Span]:
         """``[start, stop)`` cut at the tensor boundaries inside it (flat indices)."""
@@ -112,6 +133,7 @@ class RangeCodec:
         """
         pieces = self.pieces(start, start + out.size)
         if len(pieces) == 1:
+            self._check_blob(payload, out.size)
             return self.codec.decode_into(payload, out)
         if len(pieces) > MANY_PIECES:
             assert isinstance(self.codec, Int8Codec)
@@ -121,6 +143,7 @@ class RangeCodec:
             size = self.codec.encoded_size(b - a)
             if offset + size > view.nbytes:
                 raise RemoteProtocolError("a payload shorter than its tensors' blobs")
+            self._check_blob(view[offset : offset + size], b - a)
             self.codec.decode_into(view[offset : offset + size], out[a - start : b - start])
             offset += size
         if offset != view.nbytes:
