@@ -206,8 +206,9 @@ class Int8Codec(Codec):
         ``lengths`` elements (what :meth:`encode_pieces_into` makes) into 1-d ``out``.
 
         Raises:
-            RemoteProtocolError: as :meth:`decode_into` of each piece, or a payload whose
-                size is not theirs.
+            RemoteProtocolError: as :meth:`decode_into` of each piece, a blob of another
+                block size (which :meth:`decode_into` takes), or a payload whose size is
+                not theirs.
             ValueError: if ``lengths`` do not tile ``out``.
         """
         plan = _PiecesPlan(lengths, self.block_size, out.size)

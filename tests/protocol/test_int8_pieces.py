@@ -8,6 +8,7 @@ import numpy as np
 import pytest
 
 from protocol.codecs import NonFiniteError, get_codec
+from protocol.codecs.base import read_header
 from protocol.codecs.int8 import Int8Codec
 from protocol.errors import ProtocolError, RemoteProtocolError
 
@@ -21,11 +22,17 @@ def one_by_one(codec: Int8Codec, values: np.ndarray, lengths: list[int]) -> byte
 
 
 def read_one_by_one(codec: Int8Codec, payload: bytes, lengths: list[int]) -> np.ndarray:
+    """A call per piece, each a blob of ``codec``'s block size (decode_into alone takes any:
+    one of another size that makes as many blocks is as long)."""
     values, offset = [], 0
     for length in lengths:
         size = codec.encoded_size(length)
         out = np.empty(length, np.float32)
-        values.append(codec.decode_into(payload[offset : offset + size], out))
+        piece = payload[offset : offset + size]
+        header = read_header(piece)
+        if header.codec == "int8" and header.param != codec.block_size:
+            raise RemoteProtocolError("another block size")
+        values.append(codec.decode_into(piece, out))
         offset += size
     if offset != len(payload):
         raise RemoteProtocolError("bytes left over")
@@ -104,3 +111,11 @@ def test_what_the_passes_refuse() -> None:
         codec.decode_pieces_into(payload[:-1], [3, 3], np.empty(6, np.float32))
     with pytest.raises(RemoteProtocolError):  # pieces of other lengths, as long in all
         codec.decode_pieces_into(one_by_one(codec, values, [2, 4]), [3, 3], np.empty(6, np.float32))
+    # blobs of another block size that makes as many blocks: as long, and refused
+    eight = np.arange(8, dtype=np.float32)
+    other = get_codec("int8", block_size=3)
+    assert isinstance(other, Int8Codec)
+    forged = one_by_one(other, eight, [4, 4])
+    assert len(forged) == len(one_by_one(codec, eight, [4, 4]))
+    with pytest.raises(RemoteProtocolError, match="block_size 3, not 2"):
+        codec.decode_pieces_into(forged, [4, 4], np.empty(8, np.float32))
