@@ -77,7 +77,7 @@ from .calls import StreamHandler as StreamHandler
 from .errors import LimitExceededError, PeerUnavailableError, RemoteError
 from .receive_budget import ReceiveBudget
 from .secure import SecureStream
-from .wire import FrameReader, Outbox, send_coalesced, write_pieces
+from .wire import FrameReader, Outbox, TruncatedFrameError, send_coalesced, write_pieces
 
 __all__ = [
     "ConnectionClosedError",
@@ -290,7 +290,12 @@ class RpcConnection:
     async def _guard(self, fn: Callable[..., Awaitable[None]], *args: Any) -> None:
         try:
             await fn(*args)
-        except (trio.BrokenResourceError, trio.ClosedResourceError, OSError) as exc:
+        except (
+            trio.BrokenResourceError,
+            trio.ClosedResourceError,
+            OSError,
+            TruncatedFrameError,  # (a peer killed mid-frame, between transport messages)
+        ) as exc:
             logger.debug("%r: connection lost: %r", self, exc)
             unread = not isinstance(exc, trio.ClosedResourceError) and self._fail_unread()
             if not self.closed and not unread:

@@ -26,6 +26,7 @@ __all__ = [
     "FrameReader",
     "Outbox",
     "Piece",
+    "TruncatedFrameError",
     "coalesce",
     "send_coalesced",
     "write_pieces",
@@ -377,6 +378,12 @@ it: a buffer another thread is looking at has a reference more, so it is never h
 twice (the byte counts are only approximate then)."""
 
 
+class TruncatedFrameError(RemoteProtocolError):
+    """The stream ended inside a frame: a protocol violation, but most likely a peer that
+    died while it wrote a large frame (killed between two of its transport messages), so
+    a departure too (``peer.rpc`` reports the connection lost, as for a reset)."""
+
+
 class FrameReader:
     """Whole frames from a stream, each in its own buffer (large ones from ``pool``, and
     within ``budget`` while they arrive, counted against remote host ``group``)."""
@@ -488,7 +495,7 @@ class FrameReader:
             if not n:
                 if at_boundary and not filled:
                     return False
-                raise RemoteProtocolError("stream ended inside a frame (truncated frame)")
+                raise TruncatedFrameError("stream ended inside a frame (truncated frame)")
             filled += n
             if self._own_meter is not None:
                 self._own_meter.bytes_received += n
