@@ -40,7 +40,7 @@ from ..errors import LocalProtocolError, ProtocolError, RemoteProtocolError
 from ..identity import Identity, PeerID
 from .cipher import Buffer
 from .payload import encode_payload, verify_payload
-from .state import HandshakeState
+from .state import HandshakeState, protocol_name
 from .transport import LENGTH_PREFIX, NoiseTransport
 
 logger = logging.getLogger(__name__)
@@ -236,7 +236,19 @@ class NoiseHandshake:
                 "the responder is busy (an empty handshake message 2, the busy signal of"
                 " protocol.md 2.2): dial it again later"
             )
-        payload = self._noise.read_message(message)
+        try:
+            payload = self._noise.read_message(message)
+        except RemoteProtocolError as exc:
+            if self._state is _State.AWAIT_1 or "authentication" not in str(exc):
+                raise
+            # messages 2 and 3 are the first encrypted under keys that the prologue and
+            # the protocol name went into: that they differ is the likely cause
+            ours = protocol_name(self._noise.symmetric.cipher_class.name).decode()
+            raise RemoteProtocolError(
+                f"handshake message {2 if self.initiator else 3} failed authentication: the "
+                f"peer speaks another protocol version or cipher than ours ({ours}, "
+                f"prologue {self._noise.prologue!r}), or the message was corrupted"
+            ) from None
         if self._state is _State.AWAIT_1:
             if payload:
                 raise RemoteProtocolError("handshake message 1 must have an empty payload")

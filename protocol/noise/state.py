@@ -145,6 +145,7 @@ class HandshakeState:
         cipher: str = "AESGCM",
     ) -> None:
         self.initiator = initiator
+        self.prologue = prologue
         self.symmetric = SymmetricState(cipher)
         self.s = (
             X25519PrivateKey.generate() if s is None else X25519PrivateKey.from_private_bytes(s)
