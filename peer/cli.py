@@ -1,6 +1,7 @@
 """The ``swarm`` command line.
 
-    swarm [-v] bootstrap [--host H] [--port P] [--identity FILE] [--initial-peers ADDR ...]
+    swarm [-v] bootstrap [--host H] [--port P] [--announce-host H] [--identity FILE]
+                         [--initial-peers ADDR ...]
     swarm [-v] status --initial-peers ADDR [--json] [--timeout SECONDS]
 
 ``bootstrap`` runs a DHT-only peer and never imports torch; ``status`` joins as a
