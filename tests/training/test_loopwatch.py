@@ -8,7 +8,7 @@ import trio
 import trio.testing
 from test_averaging_support import fast_config, memnet_swarm
 
-from training import Averager, AveragingInfo
+from training import Averager, AveragingInfo, Outcome
 from training.averaging.loopwatch import PERIOD, LoopWatch
 
 
@@ -70,8 +70,38 @@ async def test_a_step_that_stood_still_in_matchmaking_says_so(
                 autojump_clock.jump(7.0)  # the whole process stands still
             for info in infos:
                 assert "stood still for" in info.note and "during matchmaking" in info.note, info
+                # before the matchmaker's own guesses of why
+                assert info.note.startswith("this process stood still"), info.note
             # a step that ran smoothly says nothing of the kind
             async with trio.open_nursery() as nursery:
                 for averager in averagers:
                     nursery.start_soon(step, averager)
             assert all("stood still" not in info.note for info in infos[2:]), infos[2:]
+
+
+async def test_a_peer_left_alone_while_it_stood_still_says_that_first(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Alone after standing still in matchmaking: the stall leads the note, before the
+    matchmaker's guesses of why nobody joined (a tester's suspended leader read "they may
+    have read it before our declaration reached them" first)."""
+    with trio.fail_after(60):
+        async with memnet_swarm(1) as (_, nodes):
+            averager = Averager(
+                nodes[0], "watch/alone", [np.zeros(8, np.float32)], config=fast_config()
+            )
+            infos: list[AveragingInfo] = []
+
+            async def step() -> None:
+                infos.append(await averager.step(timeout=20.0))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(step)
+                await trio.sleep(0.3)
+                autojump_clock.jump(7.0)
+            (info,) = infos
+            print(info.note)
+            assert info.outcome is Outcome.ALONE, info
+            first, *others = info.note.split("; ")
+            assert first.startswith("this process stood still for"), info.note
+            assert others, info.note  # the matchmaker's own note follows

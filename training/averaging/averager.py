@@ -618,7 +618,10 @@ class Averager:
         if error is not None:
             raise error
         stall = watch.note(self.config.stall_timeout / 2)
-        return replace(match, note=_sentences(match.note, stall)) if stall else match
+        # the stall first: the matchmaker's guesses of why nobody joined come after the
+        # likelier cause (a tester's suspended leader read "they may have read it before
+        # our declaration reached them" first)
+        return replace(match, note=_sentences(stall, match.note)) if stall else match
 
     def _enter_round(self, number: int) -> None:
         if self._active is not None:
