@@ -24,6 +24,10 @@ Rules:
   costs a lookup about two round trips, not the whole request timeout). One request per
   silence, not all: where latencies differ widely, a slow node among the k closest must
   still get its turn (a store to it is not cancelled after one fast answer).
+- A node the caller knows to be silent (``silent(node)``: it let a recent request go
+  unanswered) is asked but given up on at once, while another request is in flight or a
+  candidate is left to ask: its answer still counts if it comes, and the lookup does not
+  wait a hedge delay for each such node that replies keep naming.
 - An answer contributes its k nodes closest to the target (a reply may name up to 64).
 - Hops: the seeds are hop 1; a node first named by a hop-h node is hop h + 1.
   ``rounds`` is the largest hop among the nodes that answered.
@@ -150,6 +154,10 @@ class LookupState:
         """Nodes asked and still waited for."""
         return [c.node for c in self._candidates.values() if c.status is _Status.IN_FLIGHT]
 
+    def has_unasked(self) -> bool:
+        """Whether a live candidate has not been asked yet."""
+        return any(self._candidates[p].status is _Status.NEW for _, p in self._order)
+
     def give_up(self, node: NodeInfo) -> None:
         """Stop waiting for ``node`` (too slow): the next candidate takes its place among
         the k closest; its answer, should it come, still counts."""
@@ -228,6 +236,7 @@ async def iterative_lookup(
     on_given_up: Callable[[NodeInfo], None] | None = None,
     max_in_flight: int | None = None,
     first_hedge: float | None = None,
+    silent: Callable[[NodeInfo], bool] | None = None,
 ) -> LookupResult:
     """Run one lookup of ``target`` from ``seeds``, with ``alpha`` queries in flight.
 
@@ -248,7 +257,8 @@ async def iterative_lookup(
     (the caller's slots: more would only queue, and stop the hedging). ``first_hedge``:
     the silence before any answer instead of ``hedge_after`` (at most that), e.g. from
     the first answers of the caller's recent lookups: frozen nodes among the first asked
-    would each cost ``hedge_after`` otherwise.
+    would each cost ``hedge_after`` otherwise. ``silent(node)``: whether ``node`` is
+    asked without being waited for (see the module rules).
 
     Raises:
         Exception: whatever ``query`` raises (a bug there, not a dead peer).
@@ -285,6 +295,12 @@ async def iterative_lookup(
                     break
                 sent_at[next_node.peer_id] = trio.current_time()
                 nursery.start_soon(ask, next_node)
+                if (
+                    silent is not None
+                    and silent(next_node)
+                    and (state.in_flight > 1 or state.has_unasked())
+                ):
+                    state.give_up(next_node)  # asked, not waited for
             if state.in_flight == 0:
                 break
             received = None

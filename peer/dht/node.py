@@ -313,6 +313,7 @@ class DHT:
             on_given_up=on_given_up or self._given_up,
             max_in_flight=self.config.max_concurrent_requests,
             first_hedge=self._first_hedge(),
+            silent=self._silent_stranger,
         )
         if result.first_answer_s is not None:
             self._first_answers.append(result.first_answer_s)
@@ -338,6 +339,14 @@ class DHT:
         # node's bytes came lately (a busy link, not a frozen node: DHTProtocol's rules).
         if not self.protocol.heard_lately(node):
             self.protocol.record_failure(node, timed_out=True)
+            self.protocol.mark_silent(node)
+
+    def _silent_stranger(self, node: NodeInfo) -> bool:
+        """Whether a lookup asks ``node`` without waiting for it: silent (DHTProtocol's
+        rules), and not in our routing table (a contact of ours is waited for, so that its
+        failures count and a frozen one leaves after ``max_failures`` lookups; others'
+        tables keep naming it after that)."""
+        return node.peer_id not in self.table and self.protocol.is_silent(node)
 
     def _among_closest(self, target: DHTID, closest: Sequence[NodeInfo]) -> bool:
         if len(closest) < self.config.k:

@@ -22,6 +22,11 @@ Learning rules (the routing table's only inputs):
   bytes; counting those timeouts emptied its table after every failed round. Such a ping
   keeps the contact but does not refresh it; and only while the contact was seen (it
   answered or asked us something) within ``refresh_interval``.
+- A node that let a request time out, or that a lookup gave up on, with nothing heard
+  from it since, is *silent* for ``SILENT_FOR`` seconds (or until its bytes come again):
+  lookups still ask it when replies name it, but do not wait for it (others' tables keep
+  naming a frozen node until their own refresh, and each lookup waited a hedge delay for
+  each such node: 8 frozen among the closest cost every store and miss ~0.4 s; a test).
 - At most ``max_concurrent_requests`` calls are in flight; the deadline of a call
   starts when it gets its slot, so a node overloaded by its own lookups does not
   blame its peers for the wait.
@@ -83,6 +88,11 @@ _ENTRY_OVERHEAD = 200  # subkey, expiration, signature and msgpack headers, gene
 _PING_QUEUE = 256
 _PROOF_QUEUE = 64  # claimed sender addresses waiting to be dialed; a full queue drops more
 _PROVERS = 4  # claimed addresses dialed at once (a dial to a silent host lasts dial_timeout)
+SILENT_FOR = 60.0
+"""Seconds a node that went silent is asked without being waited for (see the module's
+rules); then a lookup waits its hedge delay for it again, once."""
+_MAX_SILENT = 4096
+
 _M = TypeVar("_M", bound=Message)
 _UNPARSABLE_REMEMBERED = 1024  # senders of unparsable requests, each named once
 _UNPARSABLE_WARNING_INTERVAL = 60.0
@@ -128,6 +138,7 @@ class DHTProtocol:
         # a restart elsewhere), for the "peer left" line; see ping_failure
         self._unreachable: set[PeerID] = set()
         self._unparsable: set[PeerID] = set()  # senders of requests we could not parse
+        self._silent: dict[PeerID, float] = {}  # since when (trio time): see is_silent
         # known contacts that looked up their own id (a restart with the same identity),
         # by when we last handed keys over to them for it: see _on_find_node
         self._rejoined_at: dict[PeerID, float] = {}
@@ -451,6 +462,8 @@ class DHTProtocol:
         if deadline.cancelled_caught and self.heard_lately(node):
             logger.debug("%s to %s timed out; its bytes keep coming", method, node.peer_id.short())
             return None, True
+        if deadline.cancelled_caught:
+            self.mark_silent(node)
         if not turned_away or self._busy_too_long(node):
             self.record_failure(node, timed_out=maybe_alive or turned_away)
         return None, False
@@ -488,6 +501,27 @@ class DHTProtocol:
         would keep it listed otherwise)."""
         since = trio.current_time() - self.config.request_timeout
         return self.host.last_heard(node.peer_id) > since and not self._busy_too_long(node)
+
+    def mark_silent(self, node: NodeInfo) -> None:
+        """``node`` let a request of ours go unanswered, nothing heard from it since (see
+        the module's rules). An earlier mark stands: a lookup that asked it without
+        waiting (it was silent already) learned nothing new."""
+        if self.is_silent(node):
+            return
+        if len(self._silent) >= _MAX_SILENT:
+            del self._silent[next(iter(self._silent))]  # the oldest mark
+        self._silent[node.peer_id] = trio.current_time()
+
+    def is_silent(self, node: NodeInfo) -> bool:
+        """Whether lookups should ask ``node`` without waiting for it: marked silent within
+        ``SILENT_FOR`` seconds, and no byte from it since."""
+        since = self._silent.get(node.peer_id)
+        if since is None:
+            return False
+        if self.host.last_heard(node.peer_id) > since or (trio.current_time() - since > SILENT_FOR):
+            del self._silent[node.peer_id]
+            return False
+        return True
 
     def record_failure(self, node: NodeInfo, *, timed_out: bool) -> None:
         """Count a failed or timed-out request against ``node`` (see the routing table's
