@@ -27,17 +27,19 @@ import logging
 import os
 import sys
 import threading
-from collections.abc import Awaitable, Callable, Iterable
+from collections.abc import Awaitable, Callable, Iterable, Sequence
 from functools import partial
 from typing import Any, TypeVar
 
 import trio
 
 from protocol.address import Address
+from protocol.dhtid import DHTID
 from protocol.identity import Identity, PeerID
 from protocol.records import Subkey
 
 from .dht import EntriesRead
+from .dht.lookup import LookupResult
 from .errors import PeerStoppedError
 from .netclock import wall_clock
 from .network import Network
@@ -267,7 +269,8 @@ class BackgroundClock:
 
 
 class BackgroundDHT:
-    """The blocking twin of :class:`peer.dht.DHT`: same methods, no ``await``."""
+    """The blocking twin of :class:`peer.dht.DHT`: same methods, no ``await`` (but for the
+    ones the peer runs itself: ``serve``, ``bootstrap``, ``hand_over``)."""
 
     def __init__(self, owner: BackgroundPeer) -> None:
         self._owner = owner
@@ -336,6 +339,59 @@ class BackgroundDHT:
             PeerStoppedError: the peer is no longer running.
         """
         return self._owner.run(self._owner.peer.dht.find_peers)
+
+    def contact(self, addresses: Sequence[Address]) -> list[Address]:
+        """See :meth:`peer.dht.DHT.contact`.
+
+        Raises:
+            PeerStoppedError: the peer is no longer running.
+        """
+        return self._owner.run(self._owner.peer.dht.contact, list(addresses))
+
+    @property
+    def contact_errors(self) -> dict[str, str]:
+        """See :attr:`peer.dht.DHT.contact_errors`."""
+        return self._owner.run_sync(lambda: dict(self._owner.peer.dht.contact_errors))
+
+    def find_nodes(self, target: DHTID) -> LookupResult:
+        """See :meth:`peer.dht.DHT.find_nodes`.
+
+        Raises:
+            PeerStoppedError: the peer is no longer running.
+        """
+        return self._owner.run(self._owner.peer.dht.find_nodes, target)
+
+    def refresh(self) -> None:
+        """See :meth:`peer.dht.DHT.refresh`.
+
+        Raises:
+            PeerStoppedError: the peer is no longer running.
+        """
+        self._owner.run(self._owner.peer.dht.refresh)
+
+    def republish(self) -> int:
+        """See :meth:`peer.dht.DHT.republish`.
+
+        Raises:
+            PeerStoppedError: the peer is no longer running.
+        """
+        return self._owner.run(self._owner.peer.dht.republish)
+
+    def drop_silent_contacts(self) -> int:
+        """See :meth:`peer.dht.DHT.drop_silent_contacts`.
+
+        Raises:
+            PeerStoppedError: the peer is no longer running.
+        """
+        return self._owner.run(self._owner.peer.dht.drop_silent_contacts)
+
+    def now(self) -> float:
+        """See :meth:`peer.dht.DHT.now`.
+
+        Raises:
+            PeerStoppedError: the peer is no longer running.
+        """
+        return self._owner.run_sync(self._owner.peer.dht.now)
 
     def routing_table_peers(self) -> list[tuple[PeerID, str]]:
         """See :meth:`peer.dht.DHT.routing_table_peers`.
