@@ -104,7 +104,8 @@ def verify_signature(public_key: bytes, signature: bytes, data: bytes) -> bool:
 
 
 class IdentityFileError(SwarmError):
-    """A key file exists but does not hold a key (wrong size), or is a dangling link."""
+    """A key file exists but does not hold a key (wrong size), or is a dangling link; or
+    the path names a folder."""
 
 
 class Identity:
@@ -179,9 +180,15 @@ class Identity:
 
         Raises:
             IdentityFileError: if the file exists but is not a valid key file, or is a
-                link to a missing file.
+                link to a missing file; or ``path`` ends with a path separator.
             OSError: if it cannot be read or created; it names ``path``.
         """
+        text = os.fspath(path)
+        if text.endswith(("/", os.sep)):  # Path() would drop it, and make a file "keys"
+            raise IdentityFileError(
+                f"identity path {text} names a folder: give the key file's path in it, "
+                f"e.g. {text}swarm.key"
+            )
         path = Path(path)
         _remove_stale_temps(path)
         try:

@@ -259,3 +259,12 @@ def test_a_leftover_temp_key_of_a_killed_writer_is_removed_at_the_next_start(
     os.utime(fresh, (stale, stale))
     identity.save(path)
     assert not fresh.exists() and other.exists()
+
+
+def test_a_path_ending_with_a_separator_is_a_folder_not_a_file(tmp_path: Path) -> None:
+    """``--identity keys/`` made a key file named ``keys`` (an outside tester): the folder
+    the operator meant is named in the error instead, and nothing is created."""
+    folder = f"{tmp_path}/keys/"
+    with pytest.raises(IdentityFileError, match=r"keys/ names a folder.*keys/swarm.key"):
+        Identity.load_or_create(folder)
+    assert list(tmp_path.iterdir()) == []
