@@ -132,6 +132,11 @@ class DHTProtocol:
         # and with ``check=True`` for a known one that may have restarted (see _rejoined).
         self.on_new_contact: Callable[[NodeInfo, bool], None] | None = None
         table.on_promoted = self._joined
+        table.on_emptied = self._emptied
+        self._deserted = False  # the table emptied, and nobody joined it since
+        self.alone_level = logging.INFO
+        """The level of the line that says the table emptied (``Joining.bootstrap`` makes
+        it a WARNING for a peer that joined through initial peers)."""
         self.calls_sent = 0
         self.calls_failed = 0
         # contacts whose last ping could not connect (their port closed: a clean exit, or
@@ -170,10 +175,27 @@ class DHTProtocol:
             except trio.WouldBlock:
                 self.table.ping_result(to_ping.peer_id, alive=True, now=self._now())
 
+    def _emptied(self, last: NodeInfo) -> None:
+        """The last contact left the routing table: say so, at WARNING for a peer that
+        joined through initial peers (a peer left alone answered every get with None and
+        every store with False, or True from its own storage, and logged only "peer left":
+        an outside tester)."""
+        self._deserted = True
+        logger.log(
+            self.alone_level,
+            "this peer knows no other peer now (its last contact, %s, left): its stores "
+            "reach no other node and its gets find nothing until one answers again; it pings "
+            "the departed contacts, and its initial peers at each refresh",
+            last.peer_id.short(),
+        )
+
     def _joined(self, node: NodeInfo) -> None:
         """``node`` entered the routing table (learned, or promoted from a bucket's
         replacement cache when a contact left)."""
         logger.info("peer joined: %s at %s", node.peer_id.short(), node.address)
+        if self._deserted:
+            self._deserted = False
+            logger.info("in touch with the network again, through %s", node.peer_id.short())
         if self.on_new_contact is not None:
             # its own-id lookup follows the join: no second handover for it (one that
             # restarts after a minute still gets one; see _rejoined)

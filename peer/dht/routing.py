@@ -87,6 +87,8 @@ class RoutingTable:
         """Called with a replacement that took an evicted contact's place."""
         self.on_departed: Callable[[NodeInfo], None] | None = None
         """Called with a contact that left the table (after failures, or removed)."""
+        self.on_emptied: Callable[[NodeInfo], None] | None = None
+        """Called with the last contact when it left, the table empty then."""
 
     # ---- queries ---------------------------------------------------------------------
 
@@ -272,6 +274,8 @@ class RoutingTable:
                 self.on_promoted(replacement.node)
         elif not bucket.contacts:
             self._nonempty.remove(index)
+        if not self._index and self.on_emptied is not None:
+            self.on_emptied(contact.node)
 
     def _add(self, index: int, contact: _Contact) -> None:
         contacts = self._buckets[index].contacts

@@ -83,7 +83,9 @@ def test_another_codec_beside_the_first_process_is_one_line_not_a_traceback() ->
     said so in a LayoutMismatchError traceback of ~20 lines (a mixed-version trial)."""
     example = str(ROOT / "examples" / "average_tensors.py")
     first = subprocess.Popen(
-        [sys.executable, example, "--rounds", "20", "--codec", "none"],
+        # rounds enough to outlast the second (killed below): one that had ended, its
+        # address the second's only contact, made the second say so too (a WARNING line)
+        [sys.executable, example, "--rounds", "1000", "--codec", "none"],
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,

@@ -111,3 +111,69 @@ async def test_when_a_contact_that_went_quiet_then_died_leaves_the_table(
         assert any(line.endswith(why) for line in departure.lines), departure.lines
         assert (victim, "10.0.0.2:4000") not in boot.dht.routing_table_peers()
         nursery.cancel_scope.cancel()
+
+
+class _LineEvent(logging.Handler):
+    """Sets ``event`` when a line containing ``text`` is logged; keeps those lines."""
+
+    def __init__(self, text: str) -> None:
+        super().__init__(logging.INFO)
+        self.text = text
+        self.event = trio.Event()
+        self.records: list[logging.LogRecord] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if self.text in record.getMessage():
+            self.records.append(record)
+            self.event.set()
+
+
+async def _serve_boot(
+    net: MemoryNetwork, *, task_status: trio.TaskStatus[trio.CancelScope]
+) -> None:
+    with trio.CancelScope() as scope:
+        async with open_peer("10.0.0.1:4000", identity=BOOT, network=net.interface("10.0.0.1")):
+            task_status.started(scope)
+            await trio.sleep_forever()
+
+
+async def test_a_peer_left_alone_says_so_and_when_it_is_back_in_touch(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A client whose only contact (its bootstrap node) died answered every get with None
+    and every store with False for minutes, with only a "peer left" line at INFO (an
+    outside tester): the last contact leaving is a WARNING, and coming back in touch says
+    so too."""
+    net = MemoryNetwork(latency=0.005)
+    alone, back = _LineEvent("knows no other peer now"), _LineEvent("in touch with the network")
+    logger = logging.getLogger("peer")
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(alone)
+    logger.addHandler(back)
+    try:
+        with trio.fail_after(600):
+            async with trio.open_nursery() as nursery:
+                scope = await nursery.start(_serve_boot, net)
+                boot = f"{BOOT.peer_id}@10.0.0.1:4000"
+                async with open_peer(
+                    None, [boot], client_mode=True, network=net.interface("10.0.1.1")
+                ) as client:
+                    assert await client.dht.store("k", 1, ttl=600)
+                    net.kill_host("10.0.0.1")
+                    scope.cancel()
+                    await alone.event.wait()
+                    assert [r.levelno for r in alone.records] == [logging.WARNING]
+                    assert BOOT.peer_id.short() in alone.records[0].getMessage()
+                    assert len(client.dht.table) == 0
+                    assert await client.dht.store("k", 2, ttl=600) is False
+                    # back at its address: the client's pings of departed contacts find it
+                    net.revive_host("10.0.0.1")
+                    await nursery.start(_serve_boot, net)
+                    await back.event.wait()
+                    assert len(back.records) == 1 and len(client.dht.table) == 1
+                nursery.cancel_scope.cancel()
+    finally:
+        logger.removeHandler(alone)
+        logger.removeHandler(back)
+        logger.setLevel(level)
