@@ -297,6 +297,13 @@ class RpcConnection:
             TruncatedFrameError,  # (a peer killed mid-frame, between transport messages)
         ) as exc:
             logger.debug("%r: connection lost: %r", self, exc)
+            if self._bye_cause is not None:
+                # the peer closed on reading our bye, perhaps cutting off a frame it was
+                # writing (or resetting): no departure, as for a clean end (_read_loop; a
+                # review found such a peer pinged back, what the bye is there to spare)
+                self._fail_unread()
+                self._shutdown(self._bye_cause)
+                return
             unread = not isinstance(exc, trio.ClosedResourceError) and self._fail_unread()
             if not self.closed and not unread:
                 self.lost = True

@@ -180,14 +180,16 @@ class Identity:
 
         Raises:
             IdentityFileError: if the file exists but is not a valid key file, or is a
-                link to a missing file; or ``path`` ends with a path separator.
+                link to a missing file; or ``path`` names a folder (it ends with a path
+                separator, ``.`` or ``..``).
             OSError: if it cannot be read or created; it names ``path``.
         """
         text = os.fspath(path)
-        if text.endswith(("/", os.sep)):  # Path() would drop it, and make a file "keys"
+        # Path() drops a trailing "/" or "/.": "keys/" would make a file named "keys"
+        if os.path.basename(text) in ("", ".", ".."):
             raise IdentityFileError(
                 f"identity path {text} names a folder: give the key file's path in it, "
-                f"e.g. {text}swarm.key"
+                f"e.g. {os.path.join(text, 'swarm.key')}"
             )
         path = Path(path)
         _remove_stale_temps(path)

@@ -241,14 +241,20 @@ class NoiseHandshake:
         except RemoteProtocolError as exc:
             if self._state is _State.AWAIT_1 or "authentication" not in str(exc):
                 raise
-            # messages 2 and 3 are the first encrypted under keys that the prologue and
-            # the protocol name went into: that they differ is the likely cause
+            if not self.initiator:
+                # message 2, under the same prologue and protocol name, passed at the
+                # initiator (it would not have sent message 3 otherwise): no mismatch
+                raise RemoteProtocolError(
+                    "handshake message 3 failed authentication: damaged or tampered with on the way"
+                ) from exc
+            # message 2 is the first encrypted under keys that the prologue and the
+            # protocol name went into: that they differ is the likely cause
             ours = protocol_name(self._noise.symmetric.cipher_class.name).decode()
             raise RemoteProtocolError(
-                f"handshake message {2 if self.initiator else 3} failed authentication: the "
-                f"peer speaks another protocol version or cipher than ours ({ours}, "
-                f"prologue {self._noise.prologue!r}), or the message was corrupted"
-            ) from None
+                "handshake message 2 failed authentication: the peer speaks another "
+                f"protocol version or cipher than ours ({ours}, prologue "
+                f"{self._noise.prologue!r}), or the message was damaged on the way"
+            ) from exc
         if self._state is _State.AWAIT_1:
             if payload:
                 raise RemoteProtocolError("handshake message 1 must have an empty payload")

@@ -8,8 +8,10 @@ from __future__ import annotations
 
 import pytest
 import trio
+import trio.testing
 
 from peer.host import open_rpc_host
+from peer.rpc import HandlerRegistry, RpcConnection
 from peer.secure import secure_handshake
 from protocol.address import Address
 from protocol.framing import encode_frame_header
@@ -39,3 +41,25 @@ async def test_a_connection_cut_mid_frame_is_reported_lost(cut: str) -> None:
             await raw.aclose()  # the process died: its kernel closes the socket
             await came.wait()
             assert lost == [me.peer_id]
+
+
+@pytest.mark.parametrize("cut", ["clean", "mid_frame"])
+async def test_a_peer_that_closes_on_reading_our_bye_has_not_departed(
+    autojump_clock: trio.testing.MockClock, cut: str
+) -> None:
+    """Our idle timer's bye: the peer closes at once, cutting off a large request it was
+    writing (on a transport-message boundary). That is no departure, as its clean close is
+    not (a review: the cut read as one, and the host pinged back the live peer, what the
+    bye is there to spare)."""
+    ours, theirs = trio.testing.memory_stream_pair()
+    peer = Identity.from_seed(b"p" * 32)
+    conn = RpcConnection(ours, peer.peer_id, HandlerRegistry(), idle_timeout=10.0)
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            await nursery.start(conn.run)
+            bye = await theirs.receive_some()  # our idle timer's bye (the only frame)
+            assert bye and conn.closing and not conn.closed
+            if cut == "mid_frame":
+                await theirs.send_all(encode_frame_header(1 << 20) + bytes(1 << 18))
+            await theirs.aclose()
+    assert conn.closed and not conn.lost

@@ -267,4 +267,7 @@ def test_a_path_ending_with_a_separator_is_a_folder_not_a_file(tmp_path: Path) -
     folder = f"{tmp_path}/keys/"
     with pytest.raises(IdentityFileError, match=r"keys/ names a folder.*keys/swarm.key"):
         Identity.load_or_create(folder)
+    for name in ("keys/.", "keys/..", "."):  # Path() drops those too
+        with pytest.raises(IdentityFileError, match="names a folder"):
+            Identity.load_or_create(f"{tmp_path}/{name}")
     assert list(tmp_path.iterdir()) == []

@@ -14,7 +14,9 @@ import trio
 from test_allreduce_faults import non_leader
 from test_averaging_support import fast_config, make_members, memnet_swarm, step_all, verify_round
 
+from peer import RemoteError, Request
 from training import Outcome, PartStatus
+from training.averaging.averager import Averager
 from training.averaging.butterfly import Butterfly
 
 STALL = 4.0
@@ -81,3 +83,31 @@ async def test_a_member_that_never_fetches_a_part_holds_its_reducer_a_bounded_ti
             assert 2 * STALL < took <= (3 + 1) * STALL + 2.0, took
             third = 3 - never - reducer
             assert results[third][1] < STALL, results[third][1]
+
+
+async def test_a_never_fetcher_that_left_the_round_releases_the_reducer_at_the_first_stall(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The extension asks: a member that has not fetched and answers that it is no longer
+    in the round (``not_found``) is not waited for again (a review: serving on without
+    asking passed the two tests above)."""
+    original = Averager._on_ping
+    gone: list[Any] = []
+
+    async def on_ping(self: Averager, request: Request) -> Any:
+        if gone and self.node.peer_id == gone[0] and request.body.get("round") is not None:
+            raise RemoteError("not_found", "not in this round")
+        return await original(self, request)
+
+    monkeypatch.setattr(Averager, "_on_ping", on_ping)  # before the averagers register it
+    with trio.fail_after(DEADLINE * 2):
+        async with memnet_swarm(3) as (_, nodes):
+            members = make_members(nodes, 3 * 4096, fast_config(stall_timeout=STALL))
+            never = non_leader(members)
+            gone.append(members[never].peer_id)
+            reducer = (never + 1) % 3
+            hold_download(monkeypatch, members[never].peer_id, members[reducer].peer_id, None)
+            results = await step_all(members, timeout=DEADLINE)
+            info, took = results[reducer]
+            assert info is not None and info.outcome is Outcome.AVERAGED, str(info)
+            assert took <= 1.5 * STALL, took  # one stall timeout and a ping, not four

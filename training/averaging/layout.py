@@ -144,8 +144,8 @@ def as_tensors(tensors: Iterable[Any]) -> list[torch.Tensor]:
         if tensor.dtype not in AVERAGED_DTYPES:  # checked before its first copy fails
             names = ", ".join(str(d).removeprefix("torch.") for d in AVERAGED_DTYPES)
             raise TypeError(
-                f"tensor {i} has dtype {tensor.dtype}, which does not average (a scale or "
-                f"packed format); the float dtypes that do: {names}"
+                f"tensor {i} has dtype {tensor.dtype}, which does not average; the float "
+                f"dtypes that do: {names}"
             )
         if tensor.is_inference():  # its first in-place write would raise, mid-round
             raise ValueError(
@@ -436,13 +436,17 @@ AVERAGED_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16, 
 holds no sign and no zero, ``float4_e2m1fn_x2`` two values per byte): a mean of them is
 not a value of theirs."""
 
+_SATURATING = tuple(getattr(torch, n) for n in ("float8_e4m3fn",) if hasattr(torch, n))
 _NARROW_MAX = {
-    dtype: float(torch.finfo(dtype).max) for dtype in AVERAGED_DTYPES if dtype.itemsize < 4
+    dtype: float(torch.finfo(dtype).max)
+    for dtype in AVERAGED_DTYPES
+    if dtype.itemsize < 4 and dtype not in _SATURATING
 }
-"""The largest finite value of the float dtypes narrower than float32, whose casts from it
-overflow: to infinity (float16, bfloat16, float8_e5m2) or NaN (the ``fnuz`` float8s; only
-float8_e4m3fn saturates by itself). A sender's finite values beyond the range made an
-honest reducer's tensor infinite or NaN, its part reported ``all`` (a review)."""
+"""The largest finite value of the float dtypes narrower than float32 whose casts from it
+overflow: to infinity (float16, bfloat16, float8_e5m2) or NaN (the ``fnuz`` float8s).
+A sender's finite values beyond the range made an honest reducer's tensor infinite or
+NaN, its part reported ``all`` (a review). float8_e4m3fn's cast saturates by itself (its
+infinities too): a range check would be a pass for nothing."""
 
 
 def _saturated(values: torch.Tensor, top: float) -> torch.Tensor:
