@@ -134,6 +134,7 @@ class DHTProtocol:
         table.on_promoted = self._joined
         table.on_emptied = self._emptied
         self._deserted = False  # the table emptied, and nobody joined it since
+        self._alone_after: NodeInfo | None = None  # see note_left
         self.alone_level = logging.INFO
         """The level of the line that says the table emptied (``Joining.bootstrap`` makes
         it a WARNING for a peer that joined through initial peers)."""
@@ -181,13 +182,21 @@ class DHTProtocol:
         every store with False, or True from its own storage, and logged only "peer left":
         an outside tester)."""
         self._deserted = True
-        logger.log(
-            self.alone_level,
-            "this peer knows no other peer now (its last contact, %s, left): its stores "
-            "reach no other node and its gets find nothing until one answers again; it pings "
-            "the departed contacts, and its initial peers at each refresh",
-            last.peer_id.short(),
-        )
+        self._alone_after = last  # said after its "peer left" line (note_left)
+
+    def note_left(self, node: NodeInfo, why: str) -> None:
+        """Log that ``node`` left the routing table, and then, when it was the last
+        contact, that this peer is alone (see :meth:`_emptied`)."""
+        logger.info("peer left: %s (%s)", node.peer_id.short(), why)
+        last, self._alone_after = self._alone_after, None
+        if last is not None:
+            logger.log(
+                self.alone_level,
+                "this peer knows no other peer now (its last contact, %s, left): its stores "
+                "reach no other node and its gets find nothing until one answers again; it "
+                "pings the departed contacts, and its initial peers at each refresh",
+                last.peer_id.short(),
+            )
 
     def _joined(self, node: NodeInfo) -> None:
         """``node`` entered the routing table (learned, or promoted from a bucket's
@@ -287,7 +296,7 @@ class DHTProtocol:
                     continue
                 self.table.ping_result(node.peer_id, alive=response is not None, now=self._now())
                 if known and node.peer_id not in self.table:
-                    logger.info("peer left: %s (%s)", node.peer_id.short(), self.ping_failure(node))
+                    self.note_left(node, self.ping_failure(node))
 
         async with trio.open_nursery() as nursery:
             for _ in range(self.config.max_parallel_pings):
@@ -553,7 +562,7 @@ class DHTProtocol:
         if known and node.peer_id not in self.table:
             # timed out, or answered with an error (slow, busy, or another version)
             why = "requests timed out or were refused" if timed_out else "a request failed"
-            logger.info("peer left: %s (%s)", node.peer_id.short(), why)
+            self.note_left(node, why)
 
     def _address_of(self, hostport: str, peer_id: PeerID) -> Address:
         key = (hostport, peer_id)

@@ -184,8 +184,7 @@ class Upkeep:
             for node in silent:
                 if node.peer_id in self._dht.table:  # (a failed ping may have evicted it already)
                     self._dht.table.remove(node.peer_id)
-                    why = self._dht.protocol.ping_failure(node)
-                    logger.info("peer left: %s (%s)", node.peer_id.short(), why)
+                    self._dht.protocol.note_left(node, self._dht.protocol.ping_failure(node))
                     removed += 1
 
     async def _unanswered_pings(self, nodes: Sequence[NodeInfo]) -> list[NodeInfo]:

@@ -146,11 +146,12 @@ async def test_a_peer_left_alone_says_so_and_when_it_is_back_in_touch(
     so too."""
     net = MemoryNetwork(latency=0.005)
     alone, back = _LineEvent("knows no other peer now"), _LineEvent("in touch with the network")
+    every = _LineEvent("")
     logger = logging.getLogger("peer")
     level = logger.level
     logger.setLevel(logging.INFO)
-    logger.addHandler(alone)
-    logger.addHandler(back)
+    for handler in (alone, back, every):
+        logger.addHandler(handler)
     try:
         with trio.fail_after(600):
             async with trio.open_nursery() as nursery:
@@ -165,6 +166,9 @@ async def test_a_peer_left_alone_says_so_and_when_it_is_back_in_touch(
                     await alone.event.wait()
                     assert [r.levelno for r in alone.records] == [logging.WARNING]
                     assert BOOT.peer_id.short() in alone.records[0].getMessage()
+                    lines = [r.getMessage() for r in every.records]
+                    left = lines.index(next(m for m in lines if m.startswith("peer left: ")))
+                    assert "knows no other peer now" in lines[left + 1], lines  # right after
                     assert len(client.dht.table) == 0
                     assert await client.dht.store("k", 2, ttl=600) is False
                     # back at its address: the client's pings of departed contacts find it
@@ -174,6 +178,6 @@ async def test_a_peer_left_alone_says_so_and_when_it_is_back_in_touch(
                     assert len(back.records) == 1 and len(client.dht.table) == 1
                 nursery.cancel_scope.cancel()
     finally:
-        logger.removeHandler(alone)
-        logger.removeHandler(back)
+        for handler in (alone, back, every):
+            logger.removeHandler(handler)
         logger.setLevel(level)
