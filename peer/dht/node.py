@@ -79,6 +79,9 @@ _BACKGROUND_REPAIRS = 8  # read repairs in flight at once (a pool of their own: 
 # A key holds at most 1024 subkeys of 16 KiB: 17 replies of 1 MiB; a node that keeps
 # saying "more" gets no further than this.
 _MAX_VALUE_PAGES = 32
+_READ_SUBKEYS = 4 * MAX_SUBKEYS_PER_KEY
+"""Subkeys a read's merge of its holders' copies takes before trimming them to the best
+supported MAX_SUBKEYS_PER_KEY (room for a few holders' differing full copies; bounded)."""
 _LATER = 1e-6  # seconds one of our stores must outlast our last one by (float noise aside)
 
 
@@ -561,9 +564,15 @@ class DHT:
         self._check_running()  # also when this node's own copy would answer alone
         record: Record = {}
         values: dict[Subkey, Any] = {}
+        # how many holders sent a valid entry for each subkey: when the copies together
+        # hold more subkeys than a key may, those most holders agree on are kept (one
+        # holder's 1024 long-lived entries, a liar's or a flooder's, pushed every honest
+        # subkey out of the merge: a review)
+        support: dict[Subkey, int] = {}
         local = self.storage.get(key_id) if self.storage is not None else {}
         for entry in local.values():
             self._merge(key_id, owner, record, values, entry, verified=True)
+            support[entry.subkey] = 1
         quorum = min(self.config.value_quorum, self.config.k) if latest else 1
         holders = Holders(key_id, self.config.k, quorum, closest_first=latest)
         if self.storage is not None:  # a client is no node of the key's k closest
@@ -581,7 +590,6 @@ class DHT:
                 holders.failed(node)
                 return None
             nodes = response.nodes
-            holds = bool(response.entries)
             budget = MAX_SUBKEYS_PER_KEY  # entries one holder may make us check
             cursor: bytes | None = None
             received: list[Entry] = []
@@ -606,8 +614,19 @@ class DHT:
                     holders.failed(node)
                     return None
             answered += 1  # a whole copy (a node that fails partway did not answer)
+            valid: set[Subkey] = set()
+            older: list[Entry] = []  # lost to a version held: not checked yet
             for entry in received:
-                self._merge(key_id, owner, record, values, entry, verified=False)
+                checked = self._merge(key_id, owner, record, values, entry, verified=False)
+                if checked:
+                    valid.add(entry.subkey)
+                elif checked is None:
+                    older.append(entry)
+            for subkey in valid:
+                support[subkey] = support.get(subkey, 0) + 1
+            # a holder is one that sent a valid entry (invalid ones counted toward the
+            # quorum, and a few nodes near a key hid an owner's signed value: a review)
+            holds = bool(valid) or any(self._valid(key_id, owner, e) for e in older)
             if received and latest:
                 copies.append((node, received))
             holders.learn(nodes)
@@ -622,6 +641,11 @@ class DHT:
                 return holders.missing() if holders.any else self.config.k
 
             await self._lookup(key_id, query, stop=holders.enough, wanted=wanted)
+        if len(record) > MAX_SUBKEYS_PER_KEY:
+            ranked = sorted(record, key=lambda s: (support.get(s, 0), record[s].expiration))
+            for subkey in ranked[: len(record) - MAX_SUBKEYS_PER_KEY]:
+                del record[subkey]
+                values.pop(subkey, None)
         if latest:
             self._repair(key, key_id, record, copies)
         return EntriesRead(live_entries(record, values, self._clock()), asked, answered)
@@ -669,19 +693,35 @@ class DHT:
         entry: Entry,
         *,
         verified: bool,
-    ) -> None:
+    ) -> bool | None:
+        """Merge ``entry`` into a read's ``record``: whether it is valid (None: not
+        checked, it loses to the version held anyway). The record takes up to
+        ``_READ_SUBKEYS`` subkeys, then only newer versions of those it holds (the read
+        keeps the best supported ``MAX_SUBKEYS_PER_KEY`` of them at its end)."""
         old = record.get(entry.subkey)
-        if old is not None and (old == entry or not supersedes(entry, old)):
-            return  # loses anyway (or is the same one): no need to verify it
+        if old is not None and old == entry:
+            return True  # the same one, checked when it came
+        if old is not None and not supersedes(entry, old):
+            return None  # loses anyway: no need to verify it
+        if old is None and len(record) >= _READ_SUBKEYS:
+            return None
         try:
             if not verified:
                 validate_entry(key_id, entry, now=self._clock(), key_owner=owner)
             value = decode_value(entry.value)
         except (RecordError, ValueError, TypeError) as exc:
             logger.debug("dropped an invalid entry from a lookup: %r", exc)
-            return
-        if merge_entry(record, entry):
+            return False
+        if merge_entry(record, entry, _READ_SUBKEYS):
             values[entry.subkey] = value
+        return True
+
+    def _valid(self, key_id: DHTID, owner: PeerID | None, entry: Entry) -> bool:
+        try:
+            validate_entry(key_id, entry, now=self._clock(), key_owner=owner)
+        except (RecordError, ValueError, TypeError):
+            return False
+        return True
 
     async def get(self, key: str, *, latest: bool = True) -> Any:
         """The value under ``key``: a plain value, ``{subkey: value}`` for a dictionary
