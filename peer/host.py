@@ -589,7 +589,14 @@ class RpcHost:
                 return
         else:
             full = len(self._handshakes) + len(self._connections) >= self.max_connections
-            if full and not (self._cut_off_oldest_handshake() or self._evict_idle_inbound()):
+            # a stalled handshake first, then an idle connection, and a young handshake
+            # only when neither is there (cut first, each newcomer of a burst cut off the
+            # one before it, while idle connections could have made room: a review)
+            if full and not (
+                self._cut_off_oldest_handshake(min_age=_EVICT_AFTER)
+                or self._evict_idle_inbound()
+                or self._cut_off_oldest_handshake()
+            ):
                 logger.debug("%r: refusing %s: %d connections", self, host, self.max_connections)
                 await turn_away(raw)
                 return
@@ -622,13 +629,16 @@ class RpcHost:
             if not self._per_host[group]:
                 del self._per_host[group]
 
-    def _cut_off_oldest_handshake(self) -> bool:
+    def _cut_off_oldest_handshake(self, min_age: float = 0.0) -> bool:
         """Make room for a new inbound connection: cancel the oldest handshake in progress
-        (a peer that connects and sends nothing holds a slot until ``handshake_timeout``;
-        an honest handshake takes a round trip). False when none is in progress."""
+        when it began ``min_age`` seconds ago or more (a peer that connects and sends
+        nothing holds a slot until ``handshake_timeout``; an honest handshake takes a
+        round trip). False when there is none such."""
         if not self._handshakes:
             return False
-        handshake, (host, _) = next(iter(self._handshakes.items()))
+        handshake, (host, began) = next(iter(self._handshakes.items()))
+        if trio.current_time() - began < min_age:
+            return False
         logger.debug("%r: all slots taken, cutting off the handshake with %s", self, host)
         del self._handshakes[handshake]
         handshake.cancel()

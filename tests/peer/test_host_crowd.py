@@ -295,3 +295,57 @@ async def test_a_crowd_at_its_limit_on_a_bootstrap_node_sets_off_no_chain_of_dia
             stop.set()
     print(f"{accepted} connections accepted in 120 s")
     assert accepted <= 12, f"{accepted} connections in 120 s"
+
+
+async def test_a_burst_of_newcomers_to_a_full_node_closes_idle_connections_for_them(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Every slot held by an idle connection; four peers dial 5 ms apart, each handshake
+    two round trips long: each newcomer cut off the one before it (its handshake was the
+    oldest in progress), and only the last got in, while the idle connections could have
+    made room (a review). A young handshake is cut off only when nothing else can go."""
+    net = MemoryNetwork(latency=0.02)
+    with trio.fail_after(120):
+        async with AsyncExitStack() as stack:
+            server = await stack.enter_async_context(
+                open_rpc_host(
+                    Identity.from_seed(b"s" * 32),
+                    listen=Address("s", 1),
+                    network=net.interface("s"),
+                    config=HostConfig(max_connections=8),
+                )
+            )
+            server.register_quick("ping", lambda request: Reply({"ok": True}))
+            address = server.listen_address
+            assert address is not None
+            for i in range(8):
+                idle = await stack.enter_async_context(
+                    open_rpc_host(
+                        Identity.from_seed(bytes([100 + i]) * 32),
+                        listen=None,
+                        network=net.interface(f"idle{i}"),
+                    )
+                )
+                await idle.call(address, "ping")
+            await trio.sleep(5)  # every one idle for a while
+            newcomers = [
+                await stack.enter_async_context(
+                    open_rpc_host(
+                        Identity.from_seed(bytes([200 + i]) * 32),
+                        listen=None,
+                        network=net.interface(f"new{i}"),
+                    )
+                )
+                for i in range(4)
+            ]
+            answers: list[object] = []
+
+            async def one(host: RpcHost) -> None:
+                answers.append((await host.call(address, "ping")).body)
+
+            async with trio.open_nursery() as nursery:
+                for host in newcomers:
+                    nursery.start_soon(one, host)
+                    await trio.sleep(0.005)
+            assert answers == [{"ok": True}] * 4
+            assert server.num_connections == 8
