@@ -18,6 +18,7 @@ from protocol.identity import PeerID
 from .errors import PeerUnavailableError
 
 __all__ = [
+    "STREAM_BUFFER_BYTES",
     "STREAM_BUFFER_ITEMS",
     "ConnectionClosedError",
     "Handler",
@@ -33,6 +34,9 @@ __all__ = [
 
 STREAM_BUFFER_ITEMS = 32
 """Items of a streaming reply buffered before the connection's reader waits for the consumer."""
+STREAM_BUFFER_BYTES = 16 << 20
+"""Payload bytes of a streaming reply buffered before the reader waits (but always one
+item): 32 items of a peer's largest frames held 128 MiB per stream (a review)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +133,7 @@ class PendingCall:
 class PendingStream:
     """The caller's side of a streaming call: items arrive on ``send``; ``finish`` ends it."""
 
-    __slots__ = ("error", "finished", "receive", "send", "sent_quiet")
+    __slots__ = ("error", "finished", "held", "receive", "send", "sent_quiet", "taken")
 
     def __init__(self) -> None:
         self.send, self.receive = trio.open_memory_channel[Reply](STREAM_BUFFER_ITEMS)
@@ -137,6 +141,24 @@ class PendingStream:
         self.finished = False
         self.sent_quiet: float | None = None
         """As :attr:`PendingCall.sent_quiet`."""
+        self.held = 0
+        """Payload bytes of the items buffered for the consumer."""
+        self.taken = trio.Event()
+        """Set (and replaced) when the consumer takes an item or leaves."""
+
+    def has_room(self, size: int) -> bool:
+        """Whether an item of ``size`` payload bytes fits the buffer (within
+        STREAM_BUFFER_ITEMS and STREAM_BUFFER_BYTES, or the buffer is empty)."""
+        stats = self.send.statistics()
+        if stats.current_buffer_used >= stats.max_buffer_size:
+            return False
+        return not self.held or self.held + size <= STREAM_BUFFER_BYTES
+
+    def took(self, item: Reply) -> None:
+        """The consumer took ``item`` (or left: None-sized)."""
+        self.held -= memoryview(item.payload).nbytes
+        self.taken.set()
+        self.taken = trio.Event()
 
     def finish(self, error: BaseException | None) -> None:
         """End the stream, cleanly (``error`` None) or with ``error`` raised to the reader."""
@@ -156,8 +178,10 @@ class ReplyStream:
 
     async def __anext__(self) -> Reply:
         try:
-            return await self._pending.receive.receive()
+            item = await self._pending.receive.receive()
         except trio.EndOfChannel:
             if self._pending.error is not None:
                 raise self._pending.error from self._pending.error.__cause__
             raise StopAsyncIteration from None
+        self._pending.took(item)
+        return item

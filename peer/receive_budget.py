@@ -38,6 +38,7 @@ from __future__ import annotations
 
 import math
 from collections import Counter
+from collections.abc import Callable
 from typing import Protocol
 
 import trio
@@ -118,12 +119,21 @@ class ReceiveBudget:
         self._holds: set[FrameHold] = set()
         self._waiters: list[_Waiter] = []  # oldest first
 
-    async def acquire(self, size: int, group: str | None, meter: Meter) -> FrameHold:
+    async def acquire(
+        self,
+        size: int,
+        group: str | None,
+        meter: Meter,
+        keepalive: Callable[[], None] | None = None,
+        every: float = math.inf,
+    ) -> FrameHold:
         """Take ``size`` bytes for one frame from remote host ``group`` (None: counted in
         the total only), waiting for room and cutting off stalled frames to make it; give
-        them back with :meth:`release`."""
+        them back with :meth:`release`. While it waits, ``keepalive()`` runs every
+        ``every`` seconds (the peer, not read meanwhile, must not take us for gone)."""
         waiter = _Waiter(size, group, meter)
         self._waiters.append(waiter)
+        next_keepalive = trio.current_time() + every
         try:
             self._grant({group})
             while waiter.hold is None:
@@ -134,9 +144,14 @@ class ReceiveBudget:
                     wake_at = self._cut_off_stalled(None if blocked == "total" else group)
                 else:
                     wake_at = math.inf
-                with trio.move_on_at(wake_at):  # room granted, or a frame stalls enough
+                # room granted, a frame stalls enough, or a keepalive is due
+                with trio.move_on_at(min(wake_at, next_keepalive)):
                     await waiter.event.wait()
                 waiter.event = trio.Event()
+                now = trio.current_time()
+                if keepalive is not None and waiter.hold is None and now >= next_keepalive:
+                    keepalive()
+                    next_keepalive = now + every
         except BaseException:
             if waiter.hold is not None:  # granted as we were cancelled
                 self.release(waiter.hold)

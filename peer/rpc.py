@@ -417,6 +417,7 @@ class RpcConnection:
                 self._pending.pop(request_id, None)
                 self._outbox.detach(request)  # (see call)
                 pending.receive.close()
+                pending.taken.set()  # a reader waiting for room: the send now fails
         finally:
             self._call_slots.release()
 
@@ -600,6 +601,10 @@ class RpcConnection:
             self.max_frame_size,
             budget=self._receive_budget,
             group=self._receive_group,
+            # while a frame waits for the receive budget the peer is not read, its calls
+            # unanswered: it took us for gone after its silence timeout (a review)
+            keepalive=self._keepalive,
+            keepalive_every=min(self.silence_timeout, _PEER_SILENCE) / 4,
         )
         while (data := await reader.next_frame()) is not None:
             self.last_activity = self._frame_received = trio.current_time()
@@ -716,8 +721,9 @@ class RpcConnection:
         until the consumer takes one (the backpressure that bounds what a stream holds):
         nothing is read from the peer meanwhile, which is our pause, not the peer's silence
         (see ``_note_unanswered``)."""
-        stats = pending.send.statistics()
-        if stats.current_buffer_used < stats.max_buffer_size:
+        size = memoryview(item.payload).nbytes
+        if pending.has_room(size):
+            pending.held += size
             await pending.send.send(item)
             return
         self._reader_paused = True
@@ -727,6 +733,11 @@ class RpcConnection:
             interval = min(self.silence_timeout, _PEER_SILENCE) / 4
             while True:
                 with trio.move_on_after(interval):  # (an item not sent when it fires)
+                    while not pending.has_room(size):
+                        if not pending.send.statistics().open_receive_channels:
+                            break  # the consumer left: the send below raises
+                        await pending.taken.wait()
+                    pending.held += size
                     await pending.send.send(item)
                     return
                 self._keepalive()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import sys
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import trio
 
@@ -395,8 +395,14 @@ class FrameReader:
         pool: FramePool = FRAME_POOL,
         budget: ReceiveBudget | None = None,
         group: str | None = None,
+        keepalive: Callable[[], None] | None = None,
+        keepalive_every: float = math.inf,
     ) -> None:
         self.max_frame_size = max_frame_size
+        # run every ``keepalive_every`` seconds while a frame waits for the budget (the
+        # peer is not read then, and its calls go unanswered: see ReceiveBudget.acquire)
+        self._keepalive = keepalive
+        self._keepalive_every = keepalive_every
         self._receive_into = (
             stream.receive_into
             if isinstance(stream, SecureStream)
@@ -462,7 +468,9 @@ class FrameReader:
         size = -(-length // _POOL_MIN) * _POOL_MIN
         self.waiting = True
         try:
-            hold = await budget.acquire(size, self._group, self._meter)
+            hold = await budget.acquire(
+                size, self._group, self._meter, self._keepalive, self._keepalive_every
+            )
         finally:
             self.waiting = False
         try:

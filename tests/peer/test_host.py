@@ -397,3 +397,32 @@ async def test_one_host_claiming_many_dead_addresses_does_not_block_honest_proof
             assert victim.dht.table.get(identity.peer_id) == NodeInfo(
                 identity.peer_id, claimed.hostport
             )
+
+
+async def test_a_stream_buffers_at_most_its_byte_bound_for_a_slow_consumer(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Items of 2 MiB (4 MiB would be a frame's most): 32 of them were buffered for a
+    consumer that lagged, 64 MiB (128 with the largest frames) per stream (a review). The
+    reader now waits once STREAM_BUFFER_BYTES are held, and every item still arrives."""
+    from peer.calls import STREAM_BUFFER_BYTES
+
+    net = MemoryNetwork(latency=0.01, window=8 << 20)
+    chunk = bytes(2 << 20)
+
+    async def chunks(request: Request) -> AsyncIterator[Reply]:
+        for index in range(20):
+            yield Reply({"i": index}, chunk)
+
+    with trio.fail_after(120):
+        async with two_hosts(net) as (a, b, address):
+            b.register_stream("chunks", chunks)  # b serves, a reads
+            got: list[int] = []
+            async with a.stream(address, "chunks") as items:
+                got.append((await items.__anext__()).body["i"])
+                await trio.sleep(10)  # the consumer lags: the items come meanwhile
+                held = items._items._pending.held  # type: ignore[attr-defined]
+                assert 0 < held <= STREAM_BUFFER_BYTES, held
+                async for item in items:
+                    got.append(item.body["i"])
+            assert got == list(range(20))

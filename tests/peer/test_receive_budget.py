@@ -8,6 +8,7 @@ from __future__ import annotations
 import contextlib
 import sys
 from contextlib import AbstractAsyncContextManager
+from typing import Any
 
 import pytest
 import trio
@@ -459,3 +460,62 @@ async def _dial(net: MemoryNetwork, host: str, identity: Identity) -> SecureStre
     """A secure connection to the server from ``host``, by hand (as a hostile peer would)."""
     raw = await net.interface(host).connect("s", 1)
     return await secure_handshake(raw, identity, initiator=True)
+
+
+async def test_a_peer_whose_frame_waits_for_the_budget_hears_keepalives(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Another host's 2 MiB frame trickles in at 32 KiB/s (not stalled: above MIN_RATE) and
+    holds the whole budget for a minute; an honest peer's 1 MiB upload waits its turn,
+    unread, while its pings go unanswered. Without a sign of life the peer took us for
+    gone after its silence timeout and the upload failed (a review); a keepalive goes out
+    every 2.5 s while the frame waits."""
+    mib = 1 << 20
+    net = MemoryNetwork(window=mib)
+    with trio.fail_after(300):
+        async with contextlib.AsyncExitStack() as stack:
+            server = await stack.enter_async_context(
+                open_rpc_host(
+                    Identity.from_seed(b"s" * 32),
+                    listen=Address("s", 1),
+                    network=net.interface("s"),
+                    config=HostConfig(receive_budget=2 * mib),
+                )
+            )
+            server.register_quick("ping", lambda request: Reply({"ok": True}))
+
+            async def upload(request: Any) -> Reply:
+                return Reply({"n": len(request.payload)})
+
+            server.register("upload", upload)
+            address = server.listen_address
+            assert address is not None
+            honest = await stack.enter_async_context(
+                open_rpc_host(
+                    Identity.from_seed(b"h" * 32), listen=None, network=net.interface("honest")
+                )
+            )
+            await honest.call(address, "ping")
+            raw = await net.interface("slow").connect("s", 1)
+            slow = await secure_handshake(raw, Identity.from_seed(b"x" * 32), initiator=True)
+            size = 2 * mib - 100
+            await slow.send_all(encode_frame_header(size))
+
+            async def trickle() -> None:
+                for sent in range(0, size, 16 << 10):
+                    await slow.send_all(bytes(min(16 << 10, size - sent)))
+                    await trio.sleep(0.5)
+
+            async def pings() -> None:
+                for _ in range(15):  # as the DHT and averagers do: 2 s deadlines
+                    with trio.move_on_after(2):
+                        await honest.call(address, "ping")
+                    await trio.sleep(0.1)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(trickle)
+                await trio.sleep(1)
+                nursery.start_soon(pings)
+                reply = await honest.call(address, "upload", {}, bytes(mib))
+                assert reply.body == {"n": mib}
+                nursery.cancel_scope.cancel()
