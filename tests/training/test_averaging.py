@@ -15,6 +15,7 @@ from test_averaging_support import (
     make_members,
     memnet_swarm,
     step_all,
+    step_averagers,
     verify_round,
 )
 
@@ -471,3 +472,53 @@ async def test_a_mean_beyond_float16_is_reported_as_an_overflow(
             assert part.status is PartStatus.NONE and part.contributors == ()
             assert "overflows float16" in part.note
         np.testing.assert_array_equal(member.array, member.data)
+
+
+async def test_topk_results_are_made_a_chunk_at_a_time_between_checkpoints(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reducer made all of its part's topk result blobs in one go, without a checkpoint:
+    ~0.6 s of a 5.6M-element part with the event loop held, and steps ran past their
+    timeout (an outside tester). Each chunk's blob now comes in a task step of its own."""
+    import sys
+
+    from training.averaging import reducing
+
+    steps: dict[Any, int] = {}
+
+    class CountSteps(trio.abc.Instrument):
+        def before_task_step(self, task: trio.lowlevel.Task) -> None:
+            steps[task] = steps.get(task, 0) + 1
+
+    made: list[tuple[Any, int]] = []
+    encode = reducing.TopKCodec.encode
+
+    def counted(self: Any, values: Any) -> bytes:
+        if sys._getframe(1).f_code.co_name == "_sparse_results":  # (not the uploads)
+            task = trio.lowlevel.current_task()
+            made.append((task, steps.get(task, 0)))
+        return encode(self, values)
+
+    monkeypatch.setattr(reducing.TopKCodec, "encode", counted)
+    trio.lowlevel.add_instrument(CountSteps())
+    with trio.fail_after(60):
+        async with memnet_swarm(2) as (_, nodes):
+            config = fast_config(codec_params={"fraction": 0.1})  # chunks of 1024 values
+            averagers = [
+                Averager(
+                    node,
+                    "t/x",
+                    [np.random.default_rng(i).standard_normal(8192, np.float32)],
+                    codec="topk",
+                    config=config,
+                )
+                for i, node in enumerate(nodes)
+            ]
+            infos = await step_averagers(averagers)
+    assert all(info.outcome is Outcome.AVERAGED for info in infos), infos
+    by_task: dict[Any, list[int]] = {}
+    for task, step in made:
+        by_task.setdefault(task, []).append(step)
+    assert by_task and all(len(s) >= 4 for s in by_task.values()), by_task  # 4 chunks a part
+    for task_steps in by_task.values():
+        assert len(set(task_steps)) == len(task_steps), task_steps  # no two in one step
