@@ -589,11 +589,15 @@ class RpcHost:
                 return
         else:
             full = len(self._handshakes) + len(self._connections) >= self.max_connections
-            # a stalled handshake first, then an idle connection, and a young handshake
-            # only when neither is there (cut first, each newcomer of a burst cut off the
-            # one before it, while idle connections could have made room: a review)
+            # A stalled handshake first; then one of the newcomer's own host (a burst of
+            # silent connections from one host makes room among its own: closing an
+            # idle connection for each let such a burst clear every honest one, a
+            # review); then an idle connection; a young handshake of another host only
+            # when none is there (cut first, each honest newcomer of a burst from several
+            # hosts cut off the one before it, while idle connections could make room)
             if full and not (
                 self._cut_off_oldest_handshake(min_age=_EVICT_AFTER)
+                or self._cut_off_oldest_handshake(group=group)
                 or self._evict_idle_inbound()
                 or self._cut_off_oldest_handshake()
             ):
@@ -629,14 +633,22 @@ class RpcHost:
             if not self._per_host[group]:
                 del self._per_host[group]
 
-    def _cut_off_oldest_handshake(self, min_age: float = 0.0) -> bool:
+    def _cut_off_oldest_handshake(self, min_age: float = 0.0, group: str | None = None) -> bool:
         """Make room for a new inbound connection: cancel the oldest handshake in progress
-        when it began ``min_age`` seconds ago or more (a peer that connects and sends
-        nothing holds a slot until ``handshake_timeout``; an honest handshake takes a
-        round trip). False when there is none such."""
-        if not self._handshakes:
+        (from ``group``, when given) when it began ``min_age`` seconds ago or more (a peer
+        that connects and sends nothing holds a slot until ``handshake_timeout``; an honest
+        handshake takes a round trip). False when there is none such."""
+        found = next(
+            (
+                (handshake, host, began)
+                for handshake, (host, began) in self._handshakes.items()  # oldest first
+                if group is None or host_group(host) == group
+            ),
+            None,
+        )
+        if found is None:
             return False
-        handshake, (host, began) = next(iter(self._handshakes.items()))
+        handshake, host, began = found
         if trio.current_time() - began < min_age:
             return False
         logger.debug("%r: all slots taken, cutting off the handshake with %s", self, host)

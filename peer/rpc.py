@@ -723,8 +723,8 @@ class RpcConnection:
         (see ``_note_unanswered``)."""
         size = memoryview(item.payload).nbytes
         if pending.has_room(size):
+            pending.send.send_nowait(item)  # (room for it: no wait, nothing to cancel)
             pending.held += size
-            await pending.send.send(item)
             return
         self._reader_paused = True
         try:
@@ -737,8 +737,11 @@ class RpcConnection:
                         if not pending.send.statistics().open_receive_channels:
                             break  # the consumer left: the send below raises
                         await pending.taken.wait()
+                    # no checkpoint from here on: a cancel between counting the bytes and
+                    # the send left them counted for an item never buffered, and the
+                    # stream stuck once they added up (a review)
+                    pending.send.send_nowait(item)
                     pending.held += size
-                    await pending.send.send(item)
                     return
                 self._keepalive()
         finally:

@@ -569,6 +569,8 @@ class DHT:
         # holder's 1024 long-lived entries, a liar's or a flooder's, pushed every honest
         # subkey out of the merge: a review)
         support: dict[Subkey, int] = {}
+        # each holder's older versions, not checked yet (see the trim below)
+        unchecked: list[tuple[set[Subkey], list[Entry]]] = []
         local = self.storage.get(key_id) if self.storage is not None else {}
         for entry in local.values():
             self._merge(key_id, owner, record, values, entry, verified=True)
@@ -627,6 +629,8 @@ class DHT:
             # a holder is one that sent a valid entry (invalid ones counted toward the
             # quorum, and a few nodes near a key hid an owner's signed value: a review)
             holds = bool(valid) or any(self._valid(key_id, owner, e) for e in older)
+            if older:  # their support counts too, checked only if the read must trim
+                unchecked.append((valid, older))
             if received and latest:
                 copies.append((node, received))
             holders.learn(nodes)
@@ -642,6 +646,19 @@ class DHT:
 
             await self._lookup(key_id, query, stop=holders.enough, wanted=wanted)
         if len(record) > MAX_SUBKEYS_PER_KEY:
+            # a holder with an older version of a subkey supports it as much as one with
+            # the newest (counting only those merged first made the support depend on the
+            # order copies came in, and a liar's junk outranked them: a review)
+            for counted, entries in unchecked:
+                for entry in entries:
+                    subkey = entry.subkey
+                    if (
+                        subkey in record
+                        and subkey not in counted
+                        and self._valid(key_id, owner, entry)
+                    ):
+                        counted.add(subkey)
+                        support[subkey] = support.get(subkey, 0) + 1
             ranked = sorted(record, key=lambda s: (support.get(s, 0), record[s].expiration))
             for subkey in ranked[: len(record) - MAX_SUBKEYS_PER_KEY]:
                 del record[subkey]

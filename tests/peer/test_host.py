@@ -426,3 +426,34 @@ async def test_a_stream_buffers_at_most_its_byte_bound_for_a_slow_consumer(
                 async for item in items:
                     got.append(item.body["i"])
             assert got == list(range(20))
+
+
+async def test_a_consumer_that_lags_past_the_keepalive_does_not_leak_the_byte_bound(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The reader waiting for byte room counted an item's bytes, then a cancel (its
+    keepalive interval, 2.5 s, passed as the consumer's step ran on) came before the send:
+    bytes counted for an item never buffered, until the stream stuck with nothing buffered
+    (a review: 8 such lags of 40 2 MiB items, and the connection was lost)."""
+    net = MemoryNetwork(latency=0.01, window=8 << 20)
+    chunk = bytes(2 << 20)
+
+    async def chunks(request: Request) -> AsyncIterator[Reply]:
+        for index in range(40):
+            yield Reply({"i": index}, chunk)
+
+    got: list[int] = []
+    with trio.fail_after(600):
+        async with two_hosts(net) as (a, b, address):
+            b.register_stream("chunks", chunks)
+            async with a.stream(address, "chunks") as items:
+                pending = items._items._pending  # type: ignore[attr-defined]
+                got.append((await items.__anext__()).body["i"])
+                await trio.sleep(10)  # the buffer fills (16 MiB): the reader waits
+                async for item in items:
+                    got.append(item.body["i"])
+                    if len(got) <= 12:
+                        autojump_clock.jump(2.5)  # a step that holds the loop that long
+                    await trio.sleep(0.01)
+                assert pending.held == 0
+    assert got == list(range(40))

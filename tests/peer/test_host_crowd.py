@@ -349,3 +349,44 @@ async def test_a_burst_of_newcomers_to_a_full_node_closes_idle_connections_for_t
                     await trio.sleep(0.005)
             assert answers == [{"ok": True}] * 4
             assert server.num_connections == 8
+
+
+async def test_a_burst_of_silent_connections_from_one_host_closes_one_idle_connection(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Closing an idle connection for each newcomer let 12 silent connections from one
+    host clear all 12 honest idle ones (a review); a newcomer's own host's young
+    handshake goes first, so the burst costs the honest ones one connection, as before."""
+    net = MemoryNetwork(latency=0.02)
+    with trio.fail_after(120):
+        async with AsyncExitStack() as stack:
+            server = await stack.enter_async_context(
+                open_rpc_host(
+                    Identity.from_seed(b"s" * 32),
+                    listen=Address("s", 1),
+                    network=net.interface("s"),
+                    config=HostConfig(max_connections=12),
+                )
+            )
+            server.register_quick("ping", lambda request: Reply({"ok": True}))
+            address = server.listen_address
+            assert address is not None
+            for i in range(12):
+                honest = await stack.enter_async_context(
+                    open_rpc_host(
+                        Identity.from_seed(bytes([100 + i]) * 32),
+                        listen=None,
+                        network=net.interface(f"honest{i}"),
+                    )
+                )
+                await honest.call(address, "ping")
+            await trio.sleep(5)
+            assert server.num_connections == 12
+            silent = []
+            for _ in range(12):
+                silent.append(await net.interface("attacker").connect("s", 1))
+                await trio.sleep(0.005)
+            await trio.sleep(0.5)
+            assert server.num_connections >= 11
+            for stream in silent:
+                await stream.aclose()

@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 
 import msgpack
+import pytest
 import trio
 import trio.testing
 
@@ -20,7 +21,7 @@ from peer.node import open_peer
 from protocol.dhtid import DHTID
 from protocol.identity import Identity
 from protocol.messages import Entry, FindValueRequest, FindValueResponse, NodeInfo
-from protocol.records import MAX_SUBKEYS_PER_KEY, MAX_TTL, owned_key
+from protocol.records import MAX_SUBKEYS_PER_KEY, MAX_TTL, owned_key, sign_entry
 
 EPOCH = 1_700_000_000.0
 
@@ -150,3 +151,48 @@ async def test_replies_of_invalid_entries_are_no_holders(
             assert await getter.dht.get(owner_key) == {"lr": 0.1}  # "nothing here": no harm
             forge[0] = True
             assert await getter.dht.get(owner_key) == {"lr": 0.1}
+
+
+@pytest.mark.parametrize("newer_at_getter", [False, True])
+async def test_holders_of_older_versions_support_a_subkey_too(
+    autojump_clock: trio.testing.MockClock, newer_at_getter: bool
+) -> None:
+    """A newer version of each declaration (as matchmaking's done marker) reached only the
+    getter, whose own copy is merged first: the other holders' older versions counted for
+    nothing, every honest subkey had the liar's junk's support, 1, and lost to its later
+    expiration (a review). Any valid version of a subkey counts for its holder."""
+    with trio.fail_after(300):
+        async with swarm([*range(1, 7), 9]) as peers:
+            honest, hostile = peers[:6], peers[6]
+            ids = {p.peer_id: DHTID.from_peer_id(p.peer_id) for p in peers}
+            key = next(
+                k
+                for k in (f"round/{n}" for n in range(10_000))
+                if min(ids, key=lambda p: ids[p] ^ DHTID.from_key(k)) == hostile.peer_id
+            )
+            kid = DHTID.from_key(key)
+
+            def lying_find_value(request: Request) -> Reply:
+                FindValueRequest.from_body(request.body)
+                return Reply(FindValueResponse(junk(0), ()).to_body())
+
+            hostile.rpc.unregister("dht.find_value")
+            hostile.rpc.register_quick("dht.find_value", lying_find_value)
+            writers = await store_declarations(key, honest)  # version 1 at every holder
+            getter = honest[-1]
+            targets = [getter] if newer_at_getter else honest[:-1]
+            for p in honest:  # version 2 of each, at the targets only
+                entry = sign_entry(
+                    p.identity, kid, str(p.peer_id), msgpack.packb({"done": True}), clock() + 90
+                )
+                for target in targets:
+                    if target is p:
+                        assert p.dht.storage is not None
+                        assert p.dht.storage.store(kid, entry, name=key)
+                        continue
+                    assert target.rpc.listen_address is not None
+                    info = NodeInfo(target.peer_id, target.rpc.listen_address.hostport)
+                    reply = await p.dht.protocol.store(info, kid, key, (entry,), want_nodes=False)
+                    assert reply is not None and all(reply.accepted)
+            result = await getter.dht.get(key)
+            assert writers <= set(result), len(writers & set(result))
