@@ -93,6 +93,9 @@ _MAX_REMEMBERED_ADDRESSES = 4096
 _EVICT_AFTER = 1.0
 """Seconds an inbound connection must have been idle to be closed for a newcomer when every
 slot is taken (a flood of new connections must not evict each other at once)."""
+_OWN_HANDSHAKES_FIRST = 4
+"""Handshakes in progress from a newcomer's own host beyond which a full node cuts off the
+oldest of them for it, rather than close an idle connection (see ``_handle_inbound``)."""
 _STOPPED = "this peer has stopped: its open_peer context has ended"  # (the DHT's words too)
 _CONNECTION_ERRORS = (
     PeerUnavailableError,
@@ -589,15 +592,20 @@ class RpcHost:
                 return
         else:
             full = len(self._handshakes) + len(self._connections) >= self.max_connections
-            # A stalled handshake first; then one of the newcomer's own host (a burst of
-            # silent connections from one host makes room among its own: closing an
-            # idle connection for each let such a burst clear every honest one, a
-            # review); then an idle connection; a young handshake of another host only
-            # when none is there (cut first, each honest newcomer of a burst from several
-            # hosts cut off the one before it, while idle connections could make room)
+            # A stalled handshake first; then, when the newcomer's own host has several
+            # in progress, the oldest of those (a burst of silent connections from one
+            # host makes room among its own after a few: closing an idle connection for
+            # each let such a burst clear every honest one, a review; cutting its own at
+            # once had honest peers of one host, a NAT or loopback, cut each other off);
+            # then an idle connection; a young handshake only when none is there (cut
+            # first, each newcomer of a burst cut off the one before it, while idle
+            # connections could make room)
             if full and not (
                 self._cut_off_oldest_handshake(min_age=_EVICT_AFTER)
-                or self._cut_off_oldest_handshake(group=group)
+                or (
+                    self._handshakes_from(group) >= _OWN_HANDSHAKES_FIRST
+                    and self._cut_off_oldest_handshake(group=group)
+                )
                 or self._evict_idle_inbound()
                 or self._cut_off_oldest_handshake()
             ):
@@ -632,6 +640,10 @@ class RpcHost:
             self._per_host[group] -= 1
             if not self._per_host[group]:
                 del self._per_host[group]
+
+    def _handshakes_from(self, group: str) -> int:
+        """Handshakes in progress from remote host ``group``."""
+        return sum(host_group(host) == group for host, _ in self._handshakes.values())
 
     def _cut_off_oldest_handshake(self, min_age: float = 0.0, group: str | None = None) -> bool:
         """Make room for a new inbound connection: cancel the oldest handshake in progress
