@@ -717,10 +717,11 @@ class RpcConnection:
         pending.finish(error)
 
     async def _hand_over(self, pending: PendingStream, item: Reply) -> None:
-        """Hand ``item`` to a stream's consumer. When its buffer is full, our reader stops
-        until the consumer takes one (the backpressure that bounds what a stream holds):
-        nothing is read from the peer meanwhile, which is our pause, not the peer's silence
-        (see ``_note_unanswered``)."""
+        """Hand ``item`` to a stream's consumer. When its buffer is full (in items, or in
+        payload bytes: ``PendingStream.has_room``), our reader stops until the consumer
+        takes one (the backpressure that bounds what a stream holds): nothing is read from
+        the peer meanwhile, which is our pause, not the peer's silence (see
+        ``_note_unanswered``)."""
         size = memoryview(item.payload).nbytes
         if pending.has_room(size):
             pending.send.send_nowait(item)  # (room for it: no wait, nothing to cancel)
@@ -754,10 +755,11 @@ class RpcConnection:
             self._frame_received = trio.current_time()
 
     def _keepalive(self) -> None:
-        """Show the peer we are alive while our reader waits for a stream's consumer: its
-        calls to us go unanswered meanwhile, and after ``silence_timeout`` it took us for
-        gone and closed the connection, the stream with it (a review). A ``cancel`` for a
-        request id we have no call under: the peer ignores it (protocol.md, section 4)."""
+        """Show the peer we are alive while our reader waits for a stream's consumer (or
+        for the receive budget: ``FrameReader``): its calls to us go unanswered meanwhile,
+        and after ``silence_timeout`` it took us for gone and closed the connection, the
+        stream with it (a review). A ``cancel`` for a request id we have no call under:
+        the peer ignores it (protocol.md, section 4)."""
         request_id = MAX_REQUEST_ID
         while request_id in self._pending:
             request_id -= 1
