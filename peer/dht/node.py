@@ -722,21 +722,23 @@ class DHT:
             return None  # loses anyway: no need to verify it
         if old is None and len(record) >= _READ_SUBKEYS:
             return None
+        if not verified and not self._valid(key_id, owner, entry):
+            return False
         try:
-            if not verified:
-                validate_entry(key_id, entry, now=self._clock(), key_owner=owner)
             value = decode_value(entry.value)
         except (RecordError, ValueError, TypeError) as exc:
-            logger.debug("dropped an invalid entry from a lookup: %r", exc)
+            logger.debug("dropped an undecodable entry from a lookup: %r", exc)
             return False
         if merge_entry(record, entry, _READ_SUBKEYS):
             values[entry.subkey] = value
         return True
 
     def _valid(self, key_id: DHTID, owner: PeerID | None, entry: Entry) -> bool:
+        """Whether ``entry``, from a lookup, passes ``validate_entry`` for ``key_id``."""
         try:
             validate_entry(key_id, entry, now=self._clock(), key_owner=owner)
-        except (RecordError, ValueError, TypeError):
+        except (RecordError, ValueError, TypeError) as exc:
+            logger.debug("dropped an invalid entry from a lookup: %r", exc)
             return False
         return True
 
