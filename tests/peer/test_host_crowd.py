@@ -297,6 +297,33 @@ async def test_a_crowd_at_its_limit_on_a_bootstrap_node_sets_off_no_chain_of_dia
     assert accepted <= 12, f"{accepted} connections in 120 s"
 
 
+async def full_node(stack: AsyncExitStack, net: MemoryNetwork, slots: int) -> RpcHost:
+    """A node ("s", port 1) with ``slots`` connection slots, each held by an idle client
+    (a ping, then 5 s of quiet)."""
+    server = await stack.enter_async_context(
+        open_rpc_host(
+            Identity.from_seed(b"s" * 32),
+            listen=Address("s", 1),
+            network=net.interface("s"),
+            config=HostConfig(max_connections=slots),
+        )
+    )
+    server.register_quick("ping", lambda request: Reply({"ok": True}))
+    assert server.listen_address is not None
+    for i in range(slots):
+        idle = await stack.enter_async_context(
+            open_rpc_host(
+                Identity.from_seed(bytes([100 + i]) * 32),
+                listen=None,
+                network=net.interface(f"idle{i}"),
+            )
+        )
+        await idle.call(server.listen_address, "ping")
+    await trio.sleep(5)  # every one idle for a while
+    assert server.num_connections == slots
+    return server
+
+
 @pytest.mark.parametrize("one_host", [False, True], ids=["hosts", "one-host"])
 async def test_a_burst_of_newcomers_to_a_full_node_closes_idle_connections_for_them(
     autojump_clock: trio.testing.MockClock, one_host: bool
@@ -309,27 +336,9 @@ async def test_a_burst_of_newcomers_to_a_full_node_closes_idle_connections_for_t
     net = MemoryNetwork(latency=0.02)
     with trio.fail_after(120):
         async with AsyncExitStack() as stack:
-            server = await stack.enter_async_context(
-                open_rpc_host(
-                    Identity.from_seed(b"s" * 32),
-                    listen=Address("s", 1),
-                    network=net.interface("s"),
-                    config=HostConfig(max_connections=8),
-                )
-            )
-            server.register_quick("ping", lambda request: Reply({"ok": True}))
+            server = await full_node(stack, net, 8)
             address = server.listen_address
             assert address is not None
-            for i in range(8):
-                idle = await stack.enter_async_context(
-                    open_rpc_host(
-                        Identity.from_seed(bytes([100 + i]) * 32),
-                        listen=None,
-                        network=net.interface(f"idle{i}"),
-                    )
-                )
-                await idle.call(address, "ping")
-            await trio.sleep(5)  # every one idle for a while
             newcomers = [
                 await stack.enter_async_context(
                     open_rpc_host(
@@ -362,28 +371,7 @@ async def test_a_burst_of_silent_connections_from_one_host_closes_one_idle_conne
     net = MemoryNetwork(latency=0.02)
     with trio.fail_after(120):
         async with AsyncExitStack() as stack:
-            server = await stack.enter_async_context(
-                open_rpc_host(
-                    Identity.from_seed(b"s" * 32),
-                    listen=Address("s", 1),
-                    network=net.interface("s"),
-                    config=HostConfig(max_connections=12),
-                )
-            )
-            server.register_quick("ping", lambda request: Reply({"ok": True}))
-            address = server.listen_address
-            assert address is not None
-            for i in range(12):
-                honest = await stack.enter_async_context(
-                    open_rpc_host(
-                        Identity.from_seed(bytes([100 + i]) * 32),
-                        listen=None,
-                        network=net.interface(f"honest{i}"),
-                    )
-                )
-                await honest.call(address, "ping")
-            await trio.sleep(5)
-            assert server.num_connections == 12
+            server = await full_node(stack, net, 12)
             silent = []
             for _ in range(12):
                 silent.append(await net.interface("attacker").connect("s", 1))
