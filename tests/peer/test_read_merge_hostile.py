@@ -63,6 +63,25 @@ def junk(first: int) -> tuple[Entry, ...]:
     )
 
 
+def lying_closest(peers: Sequence[Peer], hostile: Peer) -> str:
+    """A key whose closest node of all is ``hostile``, which from now on answers every
+    FIND_VALUE with a key's worth of junk."""
+    ids = {p.peer_id: DHTID.from_peer_id(p.peer_id) for p in peers}
+    key = next(
+        k
+        for k in (f"round/{n}" for n in range(10_000))
+        if min(ids, key=lambda p: ids[p] ^ DHTID.from_key(k)) == hostile.peer_id
+    )
+
+    def lying_find_value(request: Request) -> Reply:
+        FindValueRequest.from_body(request.body)
+        return Reply(FindValueResponse(junk(0), ()).to_body())
+
+    hostile.rpc.unregister("dht.find_value")
+    hostile.rpc.register_quick("dht.find_value", lying_find_value)
+    return key
+
+
 async def store_declarations(key: str, writers: Sequence[Peer]) -> set[str]:
     for p in writers:  # each writer its own, signed, owner-bound subkey
         assert await p.dht.store(key, {"me": str(p.peer_id)}, ttl=60.0, subkey=str(p.peer_id))
@@ -75,20 +94,7 @@ async def test_a_liars_full_copy_does_not_push_honest_subkeys_out(
     with trio.fail_after(300):
         async with swarm([*range(1, 7), 9]) as peers:
             honest, hostile = peers[:6], peers[6]
-            # a key whose closest node of all is the liar: it answers first
-            ids = {p.peer_id: DHTID.from_peer_id(p.peer_id) for p in peers}
-            key = next(
-                k
-                for k in (f"round/{n}" for n in range(10_000))
-                if min(ids, key=lambda p: ids[p] ^ DHTID.from_key(k)) == hostile.peer_id
-            )
-
-            def lying_find_value(request: Request) -> Reply:
-                FindValueRequest.from_body(request.body)
-                return Reply(FindValueResponse(junk(0), ()).to_body())
-
-            hostile.rpc.unregister("dht.find_value")
-            hostile.rpc.register_quick("dht.find_value", lying_find_value)
+            key = lying_closest(peers, hostile)  # the liar answers first
             writers = await store_declarations(key, honest)
             result = await honest[-1].dht.get(key)
             assert writers <= set(result), len(writers & set(result))
@@ -164,20 +170,8 @@ async def test_holders_of_older_versions_support_a_subkey_too(
     with trio.fail_after(300):
         async with swarm([*range(1, 7), 9]) as peers:
             honest, hostile = peers[:6], peers[6]
-            ids = {p.peer_id: DHTID.from_peer_id(p.peer_id) for p in peers}
-            key = next(
-                k
-                for k in (f"round/{n}" for n in range(10_000))
-                if min(ids, key=lambda p: ids[p] ^ DHTID.from_key(k)) == hostile.peer_id
-            )
+            key = lying_closest(peers, hostile)
             kid = DHTID.from_key(key)
-
-            def lying_find_value(request: Request) -> Reply:
-                FindValueRequest.from_body(request.body)
-                return Reply(FindValueResponse(junk(0), ()).to_body())
-
-            hostile.rpc.unregister("dht.find_value")
-            hostile.rpc.register_quick("dht.find_value", lying_find_value)
             writers = await store_declarations(key, honest)  # version 1 at every holder
             getter = honest[-1]
             targets = [getter] if newer_at_getter else honest[:-1]
