@@ -11,7 +11,7 @@ from contextlib import AsyncExitStack
 import trio
 import trio.testing
 
-from peer import Peer, PeerConfig
+from peer import Peer
 from peer.memnet import MemoryNetwork
 from peer.node import open_peer
 from protocol.identity import Identity
@@ -25,27 +25,32 @@ def _unix_time() -> float:
     return EPOCH + trio.current_time()
 
 
+async def chain(stack: AsyncExitStack, net: MemoryNetwork, n: int) -> list[Peer]:
+    """``n`` peers at 10.0.0.1... of fixed identities, each joining through the first."""
+    nodes: list[Peer] = []
+    for i in range(n):
+        host = f"10.0.0.{i + 1}"
+        nodes.append(
+            await stack.enter_async_context(
+                open_peer(
+                    f"{host}:1",
+                    [nodes[0].address] if nodes else [],
+                    identity=Identity.from_seed((i + 1).to_bytes(32, "big")),
+                    network=net.interface(host),
+                    clock=_unix_time,
+                )
+            )
+        )
+    return nodes
+
+
 async def test_gets_with_half_the_network_frozen_take_round_trips_not_seconds(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     net = MemoryNetwork(latency=LATENCY)
     with trio.fail_after(600):
         async with AsyncExitStack() as stack:
-            nodes: list[Peer] = []
-            for i in range(9):
-                host = f"10.0.0.{i + 1}"
-                nodes.append(
-                    await stack.enter_async_context(
-                        open_peer(
-                            f"{host}:1",
-                            [nodes[0].address] if nodes else [],
-                            identity=Identity.from_seed((i + 1).to_bytes(32, "big")),
-                            network=net.interface(host),
-                            config=PeerConfig(),
-                            clock=_unix_time,
-                        )
-                    )
-                )
+            nodes = await chain(stack, net, 9)
             keys = [f"key-{i}" for i in range(8)]
             for i, key in enumerate(keys):
                 assert await nodes[1 + i].dht.store(key, i, ttl=600)
@@ -76,20 +81,7 @@ async def test_frozen_nodes_that_others_keep_naming_are_not_waited_for_again(
     net = MemoryNetwork(latency=0.001)
     with trio.fail_after(900):
         async with AsyncExitStack() as stack:
-            nodes: list[Peer] = []
-            for i in range(16):
-                host = f"10.0.0.{i + 1}"
-                nodes.append(
-                    await stack.enter_async_context(
-                        open_peer(
-                            f"{host}:1",
-                            [nodes[0].address] if nodes else [],
-                            identity=Identity.from_seed((i + 1).to_bytes(32, "big")),
-                            network=net.interface(host),
-                            clock=_unix_time,
-                        )
-                    )
-                )
+            nodes = await chain(stack, net, 16)
             client = await stack.enter_async_context(
                 open_peer(
                     None,
