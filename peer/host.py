@@ -17,20 +17,24 @@ Rules:
   oldest handshake still in progress after a second (a silent connection: an honest
   handshake takes a round trip), else of its inbound connection idle the longest (no call
   in flight, quiet for a second at least: a crowd behind one NAT must not wait a minute for
-  one to idle out), which is closed after a ``bye``; failing both, the new one is closed at
-  once. (Idle connections went first before: 1,000 silent connections from the address of
-  50 honest peers left 44-78 % of their calls to the node busy until the handshakes timed
-  out, 10 s.) Another
-  host's connections are never closed for it. Over
-  ``max_connections`` in all, the oldest connection still in its handshake is cut off to make
-  room (connections that send nothing must not lock every other peer out; one we had not
-  answered yet gets the busy signal, as refused ones do); when every slot
-  holds an established connection, the inbound one idle the longest (no call in flight,
-  quiet for a second at least) is closed instead; failing both, the new one is closed at
-  once. A handshake not done within ``handshake_timeout`` is cut off. A host that opens
-  connections faster than ``handshake_rate_per_ip`` per second (beyond a burst of
-  ``handshake_burst_per_ip``) has the new ones closed at once, before the handshake's CPU
-  is spent on them (loopback addresses only with ``rate_limit_loopback``).
+  one to idle out); failing both, the new one is closed at once. (Idle connections went
+  first before: 1,000 silent connections from the address of 50 honest peers left 44-78 %
+  of their calls to the node busy until the handshakes timed out, 10 s.) Another host's
+  connections are never closed for it. Over ``max_connections`` in all, the oldest
+  connection still in its handshake a second after it opened is cut off to make room
+  (connections that send nothing must not lock every other peer out; one we had not
+  answered yet gets the busy signal, as refused ones do); else, when the newcomer's host
+  has 4 in their handshake, the oldest of those; else the inbound connection idle the
+  longest gives its slot; else the oldest handshake; failing all, the new one is closed at
+  once. An idle connection closes for a newcomer (after a ``bye``) only once the newcomer's
+  handshake has completed, so that connections that send nothing close none (up to 4
+  newcomers of one host wait so at once, 16 in all; beyond, the oldest of them is cut
+  off); when it got busy meanwhile, the newcomer is closed after a ``bye`` instead (its
+  dialer sends what crossed it again on a fresh connection). A handshake not done within
+  ``handshake_timeout`` is cut off. A host that opens connections faster than
+  ``handshake_rate_per_ip`` per second (beyond a burst of ``handshake_burst_per_ip``) has
+  the new ones closed at once, before the handshake's CPU is spent on them (loopback
+  addresses only with ``rate_limit_loopback``).
 - A peer that stops reading what we send is cut off once a write to it has stalled for
   ``send_timeout`` (checked every quarter of it; the idle timer spares a connection with
   calls in flight, so it would otherwise keep its connection slot, its requests and their
@@ -96,6 +100,14 @@ slot is taken (a flood of new connections must not evict each other at once)."""
 _OWN_HANDSHAKES_FIRST = 4
 """Handshakes in progress from a newcomer's own host beyond which a full node cuts off the
 oldest of them for it, rather than close an idle connection (see ``_handle_inbound``)."""
+_DEFERRED_EVICTIONS = 16
+"""Newcomers at most, at a node with every slot taken, whose handshakes go on while an idle
+connection waits to give them its slot once they complete (``_OWN_HANDSHAKES_FIRST`` of
+them from one host at its own limit): a connection that never completes its handshake then
+closes no honest one (a silent flood, one connection from each of many hosts, closed an
+idle connection each; a review). Beyond, the oldest of them is cut off for a newcomer. The
+node so holds up to this many sockets over ``max_connections``, within the files that
+``peer.network.FD_RESERVE`` keeps aside."""
 _STOPPED = "this peer has stopped: its open_peer context has ended"  # (the DHT's words too)
 _CONNECTION_ERRORS = (
     PeerUnavailableError,
@@ -152,6 +164,9 @@ class RpcHost:
         self._dials: dict[tuple[str, PeerID | None], _Dial] = {}
         # inbound handshakes in progress, oldest first -> (remote host, trio time begun)
         self._handshakes: dict[trio.CancelScope, tuple[str, float]] = {}
+        # those of them let in at a full node (or at their host's limit), each to take an
+        # idle connection's slot once done -> their host group, or None at a full node
+        self._deferred: dict[trio.CancelScope, str | None] = {}
         # Inbound connections per host (or /64), handshakes included; one closed for a
         # newcomer from its host counts until its handler has finished (the newcomer in its
         # slot makes the host one over meanwhile), so each one is counted down once.
@@ -505,10 +520,13 @@ class RpcHost:
         initiator: PeerID,
         *,
         group: str | None = None,
+        busy: bool = False,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Serve a secure connection until it ends; ``group``: the host group of an
-        inbound one (it is then one of that host's, for :meth:`_idlest_inbound`)."""
+        inbound one (it is then one of that host's, for :meth:`_idlest_inbound`);
+        ``busy``: no slot is left for it, so it closes after a ``bye`` at once (the peer
+        sends what crossed it again on a fresh connection)."""
         config = self.config
         connection = RpcConnection(
             secure,
@@ -534,6 +552,9 @@ class RpcHost:
         logger.debug("%r: connected to %s at %s", self, peer_id.short(), secure.remote_host)
         if group is not None:
             self._inbound.setdefault(group, []).append(connection)
+        if busy:
+            logger.debug("%r: no slot left for %s, closing its connection", self, peer_id.short())
+            connection.close_idle_nowait(PeerBusyError("every connection slot is taken"))
         try:
             await connection.run(task_status=task_status)
         finally:
@@ -582,39 +603,44 @@ class RpcHost:
         if self._admit_in_handler and not self._admit(host):
             await turn_away(raw)
             return
+        # Where the newcomer waits for an idle connection to give it its slot once its
+        # handshake completes (see _DEFERRED_EVICTIONS): its host, or any (None).
+        deferred: tuple[str | None] | None = None
         if self._per_host[group] >= config.max_connections_per_ip:
-            # The host's own idle connection gives the newcomer its slot, in the total
-            # too; evicting and counting the newcomer in, with no checkpoint between, is
-            # what keeps a burst to one eviction per newcomer let in.
-            if not (self._cut_off_stalled_handshake(group) or self._evict_idle_inbound(group)):
+            # The host's own stalled handshake, else its idle connection once the newcomer's
+            # handshake completes (at most a few at once: then the oldest of those is cut).
+            if self._cut_off_stalled_handshake(group):
+                pass
+            elif self._can_defer(group) or self._cut_off_oldest_deferred(group):
+                deferred = (group,)
+            elif not self._evict_idle_inbound(group):
                 logger.debug("%r: refusing %s: too many connections from it", self, host)
                 await turn_away(raw)
                 return
-        else:
-            full = len(self._handshakes) + len(self._connections) >= self.max_connections
+        elif len(self._handshakes) + len(self._connections) >= self.max_connections:
             # A stalled handshake first; then, when the newcomer's own host has several
             # in progress, the oldest of those (a burst of silent connections from one
-            # host makes room among its own after a few: closing an idle connection for
-            # each let such a burst clear every honest one, a review; cutting its own at
-            # once had honest peers of one host, a NAT or loopback, cut each other off);
-            # then an idle connection; a young handshake only when none is there (cut
-            # first, each newcomer of a burst cut off the one before it, while idle
-            # connections could make room)
-            if full and not (
-                self._cut_off_oldest_handshake(min_age=_EVICT_AFTER)
-                or (
-                    self._handshakes_from(group) >= _OWN_HANDSHAKES_FIRST
-                    and self._cut_off_oldest_handshake(group=group)
-                )
-                or self._evict_idle_inbound()
-                or self._cut_off_oldest_handshake()
+            # host makes room among its own after a few; cutting its own at once had
+            # honest peers of one host, a NAT or loopback, cut each other off); then an
+            # idle connection once the handshake completes; a young handshake only when
+            # none is there (cut first, each newcomer of a burst cut off the one before
+            # it, while idle connections could make room)
+            if self._cut_off_oldest_handshake(min_age=_EVICT_AFTER) or (
+                self._handshakes_from(group) >= _OWN_HANDSHAKES_FIRST
+                and self._cut_off_oldest_handshake(group=group)
             ):
+                pass
+            elif self._can_defer(None) or self._cut_off_oldest_deferred(None):
+                deferred = (None,)
+            elif not (self._evict_idle_inbound() or self._cut_off_oldest_handshake()):
                 logger.debug("%r: refusing %s: %d connections", self, host, self.max_connections)
                 await turn_away(raw)
                 return
         self._per_host[group] += 1
         handshake = trio.CancelScope(deadline=trio.current_time() + config.handshake_timeout)
         self._handshakes[handshake] = (host, trio.current_time())
+        if deferred is not None:
+            self._deferred[handshake] = deferred[0]
         try:
             try:
                 with handshake:
@@ -627,19 +653,66 @@ class RpcHost:
                     )
             finally:
                 self._handshakes.pop(handshake, None)
+                self._deferred.pop(handshake, None)
             if handshake.cancelled_caught:  # too slow, or cut off to make room
                 logger.debug("%r: handshake with %s cut off", self, host)
                 return
             if secure.remote_peer_id == self.peer_id:
                 await secure.aclose()
                 return
-            await self._serve_connection(secure, secure.remote_peer_id, group=group)
+            await self._serve_connection(
+                secure, secure.remote_peer_id, group=group, busy=not self._make_room(group)
+            )
         except (*_CONNECTION_ERRORS, trio.TooSlowError) as exc:
             logger.debug("%r: inbound connection from %s failed: %r", self, host, exc)
         finally:
             self._per_host[group] -= 1
             if not self._per_host[group]:
                 del self._per_host[group]
+
+    def _can_defer(self, group: str | None) -> bool:
+        """Whether a newcomer at a full node (at ``group``'s limit, when given) may go on
+        with its handshake and take an idle connection's slot once it completes: fewer
+        such newcomers are in progress than the cap (``_DEFERRED_EVICTIONS``, or
+        ``_OWN_HANDSHAKES_FIRST`` for one host) and than the idle connections there."""
+        if len(self._deferred) >= _DEFERRED_EVICTIONS:  # (bounds the files held over the limit)
+            return False
+        if group is None:
+            waiting, cap = len(self._deferred), _DEFERRED_EVICTIONS
+        else:
+            waiting = sum(scope == group for scope in self._deferred.values())
+            cap = _OWN_HANDSHAKES_FIRST
+        return waiting < cap and len(self._idle_inbound(group)) > waiting
+
+    def _cut_off_oldest_deferred(self, group: str | None) -> bool:
+        """Cut off the oldest handshake waiting for an idle connection's slot (of
+        ``group``'s, when given) when as many wait as the cap allows (see
+        :meth:`_can_defer`): the newcomer then waits in its place. False otherwise."""
+        waiting = [h for h, scope in self._deferred.items() if group is None or scope == group]
+        cap = _DEFERRED_EVICTIONS if group is None else _OWN_HANDSHAKES_FIRST
+        if len(waiting) < cap:
+            return False
+        handshake = waiting[0]  # oldest first
+        logger.debug("%r: all slots taken, cutting off a handshake that waited for one", self)
+        del self._handshakes[handshake]
+        del self._deferred[handshake]
+        handshake.cancel()
+        return True
+
+    def _make_room(self, group: str) -> bool:
+        """Whether an inbound connection from ``group`` whose handshake just completed may
+        stay: there is a slot for it among the established ones (per host and in all,
+        those closing not counted), or an idle inbound connection closes to give it one."""
+        limit = self.config.max_connections_per_ip
+        mine = self._inbound.get(group, [])
+        crowded = len(mine) >= limit and sum(not c.closing for c in mine) >= limit
+        if crowded and not self._evict_idle_inbound(group):
+            return False
+        if len(self._connections) >= self.max_connections:
+            live = sum(not c.closing for c in self._connections)
+            if live >= self.max_connections and not self._evict_idle_inbound():
+                return False
+        return True
 
     def _handshakes_from(self, group: str) -> int:
         """Handshakes in progress from remote host ``group``."""
@@ -709,17 +782,21 @@ class RpcHost:
         closing already, no call in flight either way, quiet for ``_EVICT_AFTER`` seconds
         at least (a flood of new connections must not evict each other at once). None
         when none is idle."""
+        return min(self._idle_inbound(group), key=lambda c: c.last_activity, default=None)
+
+    def _idle_inbound(self, group: str | None = None) -> list[RpcConnection]:
+        """The inbound connections (from ``group`` only, when given) idle enough to be
+        closed for a newcomer (see :meth:`_idlest_inbound`)."""
         if group is None:
             inbound = [c for c, initiator in self._connections.items() if initiator != self.peer_id]
         else:
             inbound = self._inbound.get(group, [])
         now = trio.current_time()
-        idle = [
+        return [
             c
             for c in inbound
             if not c.closing and not c.num_inflight and now - c.last_activity >= _EVICT_AFTER
         ]
-        return min(idle, key=lambda c: c.last_activity, default=None)
 
 
 class _RetriedOnce:

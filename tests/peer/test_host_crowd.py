@@ -362,12 +362,13 @@ async def test_a_burst_of_newcomers_to_a_full_node_closes_idle_connections_for_t
             assert server.num_connections == 8
 
 
-async def test_a_burst_of_silent_connections_from_one_host_closes_one_idle_connection(
+async def test_a_burst_of_silent_connections_from_one_host_closes_no_idle_connection(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     """Closing an idle connection for each newcomer let 12 silent connections from one
-    host clear all 12 honest idle ones (a review); once its host has 4 handshakes in
-    progress, a newcomer's own host's oldest goes first: the burst costs the honest ones 4."""
+    host clear all 12 honest idle ones (a review); once its host had 4 handshakes in
+    progress, a newcomer's own host's oldest went first: the burst cost the honest ones 4.
+    Now a newcomer takes an idle connection's slot only once its handshake completes."""
     net = MemoryNetwork(latency=0.02)
     with trio.fail_after(120):
         async with AsyncExitStack() as stack:
@@ -377,6 +378,68 @@ async def test_a_burst_of_silent_connections_from_one_host_closes_one_idle_conne
                 silent.append(await net.interface("attacker").connect("s", 1))
                 await trio.sleep(0.005)
             await trio.sleep(0.5)
-            assert server.num_connections >= 8
+            assert server.num_connections == 12
+            assert all(not c.closing for c in server._connections)
             for stream in silent:
                 await stream.aclose()
+
+
+async def test_silent_connections_from_many_hosts_close_no_idle_connection(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Twelve hosts each open one connection to a full node and send nothing: each closed
+    an honest idle connection for itself (a review). Now a newcomer at a full node goes on
+    with its handshake and takes an idle connection's slot only once it completes: the
+    silent ones close none, and time out or make room for each other."""
+    net = MemoryNetwork(latency=0.02)
+    with trio.fail_after(120):
+        async with AsyncExitStack() as stack:
+            server = await full_node(stack, net, 12)
+            silent = []
+            for i in range(12):
+                silent.append(await net.interface(f"attacker{i}").connect("s", 1))
+                await trio.sleep(0.005)
+            await trio.sleep(0.5)
+            assert server.num_connections == 12
+            assert all(not c.closing for c in server._connections)
+            for stream in silent:
+                await stream.aclose()
+
+
+async def test_a_newcomer_whose_promised_slot_got_busy_is_told_busy(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A full node (one slot) lets a newcomer go on with its handshake while the one
+    connection is idle; that connection makes a call before the handshake completes, so
+    no slot is left: the newcomer's connection closes after a ``bye``, its call goes again
+    on a fresh one and is refused busy, and the busy connection keeps its call."""
+    with trio.fail_after(120):
+        async with _server_and_clients(HostConfig(max_connections=1)) as (net, server, stack):
+            (holder,) = await _clients(net, stack, X, 0, 1)
+            (newcomer,) = await _clients(net, stack, Y, 1, 1)
+            await holder.call(server.address, "ping")
+            await trio.sleep(2)  # idle
+            outcome: list[object] = []
+
+            async def newcomer_call() -> None:
+                try:
+                    await newcomer.call(server.address, "ping")
+                    outcome.append("served")
+                except PeerBusyError:
+                    outcome.append("busy")
+
+            async def hold() -> None:
+                outcome.append((await holder.call(server.address, "hold")).body)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(newcomer_call)
+                await trio.sleep(0.0015)  # the newcomer's first message is in
+                assert len(server.host._deferred) == 1
+                nursery.start_soon(hold)
+                await trio.sleep(1)
+                assert outcome == ["busy"]
+                assert server.holding == 1
+                server.release.set()
+            assert outcome == ["busy", {}]
+            assert server.host.num_connections == 1
+            assert _connected(server, [holder, newcomer]) == [True, False]
