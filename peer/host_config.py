@@ -52,9 +52,10 @@ class HostConfig:
     silence_timeout: float = 10.0
     """A connection on which calls that waited a second or more went unanswered, with
     nothing at all from the peer since the first of them was sent, for this long, is
-    closed (the DHT then pings the peer over a fresh dial): a NAT or middlebox that drops
-    a connection loses what is written without a reset, and the kernel keeps retrying
-    for about 15 minutes, every call meanwhile timing out."""
+    probed (a request every live peer answers at once) and closed when nothing comes
+    within half this long more (the DHT then pings the peer over a fresh dial): a NAT or
+    middlebox that drops a connection loses what is written without a reset, and the
+    kernel keeps retrying for about 15 minutes, every call meanwhile timing out."""
     dial_timeout: float = 10.0
     """Connect plus handshake, for outbound connections."""
     receive_budget: int = 256 << 20

@@ -101,6 +101,9 @@ _WRITE_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
 _PEER_SILENCE = 10.0
 """The silence a peer may take for a dead connection (HostConfig.silence_timeout's
 default): a reader paused for a stream's consumer shows it is alive more often."""
+_PROBE_METHOD = "swarm.silence_probe"
+"""A method no peer serves: every peer answers it at once (``unknown_method``), which shows
+it alive before a connection is taken for silent (see ``RpcConnection._probe``)."""
 _BYE_GRACE = 5.0
 """Seconds a connection closed for idleness keeps its end open after its ``bye``, for the
 peer to close first (and the most its watchdog waits for that, the bye's write included)."""
@@ -162,6 +165,8 @@ class RpcConnection:
         self.idle_timeout = idle_timeout
         self.silence_timeout = silence_timeout
         self._unanswered_since: float | None = None  # see _note_unanswered
+        self._probing = False  # see _probe
+        self._tasks: trio.Nursery | None = None  # the connection's own, while it runs
         self._handlers = handlers
         self._outbox = Outbox(capacity=max(8, max_inflight_requests // 4))
         # the peer serves at least the protocol's 128 at once, perhaps no more
@@ -197,6 +202,7 @@ class RpcConnection:
         try:
             with self._scope:
                 async with trio.open_nursery() as nursery:
+                    self._tasks = nursery
                     nursery.start_soon(self._guard, self._read_loop, nursery)
                     nursery.start_soon(self._guard, self._write_loop)
                     if math.isfinite(self.idle_timeout):
@@ -368,11 +374,12 @@ class RpcConnection:
         """A call sent at ``sent_at`` ended unanswered (its deadline passed, or it was
         cancelled). When calls that waited long enough to expect an answer (a second, or
         a quarter of ``silence_timeout``) got none, and nothing at all came from the peer
-        since the first of them was sent, for ``silence_timeout``, the connection is taken
-        for dead and closed: a NAT or middlebox that dropped it loses what we write without
-        a reset, and every call would time out on it for ~15 minutes (an averaging member
-        was alone round after round). A call cancelled sooner (a hedged lookup's) proves
-        nothing: the peer does not answer what we cancelled."""
+        since the first of them was sent, for ``silence_timeout``, the peer is probed
+        (:meth:`_probe`) and the connection closed unless it answers: a NAT or middlebox
+        that dropped it loses what we write without a reset, and every call would time
+        out on it for ~15 minutes (an averaging member was alone round after round). A
+        call cancelled sooner (a hedged lookup's) proves nothing: the peer does not answer
+        what we cancelled."""
         if self.not_reading:
             return  # we are not reading (a stream's consumer lags): the peer may be talking
         now, received = trio.current_time(), self.last_received
@@ -383,11 +390,34 @@ class RpcConnection:
         if self._unanswered_since is None:
             self._unanswered_since = sent_at
         silent = now - self._unanswered_since
-        if silent >= self.silence_timeout:
-            logger.debug("%r: nothing from the peer for %.1f s while calls waited", self, silent)
-            self.abort(
-                PeerUnavailableError(f"nothing from the peer for {silent:.1f} s while calls waited")
-            )
+        if silent >= self.silence_timeout and not self._probing and self._tasks is not None:
+            self._probing = True
+            self._tasks.start_soon(self._guard, self._probe)
+
+    async def _probe(self) -> None:
+        """Ask the peer for a method no peer serves, which a live one answers at once
+        (``unknown_method``), and close the connection when nothing at all comes from it
+        within half ``silence_timeout`` (more than the pace of a paused reader's
+        keepalives): one long call whose handler outlived its deadline on a live peer with
+        nothing else to say looked just like a dead link, and the close failed every other
+        call on the connection (a review)."""
+        asked = trio.current_time()
+        try:
+            with trio.move_on_after(self.silence_timeout / 2):
+                with contextlib.suppress(RemoteError):
+                    await self.call(_PROBE_METHOD)
+        except PeerUnavailableError:
+            return  # closed meanwhile
+        finally:
+            self._probing = False
+        if self.closed or self.last_received > asked or self.not_reading:
+            return
+        since = asked if self._unanswered_since is None else self._unanswered_since
+        silent = trio.current_time() - since
+        logger.debug("%r: nothing from the peer for %.1f s while calls waited", self, silent)
+        self.abort(
+            PeerUnavailableError(f"nothing from the peer for {silent:.1f} s while calls waited")
+        )
 
     def stream(
         self, method: str, body: dict[str, Any] | None = None, payload: bytes | memoryview = b""
@@ -774,14 +804,26 @@ class RpcConnection:
         unary = frame.method not in self._handlers.streaming  # its error may skip the queue
         try:
             direct = None
-            with incoming.scope:  # the caller's deadline, and its cancel
-                try:
-                    last = await self._answer(request, request_id)
-                except Exception as exc:
-                    code, message = self._error_reply(frame.method, exc)
-                    last = self._encode(_error_frame(request_id, code, message)), unary
-                if last is not None:
-                    direct = await self._queue_or_claim(*last)
+            try:
+                with incoming.scope:  # the caller's deadline, and its cancel
+                    try:
+                        last = await self._answer(request, request_id)
+                    except Exception as exc:
+                        code, message = self._error_reply(frame.method, exc)
+                        last = self._encode(_error_frame(request_id, code, message)), unary
+                    if last is not None:
+                        direct = await self._queue_or_claim(*last)
+            except PeerUnavailableError:
+                raise
+            except Exception:
+                # A handler's nursery whose child failed as the scope was cancelled raises
+                # a group of the error and the Cancelled, which the scope's exit leaves as a
+                # group of the error alone: it ends this request, never the connection or
+                # the host (a review: it took the whole node down).
+                logger.debug(
+                    "%r: handler %s failed as it was cancelled", self, frame.method, exc_info=True
+                )
+                direct = None
             if direct is not None:
                 # Outside the scope: the caller's cancel (or deadline) coming now must not
                 # cut the write off midway, which would end the connection for every call.

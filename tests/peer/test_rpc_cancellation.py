@@ -364,3 +364,45 @@ async def test_a_cancel_reaches_the_peer_before_a_request_sent_in_the_slot_it_fr
                 assert not connection.closed
                 for scope in scopes:
                     scope.cancel()
+
+
+async def _fails_as_cancelled() -> None:
+    try:
+        await trio.sleep_forever()
+    finally:
+        raise ValueError("cleanup failed")  # the point: it fails when cancelled
+
+
+async def nursery_handler(request: Request) -> Reply:
+    """A handler whose nursery child fails as the handler is cancelled."""
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(_fails_as_cancelled)
+        await trio.sleep_forever()
+    raise AssertionError("unreachable")
+
+
+@pytest.mark.parametrize("by_caller", [False, True], ids=["deadline", "cancel"])
+async def test_a_handler_that_fails_as_it_is_cancelled_ends_only_its_request(
+    autojump_clock: trio.testing.MockClock, by_caller: bool
+) -> None:
+    """The error of a handler's nursery child, raised as the caller's deadline (or cancel)
+    cancels the handler, came out of the request's cancel scope as a group that nothing
+    caught: it took the whole host down (a review). It now ends only that request."""
+    net = MemoryNetwork(latency=LATENCY)
+    async with two_hosts(net) as (a, b, address):
+        b.register("work", nursery_handler)
+        b.register("echo", echo)
+        with trio.fail_after(60):
+            if by_caller:
+                async with trio.open_nursery() as nursery:
+                    nursery.start_soon(a.call, address, "work")
+                    await trio.sleep(1)
+                    nursery.cancel_scope.cancel()
+            else:
+                with pytest.raises(trio.TooSlowError):
+                    with trio.fail_after(1):
+                        await a.call(address, "work")
+            await trio.sleep(1)
+            assert (await a.call(address, "echo", {"x": 1})).body == {"x": 1}
+            assert not b.stopped
+            assert_settled(a, b)

@@ -1,8 +1,9 @@
 """A connection that goes silent (a NAT or middlebox dropped it: what is written is lost,
 nobody gets a reset) is closed once calls that waited went unanswered with nothing at all
-from the peer for ``HostConfig.silence_timeout``; the next call dials anew. A peer that
-is slow to answer one method but talks otherwise keeps its connection, and so does one
-whose calls were cancelled early (a hedged lookup's: the peer never answers those)."""
+from the peer for ``HostConfig.silence_timeout`` and a probe that every live peer answers
+at once goes unanswered for half of it more; the next call dials anew. A peer that is slow
+to answer one method but talks otherwise keeps its connection, and so does one whose calls
+were cancelled early (a hedged lookup's: the peer never answers those)."""
 
 from __future__ import annotations
 
@@ -33,6 +34,11 @@ async def _echo(request: Request) -> Reply:
     return Reply(request.body)
 
 
+async def _slow(request: Request) -> Reply:
+    await trio.sleep(request.body["delay"])
+    return Reply(request.body)
+
+
 @asynccontextmanager
 async def _pair() -> AsyncIterator[tuple[MemoryNetwork, RpcHost, Address]]:
     """Host b, and the address of host a, whose ``never`` method does not answer and whose
@@ -45,6 +51,7 @@ async def _pair() -> AsyncIterator[tuple[MemoryNetwork, RpcHost, Address]]:
     ):
         a.register("never", _never)
         a.register("echo", _echo)
+        a.register("slow", _slow)
         a.register_stream("echo_items", _echo_items)
         address = a.listen_address
         assert address is not None
@@ -69,8 +76,10 @@ async def test_calls_unanswered_through_the_silence_timeout_close_the_connection
                 await _unanswered(b, address, 3.0, "echo")
                 await trio.sleep(1.0)
             assert b.connections_opened == opened and b.num_connections == 1
-            await _unanswered(b, address, 3.0, "echo")  # 11 s of silence: closed
-            await trio.sleep(0.1)
+            await _unanswered(b, address, 3.0, "echo")  # 11 s of silence: a probe
+            await trio.sleep(4.9)
+            assert b.num_connections == 1
+            await trio.sleep(0.2)  # the probe unanswered for 5 s: closed
             assert b.num_connections == 0
             net.unfreeze_host("a")
             assert (await b.call(address, "echo", {"x": 2})).body == {"x": 2}
@@ -102,8 +111,8 @@ async def test_streams_unanswered_through_the_silence_timeout_close_the_connecti
                 await _stream_unanswered(b, address, 3.0)
                 await trio.sleep(1.0)
             assert b.num_connections == 1
-            await _stream_unanswered(b, address, 3.0)  # 11 s of silence: closed
-            await trio.sleep(0.1)
+            await _stream_unanswered(b, address, 3.0)  # 11 s of silence: a probe
+            await trio.sleep(5.1)
             assert b.num_connections == 0
             net.unfreeze_host("a")
             assert (await b.call(address, "echo", {"x": 2})).body == {"x": 2}
@@ -173,3 +182,27 @@ async def test_the_streaming_peer_does_not_take_a_paused_consumer_for_silent(
         assert got == list(range(100))
         assert not outcomes  # (unanswered: one connection, read in order)
         assert a.num_connections == b.num_connections == 1
+
+
+async def test_one_long_call_past_its_deadline_on_a_live_peer_keeps_the_connection(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A call with a 12 s deadline to a handler that takes longer, on a live peer with
+    nothing else to say: its 12 s unanswered looked like a dead link, and the close failed
+    another call the peer was about to answer (a review). The probe shows the peer alive."""
+    with trio.fail_after(120):
+        async with _pair() as (_net, b, address):
+            await b.call(address, "echo", {"x": 1})
+            opened = b.connections_opened
+            other: list[object] = []
+
+            async def soon_answered() -> None:
+                await trio.sleep(0.5)
+                with trio.fail_after(20):
+                    other.append((await b.call(address, "slow", {"delay": 13.0})).body)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(soon_answered)
+                await _unanswered(b, address, 12.0)
+            assert other == [{"delay": 13.0}]
+            assert b.connections_opened == opened and b.num_connections == 1
