@@ -162,6 +162,7 @@ class RpcHost:
         self._by_peer: dict[PeerID, RpcConnection] = {}
         self._by_address: dict[str, PeerID] = {}
         self._dials: dict[tuple[str, PeerID | None], _Dial] = {}
+        self._dialing: dict[str, _Dial] = {}  # HOST:PORT -> the oldest dial to it in flight
         # inbound handshakes in progress, oldest first -> (remote host, trio time begun)
         self._handshakes: dict[trio.CancelScope, tuple[str, float]] = {}
         # those of them let in at a full node (or at their host's limit), each to take an
@@ -436,8 +437,17 @@ class RpcHost:
             return connection
         key = (address.hostport, address.peer_id)
         dial = self._dials.get(key)
+        if dial is None and (other := self._dialing.get(address.hostport)) is not None:
+            # The same HOST:PORT dialed meanwhile under its other name (with or without
+            # the PeerID): its connection serves when it proves the PeerID we name, if any
+            # (two spellings of one peer made two dials, two connections; a review).
+            await other.done.wait()
+            if (connection := self._pooled(address)) is not None:
+                return connection
+            dial = self._dials.get(key)
         if dial is None:
             dial = self._dials[key] = _Dial()
+            self._dialing.setdefault(address.hostport, dial)
             self._nursery.start_soon(self._dial, address, key, dial)
         await dial.done.wait()
         if dial.connection is None:
@@ -500,6 +510,8 @@ class RpcHost:
             dial.error = exc
         finally:
             del self._dials[key]
+            if self._dialing.get(key[0]) is dial:
+                del self._dialing[key[0]]
             dial.done.set()
 
     async def _cut_off_stalled_readers(self) -> None:

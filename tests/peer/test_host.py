@@ -88,6 +88,38 @@ async def test_concurrent_calls_share_one_dial(autojump_clock: trio.testing.Mock
         assert trio.current_time() == pytest.approx(0.4)  # 3 handshake legs + 1 reply
 
 
+@pytest.mark.parametrize("wrong_id", [False, True], ids=["same-peer", "another-peer-named"])
+async def test_concurrent_calls_naming_a_peer_two_ways_share_one_dial(
+    autojump_clock: trio.testing.MockClock, wrong_id: bool
+) -> None:
+    """Calls naming one peer ``HOST:PORT`` and ``PEERID@HOST:PORT`` at once made two dials
+    and two connections (a review). The later spelling now waits for the dial in flight
+    and uses its connection when it proves the PeerID named; a call naming another
+    PeerID there dials for itself, and fails as before."""
+    net = MemoryNetwork(latency=0.1)
+    async with (
+        open_rpc_host(ID_A, listen=Address("a", 1), network=net.interface("a")) as a,
+        open_rpc_host(ID_B, listen=None, network=net.interface("b")) as b,
+    ):
+        a.register("whoami", whoami)
+        named = Address("a", 1, ID_C.peer_id if wrong_id else ID_A.peer_id)
+        failed: list[str] = []
+
+        async def call(address: Address) -> None:
+            try:
+                await b.call(address, "whoami")
+            except PeerUnavailableError:
+                failed.append(str(address))
+
+        with trio.fail_after(5):
+            async with trio.open_nursery() as nursery:
+                for i in range(10):
+                    nursery.start_soon(call, named if i % 2 else Address("a", 1))
+        assert len(failed) == (5 if wrong_id else 0)
+        assert net.connections_opened == (2 if wrong_id else 1)
+        assert b.num_connections == 1
+
+
 async def test_inbound_connection_serves_outbound_calls(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
