@@ -14,6 +14,11 @@ Learning rules (the routing table's only inputs):
   proved its id (or the table holds it at that address already): a reply over a pooled
   connection the peer opened proves its id, not the address a third party named for it.
   Nodes named *inside* replies are only lookup candidates until they answer.
+- A request without a sender says its peer is a client now: it leaves the table (it may
+  have restarted in client mode with the same identity, its old address dead; our calls to
+  that address went over its client's connection, and its answers kept the dead address
+  listed everywhere). Replies do not bring it back: only a request naming an address, or a
+  dial of its own to the address (tried for a reply at most once a ``CLIENT_RECHECK``).
 - A failed call (timeout, refused, malformed or error reply) counts against the node,
   except a timeout (or a lookup giving up on it) while the node's bytes keep arriving (a
   connection with it received some within the last ``request_timeout``): its link is
@@ -22,6 +27,10 @@ Learning rules (the routing table's only inputs):
   bytes; counting those timeouts emptied its table after every failed round. Such a ping
   keeps the contact but does not refresh it; and only while the contact was seen (it
   answered or asked us something) within ``refresh_interval``.
+- A call that could not reach the node (a refused dial, or a connection that broke under
+  it: a NAT that forgot its mapping) counts as a failure; where a replacement waits, the
+  node is pinged at once instead of evicted, and the ping, on a fresh connection, evicts
+  it when it fails too (a reset alone evicted live contacts, for good).
 - A node that let a request time out, or that a lookup gave up on, with nothing heard
   from it since, is *silent* for ``SILENT_FOR`` seconds (or until its bytes come again):
   lookups still ask it when replies name it, but do not wait for it (others' tables keep
@@ -92,6 +101,11 @@ SILENT_FOR = 60.0
 """Seconds a node that went silent is asked without being waited for (see the module's
 rules); then a lookup waits its hedge delay for it again, once."""
 _MAX_SILENT = 4096
+CLIENT_RECHECK = 60.0
+"""Seconds between dials of the old address of a peer that asked us as a client, tried
+when it answers a call there (see the module's rules): it may listen there again."""
+_CLIENTS_REMEMBERED = 4096
+_RECHECK_SOURCE = "(a client's old address)"  # proofs of those wait for each other
 
 _M = TypeVar("_M", bound=Message)
 _UNPARSABLE_REMEMBERED = 1024  # senders of unparsable requests, each named once
@@ -145,6 +159,9 @@ class DHTProtocol:
         self._unreachable: set[PeerID] = set()
         self._unparsable: set[PeerID] = set()  # senders of requests we could not parse
         self._silent: dict[PeerID, float] = {}  # since when (trio time): see is_silent
+        # peers whose requests said they are clients (no sender), until one names an
+        # address or a dial proves it -> when they last asked, or their address was dialed
+        self._clients: dict[PeerID, float] = {}
         # known contacts that looked up their own id (a restart with the same identity),
         # by when we last handed keys over to them for it: see _on_find_node
         self._rejoined_at: dict[PeerID, float] = {}
@@ -163,6 +180,8 @@ class DHTProtocol:
         """``node`` proved its id to us and is reachable at its address."""
         if node.address is None:
             return
+        if self._clients:
+            self._clients.pop(node.peer_id, None)  # it listens again
         previous = self.table.get(node.peer_id)
         to_ping = self.table.update(node, self._now())
         if node.peer_id in self.table:
@@ -239,8 +258,9 @@ class DHTProtocol:
         self.on_new_contact(known, True)
 
     def check_alive(self, peer_id: PeerID) -> None:
-        """``peer_id``'s side ended our connection: ping it (if it is a contact), so that a
-        peer that left leaves the table now, not when a request to it next fails."""
+        """``peer_id``'s side ended our connection, or a call could not reach it: ping it
+        (if it is a contact), so that a peer that left leaves the table now, and one whose
+        connection was merely reset stays."""
         node = self.table.get(peer_id)
         if node is None:
             return
@@ -250,6 +270,7 @@ class DHTProtocol:
     def _learn_sender(self, request: Request, sender: str | None) -> None:
         peer_id = request.peer_id
         if sender is None:
+            self._note_client(peer_id)
             return
         address = self._address_of(sender, peer_id)
         if not address.dialable:
@@ -259,16 +280,42 @@ class DHTProtocol:
             self.learn(known)
         elif address.host == request.remote_host or self.host.dialed(address):
             self.learn(NodeInfo(peer_id, sender))
-        elif peer_id not in self._proving:
-            source = host_group(request.remote_host)
-            if source in self._proving_from:
-                return  # that host's claim waits first: it will ask again
-            try:
-                self._proof_send.send_nowait((NodeInfo(peer_id, sender), source))
-            except trio.WouldBlock:
-                return  # busy: it will ask again, or be named by others and answer
-            self._proving.add(peer_id)
-            self._proving_from.add(source)
+        else:
+            self._queue_proof(NodeInfo(peer_id, sender), host_group(request.remote_host))
+
+    def _queue_proof(self, node: NodeInfo, source: str) -> None:
+        """Have a prover dial ``node`` at its address and learn it if the handshake there
+        proves its id; one claim at a time per ``source`` (a requesting host's group)."""
+        if node.peer_id in self._proving or source in self._proving_from:
+            return  # that claim, or that source's, waits first: it will come again
+        try:
+            self._proof_send.send_nowait((node, source))
+        except trio.WouldBlock:
+            return  # busy: it will ask again, or be named by others and answer
+        self._proving.add(node.peer_id)
+        self._proving_from.add(source)
+
+    def _note_client(self, peer_id: PeerID) -> None:
+        """``peer_id`` asked us something as a client (see the module's rules): it leaves
+        the table, and replies do not bring it back."""
+        if peer_id not in self._clients:
+            if len(self._clients) >= _CLIENTS_REMEMBERED:
+                self._clients.clear()
+            node = self.table.get(peer_id)
+            self.table.remove(peer_id)  # (a replacement too)
+            if node is not None:
+                self.note_left(node, "it asks as a client now")
+        self._clients[peer_id] = self._now()
+
+    def _recheck_client(self, node: NodeInfo) -> None:
+        """``node``, a peer that asked us as a client, answered a call at its address
+        (over its client's connection, most likely): dial that address on a connection of
+        its own, at most once a ``CLIENT_RECHECK``, in case it listens there again."""
+        now = self._now()
+        if now - self._clients[node.peer_id] < CLIENT_RECHECK:
+            return
+        self._clients[node.peer_id] = now
+        self._queue_proof(node, _RECHECK_SOURCE)
 
     async def _prove_senders(
         self, receive: trio.MemoryReceiveChannel[tuple[NodeInfo, str]]
@@ -467,6 +514,7 @@ class DHTProtocol:
             self.calls_sent += 1
             maybe_alive = True  # a timeout, or an error answer: slow or busy, not dead
             turned_away = False
+            unreachable = False
             with trio.move_on_after(self.config.request_timeout) as deadline:
                 try:
                     reply = await self.host.call(address, method, request.to_body())
@@ -481,9 +529,12 @@ class DHTProtocol:
                     # up, but at its limits for our address (which a neighbour behind our
                     # NAT may have used up by flooding it): no sign that it left
                     turned_away = isinstance(exc, PeerBusyError)
+                    unreachable = isinstance(exc, PeerUnavailableError) and not turned_away
                 else:
                     self._unreachable.discard(node.peer_id)
-                    if self._address_proven(node, address):
+                    if node.peer_id in self._clients:
+                        self._recheck_client(node)
+                    elif self._address_proven(node, address):
                         self.learn(node)
                     return response, False
         finally:
@@ -496,7 +547,9 @@ class DHTProtocol:
         if deadline.cancelled_caught:
             self.mark_silent(node)
         if not turned_away or self._busy_too_long(node):
-            self.record_failure(node, timed_out=maybe_alive or turned_away)
+            # (a failed ping decides: it is not pinged again)
+            unreachable = unreachable and method != PingRequest.METHOD
+            self.record_failure(node, timed_out=maybe_alive or turned_away, unreachable=unreachable)
         return None, False
 
     def _busy_too_long(self, node: NodeInfo) -> bool:
@@ -554,11 +607,13 @@ class DHTProtocol:
             return False
         return True
 
-    def record_failure(self, node: NodeInfo, *, timed_out: bool) -> None:
+    def record_failure(self, node: NodeInfo, *, timed_out: bool, unreachable: bool = False) -> None:
         """Count a failed or timed-out request against ``node`` (see the routing table's
-        rules); logs when that takes it out of the table."""
+        rules; ``unreachable``: a refused dial or a broken connection, then pinged where a
+        replacement waits); logs when that takes it out of the table."""
         known = node.peer_id in self.table
-        self.table.record_failure(node.peer_id, timed_out=timed_out)
+        if self.table.record_failure(node.peer_id, timed_out=timed_out, unreachable=unreachable):
+            self.check_alive(node.peer_id)
         if known and node.peer_id not in self.table:
             # timed out, or answered with an error (slow, busy, or another version)
             why = "requests timed out or were refused" if timed_out else "a request failed"

@@ -20,7 +20,10 @@ Rules:
 - Failed RPC -> the contact leaves at once when a replacement waits, otherwise after
   ``max_failures`` failures in a row (a partition should not empty a table). A timeout
   proves less (the peer may be merely slow or overloaded): timeouts only count toward
-  ``max_failures``.
+  ``max_failures``. So does a call that could not reach the contact (a refused dial, or
+  a connection that broke under it: a NAT resetting it says nothing of the peer), but
+  when a replacement waits the contact is returned to be pinged, and leaves if that
+  ping fails.
 - Contacts not heard from for a while are listed by :meth:`RoutingTable.quiet_contacts`
   (the DHT's refresh pings them and removes those that do not answer: a peer that went
   quiet before it died is met by no failed request in a bucket other contacts keep busy).
@@ -235,18 +238,31 @@ class RoutingTable:
         else:
             self._evict(index, peer_id)
 
-    def record_failure(self, peer_id: PeerID, *, timed_out: bool = False) -> None:
-        """A request to ``peer_id`` failed: refused, broken or malformed, or ``timed_out``."""
+    def record_failure(
+        self, peer_id: PeerID, *, timed_out: bool = False, unreachable: bool = False
+    ) -> bool:
+        """A request to ``peer_id`` failed: refused, broken or malformed, or ``timed_out``,
+        or ``unreachable`` (a refused dial, or the connection broke under it).
+
+        Returns:
+            True when the contact stays but should be pinged now (it was ``unreachable``
+            and a replacement waits): ping it, then call :meth:`ping_result`.
+        """
         index = self._bucket_of(peer_id)
         bucket = self._buckets[index]
         if not timed_out:
             bucket.replacements.pop(peer_id, None)
         contact = bucket.contacts.get(peer_id)
         if contact is None:
-            return
+            return False
         contact.failures += 1
-        if contact.failures >= self.max_failures or (bucket.replacements and not timed_out):
+        if contact.failures >= self.max_failures:
             self._evict(index, peer_id)
+        elif bucket.replacements and not timed_out:
+            if unreachable:
+                return True  # a ping decides (see the module's rules)
+            self._evict(index, peer_id)
+        return False
 
     def remove(self, peer_id: PeerID) -> None:
         """Forget ``peer_id`` (contact or replacement); a replacement takes its place."""

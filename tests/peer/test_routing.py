@@ -150,6 +150,21 @@ def test_timeouts_only_count_toward_max_failures() -> None:
     assert a.peer_id not in table and b.peer_id in table
 
 
+def test_an_unreachable_contact_is_pinged_before_a_replacement_takes_its_place() -> None:
+    """A refused dial or a broken connection (a NAT's reset) says nothing of the peer: with
+    a replacement waiting, the contact is handed back to be pinged, not evicted; a failed
+    ping evicts it. Without a replacement it counts toward ``max_failures`` as before."""
+    table = RoutingTable(LOCAL, k=1, max_failures=3)
+    a, b = in_bucket(7, 0), in_bucket(7, 1)
+    table.update(a, now=0.0)
+    assert table.record_failure(a.peer_id, unreachable=True) is False  # none waits
+    table.update(b, now=0.0)  # waits in the replacement cache
+    assert table.record_failure(a.peer_id, unreachable=True) is True
+    assert a.peer_id in table and table.replacement_nodes(7) == [b]
+    table.ping_result(a.peer_id, alive=False, now=1.0)
+    assert table.bucket_nodes(7) == [b]
+
+
 def test_client_mode_and_self_never_enter() -> None:
     table = RoutingTable(LOCAL, k=2)
     table.update(NodeInfo(PeerID(bytes(31) + b"\x07"), None), now=0.0)

@@ -1,0 +1,156 @@
+"""What keeps a contact in a routing table: answers at an address it still listens at.
+
+Two reviews: a peer that restarted in client mode with the same identity stayed listed at
+its dead address, its answers over its client's connection taken for answers there; and
+one reset connection evicted a live contact without the promised ping.
+"""
+
+from __future__ import annotations
+
+from contextlib import AsyncExitStack
+from typing import Any
+
+import trio
+import trio.testing
+
+from peer.dht import DHTConfig
+from peer.dht.protocol import CLIENT_RECHECK
+from peer.memnet import MemoryNetwork
+from peer.node import Peer, PeerConfig, open_peer
+from protocol.address import Address
+from protocol.dhtid import DHTID
+from protocol.identity import Identity
+from protocol.messages import NodeInfo
+
+P = Identity.from_seed(b"p" * 32)
+
+
+async def _start(
+    nursery: trio.Nursery, listen: str | None, initial: list[str], **kwargs: Any
+) -> tuple[Peer, trio.CancelScope]:
+    """A peer run in ``nursery`` until the returned scope is cancelled (a process exiting)."""
+
+    async def run(task_status: trio.TaskStatus[tuple[Peer, trio.CancelScope]]) -> None:
+        with trio.CancelScope() as scope:
+            async with open_peer(listen, initial, **kwargs) as peer:
+                task_status.started((peer, scope))
+                await trio.sleep_forever()
+
+    result: tuple[Peer, trio.CancelScope] = await nursery.start(run)
+    return result
+
+
+async def test_a_peer_back_in_client_mode_with_the_same_identity_leaves_every_table(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """P listened at X and was dialed there; it restarts at once in client mode with the
+    same identity, elsewhere, and keeps reading. Our calls to "P at X" (the pings of a
+    contact that left) went over its client's connection and answered, and the memory of
+    the old dial at X made each answer proof of X: P was listed at its dead address by
+    every node, for good. Its requests without a sender now take it out, and answers do
+    not bring it back; when it listens at X again, a dial there does."""
+    net = MemoryNetwork(latency=0.01)
+    with trio.fail_after(3600):
+        async with (
+            open_peer("10.0.0.1:1000", network=net.interface("10.0.0.1")) as node,
+            trio.open_nursery() as nursery,
+        ):
+            p, p_scope = await _start(
+                nursery,
+                "10.0.0.5:1000",
+                [node.address],
+                identity=P,
+                network=net.interface("10.0.0.5"),
+            )
+            at_x = NodeInfo(P.peer_id, "10.0.0.5:1000")
+            await node.dht.host.close_connections()
+            assert await node.dht.protocol.ping(at_x)  # dialed at X: proven there
+            assert node.dht.host.dialed(Address.parse(p.address))
+            assert node.dht.table.get(P.peer_id) == at_x
+            p_scope.cancel()  # stops, and at once back as a client, with the same key
+            client, client_scope = await _start(
+                nursery,
+                None,
+                [node.address],
+                client_mode=True,
+                identity=P,
+                network=net.interface("10.0.0.9"),
+            )
+            for _ in range(30):  # reading all along: its connection stays open
+                await client.dht.get("k")
+                assert await node.dht.protocol.ping(at_x)  # answered over that connection
+                await trio.sleep(20)
+                assert P.peer_id not in node.dht.table
+            assert P.peer_id not in [n.peer_id for n in node.dht.table.nodes()]
+            client_scope.cancel()  # and back at X, listening
+            await trio.sleep(CLIENT_RECHECK)
+            at = net.interface("10.0.0.5")
+            await _start(nursery, "10.0.0.5:1000", [], identity=P, network=at)
+            assert await node.dht.protocol.ping(at_x)
+            await trio.sleep(1)  # (the address is dialed on a connection of its own)
+            assert node.dht.table.get(P.peer_id) == at_x
+            nursery.cancel_scope.cancel()
+
+
+def _two_in_one_bucket(owner: Identity, seeds: range) -> tuple[Identity, Identity]:
+    """Two identities whose ids fall in the same bucket of ``owner``'s routing table."""
+    me = DHTID.from_peer_id(owner.peer_id)
+    first: dict[int, Identity] = {}
+    for seed in seeds:
+        identity = Identity.from_seed(seed.to_bytes(32, "big"))
+        index = me.bucket_index(DHTID.from_peer_id(identity.peer_id))
+        if index in first:
+            return first[index], identity
+        first[index] = identity
+    raise AssertionError("no two in one bucket")
+
+
+async def test_a_contact_whose_connection_is_reset_mid_call_stays_when_it_answers_a_ping(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A call to B is in flight when a NAT resets the connection. With a replacement
+    waiting in B's bucket, the failure evicted B at once, no ping asked, and B stayed out
+    while it answered everyone. Now the failure is counted and B pinged: it answers on a
+    fresh connection and keeps its place. A B that is gone (a refused dial) still leaves
+    within a round trip, its replacement taking its place."""
+    net = MemoryNetwork(latency=0.01)
+    owner = Identity.from_seed(b"a" * 32)
+    b_identity, c_identity = _two_in_one_bucket(owner, range(1, 100))
+    config = PeerConfig(dht=DHTConfig(k=1))
+    with trio.fail_after(600):
+        async with AsyncExitStack() as stack:
+            at = net.interface("10.0.0.1")
+            a = await stack.enter_async_context(
+                open_peer("10.0.0.1:1000", identity=owner, config=config, network=at)
+            )
+            b, c = [
+                await stack.enter_async_context(
+                    open_peer(
+                        f"10.0.0.{host}:1000",
+                        [a.address],
+                        identity=identity,
+                        config=config,
+                        network=net.interface(f"10.0.0.{host}"),
+                    )
+                )
+                for host, identity in ((2, b_identity), (3, c_identity))
+            ]
+            index = a.dht.node_id.bucket_index(DHTID.from_peer_id(b.peer_id))
+            b_info = NodeInfo(b.peer_id, "10.0.0.2:1000")
+            assert a.dht.table.bucket_nodes(index) == [b_info]
+            assert [n.peer_id for n in a.dht.table.replacement_nodes(index)] == [c.peer_id]
+            net.slow_host("10.0.0.2", 0.2)  # a call in flight long enough to be cut
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(a.dht.protocol.find_node, b_info, DHTID(12345))
+                await trio.sleep(0.1)
+                assert net.drop_connections("10.0.0.2", "10.0.0.1") == 1
+            net.slow_host("10.0.0.2", 0.0)
+            await trio.sleep(1)  # the ping: a dial and a round trip
+            assert a.dht.table.bucket_nodes(index) == [b_info]
+            await trio.sleep(300)
+            assert a.dht.table.bucket_nodes(index) == [b_info]
+
+            net.kill_host("10.0.0.2")  # gone: the ping's dial is refused
+            assert await a.dht.protocol.find_node(b_info, DHTID(12345)) is None
+            await trio.sleep(0.1)
+            assert [n.peer_id for n in a.dht.table.bucket_nodes(index)] == [c.peer_id]
