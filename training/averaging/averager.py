@@ -527,7 +527,10 @@ class Averager:
                 with contextlib.suppress(NonFiniteError):
                     feedback.sparsify_own(plan.my_part, self.flat.array[start:stop], start)
         # otherwise the reducer loads our part itself once the uploads are under way
-        deadline = min(deadline, t1 + conf.budget)
+        # Our own deadline, not receipt + the leader's budget (its own time left): a leader
+        # whose caller left it 0.02 s cut every member's round to that, where the same
+        # short timeout on any other member cost the others nothing. A leader that leaves
+        # first is then a member that left, as any other (confirmation.py, _lead).
         cutoff = t1 + (deadline - t1) * (1 - self.config.result_share)
         liveness = Liveness(self.node, plan, f"{self._methods}.ping", self.config.stall_timeout / 2)
         service = None

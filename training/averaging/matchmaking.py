@@ -345,7 +345,7 @@ class Matchmaker(Confirmation):
             state.expected = self._expected(state, group)
             state.joined[state.me.peer_id] = state.me
             state.closed.set()
-            return await self._lead(state, deadline, len(declared))
+            return await self._lead(state, group, deadline, len(declared))
         state.closed.set()
         result = await self._join(state, group, deadline, len(declared))
         kin = {d.peer_id for d in declared if d.layout == state.me.layout}

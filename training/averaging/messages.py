@@ -120,7 +120,7 @@ class GroupConfirmation:
     round: int
     members: tuple[Declaration, ...]
     spans: tuple[Span, ...]  # one per non-client member, in member order
-    budget: float  # seconds the all-reduce may take, counted from receipt
+    budget: float  # seconds left of the leader's step, from receipt (members keep their own)
 
     @property
     def reducers(self) -> tuple[Declaration, ...]:

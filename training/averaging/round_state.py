@@ -33,6 +33,7 @@ class RoundState:
     is_leader: bool = False
     order: dict[PeerID, int] = field(default_factory=dict)  # position in the computed group
     expected: set[PeerID] = field(default_factory=set)
+    left: set[PeerID] = field(default_factory=set)  # expected, then pinged: out of the round
     elsewhere: set[PeerID] = field(default_factory=set)  # in another group of our view
     joined: dict[PeerID, Declaration] = field(default_factory=dict)
     waiting: Counter[PeerID] = field(default_factory=Counter)  # join calls still waiting
