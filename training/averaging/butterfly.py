@@ -122,7 +122,8 @@ class Butterfly:
         self, index: int, header: ResultHeader | None, received: bool, note: str = ""
     ) -> PartReport:
         reducer = self.plan.reducers[index].peer_id
-        if header is not None and self.plan.me in header.contributors:
+        counted = header is not None and self.plan.me in header.contributors
+        if counted:
             self.counted.add(index)
         # no result received: nobody's values are in ours (the header's drops still explain)
         contributors = header.contributors if header is not None and received else ()
@@ -139,6 +140,7 @@ class Butterfly:
             received=received,
             weight=header.weight if header is not None and received else 0.0,
             note="" if received else note,
+            counted=counted,
         )
 
     async def _reduce(self, cutoff: float) -> None:

@@ -49,6 +49,10 @@ class PartReport:
     received: bool  # this peer's values in the span are the reducer's result
     weight: float = 0.0  # total (staleness-decayed) weight of the contributors
     note: str = ""  # why the result was not received, when it was not
+    counted: bool = False
+    """The reducer's result header listed this peer among the contributors: its values
+    went into the part's mean, whether or not that result reached this peer (with
+    ``topk``, what it sent for the part is then no longer owed: docs/averaging.md)."""
 
     @property
     def size(self) -> int:
