@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import copy
 import inspect
 import logging
 import os
@@ -38,7 +39,7 @@ from protocol.dhtid import DHTID
 from protocol.identity import Identity, PeerID
 from protocol.records import Subkey
 
-from .dht import EntriesRead
+from .dht import EntriesRead, LookupStats
 from .dht.lookup import LookupResult
 from .errors import PeerStoppedError
 from .netclock import wall_clock
@@ -61,7 +62,8 @@ logger = logging.getLogger(__name__)
 
 _STILL_UNWINDING = (
     "interrupted: waiting for the call to unwind on the peer's loop (an averaging step "
-    "puts your tensors back first); press Ctrl-C once more to stop waiting"
+    "stops writing into your tensors; parts already averaged keep the mean); press Ctrl-C "
+    "once more to stop waiting"
 )
 _ON_PEER_THREAD = (
     "this blocking call was made on the background peer's own thread (inside a function "
@@ -89,6 +91,7 @@ class BackgroundPeer:
         self.identity: Identity = peer.identity
         self.peer_id: PeerID = peer.peer_id
         self.address: str = peer.address
+        self.client_mode: bool = peer.client_mode
         self.dht = BackgroundDHT(self)
         self.clock = BackgroundClock(self)
 
@@ -340,7 +343,7 @@ class BackgroundDHT:
         """
         return self._owner.run(self._owner.peer.dht.find_peers)
 
-    def contact(self, addresses: Sequence[Address]) -> list[Address]:
+    def contact(self, addresses: Sequence[Address | str]) -> list[Address]:
         """See :meth:`peer.dht.DHT.contact`.
 
         Raises:
@@ -352,6 +355,12 @@ class BackgroundDHT:
     def contact_errors(self) -> dict[str, str]:
         """See :attr:`peer.dht.DHT.contact_errors`."""
         return self._owner.run_sync(lambda: dict(self._owner.peer.dht.contact_errors))
+
+    @property
+    def stats(self) -> LookupStats:
+        """A copy of :attr:`peer.dht.DHT.stats` (this node's lookups so far), read on the
+        peer's loop."""
+        return self._owner.run_sync(lambda: copy.copy(self._owner.peer.dht.stats))
 
     def find_nodes(self, target: DHTID) -> LookupResult:
         """See :meth:`peer.dht.DHT.find_nodes`.

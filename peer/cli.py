@@ -519,9 +519,12 @@ def _unique_peers(addresses: Sequence[str]) -> list[str]:
         try:
             unique[str(Address.parse(text))] = None
         except ProtocolError as exc:
-            if repr(text) in str(exc):
+            message, named = str(exc), f"malformed address {text!r}: "
+            if message.startswith(named):  # named as given (the text is stripped)
+                message = message[len(named) :]
+            elif repr(text) in message:
                 raise
-            raise ProtocolError(f"malformed address {given!r}: {exc}") from None
+            raise ProtocolError(f"malformed address {given!r}: {message}") from None
     return list(unique)
 
 

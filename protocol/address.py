@@ -65,7 +65,10 @@ class Address:
             try:
                 peer_id = PeerID.from_base58(peer_text)
             except ProtocolError as exc:
-                raise AddressError(str(exc)) from None
+                # named, with its address: "invalid base58 character 'I'" alone did not say
+                # which of several initial peers was wrong, nor that its PeerID was (a trial)
+                detail = str(exc) if repr(peer_text) in str(exc) else f"PeerID {peer_text!r}: {exc}"
+                raise AddressError(f"malformed address {text!r}: {detail}") from None
         if rest.startswith("["):
             if rest.endswith("]"):
                 raise AddressError(f"address {text!r} has no port: give [IPV6]:PORT")
@@ -80,7 +83,10 @@ class Address:
                 raise AddressError(f"address {text!r} is not HOST:PORT (IPv6 needs brackets)")
         if not (port_text.isascii() and port_text.isdigit()):
             raise AddressError(f"malformed port in {text!r}")
-        return cls(host, int(port_text), peer_id)
+        try:
+            return cls(host, int(port_text), peer_id)
+        except AddressError as exc:  # a bad host or port, named with its address
+            raise AddressError(f"malformed address {text!r}: {exc}") from None
 
     @property
     def dialable(self) -> bool:

@@ -223,10 +223,16 @@ class DHT:
         we are alone). See :meth:`Joining.bootstrap`."""
         return await self._joining.bootstrap(initial_peers, warn=warn)
 
-    async def contact(self, addresses: Sequence[Address]) -> list[Address]:
-        """Dial and ping contacts known from before; those that answered. See
-        :meth:`Joining.contact`."""
-        return await self._joining.contact(addresses)
+    async def contact(self, addresses: Sequence[Address | str]) -> list[Address]:
+        """Dial and ping contacts known from before (``Address`` objects, or their text
+        ``PEERID@HOST:PORT`` / ``HOST:PORT``); those that answered. See
+        :meth:`Joining.contact`.
+
+        Raises:
+            AddressError: (a ValueError) a text that is no address.
+            TypeError: an item that is neither.
+        """
+        return await self._joining.contact([_address(item) for item in addresses])
 
     @property
     def contact_errors(self) -> dict[str, str]:
@@ -773,3 +779,12 @@ class DHT:
         """
         await self.find_nodes(self.node_id)
         return self.routing_table_peers()
+
+
+def _address(item: Address | str) -> Address:
+    """An ``Address``, or one parsed from its text (as every other API takes it)."""
+    if isinstance(item, Address):
+        return item
+    if isinstance(item, str):
+        return Address.parse(item)
+    raise TypeError(f"an address must be an Address or its text, not {type(item).__name__}")

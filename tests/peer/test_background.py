@@ -72,7 +72,10 @@ def test_the_facade_has_the_dhts_methods_and_they_work() -> None:
         peer.run_in_background(initial_peers=[], ensure_bootstrap_success=False) as second,
     ):
         assert second.dht.routing_table_peers() == []
-        assert second.dht.contact([Address.parse(first.address)]) == [Address.parse(first.address)]
+        with pytest.raises(TypeError, match="an address must be an Address or its text"):
+            second.dht.contact([42])  # type: ignore[list-item]
+        # its text too, as every other API takes it (was an AttributeError, a trial)
+        assert second.dht.contact([first.address]) == [Address.parse(first.address)]
         assert [p for p, _ in second.dht.routing_table_peers()] == [first.peer_id]
         assert second.dht.contact_errors == {}
         found = second.dht.find_nodes(DHTID.from_key("anything"))
@@ -82,6 +85,11 @@ def test_the_facade_has_the_dhts_methods_and_they_work() -> None:
         second.dht.refresh()
         assert second.dht.drop_silent_contacts() == 0
         assert abs(second.dht.now() - time.time()) < 60
+        # docs/dht.md's node.dht.stats: a copy, read on the peer's loop (was missing)
+        stats = second.dht.stats
+        assert stats.lookups >= 2 and stats.max_rounds >= 1
+        second.dht.get("bg/twin")
+        assert second.dht.stats.lookups > stats.lookups
 
 
 def test_the_network_clock_as_dht_md_names_it() -> None:
@@ -108,6 +116,7 @@ def test_client_mode_peer_has_no_address_but_queries() -> None:
         peer.run_in_background(initial_peers=server.address, client_mode=True) as client,
     ):
         assert client.address == str(client.peer_id)
+        assert client.client_mode and not server.client_mode  # as Peer.client_mode
         assert client.dht.store("bg/client", "hi", ttl=30.0)
         assert server.dht.get("bg/client") == "hi"
         assert server.dht.routing_table_peers() == []  # clients never enter tables

@@ -155,3 +155,20 @@ async def test_open_peer_announces_an_ipv6_host_in_its_short_form() -> None:
             assert first.address.endswith("@[::1]:4000")
             assert second.address.endswith("@[::1]:4001")
             assert (second.peer_id, "[::1]:4001") in first.dht.routing_table_peers()
+
+
+@pytest.mark.parametrize(
+    ("text", "said"),
+    [
+        ("PEERID@HOST:PORT", "malformed address 'PEERID@HOST:PORT': PeerID 'PEERID': invalid"),
+        ("abc@127.0.0.1:1", "malformed address 'abc@127.0.0.1:1': PeerID 'abc' does not decode"),
+        (" 127.0.0.1:4000", "malformed address ' 127.0.0.1:4000': host ' 127.0.0.1' has"),
+        ("127.0.0.1:99999", "malformed address '127.0.0.1:99999': port 99999 out of range"),
+    ],
+)
+def test_a_malformed_address_is_named_with_the_part_at_fault(text: str, said: str) -> None:
+    """Was "invalid base58 character 'I'" for the docs' placeholder left in place: it named
+    neither the address (one of several initial peers) nor its PeerID (a new-user trial)."""
+    with pytest.raises(AddressError) as info:
+        Address.parse(text)
+    assert str(info.value).startswith(said)
