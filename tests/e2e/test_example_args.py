@@ -80,20 +80,22 @@ def test_the_examples_close_what_they_open(args: tuple[str, ...]) -> None:
 @pytest.mark.slow
 def test_another_codec_beside_the_first_process_is_one_line_not_a_traceback() -> None:
     """Two hand-started processes of another --codec (or of another swarm version): each
-    said so in a LayoutMismatchError traceback of ~20 lines (a mixed-version trial)."""
+    said so in a LayoutMismatchError traceback of ~20 lines (a mixed-version trial). Two
+    processes of one codec run first: having met their own layout they stay (``alone``
+    while not outnumbered) and outlast the newcomer. A lone first process raised at the
+    mismatch too, and when it left first (a loaded machine), the newcomer, its only
+    contact gone, said so as well (a WARNING line)."""
     example = str(ROOT / "examples" / "average_tensors.py")
-    first = subprocess.Popen(
-        # rounds enough to outlast the second (killed below): one that had ended, its
-        # address the second's only contact, made the second say so too (a WARNING line)
-        [sys.executable, example, "--rounds", "1000", "--codec", "none"],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-        env=env_with_root(),
-    )
+    first = _started(example, "--rounds", "1000", "--codec", "none")
+    others = [first]
     try:
         assert first.stdout is not None
         address = first.stdout.readline().split()[1]  # "address: PEERID@HOST:PORT ..."
+        others.append(
+            _started(example, "--rounds", "1000", "--codec", "none", "--initial-peers", address)
+        )
+        assert others[1].stdout is not None
+        others[1].stdout.readline()  # its address: it is up
         out = subprocess.run(
             [sys.executable, example, "--initial-peers", address, "--codec", "int8"],
             capture_output=True,
@@ -102,8 +104,19 @@ def test_another_codec_beside_the_first_process_is_one_line_not_a_traceback() ->
             env=env_with_root(),
         )
     finally:
-        first.kill()
-        first.communicate(timeout=30)
+        for process in others:
+            process.kill()
+            process.communicate(timeout=30)
     assert out.returncode == 1, out.stderr
     assert out.stderr.startswith("average_tensors: every other peer under 'example/average'")
     assert "Traceback" not in out.stderr and out.stderr.count("\n") == 1, out.stderr
+
+
+def _started(*args: str) -> subprocess.Popen[str]:
+    return subprocess.Popen(
+        [sys.executable, *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env_with_root(),
+    )
