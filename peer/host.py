@@ -25,12 +25,14 @@ Rules:
   (connections that send nothing must not lock every other peer out; one we had not
   answered yet gets the busy signal, as refused ones do); else, when the newcomer's host
   has 4 in their handshake, the oldest of those; else the inbound connection idle the
-  longest gives its slot; else the oldest handshake; failing all, the new one is closed at
-  once. An idle connection closes for a newcomer (after a ``bye``) only once the newcomer's
-  handshake has completed, so that connections that send nothing close none (up to 4
-  newcomers of one host wait so at once, 16 in all; beyond, the oldest of them is cut
-  off); when it got busy meanwhile, the newcomer is closed after a ``bye`` instead (its
-  dialer sends what crossed it again on a fresh connection). A handshake not done within
+  longest gives its slot; else, when no connection is idle, the oldest handshake; failing
+  all, the new one is closed at once. An idle connection closes for a newcomer (after a
+  ``bye``) only once the newcomer's handshake has completed, each idle connection for one
+  newcomer at a time, so that connections that send nothing close none (up to 4 newcomers
+  of one host wait so at once, 16 in all; beyond, the oldest of them is cut off; while
+  every idle connection is promised, newcomers are turned away); when it got busy
+  meanwhile, the newcomer is closed after a ``bye`` instead (its dialer sends what crossed
+  it again on a fresh connection). A handshake not done within
   ``handshake_timeout`` is cut off. A host that opens connections faster than
   ``handshake_rate_per_ip`` per second (beyond a burst of ``handshake_burst_per_ip``) has
   the new ones closed at once, before the handshake's CPU is spent on them (loopback
@@ -59,6 +61,7 @@ import trio
 from protocol.address import Address, canonical_host
 from protocol.errors import ProtocolError
 from protocol.identity import Identity, PeerID
+from protocol.noise import IdentityMismatchError
 from protocol.rpc import MAX_INFLIGHT_REQUESTS
 
 from .errors import (
@@ -440,11 +443,21 @@ class RpcHost:
         if dial is None and (other := self._dialing.get(address.hostport)) is not None:
             # The same HOST:PORT dialed meanwhile under its other name (with or without
             # the PeerID): its connection serves when it proves the PeerID we name, if any
-            # (two spellings of one peer made two dials, two connections; a review).
+            # (two spellings of one peer made two dials, two connections; a review). Its
+            # failure is ours too (a second dial doubled the wait for an unreachable host,
+            # a review of the fix), unless it failed to prove a PeerID that we do not ask.
             await other.done.wait()
             if (connection := self._pooled(address)) is not None:
                 return connection
-            dial = self._dials.get(key)
+            if other.connection is not None:  # it proved another PeerID there
+                raise PeerUnavailableError(
+                    f"cannot reach {address}: {address.hostport} proved another PeerID, "
+                    f"{other.connection.peer_id.short()}"
+                )
+            if address.peer_id is not None or not _identity_mismatch(other.error):
+                dial = other
+            else:
+                dial = self._dials.get(key)
         if dial is None:
             dial = self._dials[key] = _Dial()
             self._dialing.setdefault(address.hostport, dial)
@@ -618,14 +631,16 @@ class RpcHost:
         # Where the newcomer waits for an idle connection to give it its slot once its
         # handshake completes (see _DEFERRED_EVICTIONS): its host, or any (None).
         deferred: tuple[str | None] | None = None
+        over = True  # let in with every slot taken: it needs one once its handshake completes
         if self._per_host[group] >= config.max_connections_per_ip:
             # The host's own stalled handshake, else its idle connection once the newcomer's
-            # handshake completes (at most a few at once: then the oldest of those is cut).
+            # handshake completes (at most a few at once: then the oldest of those is cut);
+            # never an idle connection for a newcomer whose handshake has not completed
             if self._cut_off_stalled_handshake(group):
                 pass
             elif self._can_defer(group) or self._cut_off_oldest_deferred(group):
                 deferred = (group,)
-            elif not self._evict_idle_inbound(group):
+            else:
                 logger.debug("%r: refusing %s: too many connections from it", self, host)
                 await turn_away(raw)
                 return
@@ -635,8 +650,8 @@ class RpcHost:
             # host makes room among its own after a few; cutting its own at once had
             # honest peers of one host, a NAT or loopback, cut each other off); then an
             # idle connection once the handshake completes; a young handshake only when
-            # none is there (cut first, each newcomer of a burst cut off the one before
-            # it, while idle connections could make room)
+            # no connection is idle (cut first, each newcomer of a burst cut off the one
+            # before it, while idle connections could make room)
             if self._cut_off_oldest_handshake(min_age=_EVICT_AFTER) or (
                 self._handshakes_from(group) >= _OWN_HANDSHAKES_FIRST
                 and self._cut_off_oldest_handshake(group=group)
@@ -644,10 +659,14 @@ class RpcHost:
                 pass
             elif self._can_defer(None) or self._cut_off_oldest_deferred(None):
                 deferred = (None,)
-            elif not (self._evict_idle_inbound() or self._cut_off_oldest_handshake()):
+            elif self._idle_inbound() or not self._cut_off_oldest_handshake():
+                # (each idle one promised to a newcomer in its handshake: a flood of silent
+                # connections larger than them closed one each, a review of the first fix)
                 logger.debug("%r: refusing %s: %d connections", self, host, self.max_connections)
                 await turn_away(raw)
                 return
+        else:
+            over = False
         self._per_host[group] += 1
         handshake = trio.CancelScope(deadline=trio.current_time() + config.handshake_timeout)
         self._handshakes[handshake] = (host, trio.current_time())
@@ -672,9 +691,8 @@ class RpcHost:
             if secure.remote_peer_id == self.peer_id:
                 await secure.aclose()
                 return
-            await self._serve_connection(
-                secure, secure.remote_peer_id, group=group, busy=not self._make_room(group)
-            )
+            busy = over and not self._make_room(group)
+            await self._serve_connection(secure, secure.remote_peer_id, group=group, busy=busy)
         except (*_CONNECTION_ERRORS, trio.TooSlowError) as exc:
             logger.debug("%r: inbound connection from %s failed: %r", self, host, exc)
         finally:
@@ -704,12 +722,18 @@ class RpcHost:
         cap = _DEFERRED_EVICTIONS if group is None else _OWN_HANDSHAKES_FIRST
         if len(waiting) < cap:
             return False
-        handshake = waiting[0]  # oldest first
         logger.debug("%r: all slots taken, cutting off a handshake that waited for one", self)
-        del self._handshakes[handshake]
-        del self._deferred[handshake]
-        handshake.cancel()
+        self._cut_off(waiting[0])  # oldest first
         return True
+
+    def _cut_off(self, handshake: trio.CancelScope) -> None:
+        """Cancel an inbound handshake to make room (it then says busy); it no longer
+        counts, nor waits for an idle connection (its task still sends the busy signal:
+        left in ``_deferred`` meanwhile, it was cut off a second time, a KeyError that
+        took the host down; a review)."""
+        del self._handshakes[handshake]
+        self._deferred.pop(handshake, None)
+        handshake.cancel()
 
     def _make_room(self, group: str) -> bool:
         """Whether an inbound connection from ``group`` whose handshake just completed may
@@ -749,8 +773,7 @@ class RpcHost:
         if trio.current_time() - began < min_age:
             return False
         logger.debug("%r: all slots taken, cutting off the handshake with %s", self, host)
-        del self._handshakes[handshake]
-        handshake.cancel()
+        self._cut_off(handshake)
         return True
 
     def _stalled(self, group: str) -> trio.CancelScope | None:
@@ -772,8 +795,7 @@ class RpcHost:
         if handshake is None:
             return False
         logger.debug("%r: per-host slots taken, cutting off a stalled handshake", self)
-        del self._handshakes[handshake]
-        handshake.cancel()
+        self._cut_off(handshake)
         return True
 
     def _evict_idle_inbound(self, group: str | None = None) -> bool:
@@ -834,6 +856,15 @@ class _RetriedOnce:
             return await self._items.__anext__()
         self._start = None  # an item came: the peer read the request
         return item
+
+
+def _identity_mismatch(error: BaseException | None) -> bool:
+    """Whether a dial failed because the peer there proved another PeerID than asked."""
+    while error is not None:
+        if isinstance(error, IdentityMismatchError):
+            return True
+        error = error.__cause__
+    return False
 
 
 def _as_address(address: Address | str) -> Address:

@@ -331,6 +331,12 @@ class RpcConnection:
             LimitExceededError: the request is larger than the maximum frame.
         """
         await self._acquire_slot()
+        return await self._call_in_slot(method, body, payload)
+
+    async def _call_in_slot(
+        self, method: str, body: dict[str, Any] | None, payload: bytes | memoryview
+    ) -> Reply:
+        """:meth:`call`, its call slot acquired (and released here)."""
         try:
             pending = PendingCall()
             sent_at = trio.current_time()
@@ -401,11 +407,20 @@ class RpcConnection:
         keepalives): one long call whose handler outlived its deadline on a live peer with
         nothing else to say looked just like a dead link, and the close failed every other
         call on the connection (a review)."""
-        asked = trio.current_time()
+        wait = self.silence_timeout / 2
         try:
-            with trio.move_on_after(self.silence_timeout / 2):
+            with trio.move_on_after(wait) as slot_wait:
+                await self._acquire_slot()
+            if slot_wait.cancelled_caught:
+                # every call slot held (by the peer's long handlers, maybe): no probe, no
+                # verdict (a queued call took each freed slot, and a live peer whose
+                # handlers outlived their deadlines was taken for silent; a review)
+                self._unanswered_since = None
+                return
+            asked = trio.current_time()
+            with trio.move_on_after(wait):
                 with contextlib.suppress(RemoteError):
-                    await self.call(_PROBE_METHOD)
+                    await self._call_in_slot(_PROBE_METHOD, None, b"")
         except PeerUnavailableError:
             return  # closed meanwhile
         finally:

@@ -6,7 +6,7 @@ closed is told (``bye``), so it does not dial back and push the next one out."""
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable
 from contextlib import AsyncExitStack, asynccontextmanager
 
 import pytest
@@ -313,7 +313,7 @@ async def full_node(stack: AsyncExitStack, net: MemoryNetwork, slots: int) -> Rp
     for i in range(slots):
         idle = await stack.enter_async_context(
             open_rpc_host(
-                Identity.from_seed(bytes([100 + i]) * 32),
+                Identity.from_seed((5_000 + i).to_bytes(32, "big")),
                 listen=None,
                 network=net.interface(f"idle{i}"),
             )
@@ -443,3 +443,95 @@ async def test_a_newcomer_whose_promised_slot_got_busy_is_told_busy(
             assert outcome == ["busy", {}]
             assert server.host.num_connections == 1
             assert _connected(server, [holder, newcomer]) == [True, False]
+
+
+async def test_a_handshake_cut_off_while_it_waited_for_an_idle_slot_is_not_cut_twice(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A handshake waiting for an idle connection's slot, cut off as the oldest handshake,
+    stayed among those waiting while its task sent the busy signal; two newcomers at once
+    then cut it off again: a KeyError that took the whole node down (a review)."""
+    net = MemoryNetwork(latency=0.02)
+    with trio.fail_after(120):
+        async with AsyncExitStack() as stack:
+            server = await full_node(stack, net, 20)
+            silent = [await net.interface("h0").connect("s", 1)]  # waits, the oldest
+            await trio.sleep(0.6)
+            for i in range(1, 16):  # 16 wait in all: the cap
+                silent.append(await net.interface(f"h{i}").connect("s", 1))
+            await trio.sleep(0.001)
+            assert len(server._deferred) == 16
+            await trio.sleep(0.6)  # h0 is 1.2 s old now, the others 0.6 s
+
+            async def dial(name: str) -> None:
+                silent.append(await net.interface(name).connect("s", 1))
+
+            async with trio.open_nursery() as nursery:  # two newcomers at once
+                nursery.start_soon(dial, "a")
+                nursery.start_soon(dial, "b")
+            await trio.sleep(0.01)
+            assert not server.stopped
+            assert set(server._deferred) <= set(server._handshakes)
+            assert server.num_connections == 20
+            for stream in silent:
+                await stream.aclose()
+
+
+async def test_more_silent_connections_than_idle_ones_close_none(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Each idle connection promised to a newcomer in its handshake, the next silent ones
+    closed an idle connection each at once (24 hosts against 8 idle connections: all 8
+    closed; a review of the first fix). They are turned away now, until the first ones
+    stall and make room for them."""
+    net = MemoryNetwork(latency=0.02)
+    with trio.fail_after(120):
+        async with AsyncExitStack() as stack:
+            server = await full_node(stack, net, 8)
+            silent = []
+            for i in range(24):
+                silent.append(await net.interface(f"attacker{i}").connect("s", 1))
+                await trio.sleep(0.005)
+            for _ in range(3):  # a second stream of them, each making room after the first
+                for i in range(24):
+                    silent.append(await net.interface(f"late{i}").connect("s", 1))
+                await trio.sleep(1.1)
+            assert server.num_connections == 8
+            assert all(not c.closing for c in server._connections)
+            for stream in silent:
+                await stream.aclose()
+
+
+async def test_a_newcomer_let_into_a_free_slot_keeps_it(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A newcomer let into a free slot was told busy once its handshake completed when
+    the node's own dial took a connection meanwhile (outbound ones are not limited; a
+    review of the first fix): only a newcomer let in with every slot taken needs one."""
+    with trio.fail_after(60):
+        async with _server_and_clients(HostConfig(max_connections=2)) as (net, server, stack):
+            (holder, newcomer) = await _clients(net, stack, X, 0, 2)
+            other = await stack.enter_async_context(
+                open_rpc_host(
+                    _identity(5), listen=Address("10.0.0.7", 1), network=net.interface("10.0.0.7")
+                )
+            )
+            other.register_quick("ping", lambda request: Reply({"ok": True}))
+            answers: list[object] = []
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(holder.call, server.address, "hold")
+                await trio.sleep(1)
+                assert server.host.num_connections == 1
+                nursery.start_soon(
+                    lambda: _append_body(answers, newcomer.call(server.address, "ping"))
+                )
+                nursery.start_soon(server.host.call, Address("10.0.0.7", 1), "ping")
+                await trio.sleep(1)
+                server.release.set()
+            assert answers == [{"ok": True}]
+            assert server.host.num_connections == 3
+
+
+async def _append_body(answers: list[object], call: Awaitable[Reply]) -> None:
+    answers.append((await call).body)

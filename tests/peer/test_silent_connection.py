@@ -206,3 +206,38 @@ async def test_one_long_call_past_its_deadline_on_a_live_peer_keeps_the_connecti
                 await _unanswered(b, address, 12.0)
             assert other == [{"delay": 13.0}]
             assert b.connections_opened == opened and b.num_connections == 1
+
+
+async def test_a_live_peer_holding_every_call_slot_keeps_the_connection(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Every call slot held by the live peer's long handlers and a call waiting for one:
+    the probe never got a slot (the waiting call took each freed one), and the live
+    connection was closed all the same, failing every call on it (a review of the probe).
+    Without a slot there is no probe, and no verdict."""
+    net = MemoryNetwork(latency=0.01)
+    config = HostConfig(max_inflight_requests=4, silence_timeout=10.0)
+    async with (
+        open_rpc_host(ID_A, listen=Address("a", 1), network=net.interface("a"), config=config) as a,
+        open_rpc_host(ID_B, listen=None, network=net.interface("b"), config=config) as b,
+    ):
+        a.register("slow", _slow)
+        a.register("never", _never)
+        address = a.listen_address
+        assert address is not None
+        await b.call(address, "slow", {"delay": 0.0})
+        opened = b.connections_opened
+        results: list[object] = []
+
+        async def slow() -> None:
+            results.append((await b.call(address, "slow", {"delay": 30.0})).body)
+
+        with trio.fail_after(120):
+            async with trio.open_nursery() as nursery:
+                for _ in range(3):
+                    nursery.start_soon(slow)
+                nursery.start_soon(_unanswered, b, address, 12.0)
+                await trio.sleep(0.5)
+                nursery.start_soon(slow)  # waits for a slot
+        assert results == [{"delay": 30.0}] * 4
+        assert b.connections_opened == opened
