@@ -349,6 +349,8 @@ class BackgroundDHT:
         Raises:
             PeerStoppedError: the peer is no longer running.
         """
+        if isinstance(addresses, str | Address):  # one address: not a list of characters
+            addresses = [addresses]
         return self._owner.run(self._owner.peer.dht.contact, list(addresses))
 
     @property

@@ -49,6 +49,9 @@ async def crawl(
     seen: set[str] = set()
     frontier: list[Address] = [addr for _, addr in _known(node)]
     limiter = trio.CapacityLimiter(max_parallel)
+    # a full node names itself as any request of its DHT does: asked without a sender, a
+    # peer takes it for one that restarted in client mode, and drops it from its table
+    sender = node.dht.protocol.sender
 
     async def visit(address: Address, found: list[Address]) -> None:
         async with limiter:
@@ -60,7 +63,7 @@ async def crawl(
                         reply = await node.rpc.call(
                             address,
                             "dht.find_node",
-                            FindNodeRequest(sender=None, target=target).to_body(),
+                            FindNodeRequest(sender=sender, target=target).to_body(),
                         )
                         response = FindNodeResponse.from_body(reply.body)
                     except (SwarmError, OSError) as exc:

@@ -67,7 +67,9 @@ class Address:
             except ProtocolError as exc:
                 # named, with its address: "invalid base58 character 'I'" alone did not say
                 # which of several initial peers was wrong, nor that its PeerID was (a trial)
-                detail = str(exc) if repr(peer_text) in str(exc) else f"PeerID {peer_text!r}: {exc}"
+                detail = (
+                    str(exc) if str(exc).startswith("PeerID") else f"PeerID {peer_text!r}: {exc}"
+                )
                 raise AddressError(f"malformed address {text!r}: {detail}") from None
         if rest.startswith("["):
             if rest.endswith("]"):

@@ -232,6 +232,8 @@ class DHT:
             AddressError: (a ValueError) a text that is no address.
             TypeError: an item that is neither.
         """
+        if isinstance(addresses, str | Address):  # one address: not a list of characters
+            addresses = [addresses]
         return await self._joining.contact([_address(item) for item in addresses])
 
     @property

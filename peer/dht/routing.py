@@ -22,8 +22,8 @@ Rules:
   proves less (the peer may be merely slow or overloaded): timeouts only count toward
   ``max_failures``. So does a call that could not reach the contact (a refused dial, or
   a connection that broke under it: a NAT resetting it says nothing of the peer), but
-  when a replacement waits the contact is returned to be pinged, and leaves if that
-  ping fails.
+  when a replacement waits, or at ``max_failures``, the contact is returned to be pinged
+  instead (one reset fails every call in flight at once), and leaves if that ping fails.
 - Contacts not heard from for a while are listed by :meth:`RoutingTable.quiet_contacts`
   (the DHT's refresh pings them and removes those that do not answer: a peer that went
   quiet before it died is met by no failed request in a bucket other contacts keep busy).
@@ -246,7 +246,8 @@ class RoutingTable:
 
         Returns:
             True when the contact stays but should be pinged now (it was ``unreachable``
-            and a replacement waits): ping it, then call :meth:`ping_result`.
+            and a replacement waits, or its failures reached ``max_failures``): ping it,
+            then call :meth:`ping_result`.
         """
         index = self._bucket_of(peer_id)
         bucket = self._buckets[index]
@@ -255,12 +256,17 @@ class RoutingTable:
         contact = bucket.contacts.get(peer_id)
         if contact is None:
             return False
+        if unreachable:
+            # a ping decides (see the module's rules), where a replacement waits or
+            # max_failures is reached: one reset fails every call in flight on the
+            # connection at once, and three of them counted to max_failures evicted a
+            # live contact all the same (a review of the fix)
+            if bucket.replacements:
+                return True
+            contact.failures += 1
+            return contact.failures >= self.max_failures
         contact.failures += 1
-        if contact.failures >= self.max_failures:
-            self._evict(index, peer_id)
-        elif bucket.replacements and not timed_out:
-            if unreachable:
-                return True  # a ping decides (see the module's rules)
+        if contact.failures >= self.max_failures or (bucket.replacements and not timed_out):
             self._evict(index, peer_id)
         return False
 

@@ -76,6 +76,7 @@ def test_the_facade_has_the_dhts_methods_and_they_work() -> None:
             second.dht.contact([42])  # type: ignore[list-item]
         # its text too, as every other API takes it (was an AttributeError, a trial)
         assert second.dht.contact([first.address]) == [Address.parse(first.address)]
+        assert second.dht.contact(first.address) == []  # one text, not its characters (known)
         assert [p for p, _ in second.dht.routing_table_peers()] == [first.peer_id]
         assert second.dht.contact_errors == {}
         found = second.dht.find_nodes(DHTID.from_key("anything"))

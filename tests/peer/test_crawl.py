@@ -10,7 +10,7 @@ import trio.testing
 from peer import Reply, Request
 from peer.crawl import crawl
 from peer.memnet import MemoryNetwork
-from peer.node import open_peer
+from peer.node import Peer, open_peer
 
 REQUEST_TIMEOUT = 3.0
 
@@ -47,3 +47,29 @@ async def test_a_stalling_peer_costs_the_walk_one_request_timeout(
             elapsed = trio.current_time() - start
     assert peers == [(first.peer_id, first.rpc.listen_address.hostport)]  # type: ignore[union-attr]
     assert elapsed < 2 * REQUEST_TIMEOUT, elapsed
+
+
+async def test_a_full_node_that_crawls_stays_in_the_tables_it_asks(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The walk asked without a sender; a peer takes such a request for one that restarted
+    in client mode and drops it from its table: a full node crawling (a script listing the
+    swarm) left every table it asked (a review)."""
+    net = MemoryNetwork(latency=0.01)
+    with trio.fail_after(600):
+        async with AsyncExitStack() as stack:
+            peers: list[Peer] = []
+            for i in range(4):
+                initial = [peers[0].address] if peers else []
+                where = f"10.0.0.{i + 1}"
+                peers.append(
+                    await stack.enter_async_context(
+                        open_peer(f"{where}:1000", initial, network=net.interface(where))
+                    )
+                )
+            me = peers[3]
+            before = [me.peer_id in p.dht.table for p in peers[:3]]
+            assert any(before)
+            found = await crawl(me)
+            assert len(found) >= 3
+            assert [me.peer_id in p.dht.table for p in peers[:3]] == before

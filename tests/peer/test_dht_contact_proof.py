@@ -10,6 +10,7 @@ from __future__ import annotations
 from contextlib import AsyncExitStack
 from typing import Any
 
+import pytest
 import trio
 import trio.testing
 
@@ -105,14 +106,17 @@ def _two_in_one_bucket(owner: Identity, seeds: range) -> tuple[Identity, Identit
     raise AssertionError("no two in one bucket")
 
 
+@pytest.mark.parametrize("calls", [1, 3])
 async def test_a_contact_whose_connection_is_reset_mid_call_stays_when_it_answers_a_ping(
-    autojump_clock: trio.testing.MockClock,
+    autojump_clock: trio.testing.MockClock, calls: int
 ) -> None:
     """A call to B is in flight when a NAT resets the connection. With a replacement
     waiting in B's bucket, the failure evicted B at once, no ping asked, and B stayed out
     while it answered everyone. Now the failure is counted and B pinged: it answers on a
     fresh connection and keeps its place. A B that is gone (a refused dial) still leaves
-    within a round trip, its replacement taking its place."""
+    within a round trip, its replacement taking its place. One reset fails every call in
+    flight at once: three of them counted to ``max_failures`` and evicted B all the same
+    (a review of the fix)."""
     net = MemoryNetwork(latency=0.01)
     owner = Identity.from_seed(b"a" * 32)
     b_identity, c_identity = _two_in_one_bucket(owner, range(1, 100))
@@ -141,7 +145,8 @@ async def test_a_contact_whose_connection_is_reset_mid_call_stays_when_it_answer
             assert [n.peer_id for n in a.dht.table.replacement_nodes(index)] == [c.peer_id]
             net.slow_host("10.0.0.2", 0.2)  # a call in flight long enough to be cut
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(a.dht.protocol.find_node, b_info, DHTID(12345))
+                for target in range(calls):
+                    nursery.start_soon(a.dht.protocol.find_node, b_info, DHTID(12345 + target))
                 await trio.sleep(0.1)
                 assert net.drop_connections("10.0.0.2", "10.0.0.1") == 1
             net.slow_host("10.0.0.2", 0.0)
@@ -154,3 +159,31 @@ async def test_a_contact_whose_connection_is_reset_mid_call_stays_when_it_answer
             assert await a.dht.protocol.find_node(b_info, DHTID(12345)) is None
             await trio.sleep(0.1)
             assert [n.peer_id for n in a.dht.table.bucket_nodes(index)] == [c.peer_id]
+
+
+async def test_a_reset_under_several_calls_keeps_a_contact_with_no_replacement(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """No replacement waiting: three calls failed by one reset count to
+    ``max_failures``; B, a live peer and A's only contact, is pinged then (the connection
+    loss pings it too) and stays when it answers."""
+    net = MemoryNetwork(latency=0.01)
+    with trio.fail_after(600):
+        async with AsyncExitStack() as stack:
+            a = await stack.enter_async_context(
+                open_peer("10.0.0.1:1000", network=net.interface("10.0.0.1"))
+            )
+            b = await stack.enter_async_context(
+                open_peer("10.0.0.2:1000", [a.address], network=net.interface("10.0.0.2"))
+            )
+            b_info = NodeInfo(b.peer_id, "10.0.0.2:1000")
+            assert b.peer_id in a.dht.table
+            net.slow_host("10.0.0.2", 0.2)
+            async with trio.open_nursery() as nursery:
+                for target in range(3):
+                    nursery.start_soon(a.dht.protocol.find_node, b_info, DHTID(12345 + target))
+                await trio.sleep(0.1)
+                assert net.drop_connections("10.0.0.2", "10.0.0.1") == 1
+            net.slow_host("10.0.0.2", 0.0)
+            await trio.sleep(1)
+            assert b.peer_id in a.dht.table

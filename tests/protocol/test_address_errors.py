@@ -162,6 +162,7 @@ async def test_open_peer_announces_an_ipv6_host_in_its_short_form() -> None:
     [
         ("PEERID@HOST:PORT", "malformed address 'PEERID@HOST:PORT': PeerID 'PEERID': invalid"),
         ("abc@127.0.0.1:1", "malformed address 'abc@127.0.0.1:1': PeerID 'abc' does not decode"),
+        ("I@h:1", "malformed address 'I@h:1': PeerID 'I': invalid base58 character 'I'"),
         (" 127.0.0.1:4000", "malformed address ' 127.0.0.1:4000': host ' 127.0.0.1' has"),
         ("127.0.0.1:99999", "malformed address '127.0.0.1:99999': port 99999 out of range"),
     ],

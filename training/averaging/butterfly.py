@@ -83,6 +83,7 @@ class Butterfly:
         self.feedback = feedback  # topk: we send flat (values + residual) and note the blobs
         self.reports: dict[int, PartReport] = {}
         self.counted: set[int] = set()  # parts whose result header lists us (error feedback)
+        self._fetched: dict[int, list[ResultHeader]] = {}  # part -> its header, once it came
         # parts decoded into their tensor as they came: elements done (see _fetch)
         self.in_tensor: dict[int, int] = {}
         # per part: cancelled by the result header, it ends the encoding of our chunks
@@ -108,7 +109,9 @@ class Butterfly:
                 else:  # frozen, or too slow: out of this part either way
                     self.liveness.mark(reducer.peer_id, DropReason.TIMEOUT)
                     note = "the deadline passed before the reducer's result arrived"
-                self.reports[index] = self._report(index, None, False, note)
+                fetched = self._fetched.get(index)
+                header = fetched[0] if fetched else None
+                self.reports[index] = self._report(index, header, False, note)
             return tuple(self.reports[i] for i in range(len(self.plan.reducers)))
         finally:
             # a part whose whole result came, then the deadline (or a cancellation) cut
@@ -281,7 +284,9 @@ class Butterfly:
         the start again after a reset connection (see ``Liveness.reconnect``)."""
         reducer = self.plan.reducers[index].peer_id
         progress = [trio.current_time()]
-        fetched: list[ResultHeader] = []  # the header, once it came
+        # the header, once it came (kept on self: a report made after our deadline cut
+        # the download short must still say the reducer counted us; a review)
+        fetched = self._fetched.setdefault(index, [])
         received = False
         note = "the reducer did not answer in time"
         async with self._downloads, trio.open_nursery() as nursery:
