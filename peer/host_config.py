@@ -28,7 +28,8 @@ class HostConfig:
     The protocol has every peer accept 128 (``protocol.rpc.MAX_INFLIGHT_REQUESTS``), so
     fewer drops peers that keep to it (a warning says so; for tests, or swarms where every
     peer sets the same); more only accepts more. Our own calls keep to the smaller of this
-    and 128, each waiting for a slot."""
+    and 128 (less one, of 16 or more: kept for the silence probe, see ``silence_timeout``),
+    each waiting for a slot."""
     handshake_rate_per_ip: float = 16.0
     """New inbound connections per second one host (or /64) may open on average, in
     bursts of ``handshake_burst_per_ip``; beyond, a new one is closed at once, before its

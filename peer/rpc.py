@@ -101,6 +101,8 @@ _WRITE_ERRORS = (trio.BrokenResourceError, trio.ClosedResourceError, OSError)
 _PEER_SILENCE = 10.0
 """The silence a peer may take for a dead connection (HostConfig.silence_timeout's
 default): a reader paused for a stream's consumer shows it is alive more often."""
+_PROBE_SLOT_FROM = 16
+"""Call slots from which one is kept for the silence probe."""
 _PROBE_METHOD = "swarm.silence_probe"
 """A method no peer serves: every peer answers it at once (``unknown_method``), which shows
 it alive before a connection is taken for silent (see ``RpcConnection._probe``)."""
@@ -169,8 +171,15 @@ class RpcConnection:
         self._tasks: trio.Nursery | None = None  # the connection's own, while it runs
         self._handlers = handlers
         self._outbox = Outbox(capacity=max(8, max_inflight_requests // 4))
-        # the peer serves at least the protocol's 128 at once, perhaps no more
-        self._call_slots = trio.Semaphore(min(max_inflight_requests, MAX_INFLIGHT_REQUESTS))
+        # the peer serves at least the protocol's 128 at once, perhaps no more; one of them
+        # is kept for the silence probe (_probe), which must not wait behind our calls
+        # (not of a few: a limit set that low is a test's, counted call by call)
+        slots = min(max_inflight_requests, MAX_INFLIGHT_REQUESTS)
+        self.probe_slot_kept = slots >= _PROBE_SLOT_FROM
+        self.call_slots = slots - self.probe_slot_kept
+        """Calls of ours in flight at most (``max_inflight_requests``, at most the
+        protocol's 128, less the one kept for the silence probe)."""
+        self._call_slots = trio.Semaphore(self.call_slots)
         self._pending: dict[int, PendingCall | PendingStream] = {}
         self._incoming: dict[int, _Incoming] = {}
         self._served = trio.lowlevel.ParkingLot()  # a request we served was answered
@@ -334,9 +343,15 @@ class RpcConnection:
         return await self._call_in_slot(method, body, payload)
 
     async def _call_in_slot(
-        self, method: str, body: dict[str, Any] | None, payload: bytes | memoryview
+        self,
+        method: str,
+        body: dict[str, Any] | None,
+        payload: bytes | memoryview,
+        *,
+        release: bool = True,
     ) -> Reply:
-        """:meth:`call`, its call slot acquired (and released here)."""
+        """:meth:`call`, its call slot acquired (and released here, unless ``release`` is
+        False: the probe's slot, kept apart)."""
         try:
             pending = PendingCall()
             sent_at = trio.current_time()
@@ -353,7 +368,8 @@ class RpcConnection:
                 # the ids: they count up): the rest goes out from a copy
                 self._outbox.detach(request)
         finally:
-            self._call_slots.release()
+            if release:
+                self._call_slots.release()
         if pending.error is not None:
             raise pending.error from pending.error.__cause__
         assert pending.reply is not None
@@ -409,18 +425,23 @@ class RpcConnection:
         call on the connection (a review)."""
         wait = self.silence_timeout / 2
         try:
-            with trio.move_on_after(wait) as slot_wait:
-                await self._acquire_slot()
-            if slot_wait.cancelled_caught:
-                # every call slot held (by the peer's long handlers, maybe): no probe, no
-                # verdict (a queued call took each freed slot, and a live peer whose
-                # handlers outlived their deadlines was taken for silent; a review)
-                self._unanswered_since = None
-                return
+            if not self.probe_slot_kept:  # (few slots in all: wait for one)
+                with trio.move_on_after(wait) as slot_wait:
+                    await self._acquire_slot()
+                if slot_wait.cancelled_caught:
+                    # held by a live peer's long handler, maybe: no probe, no verdict
+                    self._unanswered_since = None
+                    return
+            # otherwise in the slot kept for it: waiting for one behind our calls, the
+            # probe was never sent while a live peer's long handlers held them all, and
+            # the connection closed all the same (a review); giving up then kept a dead
+            # connection open for another silence_timeout under steady calls (another)
             asked = trio.current_time()
             with trio.move_on_after(wait):
                 with contextlib.suppress(RemoteError):
-                    await self._call_in_slot(_PROBE_METHOD, None, b"")
+                    await self._call_in_slot(
+                        _PROBE_METHOD, None, b"", release=not self.probe_slot_kept
+                    )
         except PeerUnavailableError:
             return  # closed meanwhile
         finally:

@@ -46,7 +46,6 @@ Learning rules (the routing table's only inputs):
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 from collections.abc import Callable, Iterable
@@ -132,6 +131,7 @@ class DHTProtocol:
         self.sender = sender
         self._now = now
         self._ping_send, self._ping_receive = trio.open_memory_channel[NodeInfo](_PING_QUEUE)
+        self._checking: set[PeerID] = set()  # contacts with a check_alive ping queued or sent
         self._proof_send, self._proof_receive = trio.open_memory_channel[tuple[NodeInfo, str]](
             _PROOF_QUEUE
         )
@@ -262,10 +262,13 @@ class DHTProtocol:
         (if it is a contact), so that a peer that left leaves the table now, and one whose
         connection was merely reset stays."""
         node = self.table.get(peer_id)
-        if node is None:
-            return
-        with contextlib.suppress(trio.WouldBlock):  # full: a failed request will tell
+        if node is None or peer_id in self._checking:
+            return  # (one ping at a time: one reset fails every call in flight at once)
+        try:
             self._ping_send.send_nowait(node)
+        except trio.WouldBlock:  # full: the next failed request asks again
+            return
+        self._checking.add(peer_id)
 
     def _learn_sender(self, request: Request, sender: str | None) -> None:
         peer_id = request.peer_id
@@ -336,7 +339,14 @@ class DHTProtocol:
 
         async def worker(receive: trio.MemoryReceiveChannel[NodeInfo]) -> None:
             async for node in receive:
-                response, busy = await self._request(node, PingRequest(self.sender), PingResponse)
+                if node.peer_id not in self.table:
+                    self._checking.discard(node.peer_id)
+                    continue  # it left meanwhile (a ping queued per failed call, before)
+                try:
+                    ping = PingRequest(self.sender)
+                    response, busy = await self._request(node, ping, PingResponse)
+                finally:
+                    self._checking.discard(node.peer_id)
                 known = node.peer_id in self.table  # a failed ping may have evicted it already
                 if busy:  # kept, but not refreshed: it has not answered
                     self.table.ping_result(node.peer_id, alive=None, now=self._now())

@@ -15,13 +15,13 @@ import trio
 import trio.testing
 
 from peer.dht import DHTConfig
-from peer.dht.protocol import CLIENT_RECHECK
+from peer.dht.protocol import CLIENT_RECHECK, DHTProtocol
 from peer.memnet import MemoryNetwork
 from peer.node import Peer, PeerConfig, open_peer
 from protocol.address import Address
 from protocol.dhtid import DHTID
-from protocol.identity import Identity
-from protocol.messages import NodeInfo
+from protocol.identity import Identity, PeerID
+from protocol.messages import NodeInfo, PingRequest
 
 P = Identity.from_seed(b"p" * 32)
 
@@ -187,3 +187,64 @@ async def test_a_reset_under_several_calls_keeps_a_contact_with_no_replacement(
             net.slow_host("10.0.0.2", 0.0)
             await trio.sleep(1)
             assert b.peer_id in a.dht.table
+
+
+@pytest.mark.parametrize("how", ["reset", "kill"])
+async def test_one_failure_under_many_calls_costs_one_ping(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch, how: str
+) -> None:
+    """Twenty calls in flight when the connection resets (or the peer dies): each failed
+    call queued a ping of its own, 17 of B, most of them after B had left (a review)."""
+    pings: list[PeerID] = []
+    request = DHTProtocol._request
+
+    async def counting(
+        self: DHTProtocol, node: NodeInfo, message: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        if isinstance(message, PingRequest):
+            pings.append(node.peer_id)
+        return await request(self, node, message, *args, **kwargs)
+
+    monkeypatch.setattr(DHTProtocol, "_request", counting)
+    net = MemoryNetwork(latency=0.01)
+    owner = Identity.from_seed(b"a" * 32)
+    b_identity, c_identity = _two_in_one_bucket(owner, range(1, 100))
+    config = PeerConfig(dht=DHTConfig(k=1))
+    with trio.fail_after(600):
+        async with AsyncExitStack() as stack:
+            a = await stack.enter_async_context(
+                open_peer(
+                    "10.0.0.1:1000",
+                    identity=owner,
+                    config=config,
+                    network=net.interface("10.0.0.1"),
+                )
+            )
+            b, _c = [
+                await stack.enter_async_context(
+                    open_peer(
+                        f"10.0.0.{host}:1000",
+                        [a.address],
+                        identity=identity,
+                        config=config,
+                        network=net.interface(f"10.0.0.{host}"),
+                    )
+                )
+                for host, identity in ((2, b_identity), (3, c_identity))
+            ]
+            b_info = NodeInfo(b.peer_id, "10.0.0.2:1000")
+            pings.clear()
+            net.slow_host("10.0.0.2", 0.2)
+            async with trio.open_nursery() as nursery:
+                for target in range(20):
+                    nursery.start_soon(a.dht.protocol.find_node, b_info, DHTID(12345 + target))
+                await trio.sleep(0.1)
+                if how == "reset":
+                    assert net.drop_connections("10.0.0.2", "10.0.0.1") == 1
+                else:
+                    net.kill_host("10.0.0.2")
+            net.slow_host("10.0.0.2", 0.0)
+            await trio.sleep(2)
+            assert (b.peer_id in a.dht.table) == (how == "reset")
+            # (a peer that left is pinged again later, to see it back: one more)
+            assert pings.count(b.peer_id) <= (1 if how == "reset" else 2)

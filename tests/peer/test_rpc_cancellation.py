@@ -50,7 +50,7 @@ def assert_settled(*hosts: RpcHost) -> None:
         for connection in host._connections:
             assert not connection._pending, (host, connection._pending)
             assert not connection._incoming, (host, connection._incoming)
-            assert connection._call_slots.value == connection.max_inflight_requests
+            assert connection._call_slots.value == connection.call_slots
 
 
 async def test_leaving_a_stream_early_keeps_the_connection_for_other_calls(

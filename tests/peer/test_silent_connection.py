@@ -15,6 +15,7 @@ import pytest
 import trio
 import trio.testing
 
+from peer.errors import PeerUnavailableError
 from peer.host import HostConfig, RpcHost, open_rpc_host
 from peer.memnet import MemoryNetwork
 from peer.rpc import Reply, Request
@@ -241,3 +242,44 @@ async def test_a_live_peer_holding_every_call_slot_keeps_the_connection(
                 nursery.start_soon(slow)  # waits for a slot
         assert results == [{"delay": 30.0}] * 4
         assert b.connections_opened == opened
+
+
+async def test_a_dead_link_under_steady_calls_closes_on_time(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Callers at a steady pace on a dead link, more than the call slots: the probe waited
+    for a slot behind them, gave up, and the connection stayed open another silence
+    timeout and more (65 s against the 46 s the rule promises; a review). A slot is kept
+    for the probe (of 16 or more)."""
+    net = MemoryNetwork(latency=0.01)
+    config = HostConfig(max_inflight_requests=128, silence_timeout=10.0)
+    async with (
+        open_rpc_host(ID_A, listen=Address("a", 1), network=net.interface("a"), config=config) as a,
+        open_rpc_host(ID_B, listen=None, network=net.interface("b"), config=config) as b,
+    ):
+        a.register("echo", _echo)
+        address = a.listen_address
+        assert address is not None
+        await b.call(address, "echo", {})
+        net.freeze_host("a")
+        start = trio.current_time()
+        closed = trio.Event()
+
+        async def caller(offset: float) -> None:
+            await trio.sleep(offset)
+            while not closed.is_set():
+                with trio.move_on_after(30.0):
+                    try:
+                        await b.call(address, "echo", {})
+                    except PeerUnavailableError:
+                        await trio.sleep(0.1)
+
+        with trio.fail_after(120):
+            async with trio.open_nursery() as nursery:
+                for i in range(256):
+                    nursery.start_soon(caller, i * 30.0 / 256)
+                await b.disconnected.wait()  # (set as the connection ends)
+                closed.set()
+                nursery.cancel_scope.cancel()
+        # the first call ends unanswered at 30 s; the probe then waits half the timeout
+        assert trio.current_time() - start <= 30.0 + 10.0 * 1.5 + 1.0
