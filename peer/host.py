@@ -23,9 +23,8 @@ Rules:
   connections are never closed for it. Over ``max_connections`` in all, the oldest
   connection still in its handshake a second after it opened is cut off to make room
   (connections that send nothing must not lock every other peer out; one we had not
-  answered yet gets the busy signal, as refused ones do); else, when the newcomer's host
-  has 4 in their handshake, the oldest of those; else the inbound connection idle the
-  longest gives its slot; else, when no connection is idle, the oldest handshake; failing
+  answered yet gets the busy signal, as refused ones do); else the inbound connection idle
+  the longest gives its slot; else, when no connection is idle, the oldest handshake; failing
   all, the new one is closed at once. An idle connection closes for a newcomer (after a
   ``bye``) only once the newcomer's handshake has completed, each idle connection for one
   newcomer at a time, so that connections that send nothing close none (up to 4 newcomers
@@ -100,13 +99,13 @@ _MAX_REMEMBERED_ADDRESSES = 4096
 _EVICT_AFTER = 1.0
 """Seconds an inbound connection must have been idle to be closed for a newcomer when every
 slot is taken (a flood of new connections must not evict each other at once)."""
-_OWN_HANDSHAKES_FIRST = 4
-"""Handshakes in progress from a newcomer's own host beyond which a full node cuts off the
-oldest of them for it, rather than close an idle connection (see ``_handle_inbound``)."""
+_ONE_HOSTS_WAITING = 4
+"""Newcomers of one host at most that wait at once for an idle connection's slot (see
+``_DEFERRED_EVICTIONS``); beyond, that host's next newcomers are turned away, told busy."""
 _DEFERRED_EVICTIONS = 16
 """Newcomers at most, at a node with every slot taken, whose handshakes go on while an idle
-connection waits to give them its slot once they complete (``_OWN_HANDSHAKES_FIRST`` of
-them from one host at its own limit): a connection that never completes its handshake then
+connection waits to give them its slot once they complete (``_ONE_HOSTS_WAITING`` of
+them from one host): a connection that never completes its handshake then
 closes no honest one (a silent flood, one connection from each of many hosts, closed an
 idle connection each; a review). Beyond, the oldest of them is cut off for a newcomer. The
 node so holds up to this many sockets over ``max_connections``, within the files that
@@ -171,6 +170,7 @@ class RpcHost:
         # those of them let in at a full node (or at their host's limit), each to take an
         # idle connection's slot once done -> their host group, or None at a full node
         self._deferred: dict[trio.CancelScope, str | None] = {}
+        self._cut_waited = False  # the handshake just cut off waited so (see _cut_off)
         # Inbound connections per host (or /64), handshakes included; one closed for a
         # newcomer from its host counts until its handler has finished (the newcomer in its
         # slot makes the host one over meanwhile), so each one is counted down once.
@@ -445,7 +445,8 @@ class RpcHost:
             # the PeerID): its connection serves when it proves the PeerID we name, if any
             # (two spellings of one peer made two dials, two connections; a review). Its
             # failure is ours too (a second dial doubled the wait for an unreachable host,
-            # a review of the fix), unless it failed to prove a PeerID that we do not ask.
+            # a review of the fix), unless it failed to prove a PeerID that we do not ask
+            # (it asked another: the same HOST:PORT named under an old and a new key).
             await other.done.wait()
             if (connection := self._pooled(address)) is not None:
                 return connection
@@ -454,10 +455,7 @@ class RpcHost:
                     f"cannot reach {address}: {address.hostport} proved another PeerID, "
                     f"{other.connection.peer_id.short()}"
                 )
-            if address.peer_id is not None or not _identity_mismatch(other.error):
-                dial = other
-            else:
-                dial = self._dials.get(key)
+            dial = self._dials.get(key) if _identity_mismatch(other.error) else other
         if dial is None:
             dial = self._dials[key] = _Dial()
             self._dialing.setdefault(address.hostport, dial)
@@ -632,7 +630,9 @@ class RpcHost:
         # handshake completes (see _DEFERRED_EVICTIONS): its host, or any (None).
         deferred: tuple[str | None] | None = None
         over = True  # let in with every slot taken: it needs one once its handshake completes
-        if self._per_host[group] >= config.max_connections_per_ip:
+        at_host_limit = self._per_host[group] >= config.max_connections_per_ip
+        self._cut_waited = False
+        if at_host_limit:
             # The host's own stalled handshake, else its idle connection once the newcomer's
             # handshake completes (at most a few at once: then the oldest of those is cut);
             # never an idle connection for a newcomer whose handshake has not completed
@@ -645,19 +645,15 @@ class RpcHost:
                 await turn_away(raw)
                 return
         elif len(self._handshakes) + len(self._connections) >= self.max_connections:
-            # A stalled handshake first; then, when the newcomer's own host has several
-            # in progress, the oldest of those (a burst of silent connections from one
-            # host makes room among its own after a few; cutting its own at once had
-            # honest peers of one host, a NAT or loopback, cut each other off); then an
-            # idle connection once the handshake completes; a young handshake only when
-            # no connection is idle (cut first, each newcomer of a burst cut off the one
-            # before it, while idle connections could make room)
-            if self._cut_off_oldest_handshake(min_age=_EVICT_AFTER) or (
-                self._handshakes_from(group) >= _OWN_HANDSHAKES_FIRST
-                and self._cut_off_oldest_handshake(group=group)
-            ):
+            # A stalled handshake first; then an idle connection once the handshake
+            # completes (4 newcomers of one host at most: a NAT's crowd cutting off its
+            # own oldest handshakes, often answered already, so not told busy, failed
+            # 29 of 100 joins; a review); a young handshake only when no connection is
+            # idle (cut first, each newcomer of a burst cut off the one before it, while
+            # idle connections could make room)
+            if self._cut_off_oldest_handshake(min_age=_EVICT_AFTER):
                 pass
-            elif self._can_defer(None) or self._cut_off_oldest_deferred(None):
+            elif self._can_defer(None, host=group) or self._cut_off_oldest_deferred(None):
                 deferred = (None,)
             elif self._idle_inbound() or not self._cut_off_oldest_handshake():
                 # (each idle one promised to a newcomer in its handshake: a flood of silent
@@ -667,6 +663,11 @@ class RpcHost:
                 return
         else:
             over = False
+        if self._cut_waited and deferred is None:
+            # in the place of one that waited for an idle slot: this one waits so too
+            # (else the handshakes over the limit grew by 16 a second under a flood of
+            # silent connections from new hosts, each cutting a stalled one; a review)
+            deferred = (group if at_host_limit else None,)
         self._per_host[group] += 1
         handshake = trio.CancelScope(deadline=trio.current_time() + config.handshake_timeout)
         self._handshakes[handshake] = (host, trio.current_time())
@@ -700,26 +701,36 @@ class RpcHost:
             if not self._per_host[group]:
                 del self._per_host[group]
 
-    def _can_defer(self, group: str | None) -> bool:
-        """Whether a newcomer at a full node (at ``group``'s limit, when given) may go on
-        with its handshake and take an idle connection's slot once it completes: fewer
-        such newcomers are in progress than the cap (``_DEFERRED_EVICTIONS``, or
-        ``_OWN_HANDSHAKES_FIRST`` for one host) and than the idle connections there."""
+    def _can_defer(self, group: str | None, host: str | None = None) -> bool:
+        """Whether a newcomer at a full node (at ``group``'s limit, when given; from
+        ``host``, a host group) may go on with its handshake and take an idle connection's
+        slot once it completes: fewer such newcomers are in progress than the caps
+        (``_DEFERRED_EVICTIONS`` in all, with the handshakes over the limit in all;
+        ``_ONE_HOSTS_WAITING`` for one host) and than the idle connections there."""
         if len(self._deferred) >= _DEFERRED_EVICTIONS:  # (bounds the files held over the limit)
             return False
+        if len(self._handshakes) + len(self._connections) >= (
+            self.max_connections + _DEFERRED_EVICTIONS
+        ):
+            return False
         if group is None:
-            waiting, cap = len(self._deferred), _DEFERRED_EVICTIONS
+            waiting = len(self._deferred)
+            if host is not None:
+                mine = sum(host_group(self._handshakes[h][0]) == host for h in self._deferred)
+                if mine >= _ONE_HOSTS_WAITING:
+                    return False
         else:
             waiting = sum(scope == group for scope in self._deferred.values())
-            cap = _OWN_HANDSHAKES_FIRST
-        return waiting < cap and len(self._idle_inbound(group)) > waiting
+            if waiting >= _ONE_HOSTS_WAITING:
+                return False
+        return len(self._idle_inbound(group)) > waiting
 
     def _cut_off_oldest_deferred(self, group: str | None) -> bool:
         """Cut off the oldest handshake waiting for an idle connection's slot (of
         ``group``'s, when given) when as many wait as the cap allows (see
         :meth:`_can_defer`): the newcomer then waits in its place. False otherwise."""
         waiting = [h for h, scope in self._deferred.items() if group is None or scope == group]
-        cap = _DEFERRED_EVICTIONS if group is None else _OWN_HANDSHAKES_FIRST
+        cap = _DEFERRED_EVICTIONS if group is None else _ONE_HOSTS_WAITING
         if len(waiting) < cap:
             return False
         logger.debug("%r: all slots taken, cutting off a handshake that waited for one", self)
@@ -732,7 +743,9 @@ class RpcHost:
         left in ``_deferred`` meanwhile, it was cut off a second time, a KeyError that
         took the host down; a review)."""
         del self._handshakes[handshake]
-        self._deferred.pop(handshake, None)
+        if handshake in self._deferred:
+            del self._deferred[handshake]
+            self._cut_waited = True  # the newcomer taking its place waits so (see the caller)
         handshake.cancel()
 
     def _make_room(self, group: str) -> bool:
@@ -741,18 +754,15 @@ class RpcHost:
         those closing not counted), or an idle inbound connection closes to give it one."""
         limit = self.config.max_connections_per_ip
         mine = self._inbound.get(group, [])
-        crowded = len(mine) >= limit and sum(not c.closing for c in mine) >= limit
-        if crowded and not self._evict_idle_inbound(group):
-            return False
+        if len(mine) >= limit and sum(not c.closing for c in mine) >= limit:
+            # its host's idle connection frees a slot in all too (another host's was
+            # closed as well when our own dials held the node over its limit; a review)
+            return self._evict_idle_inbound(group)
         if len(self._connections) >= self.max_connections:
             live = sum(not c.closing for c in self._connections)
             if live >= self.max_connections and not self._evict_idle_inbound():
                 return False
         return True
-
-    def _handshakes_from(self, group: str) -> int:
-        """Handshakes in progress from remote host ``group``."""
-        return sum(host_group(host) == group for host, _ in self._handshakes.values())
 
     def _cut_off_oldest_handshake(self, min_age: float = 0.0, group: str | None = None) -> bool:
         """Make room for a new inbound connection: cancel the oldest handshake in progress

@@ -155,6 +155,34 @@ async def test_a_call_waiting_on_a_dial_under_the_other_name_fails_with_it(
         assert net.connections_opened == 0
 
 
+async def test_a_call_naming_the_right_peer_id_is_not_failed_by_one_naming_a_stale_one(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Calls to one HOST:PORT under an old PeerID (a stale contact) and the new one (the
+    peer restarted there with a new key): the second waited for the first's dial and took
+    its identity failure as its own (a review)."""
+    net = MemoryNetwork(latency=0.01)
+    async with (
+        open_rpc_host(ID_A, listen=Address("a", 1), network=net.interface("a")) as a,
+        open_rpc_host(ID_B, listen=None, network=net.interface("b")) as b,
+    ):
+        a.register("whoami", whoami)
+        outcome: dict[str, object] = {}
+
+        async def call(name: str, address: Address) -> None:
+            try:
+                outcome[name] = (await b.call(address, "whoami")).body["caller"]
+            except PeerUnavailableError:
+                outcome[name] = "unavailable"
+
+        with trio.fail_after(5):
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(call, "stale", Address("a", 1, ID_C.peer_id))
+                await trio.testing.wait_all_tasks_blocked()
+                nursery.start_soon(call, "right", Address("a", 1, ID_A.peer_id))
+        assert outcome == {"stale": "unavailable", "right": ID_B.peer_id.to_base58()}
+
+
 async def test_inbound_connection_serves_outbound_calls(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
