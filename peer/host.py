@@ -24,18 +24,18 @@ Rules:
   connection still in its handshake a second after it opened is cut off to make room
   (connections that send nothing must not lock every other peer out; one we had not
   answered yet gets the busy signal, as refused ones do); else the inbound connection idle
-  the longest gives its slot; else, when no connection is idle, the oldest handshake; failing
-  all, the new one is closed at once. An idle connection closes for a newcomer (after a
+  the longest gives its slot; failing both, the new one is closed at once, after the busy
+  signal (a younger handshake is never cut for it: answered already, most likely, its
+  dialer would not be told busy). An idle connection closes for a newcomer (after a
   ``bye``) only once the newcomer's handshake has completed, each idle connection for one
   newcomer at a time, so that connections that send nothing close none (up to 4 newcomers
-  of one host wait so at once, 16 in all; beyond, the oldest of them is cut off; while
-  every idle connection is promised, newcomers are turned away); when it got busy
-  meanwhile, the newcomer is closed after a ``bye`` instead (its dialer sends what crossed
-  it again on a fresh connection). A handshake not done within
-  ``handshake_timeout`` is cut off. A host that opens connections faster than
-  ``handshake_rate_per_ip`` per second (beyond a burst of ``handshake_burst_per_ip``) has
-  the new ones closed at once, before the handshake's CPU is spent on them (loopback
-  addresses only with ``rate_limit_loopback``).
+  of one host wait so at once, 16 in all; beyond, or while every idle connection is
+  promised, newcomers are turned away); when it got busy meanwhile, the newcomer is closed
+  after a ``bye`` instead (its dialer sends what crossed it again on a fresh connection).
+  A handshake not done within ``handshake_timeout`` is cut off. A host that opens
+  connections faster than ``handshake_rate_per_ip`` per second (beyond a burst of
+  ``handshake_burst_per_ip``) has the new ones closed at once, before the handshake's CPU
+  is spent on them (loopback addresses only with ``rate_limit_loopback``).
 - A peer that stops reading what we send is cut off once a write to it has stalled for
   ``send_timeout`` (checked every quarter of it; the idle timer spares a connection with
   calls in flight, so it would otherwise keep its connection slot, its requests and their
@@ -634,11 +634,13 @@ class RpcHost:
         self._cut_waited = False
         if at_host_limit:
             # The host's own stalled handshake, else its idle connection once the newcomer's
-            # handshake completes (at most a few at once: then the oldest of those is cut);
-            # never an idle connection for a newcomer whose handshake has not completed
+            # handshake completes (at most a few at once: then it is told busy; cutting the
+            # oldest waiting one instead cut handshakes answered already, so not told busy,
+            # and 56 of 60 joins from one NAT at its limit failed; a review); never an idle
+            # connection for a newcomer whose handshake has not completed
             if self._cut_off_stalled_handshake(group):
                 pass
-            elif self._can_defer(group) or self._cut_off_oldest_deferred(group):
+            elif self._can_defer(group):
                 deferred = (group,)
             else:
                 logger.debug("%r: refusing %s: too many connections from it", self, host)
@@ -646,18 +648,17 @@ class RpcHost:
                 return
         elif len(self._handshakes) + len(self._connections) >= self.max_connections:
             # A stalled handshake first; then an idle connection once the handshake
-            # completes (4 newcomers of one host at most: a NAT's crowd cutting off its
-            # own oldest handshakes, often answered already, so not told busy, failed
-            # 29 of 100 joins; a review); a young handshake only when no connection is
-            # idle (cut first, each newcomer of a burst cut off the one before it, while
-            # idle connections could make room)
+            # completes (16 newcomers at most, 4 of one host); else the newcomer is told
+            # busy. A younger handshake is never cut for it: answered already, most
+            # likely, so its dialer would not be told busy (a NAT's crowd cutting off its
+            # own oldest failed 29 of 100 joins, a review; the oldest waiting one, 44 of
+            # 60 calls, another), and a flood of silent connections larger than the idle
+            # ones closed one each (a review of the first fix)
             if self._cut_off_oldest_handshake(min_age=_EVICT_AFTER):
                 pass
-            elif self._can_defer(None, host=group) or self._cut_off_oldest_deferred(None):
+            elif self._can_defer(None, host=group):
                 deferred = (None,)
-            elif self._idle_inbound() or not self._cut_off_oldest_handshake():
-                # (each idle one promised to a newcomer in its handshake: a flood of silent
-                # connections larger than them closed one each, a review of the first fix)
+            else:
                 logger.debug("%r: refusing %s: %d connections", self, host, self.max_connections)
                 await turn_away(raw)
                 return
@@ -724,18 +725,6 @@ class RpcHost:
             if waiting >= _ONE_HOSTS_WAITING:
                 return False
         return len(self._idle_inbound(group)) > waiting
-
-    def _cut_off_oldest_deferred(self, group: str | None) -> bool:
-        """Cut off the oldest handshake waiting for an idle connection's slot (of
-        ``group``'s, when given) when as many wait as the cap allows (see
-        :meth:`_can_defer`): the newcomer then waits in its place. False otherwise."""
-        waiting = [h for h, scope in self._deferred.items() if group is None or scope == group]
-        cap = _DEFERRED_EVICTIONS if group is None else _ONE_HOSTS_WAITING
-        if len(waiting) < cap:
-            return False
-        logger.debug("%r: all slots taken, cutting off a handshake that waited for one", self)
-        self._cut_off(waiting[0])  # oldest first
-        return True
 
     def _cut_off(self, handshake: trio.CancelScope) -> None:
         """Cancel an inbound handshake to make room (it then says busy); it no longer

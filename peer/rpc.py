@@ -407,9 +407,13 @@ class RpcConnection:
         now, received = trio.current_time(), self.last_received
         if self._unanswered_since is not None and received > self._unanswered_since:
             self._unanswered_since = None  # the peer spoke since: slow, not gone
-        if received > sent_at or now - sent_at < min(1.0, self.silence_timeout / 4):
-            return
         if self._unanswered_since is None:
+            # only a call that waited long enough starts the clock; once it runs, any call
+            # ending unanswered checks it (calls queued for a slot on a dead link spent
+            # their deadlines waiting, went out for under a second each, and the clock,
+            # started once, was never checked again; a review)
+            if received > sent_at or now - sent_at < min(1.0, self.silence_timeout / 4):
+                return
             self._unanswered_since = sent_at
         silent = now - self._unanswered_since
         if silent >= self.silence_timeout and not self._probing and self._tasks is not None:

@@ -338,9 +338,12 @@ class DHTProtocol:
         of senders that need checking, forever (a maintenance task)."""
 
         async def worker(receive: trio.MemoryReceiveChannel[NodeInfo]) -> None:
-            async for node in receive:
-                if node.peer_id not in self.table:
-                    self._checking.discard(node.peer_id)
+            async for queued in receive:
+                # at the address the table holds now: a contact learnt at a new address
+                # while its ping waited was evicted by the ping to its old one (a review)
+                node = self.table.get(queued.peer_id)
+                if node is None:
+                    self._checking.discard(queued.peer_id)
                     continue  # it left meanwhile (a ping queued per failed call, before)
                 try:
                     ping = PingRequest(self.sender)

@@ -7,6 +7,7 @@ one reset connection evicted a live contact without the promised ping.
 
 from __future__ import annotations
 
+import math
 from contextlib import AsyncExitStack
 from typing import Any
 
@@ -16,12 +17,15 @@ import trio.testing
 
 from peer.dht import DHTConfig
 from peer.dht.protocol import CLIENT_RECHECK, DHTProtocol
+from peer.dht.routing import RoutingTable
+from peer.errors import PeerUnavailableError
 from peer.memnet import MemoryNetwork
 from peer.node import Peer, PeerConfig, open_peer
+from peer.rpc import Reply
 from protocol.address import Address
 from protocol.dhtid import DHTID
 from protocol.identity import Identity, PeerID
-from protocol.messages import NodeInfo, PingRequest
+from protocol.messages import NodeInfo, PingRequest, PingResponse
 
 P = Identity.from_seed(b"p" * 32)
 
@@ -248,3 +252,45 @@ async def test_one_failure_under_many_calls_costs_one_ping(
             assert (b.peer_id in a.dht.table) == (how == "reset")
             # (a peer that left is pinged again later, to see it back: one more)
             assert pings.count(b.peer_id) <= (1 if how == "reset" else 2)
+
+
+class _MovedHost:
+    """A host where nothing listens at 10.0.0.1 any more and a ping at 10.0.0.2 answers."""
+
+    def __init__(self) -> None:
+        self.calls: list[str] = []
+
+    async def call(self, address: Address, method: str, body: Any) -> Reply:
+        await trio.sleep(0.01)
+        self.calls.append(address.hostport)
+        if address.host == "10.0.0.1":
+            raise PeerUnavailableError("connection refused")
+        return Reply(PingResponse().to_body())
+
+    def last_heard(self, peer_id: PeerID) -> float:
+        return -math.inf
+
+    def dialed(self, address: Address) -> bool:
+        return True
+
+
+async def test_a_ping_queued_for_an_old_address_goes_to_the_new_one(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A ping queued for a contact at its old address, the contact learnt at a new one
+    meanwhile (its next failure not queued again: one ping at a time): the ping went to
+    the old address, failed, and evicted the live contact (a review)."""
+    table = RoutingTable(DHTID.from_peer_id(Identity.from_seed(b"o" * 32).peer_id), k=20)
+    host = _MovedHost()
+    protocol = DHTProtocol(host, table, None, DHTConfig(), sender="10.0.0.9:1000")  # type: ignore[arg-type]
+    table.update(NodeInfo(P.peer_id, "10.0.0.1:1000"), trio.current_time())
+    protocol.check_alive(P.peer_id)  # a reset: queued while it was at 10.0.0.1
+    protocol.learn(NodeInfo(P.peer_id, "10.0.0.2:1000"))  # back elsewhere, proven there
+    protocol.check_alive(P.peer_id)  # a failure there: one ping at a time, not queued
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(protocol.run_pings)
+            await trio.sleep(10)
+            nursery.cancel_scope.cancel()
+    assert host.calls == ["10.0.0.2:1000"]
+    assert P.peer_id in table
