@@ -24,13 +24,15 @@ Rules:
   connection still in its handshake a second after it opened is cut off to make room
   (connections that send nothing must not lock every other peer out; one we had not
   answered yet gets the busy signal, as refused ones do); else the inbound connection idle
-  the longest gives its slot; failing both, the new one is closed at once, after the busy
-  signal (a younger handshake is never cut for it: answered already, most likely, its
+  the longest gives its slot; else the oldest handshake not answered yet (a connection that
+  sent nothing we could answer, told busy); failing all, the new one is closed at once,
+  after the busy signal (a handshake we answered is never cut for it before it stalls: its
   dialer would not be told busy). An idle connection closes for a newcomer (after a
   ``bye``) only once the newcomer's handshake has completed, each idle connection for one
   newcomer at a time, so that connections that send nothing close none (up to 4 newcomers
   of one host wait so at once, 16 in all; beyond, or while every idle connection is
-  promised, newcomers are turned away); when it got busy meanwhile, the newcomer is closed
+  promised, a newcomer takes the place of the oldest handshake not answered yet, or is
+  turned away); when it got busy meanwhile, the newcomer is closed
   after a ``bye`` instead (its dialer sends what crossed it again on a fresh connection).
   A handshake not done within ``handshake_timeout`` is cut off. A host that opens
   connections faster than ``handshake_rate_per_ip`` per second (beyond a burst of
@@ -171,6 +173,7 @@ class RpcHost:
         # idle connection's slot once done -> their host group, or None at a full node
         self._deferred: dict[trio.CancelScope, str | None] = {}
         self._cut_waited = False  # the handshake just cut off waited so (see _cut_off)
+        self._answered: set[trio.CancelScope] = set()  # handshakes we replied to
         # Inbound connections per host (or /64), handshakes included; one closed for a
         # newcomer from its host counts until its handler has finished (the newcomer in its
         # slot makes the host one over meanwhile), so each one is counted down once.
@@ -642,6 +645,8 @@ class RpcHost:
                 pass
             elif self._can_defer(group):
                 deferred = (group,)
+            elif self._cut_off_unanswered(group):
+                pass  # (in its place: waiting for an idle slot if it did, see below)
             else:
                 logger.debug("%r: refusing %s: too many connections from it", self, host)
                 await turn_away(raw)
@@ -658,6 +663,8 @@ class RpcHost:
                 pass
             elif self._can_defer(None, host=group):
                 deferred = (None,)
+            elif self._cut_off_unanswered():
+                pass
             else:
                 logger.debug("%r: refusing %s: %d connections", self, host, self.max_connections)
                 await turn_away(raw)
@@ -683,10 +690,12 @@ class RpcHost:
                         initiator=False,
                         # cut off to make room (not timed out, not closing): say busy
                         busy_if_cancelled=lambda: handshake not in self._handshakes,
+                        on_reply=lambda: self._answered.add(handshake),
                     )
             finally:
                 self._handshakes.pop(handshake, None)
                 self._deferred.pop(handshake, None)
+                self._answered.discard(handshake)
             if handshake.cancelled_caught:  # too slow, or cut off to make room
                 logger.debug("%r: handshake with %s cut off", self, host)
                 return
@@ -725,6 +734,28 @@ class RpcHost:
             if waiting >= _ONE_HOSTS_WAITING:
                 return False
         return len(self._idle_inbound(group)) > waiting
+
+    def _cut_off_unanswered(self, group: str | None = None) -> bool:
+        """Make room for a newcomer: cut off the oldest handshake in progress (from
+        ``group``, when given) that we have not replied to yet, whatever its age: its
+        dialer sent nothing we could answer (a silent connection), and is told busy. One
+        we replied to is cut off only once stalled: its dialer would not be told busy (a
+        NAT's crowd so cut failed 56 of 60 joins), while refusing newcomers whenever the
+        waiting places were full let a flood of young silent connections keep fresh
+        peers out (48 of 50; a review). False when there is none such."""
+        found = next(
+            (
+                handshake
+                for handshake, (host, _) in self._handshakes.items()  # oldest first
+                if handshake not in self._answered and (group is None or host_group(host) == group)
+            ),
+            None,
+        )
+        if found is None:
+            return False
+        logger.debug("%r: all slots taken, cutting off a handshake not answered yet", self)
+        self._cut_off(found)
+        return True
 
     def _cut_off(self, handshake: trio.CancelScope) -> None:
         """Cancel an inbound handshake to make room (it then says busy); it no longer

@@ -373,13 +373,15 @@ async def secure_handshake(
     initiator: bool,
     expected_peer_id: PeerID | None = None,
     busy_if_cancelled: Callable[[], bool] | None = None,
+    on_reply: Callable[[], None] | None = None,
 ) -> SecureStream:
     """Run the Noise XX handshake on ``stream`` and return the secure stream.
 
     Not bounded in time: wrap it in a cancel scope. On any failure (including
     cancellation) ``stream`` is closed. A responder cancelled before its reply sends
     ``BUSY_SIGNAL`` first when ``busy_if_cancelled()`` says so (it was cut off to make
-    room: the dialer should count us as busy, not gone).
+    room: the dialer should count us as busy, not gone). ``on_reply()`` is called as a
+    responder's reply first goes out (from then on, a cut off says nothing).
 
     Raises:
         PeerUnavailableError: the peer closed the stream, sent something invalid, or proved
@@ -395,6 +397,8 @@ async def secure_handshake(
         handshake = NoiseHandshake(identity, initiator=initiator, expected_peer_id=expected_peer_id)
         while not handshake.complete:
             if out := handshake.data_to_send():
+                if not replied and on_reply is not None:
+                    on_reply()
                 replied = True
                 await stream.send_all(out)
             data = await stream.receive_some(_HANDSHAKE_READ)

@@ -350,7 +350,10 @@ class DHTProtocol:
                     response, busy = await self._request(node, ping, PingResponse)
                 finally:
                     self._checking.discard(node.peer_id)
-                known = node.peer_id in self.table  # a failed ping may have evicted it already
+                now_held = self.table.get(node.peer_id)
+                known = now_held is not None  # a failed ping may have evicted it already
+                if now_held is not None and now_held.address != node.address:
+                    continue  # it moved while the ping was under way: says nothing of it
                 if busy:  # kept, but not refreshed: it has not answered
                     self.table.ping_result(node.peer_id, alive=None, now=self._now())
                     continue
@@ -623,8 +626,13 @@ class DHTProtocol:
     def record_failure(self, node: NodeInfo, *, timed_out: bool, unreachable: bool = False) -> None:
         """Count a failed or timed-out request against ``node`` (see the routing table's
         rules; ``unreachable``: a refused dial or a broken connection, then pinged where a
-        replacement waits); logs when that takes it out of the table."""
-        known = node.peer_id in self.table
+        replacement waits); logs when that takes it out of the table. A failure at an
+        address the table no longer holds for the node says nothing of it (it moved while
+        the request was under way: a ping to its old address evicted it; a review)."""
+        current = self.table.get(node.peer_id)
+        if current is not None and current.address != node.address:
+            return
+        known = current is not None
         if self.table.record_failure(node.peer_id, timed_out=timed_out, unreachable=unreachable):
             self.check_alive(node.peer_id)
         if known and node.peer_id not in self.table:

@@ -1,7 +1,8 @@
 """A handshake cut off to make room for a newer connection (it stalled: a second without
 completing) says "busy" (``BUSY_SIGNAL``) when we had not answered yet, as a refused
 connection does; one that timed out, or that we had already answered, is just closed. A
-younger handshake is never cut for a newcomer: the newcomer is told busy instead."""
+handshake we answered is never cut for a newcomer before it stalls: the newcomer is told
+busy instead (one not answered yet, a silent connection, may be cut at any age)."""
 
 from __future__ import annotations
 

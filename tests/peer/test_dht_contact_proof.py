@@ -257,14 +257,16 @@ async def test_one_failure_under_many_calls_costs_one_ping(
 class _MovedHost:
     """A host where nothing listens at 10.0.0.1 any more and a ping at 10.0.0.2 answers."""
 
-    def __init__(self) -> None:
+    def __init__(self, dead_after: float = 0.01) -> None:
         self.calls: list[str] = []
+        self.dead_after = dead_after  # how long a call to 10.0.0.1 takes to fail
 
     async def call(self, address: Address, method: str, body: Any) -> Reply:
-        await trio.sleep(0.01)
         self.calls.append(address.hostport)
         if address.host == "10.0.0.1":
+            await trio.sleep(self.dead_after)
             raise PeerUnavailableError("connection refused")
+        await trio.sleep(0.01)
         return Reply(PingResponse().to_body())
 
     def last_heard(self, peer_id: PeerID) -> float:
@@ -294,3 +296,26 @@ async def test_a_ping_queued_for_an_old_address_goes_to_the_new_one(
             nursery.cancel_scope.cancel()
     assert host.calls == ["10.0.0.2:1000"]
     assert P.peer_id in table
+
+
+async def test_a_contact_learnt_at_a_new_address_while_its_ping_is_under_way_stays(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The usual case of the one above: the ping to the old address is under way (its dial
+    takes seconds to fail) when the contact is proven at its new address; the failure then
+    evicted it (a review). A failure at an address the table no longer holds counts not."""
+    table = RoutingTable(DHTID.from_peer_id(Identity.from_seed(b"o" * 32).peer_id), k=20)
+    host = _MovedHost(dead_after=5.0)
+    protocol = DHTProtocol(host, table, None, DHTConfig(), sender="10.0.0.9:1000")  # type: ignore[arg-type]
+    table.update(NodeInfo(P.peer_id, "10.0.0.1:1000"), trio.current_time())
+    with trio.fail_after(60):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(protocol.run_pings)
+            protocol.check_alive(P.peer_id)  # a call failed: the ping goes out at once
+            await trio.sleep(1)
+            protocol.learn(NodeInfo(P.peer_id, "10.0.0.2:1000"))  # back elsewhere, proven
+            await trio.sleep(10)
+            nursery.cancel_scope.cancel()
+    assert host.calls == ["10.0.0.1:1000"]
+    node = table.get(P.peer_id)
+    assert node is not None and node.address == "10.0.0.2:1000"

@@ -691,3 +691,53 @@ async def test_a_crowd_at_a_full_node_is_served_or_told_busy(
             )
     assert set(outcome) <= {"served", "busy"}, outcome
     assert outcome["served"] >= 4
+
+
+async def test_young_silent_connections_cycled_keep_no_fresh_peer_out(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Silent connections from 24 hosts, each closed after 0.9 s and opened again: while
+    the places to wait for an idle slot were full (and none stalled), every newcomer was
+    told busy (48 of 50 fresh peers at a loopback node; a review). A newcomer now takes the
+    place of the oldest handshake not answered yet."""
+    net = MemoryNetwork(latency=0.02)
+    served: list[bool] = []
+    with trio.fail_after(120):
+        async with AsyncExitStack() as stack:
+            server = await full_node(stack, net, 20)
+            address = server.listen_address
+            assert address is not None
+            stop = trio.Event()
+
+            async def attacker(index: int) -> None:
+                interface = net.interface(f"attacker{index}")
+                await trio.sleep(index * 0.04)
+                while not stop.is_set():
+                    stream = await interface.connect("s", 1)
+                    await trio.sleep(0.9)
+                    await stream.aclose()
+
+            hosts = [
+                await stack.enter_async_context(
+                    open_rpc_host(_identity(300 + i), listen=None, network=net.interface(f"f{i}"))
+                )
+                for i in range(30)
+            ]
+
+            async def fresh(host: RpcHost) -> None:
+                try:
+                    await host.call(address, "ping")
+                    served.append(True)
+                except PeerBusyError:
+                    served.append(False)
+
+            async with trio.open_nursery() as nursery:
+                for index in range(24):
+                    nursery.start_soon(attacker, index)
+                await trio.sleep(2)
+                for host in hosts:
+                    nursery.start_soon(fresh, host)
+                    await trio.sleep(0.3)
+                await trio.sleep(2)
+                stop.set()
+    assert served.count(True) >= 27, served

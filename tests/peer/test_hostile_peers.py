@@ -10,7 +10,6 @@ import trio
 import trio.testing
 from secure_pairs import secure_pair
 
-from peer.errors import PeerBusyError
 from peer.host import HostConfig, open_rpc_host
 from peer.memnet import MemoryNetwork
 from peer.rpc import Reply, Request
@@ -95,9 +94,7 @@ async def test_connections_that_never_handshake_do_not_lock_other_peers_out(
 ) -> None:
     """Silent TCP connections from a few hosts (no crypto, no bytes) filled every slot, and
     each new peer was refused for ``handshake_timeout``, renewable forever. The oldest
-    handshake in progress, once stalled for a second, now makes room (a younger one is not
-    cut for a newcomer, who is told busy meanwhile: answered already, most likely, its
-    dialer would not be told busy)."""
+    handshake in progress now makes room."""
     net = MemoryNetwork()
     config = HostConfig(max_connections=8, max_connections_per_ip=4, handshake_timeout=10.0)
     silent: list[trio.abc.Stream] = []
@@ -115,9 +112,6 @@ async def test_connections_that_never_handshake_do_not_lock_other_peers_out(
                     silent.append(await net.interface(host).connect("s", 1))
             await trio.testing.wait_all_tasks_blocked()
             assert server._handshaking == 8
-            with pytest.raises(PeerBusyError):  # none stalled yet
-                await good.call(server.listen_address, "ping")
-            await trio.sleep(1.1)
             for _ in range(3):  # within the handshake timeout, again and again
                 assert (await good.call(server.listen_address, "ping")).body == {"ok": True}
                 await good.disconnect(server.peer_id)
