@@ -122,28 +122,9 @@ async def test_a_contact_whose_connection_is_reset_mid_call_stays_when_it_answer
     flight at once: three of them counted to ``max_failures`` and evicted B all the same
     (a review of the fix)."""
     net = MemoryNetwork(latency=0.01)
-    owner = Identity.from_seed(b"a" * 32)
-    b_identity, c_identity = _two_in_one_bucket(owner, range(1, 100))
-    config = PeerConfig(dht=DHTConfig(k=1))
     with trio.fail_after(600):
         async with AsyncExitStack() as stack:
-            at = net.interface("10.0.0.1")
-            a = await stack.enter_async_context(
-                open_peer("10.0.0.1:1000", identity=owner, config=config, network=at)
-            )
-            b, c = [
-                await stack.enter_async_context(
-                    open_peer(
-                        f"10.0.0.{host}:1000",
-                        [a.address],
-                        identity=identity,
-                        config=config,
-                        network=net.interface(f"10.0.0.{host}"),
-                    )
-                )
-                for host, identity in ((2, b_identity), (3, c_identity))
-            ]
-            index = a.dht.node_id.bucket_index(DHTID.from_peer_id(b.peer_id))
+            a, b, c, index = await _b_and_its_replacement_c(stack, net)
             b_info = NodeInfo(b.peer_id, "10.0.0.2:1000")
             assert a.dht.table.bucket_nodes(index) == [b_info]
             assert [n.peer_id for n in a.dht.table.replacement_nodes(index)] == [c.peer_id]
@@ -211,31 +192,9 @@ async def test_one_failure_under_many_calls_costs_one_ping(
 
     monkeypatch.setattr(DHTProtocol, "_request", counting)
     net = MemoryNetwork(latency=0.01)
-    owner = Identity.from_seed(b"a" * 32)
-    b_identity, c_identity = _two_in_one_bucket(owner, range(1, 100))
-    config = PeerConfig(dht=DHTConfig(k=1))
     with trio.fail_after(600):
         async with AsyncExitStack() as stack:
-            a = await stack.enter_async_context(
-                open_peer(
-                    "10.0.0.1:1000",
-                    identity=owner,
-                    config=config,
-                    network=net.interface("10.0.0.1"),
-                )
-            )
-            b, _c = [
-                await stack.enter_async_context(
-                    open_peer(
-                        f"10.0.0.{host}:1000",
-                        [a.address],
-                        identity=identity,
-                        config=config,
-                        network=net.interface(f"10.0.0.{host}"),
-                    )
-                )
-                for host, identity in ((2, b_identity), (3, c_identity))
-            ]
+            a, b, _c, _index = await _b_and_its_replacement_c(stack, net)
             b_info = NodeInfo(b.peer_id, "10.0.0.2:1000")
             pings.clear()
             net.slow_host("10.0.0.2", 0.2)
@@ -319,3 +278,29 @@ async def test_a_contact_learnt_at_a_new_address_while_its_ping_is_under_way_sta
     assert host.calls == ["10.0.0.1:1000"]
     node = table.get(P.peer_id)
     assert node is not None and node.address == "10.0.0.2:1000"
+
+
+async def _b_and_its_replacement_c(
+    stack: AsyncExitStack, net: MemoryNetwork
+) -> tuple[Peer, Peer, Peer, int]:
+    """Peers a (10.0.0.1), b and c (10.0.0.2 and .3) with k = 1, b and c in one bucket of
+    a's table: b its contact, c its replacement; and that bucket's index."""
+    owner = Identity.from_seed(b"a" * 32)
+    b_identity, c_identity = _two_in_one_bucket(owner, range(1, 100))
+    config = PeerConfig(dht=DHTConfig(k=1))
+    a = await stack.enter_async_context(
+        open_peer("10.0.0.1:1000", identity=owner, config=config, network=net.interface("10.0.0.1"))
+    )
+    b, c = [
+        await stack.enter_async_context(
+            open_peer(
+                f"10.0.0.{host}:1000",
+                [a.address],
+                identity=identity,
+                config=config,
+                network=net.interface(f"10.0.0.{host}"),
+            )
+        )
+        for host, identity in ((2, b_identity), (3, c_identity))
+    ]
+    return a, b, c, a.dht.node_id.bucket_index(DHTID.from_peer_id(b.peer_id))
