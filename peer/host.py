@@ -637,9 +637,8 @@ class RpcHost:
         self._cut_waited = False
         if at_host_limit:
             # The host's own stalled handshake, else its idle connection once the newcomer's
-            # handshake completes (at most a few at once: then it is told busy; cutting the
-            # oldest waiting one instead cut handshakes answered already, so not told busy,
-            # and 56 of 60 joins from one NAT at its limit failed; a review); never an idle
+            # handshake completes (a few at once), else the place of its oldest handshake
+            # not answered yet, else busy (see _cut_off_unanswered); never an idle
             # connection for a newcomer whose handshake has not completed
             if self._cut_off_stalled_handshake(group):
                 pass
@@ -653,13 +652,12 @@ class RpcHost:
                 return
         elif len(self._handshakes) + len(self._connections) >= self.max_connections:
             # A stalled handshake first; then an idle connection once the handshake
-            # completes (16 newcomers at most, 4 of one host); else the newcomer is told
-            # busy. A younger handshake is never cut for it: answered already, most
-            # likely, so its dialer would not be told busy (a NAT's crowd cutting off its
-            # own oldest failed 29 of 100 joins, a review; the oldest waiting one, 44 of
-            # 60 calls, another), and a flood of silent connections larger than the idle
-            # ones closed one each (a review of the first fix)
-            if self._cut_off_oldest_handshake(min_age=_EVICT_AFTER):
+            # completes (16 newcomers at most, 4 of one host: a flood of silent
+            # connections larger than the idle ones closed one each, a review); then the
+            # place of the oldest handshake not answered yet; else busy. A handshake we
+            # answered is never cut before it stalls: its dialer would not be told busy
+            # (a NAT's crowd cutting off its own oldest failed 29 of 100 joins, a review)
+            if self._cut_off_stalled():
                 pass
             elif self._can_defer(None, host=group):
                 deferred = (None,)
@@ -784,23 +782,16 @@ class RpcHost:
                 return False
         return True
 
-    def _cut_off_oldest_handshake(self, min_age: float = 0.0, group: str | None = None) -> bool:
+    def _cut_off_stalled(self) -> bool:
         """Make room for a new inbound connection: cancel the oldest handshake in progress
-        (from ``group``, when given) when it began ``min_age`` seconds ago or more (a peer
-        that connects and sends nothing holds a slot until ``handshake_timeout``; an honest
-        handshake takes a round trip). False when there is none such."""
-        found = next(
-            (
-                (handshake, host, began)
-                for handshake, (host, began) in self._handshakes.items()  # oldest first
-                if group is None or host_group(host) == group
-            ),
-            None,
-        )
-        if found is None:
+        when it began ``_EVICT_AFTER`` seconds ago or more (a peer that connects and sends
+        nothing holds a slot until ``handshake_timeout``; an honest handshake takes a round
+        trip). False when there is none such."""
+        oldest = next(iter(self._handshakes.items()), None)  # oldest first
+        if oldest is None:
             return False
-        handshake, host, began = found
-        if trio.current_time() - began < min_age:
+        handshake, (host, began) = oldest
+        if trio.current_time() - began < _EVICT_AFTER:
             return False
         logger.debug("%r: all slots taken, cutting off the handshake with %s", self, host)
         self._cut_off(handshake)
