@@ -609,7 +609,7 @@ class RpcHost:
         """Whether to take an inbound connection from ``host`` at all (before any object
         or task is made for it): not when the host already holds
         ``max_connections_per_ip`` of them and none is idle (the handler, which checks
-        again, closes one that is), nor when it opens them faster than
+        again, lets the newcomer wait for one that is), nor when it opens them faster than
         ``handshake_rate_per_ip`` (loopback excepted, see ``HostConfig``)."""
         group = host_group(host)
         at_limit = self._per_host[group] >= self.config.max_connections_per_ip

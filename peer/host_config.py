@@ -17,12 +17,14 @@ class HostConfig:
     max_frame_size: int = DEFAULT_MAX_FRAME_SIZE
     max_connections: int = 1024
     """Connections in all; beyond, a new inbound one takes the slot of the oldest inbound
-    handshake in progress, else of the inbound connection idle the longest, or is refused
-    when there is neither."""
+    handshake stalled for a second, else of the inbound connection idle the longest (once
+    its own handshake completes), else of the oldest handshake not answered yet, or is told
+    busy (``peer.host`` has the whole order)."""
     max_connections_per_ip: int = 128
     """Inbound connections from one remote host (one /64 for IPv6); generous, since NATs
     share addresses. Beyond, a new one from that host takes the slot of the host's own
-    inbound connection idle the longest, or is refused when none of them is idle."""
+    stalled handshake, else of its inbound connection idle the longest (once its own
+    handshake completes), else of its oldest handshake not answered yet, or is told busy."""
     max_inflight_requests: int = MAX_INFLIGHT_REQUESTS
     """Requests a peer may have in flight on one connection; one that exceeds it is dropped.
     The protocol has every peer accept 128 (``protocol.rpc.MAX_INFLIGHT_REQUESTS``), so

@@ -333,8 +333,9 @@ async def test_a_burst_of_newcomers_to_a_full_node_closes_idle_connections_for_t
     """Every slot held by an idle connection; four peers dial 5 ms apart, each handshake
     two round trips long: each newcomer cut off the one before it (its handshake was the
     oldest in progress), and only the last got in, while the idle connections could have
-    made room (a review). A young handshake is cut off only when nothing else can go,
-    from one host (a NAT, loopback) too, up to a few at once (a review of the fix)."""
+    made room (a review). An idle connection now gives each its slot once its handshake
+    completes, from one host (a NAT, loopback) too; a handshake we answered is never cut
+    before it stalls."""
     net = MemoryNetwork(latency=0.02)
     with trio.fail_after(120):
         async with AsyncExitStack() as stack:
