@@ -659,3 +659,37 @@ def test_a_step_alone_after_a_round_that_left_it_out_still_says_why() -> None:
     )
     assert _with_refused(left_out, left_out) is left_out  # its own round: said already
     assert _with_refused(alone, None) is alone
+
+
+async def test_two_peers_stepping_two_prefixes_in_turn_out_of_phase_still_meet(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Each peer steps prefix a, then b, then a...; the second starts a slot after the
+    first, so each is alone in every slot (a at even slots for one, odd for the other: an
+    outside tester's loop stayed so for 8 iterations in 4 runs of 6). A lone peer that sees
+    a peer of its layout in the round before follows into the next round when that peer's
+    PeerID is the greater one, so exactly one of the two waits and they fall into step."""
+    window = 2.0
+    config = fast_config(gather_window=window)
+    with trio.fail_after(120):
+        async with memnet_swarm(2) as (_, nodes):
+            pairs = [
+                [Averager(node, p, [np.ones(4096, np.float32) * i], config=config) for p in "ab"]
+                for i, node in enumerate(nodes)
+            ]
+            outcomes: list[list[Outcome]] = [[], []]
+
+            async def loop(i: int, start: float) -> None:
+                await trio.sleep_until(start)
+                for _ in range(4):
+                    for averager in pairs[i]:
+                        info = await averager.step(timeout=30.0)
+                        outcomes[i].append(info.outcome)
+
+            slot = (trio.current_time() // window + 1) * window  # the next slot's start
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(loop, 0, slot + 0.1)
+                nursery.start_soon(loop, 1, slot + window + 0.1)
+    # in step after a slot or two (the second peer's last steps, once the first is done,
+    # are alone again)
+    assert all(o.count(Outcome.AVERAGED) >= 4 for o in outcomes), outcomes

@@ -260,6 +260,22 @@ def parse_done(entries: Mapping[Any, Any], exclude: str) -> Counter[str | None]:
     return layouts
 
 
+def peers_of_layout(entries: Mapping[Any, Any], layout: str, exclude: str) -> list[PeerID]:
+    """The peers, but ``exclude`` (us), whose valid declaration or "done" marker among DHT
+    ``{subkey: value}`` entries names ``layout``: who stepped in that round with our
+    settings (a subkey is owner-bound, so each entry is its peer's own word)."""
+    out = [d.peer_id for d in parse_declarations(entries) if d.layout == layout]
+    for subkey, value in entries.items():
+        if not isinstance(subkey, str) or not isinstance(value, Mapping):
+            continue
+        if value.get("done") is True and value.get("layout") == layout:
+            try:
+                out.append(PeerID.from_base58(subkey))
+            except ProtocolError:
+                continue
+    return [peer for peer in out if str(peer) != exclude]
+
+
 def _is_layout(value: object) -> bool:
     return isinstance(value, str) and len(value) <= MAX_LAYOUT
 
