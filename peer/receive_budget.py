@@ -19,9 +19,10 @@ whoever handles it, e.g. a reducer within its ``retain_budget``).
 - When the budget (or the host's share) is spent, a reader waits; its peer is not read
   meanwhile, so TCP holds the sender back. Frames get room in the order they asked (a
   large one is not starved by smaller ones), but for one that waits for its own host's
-  share: frames from other hosts go past it. A waiting connection is not taken for a
-  silent peer, but one still waiting ``idle_timeout`` after its frame's header is closed
-  as idle (``peer.rpc``): parked connections must end.
+  share: frames from other hosts go past it. A waiting connection is neither silent nor
+  idle: we send keepalives on it meanwhile (``peer.rpc``), and an honest upload may wait
+  longer than ``idle_timeout`` behind a slow frame. It holds a connection slot, not a
+  buffer; parked connections end once their frame gets room and stalls (below).
 - While a frame waits, frames that are not arriving are cut off to make room (their
   connections end with a protocol error): one that got no byte for ``stall_timeout``, or
   that got less than ``MIN_RATE`` bytes per second on average since it began, once it is

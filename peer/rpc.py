@@ -379,9 +379,11 @@ class RpcConnection:
     def _last_sign_of_use(self) -> float:
         """When the connection was last used: a frame read or written, or, while a frame
         is arriving at 16 KiB/s or more, its last bytes (a 4 MiB frame slower than ~70
-        KiB/s was closed for idleness midway; see ``FrameReader.frame_progress``). A frame
-        that waits for room in the receive budget counts from its header: one still waiting
-        after ``idle_timeout`` is closed, as any idle one."""
+        KiB/s was closed for idleness midway; see ``FrameReader.frame_progress``). While a
+        frame waits for room in the receive budget, the keepalives we write count as use:
+        such a connection is not closed as idle (an honest upload may wait longer than
+        ``idle_timeout`` behind a slow frame); the budget's stall rule ends it once its
+        frame got room and stalls."""
         reader = self._reader
         progress = -math.inf if reader is None else reader.frame_progress()
         return max(self.last_activity, progress)

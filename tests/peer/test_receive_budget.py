@@ -178,8 +178,9 @@ async def test_a_connection_waiting_for_room_is_neither_silent_nor_idle(
 ) -> None:
     """While our reader waits for room, the peer's replies queue behind the frame we have
     not read: calls to it went unanswered and the connection was aborted as silent after
-    10 s (a reviewer), which is not the peer's doing. (A frame still waiting
-    ``idle_timeout`` after its header is closed as idle: parked connections must end.)"""
+    10 s (a reviewer), which is not the peer's doing. (Nor is it closed as idle while it
+    waits: our keepalives go out on it; a parked connection ends once its frame gets room
+    and stalls.)"""
     net = MemoryNetwork()
     config = HostConfig(receive_budget=MIB, idle_timeout=30.0, silence_timeout=5.0)
     holder = Identity.from_seed(b"h" * 32)
