@@ -17,7 +17,7 @@ from __future__ import annotations
 import ipaddress
 import logging
 import os
-from collections.abc import AsyncIterator, Callable, Iterable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 
@@ -75,7 +75,13 @@ class Peer:
     """
 
     def __init__(
-        self, identity: Identity, rpc: RpcHost, dht: DHT, address: str, clock: NetworkClock
+        self,
+        identity: Identity,
+        rpc: RpcHost,
+        dht: DHT,
+        address: str,
+        clock: NetworkClock,
+        nursery: trio.Nursery | None = None,
     ) -> None:
         self.identity = identity
         self.peer_id: PeerID = identity.peer_id
@@ -83,6 +89,30 @@ class Peer:
         self.dht = dht
         self.address = address
         self.clock = clock
+        self._nursery = nursery
+
+    def start_background(
+        self, async_fn: Callable[..., Awaitable[object]], *args: object, name: str | None = None
+    ) -> bool:
+        """Run ``async_fn(*args)`` in the peer's own nursery, beside the caller: it may
+        outlive the caller's task and is cancelled when the peer closes. An exception it
+        raises is logged and ends that task only. For short best-effort follow-ups (a step
+        cut short by its deadline tells the others it left). False, and nothing runs, once
+        the peer is closing."""
+
+        async def guarded() -> None:
+            try:
+                await async_fn(*args)
+            except Exception:
+                logger.warning("background task %s failed", name or async_fn, exc_info=True)
+
+        if self._nursery is None:
+            return False
+        try:
+            self._nursery.start_soon(guarded, name=name or async_fn)
+        except RuntimeError:  # the nursery is closed: the peer is shutting down
+            return False
+        return True
 
     @property
     def client_mode(self) -> bool:
@@ -286,7 +316,7 @@ async def open_peer(
             else:
                 await clock_service.sync()  # before the first round is cut by the clock
                 try:
-                    yield Peer(me, host, dht, address, network_clock)
+                    yield Peer(me, host, dht, address, network_clock, nursery)
                 except BaseException as exc:  # re-raised below, outside the nursery (no group)
                     body_error = exc
                 finally:

@@ -149,3 +149,43 @@ async def test_a_client_without_initial_peers_is_warned(
         ):
             pass
         assert "cannot start a network" not in caplog.text
+
+
+async def test_a_background_task_outlives_its_caller_and_ends_with_the_peer(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``Peer.start_background``: the task runs after the caller's scope ended; an error in
+    it is logged and ends that task only; it is cancelled when the peer closes; once the
+    peer is closed nothing starts."""
+    net = MemoryNetwork()
+    ran: list[str] = []
+
+    async def later(name: str) -> None:
+        await trio.sleep(1.0)
+        ran.append(name)
+
+    async def fails() -> None:
+        raise ValueError("broken follow-up")
+
+    async def forever() -> None:
+        try:
+            await trio.sleep_forever()
+        finally:
+            ran.append("cancelled")
+
+    with trio.fail_after(30):
+        async with open_peer("a:1", network=net.interface("a")) as node:
+
+            async def caller() -> None:  # a task that ends before what it started
+                assert node.start_background(later, "after", name="later")
+                assert node.start_background(fails)
+                assert node.start_background(forever)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(caller)
+            assert ran == []
+            await trio.sleep(2.0)
+            assert ran == ["after"]
+            assert "broken follow-up" in caplog.text
+        assert ran == ["after", "cancelled"]
+        assert not node.start_background(later, "too late")

@@ -16,6 +16,7 @@ from test_averaging_support import fast_config, make_members, memnet_swarm, step
 
 from protocol.identity import Identity, PeerID
 from training import Outcome, PartStatus
+from training.averaging.butterfly import Butterfly
 from training.averaging.grouping import Declaration, round_key
 from training.averaging.plan import Liveness, Plan
 from training.averaging.reducer import DropReason
@@ -95,14 +96,25 @@ async def test_a_busy_client_mode_sender_is_not_frozen_either(
         assert await liveness.probe(OTHER) is DropReason.FROZEN
 
 
+@pytest.mark.parametrize("withdraws", [True, False], ids=["withdraws", "withdrawal-lost"])
 @pytest.mark.parametrize("client_mode", [False, True], ids=["pingable", "client-mode"])
 async def test_a_member_that_left_the_round_but_talks_to_us_is_dropped_at_once(
-    autojump_clock: trio.testing.MockClock, client_mode: bool
+    autojump_clock: trio.testing.MockClock,
+    monkeypatch: pytest.MonkeyPatch,
+    client_mode: bool,
+    withdraws: bool,
 ) -> None:
     """A member's step is cancelled mid-upload (it left the round), and its node goes on
     with DHT traffic to everybody (its next step polls the round key). Bytes from it keep
-    arriving, but it will never send the rest: the survivors drop it as dead within a few
-    stall timeouts, not at the cutoff, and their tensors are what their reports say."""
+    arriving, but it will never send the rest: the survivors drop it (it says it left;
+    without that word, as dead within a few stall timeouts), not at the cutoff, and their
+    tensors are what their reports say."""
+
+    async def lost(self: Butterfly, parts: list[int]) -> None:
+        return None
+
+    if not withdraws:
+        monkeypatch.setattr(Butterfly, "_withdraw", lost)
     with trio.fail_after(300):
         async with memnet_swarm(4) as (_, nodes):
             members = make_members(nodes[:3], SIZE, fast_config(max_inflight=3))
@@ -134,7 +146,9 @@ async def test_a_member_that_left_the_round_but_talks_to_us_is_dropped_at_once(
         for part in info.parts:
             if leaver.peer_id not in part.contributors and part.reducer != leaver.peer_id:
                 assert part.status is PartStatus.SOME
-                assert part.dropped[leaver.peer_id] is DropReason.DEAD, part
+                # it withdrew (timeout), or a ping found it gone first (dead)
+                reasons = (DropReason.DEAD, DropReason.TIMEOUT) if withdraws else (DropReason.DEAD,)
+                assert part.dropped[leaver.peer_id] in reasons, part
 
 
 async def test_a_member_alive_to_pings_that_never_completes_a_chunk_ends_by_the_cutoff(

@@ -661,18 +661,21 @@ def test_a_step_alone_after_a_round_that_left_it_out_still_says_why() -> None:
     assert _with_refused(alone, None) is alone
 
 
+@pytest.mark.parametrize("seed", [1, 50])
 async def test_two_peers_stepping_two_prefixes_in_turn_out_of_phase_still_meet(
-    autojump_clock: trio.testing.MockClock,
+    autojump_clock: trio.testing.MockClock, seed: int
 ) -> None:
     """Each peer steps prefix a, then b, then a...; the second starts a slot after the
     first, so each is alone in every slot (a at even slots for one, odd for the other: an
-    outside tester's loop stayed so for 8 iterations in 4 runs of 6). A lone peer that sees
-    a peer of its layout in the round before follows into the next round when that peer's
-    PeerID is the greater one, so exactly one of the two waits and they fall into step."""
+    outside tester's loop stayed so for 8 iterations in 4 runs of 6). After two lone steps
+    of a prefix, a lone peer that sees a peer of its layout in the rounds before follows
+    into the next round on a coin toss, until the two share a slot (fixed identities: the
+    coins are a hash of PeerID and round; over 29 seeds the pair averaged 0 to 8 of its 12
+    steps, 6.9 on average, and in 28 of them 3 or more)."""
     window = 2.0
     config = fast_config(gather_window=window)
     with trio.fail_after(120):
-        async with memnet_swarm(2) as (_, nodes):
+        async with memnet_swarm(2, first_seed=seed) as (_, nodes):
             pairs = [
                 [Averager(node, p, [np.ones(4096, np.float32) * i], config=config) for p in "ab"]
                 for i, node in enumerate(nodes)
@@ -681,7 +684,7 @@ async def test_two_peers_stepping_two_prefixes_in_turn_out_of_phase_still_meet(
 
             async def loop(i: int, start: float) -> None:
                 await trio.sleep_until(start)
-                for _ in range(4):
+                for _ in range(6):
                     for averager in pairs[i]:
                         info = await averager.step(timeout=30.0)
                         outcomes[i].append(info.outcome)

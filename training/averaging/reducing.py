@@ -179,6 +179,10 @@ class ReducerService:
         if header.part != self.part or sender not in reducer.senders:
             raise RemoteError("bad_request", f"part {header.part} is not reduced here for you")
         if header.abort is not None:
+            if header.abort is DropReason.TIMEOUT:
+                # its step ended (Butterfly._withdraw): it will not fetch our result either,
+                # nor serve its own part
+                self.liveness.mark(sender, DropReason.TIMEOUT)
             self._drop(sender, header.abort)
             return Reply({})
         self._check_pending(sender)
