@@ -167,18 +167,31 @@ class PendingStream:
         self.send.close()
 
 
+AnswerWait = Callable[[Callable[[], Awaitable[Reply]], float], Awaitable[Reply]]
+"""How a caller waits for an answer: ``wait(receive, since)`` awaits ``receive()`` while the
+connection watches for the peer's silence since ``since`` (``RpcConnection._await_answer``)."""
+
+
 class ReplyStream:
     """The items of a streaming reply; raises ``RemoteError``/``PeerUnavailableError``."""
 
-    def __init__(self, pending: PendingStream) -> None:
+    def __init__(
+        self, pending: PendingStream, wait: AnswerWait | None = None, since: float = 0.0
+    ) -> None:
         self._pending = pending
+        self._wait = wait
+        self._since = since  # when the request went out, then when the last item came
 
     def __aiter__(self) -> ReplyStream:
         return self
 
     async def __anext__(self) -> Reply:
         try:
-            item = await self._pending.receive.receive()
+            if self._wait is None:
+                item = await self._pending.receive.receive()
+            else:
+                item = await self._wait(self._pending.receive.receive, self._since)
+                self._since = trio.current_time()
         except trio.EndOfChannel:
             if self._pending.error is not None:
                 raise self._pending.error from self._pending.error.__cause__

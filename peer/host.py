@@ -8,7 +8,8 @@ Rules:
 
 - One connection per peer pair, used both ways: inbound connections serve our outbound calls
   too. When both peers dialed each other at once, both keep using the connection dialed by
-  the peer with the smaller PeerID; the other one idles out.
+  the peer with the smaller PeerID; the other one closes (with a bye) once it has been idle
+  for a second (``RpcConnection.supersede``).
 - Concurrent calls to a peer we are not connected to share one dial. A dial (connect and
   handshake) is bounded by ``dial_timeout``; with ``address.peer_id`` set, the handshake must
   prove that identity.
@@ -575,6 +576,10 @@ class RpcHost:
         current = self._by_peer.get(peer_id)
         if current is None or current.closing or initiator.raw < self._connections[current].raw:
             self._by_peer[peer_id] = connection
+            loser = current
+        else:
+            loser = connection
+        superseded = loser is not None and not loser.closing
         logger.debug("%r: connected to %s at %s", self, peer_id.short(), secure.remote_host)
         if group is not None:
             self._inbound.setdefault(group, []).append(connection)
@@ -582,6 +587,9 @@ class RpcHost:
             logger.debug("%r: no slot left for %s, closing its connection", self, peer_id.short())
             connection.close_idle_nowait(PeerBusyError("every connection slot is taken"))
         try:
+            if superseded:  # (the new one itself, before it runs: its watchdog then starts)
+                assert loser is not None
+                loser.supersede()
             await connection.run(task_status=task_status)
         finally:
             del self._connections[connection]

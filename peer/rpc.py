@@ -45,7 +45,7 @@ import math
 from collections import deque
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
-from typing import Any
+from typing import Any, TypeVar
 
 import trio
 
@@ -92,6 +92,18 @@ __all__ = [
 ]
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
+
+_SUPERSEDED_IDLE = 1.0
+"""Seconds a superseded connection (see ``RpcConnection.supersede``) may stay idle."""
+
+WRONG_KIND = "wrong_kind"
+"""The code of the :class:`RemoteError` a call gets when the peer answers it as the other
+kind of method (stream items for ``call()``, one reply for ``stream()``); raised here, never
+sent."""
+_STREAMED = "the peer answers this method with a stream: call it with stream(), not call()"
+_ANSWERED = "the peer answers this method with one reply: call it with call(), not stream()"
 
 _MIN_TIMEOUT = 1e-3
 _NO_LIMIT = (1 << 32) - 1
@@ -165,6 +177,8 @@ class RpcConnection:
         self.max_send_frame_size = min(max_frame_size, MIN_PEER_FRAME_SIZE)
         self.max_inflight_requests = max_inflight_requests
         self.idle_timeout = idle_timeout
+        self._idle_changed = trio.Event()  # idle_timeout shortened (see supersede)
+        self._watching_idle = False
         self.silence_timeout = silence_timeout
         self._unanswered_since: float | None = None  # see _note_unanswered
         self._probing = False  # see _probe
@@ -215,6 +229,7 @@ class RpcConnection:
                     nursery.start_soon(self._guard, self._read_loop, nursery)
                     nursery.start_soon(self._guard, self._write_loop)
                     if math.isfinite(self.idle_timeout):
+                        self._watching_idle = True
                         nursery.start_soon(self._guard, self._idle_watchdog)
                     task_status.started()
         finally:
@@ -357,7 +372,7 @@ class RpcConnection:
             sent_at = trio.current_time()
             request_id, request = await self._send_request(method, body, payload, pending)
             try:
-                await pending.done.wait()
+                await self._await_answer(pending.done.wait, sent_at)
             except BaseException:
                 self._cancel_remote(request_id, pending, request)
                 self._note_unanswered(sent_at)
@@ -393,6 +408,23 @@ class RpcConnection:
         """Our reader waits, not the peer: for a stream's consumer, or for room in the
         receive budget for the frame it announced."""
         return self._reader_paused or (self._reader is not None and self._reader.waiting)
+
+    async def _await_answer(self, receive: Callable[[], Awaitable[T]], since: float) -> T:
+        """``await receive()`` (a reply, or a stream's next item): each time nothing at all
+        came from the peer for ``silence_timeout`` since ``since`` (the request, or the
+        stream's last item), the silence rule runs as for a call that ended unanswered
+        (:meth:`_note_unanswered`: a probe, and the connection closed unless the peer
+        answers). Before, the rule ran only when a call ended: one long call to a frozen
+        peer waited out its whole deadline, and without one forever (an outside tester).
+        A peer that talks meanwhile (the probe's answer included) restarts the count."""
+        while True:
+            with trio.move_on_at(since + self.silence_timeout):
+                return await receive()
+            if self.last_received > since:
+                since = self.last_received
+            else:
+                self._note_unanswered(since)
+                since += self.silence_timeout / 2  # look again once a probe had its time
 
     def _note_unanswered(self, sent_at: float) -> None:
         """A call sent at ``sent_at`` ended unanswered (its deadline passed, or it was
@@ -452,7 +484,8 @@ class RpcConnection:
             return  # closed meanwhile
         finally:
             self._probing = False
-        if self.closed or self.last_received > asked or self.not_reading:
+        if self.closed or self.last_received >= asked or self.not_reading:
+            # (>=: an answer in the same instant, as on a network without latency)
             return
         since = asked if self._unanswered_since is None else self._unanswered_since
         silent = trio.current_time() - since
@@ -481,7 +514,7 @@ class RpcConnection:
             sent_at = trio.current_time()
             request_id, request = await self._send_request(method, body, payload, pending)
             try:
-                yield ReplyStream(pending)
+                yield ReplyStream(pending, self._await_answer, sent_at)
             finally:
                 if not _finished(pending):  # left unanswered: as a call's (see call)
                     self._note_unanswered(sent_at)
@@ -774,7 +807,14 @@ class RpcConnection:
             elif error is not None:
                 pending.error = error
             else:
-                raise RemoteProtocolError(f"{kind.value!r} frame for a plain call")
+                # items or an end: the peer serves this method as a stream and our caller
+                # used call() (a mistake on our side, most likely). That call fails, and is
+                # cancelled; the connection stays (closing it failed every other call on it
+                # with "connection lost", which named no mistake: an outside tester).
+                pending.error = RemoteError(WRONG_KIND, _STREAMED)
+                self._outbox.put_nowait(
+                    self._encode(RpcFrame(FrameKind.CANCEL, frame.request_id))[0], urgent=True
+                )
             del self._pending[frame.request_id]
             pending.done.set()
             return
@@ -783,8 +823,8 @@ class RpcConnection:
             with contextlib.suppress(trio.BrokenResourceError, trio.ClosedResourceError):
                 await self._hand_over(pending, Reply(frame.body, frame.payload))
             return
-        if kind is FrameKind.RESPONSE:
-            raise RemoteProtocolError("'res' frame for a streaming call")
+        if kind is FrameKind.RESPONSE:  # a plain method called with stream(): as above
+            error = RemoteError(WRONG_KIND, _ANSWERED)
         del self._pending[frame.request_id]
         pending.finish(error)
 
@@ -1022,6 +1062,18 @@ class RpcConnection:
                 self._shutdown(self._bye_cause)
                 return
 
+    def supersede(self) -> None:
+        """Another connection with the same peer carries our calls now (of two dialed at
+        once, both peers keep the one dialed by the smaller PeerID): close this one once it
+        has been idle for a second, with a bye, rather than after ``idle_timeout`` (both
+        stayed open for a minute after two peers first called each other at once: an
+        outside tester)."""
+        self.idle_timeout = min(self.idle_timeout, _SUPERSEDED_IDLE)
+        self._idle_changed.set()
+        if not self._watching_idle and self._tasks is not None and not self.closed:
+            self._watching_idle = True
+            self._tasks.start_soon(self._guard, self._idle_watchdog)
+
     async def _idle_watchdog(self) -> None:
         while True:
             deadline = self._last_sign_of_use + self.idle_timeout
@@ -1039,7 +1091,9 @@ class RpcConnection:
                     self._shutdown(cause)
                     return
                 deadline = now + self.idle_timeout
-            await trio.sleep_until(deadline)
+            with trio.move_on_at(deadline):
+                await self._idle_changed.wait()
+                self._idle_changed = trio.Event()
 
 
 def _time_left() -> float | None:

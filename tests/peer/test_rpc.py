@@ -192,6 +192,56 @@ async def test_streaming_reply(autojump_clock: trio.testing.MockClock) -> None:
             assert info.value.code == "unknown_method"
 
 
+async def test_a_method_called_as_the_other_kind_fails_that_call_only(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """call() on a streaming method, or stream() on a plain one: the peer answers as its
+    method is (items, or one reply). That dropped the connection as a protocol violation,
+    and a call in flight beside it failed with "connection lost" (an outside tester): now
+    only that call fails, with ``wrong_kind`` saying which to use, and the handler of the
+    streaming method is cancelled."""
+    ended: list[str] = []
+
+    async def count(request: Request) -> AsyncIterator[Reply]:
+        try:
+            for i in range(1000):
+                yield Reply({"i": i})
+                await trio.sleep(0.1)
+        finally:
+            ended.append("count")
+
+    async def slow(request: Request) -> Reply:
+        await trio.sleep(5)
+        return Reply({"slow": True})
+
+    async with two_hosts(MemoryNetwork(latency=0.01)) as (a, b, address):
+        b.register_stream("count", count)
+        b.register("slow", slow)
+        b.register("echo", echo)
+        with trio.fail_after(100):
+            beside: list[object] = []
+            async with trio.open_nursery() as nursery:
+
+                async def in_flight() -> None:
+                    beside.append((await a.call(address, "slow")).body)
+
+                nursery.start_soon(in_flight)
+                await trio.sleep(0.5)
+                with pytest.raises(RemoteError, match="call it with stream") as info:
+                    await a.call(address, "count")
+                assert info.value.code == "wrong_kind"
+                with pytest.raises(RemoteError, match="call it with call") as info:
+                    async with a.stream(address, "echo") as items:
+                        async for _ in items:
+                            pass
+                assert info.value.code == "wrong_kind"
+            assert beside == [{"slow": True}]
+            await trio.sleep(1)
+            assert ended == ["count"]  # cancelled
+            assert a.connections_opened == 1
+            assert (await a.call(address, "echo", {"x": 1})).body["body"] == {"x": 1}
+
+
 async def test_many_concurrent_calls_share_one_connection(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
@@ -495,10 +545,6 @@ async def test_wire_call_and_cancel_frames() -> None:
     [
         pytest.param(b"\x00\x00\x00\x05hello", id="malformed-frame"),
         pytest.param(b"\xff\xff\xff\xff", id="oversized-frame"),
-        pytest.param(
-            b"".join(bytes(p) for p in encode_rpc_frame(RpcFrame(FrameKind.ITEM, 0))),
-            id="item-for-a-plain-call",
-        ),
     ],
 )
 async def test_protocol_violations_drop_the_connection(junk: bytes) -> None:

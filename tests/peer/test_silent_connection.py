@@ -54,6 +54,7 @@ async def _pair() -> AsyncIterator[tuple[MemoryNetwork, RpcHost, Address]]:
         a.register("echo", _echo)
         a.register("slow", _slow)
         a.register_stream("echo_items", _echo_items)
+        a.register_stream("items_then_wait", _items_then_wait)
         address = a.listen_address
         assert address is not None
         yield net, b, address
@@ -96,6 +97,12 @@ async def _stream_unanswered(b: RpcHost, address: Address, wait: float) -> None:
 
 async def _echo_items(request: Request) -> AsyncIterator[Reply]:
     yield Reply(request.body)
+
+
+async def _items_then_wait(request: Request) -> AsyncIterator[Reply]:
+    yield Reply({"n": 0})
+    await trio.sleep(1000.0)
+    yield Reply({"n": 1})
 
 
 async def test_streams_unanswered_through_the_silence_timeout_close_the_connection(
@@ -288,3 +295,62 @@ async def test_a_dead_link_under_steady_calls_closes_on_time(
                 nursery.cancel_scope.cancel()
         # the first call ends unanswered at its deadline; the probe waits half the timeout
         assert trio.current_time() - start <= deadline + 10.0 * 1.5 + 1.0
+
+
+@pytest.mark.parametrize("deadline", [200.0, math.inf], ids=["deadline", "no-deadline"])
+async def test_one_long_call_to_a_peer_that_froze_meanwhile_fails_on_time(
+    autojump_clock: trio.testing.MockClock, deadline: float
+) -> None:
+    """The silence rule ran only when a call ended: one long call to a peer that froze a
+    second after it went out waited out its whole deadline (200 s), and without one
+    forever (an outside tester). It runs while the call waits too: a probe after 10 s of
+    silence, unanswered for 5 s, closes the connection and fails the call."""
+    with trio.fail_after(300):
+        async with _pair() as (net, b, address):
+            await b.call(address, "echo", {"x": 1})
+            start = trio.current_time()
+
+            async def freeze_soon() -> None:
+                await trio.sleep(1.0)
+                net.freeze_host("a")
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(freeze_soon)
+                with pytest.raises(PeerUnavailableError, match="nothing from the peer"):
+                    with trio.fail_after(deadline):
+                        await b.call(address, "slow", {"delay": 1000.0})
+            assert trio.current_time() - start == pytest.approx(15.0, abs=0.5)  # from the call
+            await trio.sleep(0.1)
+            assert b.num_connections == 0
+            net.unfreeze_host("a")
+            assert (await b.call(address, "echo", {"x": 2})).body == {"x": 2}
+
+
+async def test_a_stream_whose_peer_froze_between_items_fails_on_time(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """As a call: a stream that got an item, then nothing, from a peer that froze."""
+    with trio.fail_after(300):
+        async with _pair() as (net, b, address):
+            start = trio.current_time()
+            got: list[object] = []
+            with pytest.raises(PeerUnavailableError, match="nothing from the peer"):
+                async with b.stream(address, "items_then_wait") as items:
+                    async for item in items:
+                        got.append(item.body)
+                        net.freeze_host("a")
+            assert got == [{"n": 0}]
+            assert trio.current_time() - start == pytest.approx(15.0, abs=0.5)
+
+
+async def test_a_live_peer_answering_one_call_after_a_minute_keeps_the_connection(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The probes that one long call now sends (one per silence timeout) are answered by
+    a live peer: the call gets its answer and the connection stays."""
+    with trio.fail_after(300):
+        async with _pair() as (_net, b, address):
+            await b.call(address, "echo", {"x": 1})
+            opened = b.connections_opened
+            assert (await b.call(address, "slow", {"delay": 60.0})).body == {"delay": 60.0}
+            assert b.connections_opened == opened and b.num_connections == 1
