@@ -797,3 +797,42 @@ async def test_a_client_that_benched_every_full_member_says_so(
     for full_info, _ in results[:2]:
         assert full_info is not None and full_info.outcome is Outcome.AVERAGED
         assert len(full_info.group) == 2
+
+
+@pytest.mark.parametrize("seed", [1, 20])
+async def test_a_late_withdrawal_does_not_drop_the_members_next_step_in_a_round_of_the_same_number(
+    autojump_clock: trio.testing.MockClock, seed: int
+) -> None:
+    """Two members average early in a long slot (closed early: each knows the other); both
+    step timeouts end mid-butterfly, one 0.1 s after the other, and both step again at
+    once, in a round of the same number (the slot is far from closing). Each one's "we
+    left" word (``Butterfly._withdraw``) for the first step reached the other in its second
+    step (behind the cut upload on a slow link), waited there for the group, and then
+    dropped the sender's new contribution, and its part with it: both second steps failed.
+    Such a word is not held for a group, and a part that has nothing of the sender yet
+    ignores it."""
+    window = 8.0
+    net = MemoryNetwork(latency=0.05, window=64 << 10)
+    config = fast_config(gather_window=window, chunk_bytes=64 << 10, stall_timeout=5.0)
+    with trio.fail_after(300):
+        async with memnet_swarm(2, network=net, first_seed=seed) as (_, nodes):
+            members = make_members(nodes, 1 << 20, config)
+            warm = await step_all(members, timeout=60.0)  # each learns the other
+            assert all(i is not None and i.outcome is Outcome.AVERAGED for i, _ in warm)
+            await trio.sleep(window - trio.current_time() % window + 0.1)  # early in a slot
+            infos: list[list[AveragingInfo]] = [[], []]
+
+            async def one(i: int, first_timeout: float) -> None:
+                averager = members[i].averager
+                infos[i].append(await averager.step(timeout=first_timeout))
+                infos[i].append(await averager.step(timeout=60.0))
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(one, 0, 1.3)
+                nursery.start_soon(one, 1, 1.4)
+    first = {rows[0].round for rows in infos}
+    assert len(first) == 1
+    for rows in infos:
+        assert rows[0].outcome is not Outcome.AVERAGED  # cut short
+        assert {rows[1].round} == first  # the next step, in a round of the same number
+        assert rows[1].outcome is Outcome.AVERAGED and not rows[1].dropped, str(rows[1])

@@ -671,6 +671,16 @@ class Averager:
         except RemoteProtocolError:
             await self._drop_for_garbage(request)
             raise
+        active = self._active
+        if (
+            header.abort is DropReason.TIMEOUT and active is not None
+            and active.round == header.round and not active.ready.is_set()
+        ):  # fmt: skip
+            # A member's word that it left (Butterfly._withdraw) is not held until our group
+            # is confirmed: in a round of the same number as its step before (a slot holds
+            # consecutive steps), it was that step's word, and it dropped the member's next
+            # contribution, sent after it (a review). Nothing of it can be here yet anyway.
+            return Reply({})
         service = await self._service(header.round, request)
         return await service.on_chunk(request.peer_id, header, request.payload)
 
