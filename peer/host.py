@@ -579,7 +579,15 @@ class RpcHost:
             loser = current
         else:
             loser = connection
-        superseded = loser is not None and not loser.closing
+        # (two connections dialed by the same side: no simultaneous dial, but a peer that
+        # dialed again while its old connection, dead without a reset, still stands here;
+        # the tie keeps the old one in the pool, and closing the new one, its only one,
+        # after a second idle made it dial anew for every call: a review)
+        superseded = (
+            loser is not None
+            and not loser.closing
+            and self._connections[loser].raw != self._connections[self._by_peer[peer_id]].raw
+        )
         logger.debug("%r: connected to %s at %s", self, peer_id.short(), secure.remote_host)
         if group is not None:
             self._inbound.setdefault(group, []).append(connection)
@@ -611,7 +619,9 @@ class RpcHost:
         others = [(i.raw, id(c), c) for c, i in self._connections.items() if c.peer_id == peer_id]
         others = [entry for entry in others if not entry[2].closing]
         if others:
-            self._by_peer[peer_id] = min(others)[2]
+            promoted = self._by_peer[peer_id] = min(others)[2]
+            # a superseded one carries our calls now: its idle timeout is ours again
+            promoted.idle_timeout = max(promoted.idle_timeout, self.config.idle_timeout)
 
     def _admit(self, host: str) -> bool:
         """Whether to take an inbound connection from ``host`` at all (before any object

@@ -420,8 +420,16 @@ class RpcConnection:
         while True:
             with trio.move_on_at(since + self.silence_timeout):
                 return await receive()
+            now = trio.current_time()
+            writing = self._outbox.writing_since
             if self.last_received > since:
                 since = self.last_received
+            elif writing is not None and writing < now:
+                # our own write is going out (a large frame on a slow uplink: perhaps this
+                # very request): the peer may not have the request yet, and a probe would
+                # wait behind the write (a 2 MiB call at 100 KiB/s was cut off at 15 s; a
+                # review). A write that stalls is the send timeout's (HostConfig).
+                since = now
             else:
                 self._note_unanswered(since)
                 since += self.silence_timeout / 2  # look again once a probe had its time
@@ -436,8 +444,11 @@ class RpcConnection:
         out on it for ~15 minutes (an averaging member was alone round after round). A
         call cancelled sooner (a hedged lookup's) proves nothing: the peer does not answer
         what we cancelled."""
-        if self.not_reading:
-            return  # we are not reading (a stream's consumer lags): the peer may be talking
+        if self.not_reading or self.closed:
+            # not reading: a stream's consumer lags, and the peer may be talking; closed:
+            # nothing to probe (a second probe task started on a connection the first had
+            # just closed: a review)
+            return
         now, received = trio.current_time(), self.last_received
         if self._unanswered_since is not None and received > self._unanswered_since:
             self._unanswered_since = None  # the peer spoke since: slow, not gone
@@ -486,6 +497,12 @@ class RpcConnection:
             self._probing = False
         if self.closed or self.last_received >= asked or self.not_reading:
             # (>=: an answer in the same instant, as on a network without latency)
+            return
+        writing = self._outbox.writing_since
+        if writing is not None and writing <= asked:
+            # a write of ours that began before the probe is still going out: the probe
+            # waits behind it, unsent; no verdict (a write that stalls: the send timeout)
+            self._unanswered_since = None
             return
         since = asked if self._unanswered_since is None else self._unanswered_since
         silent = trio.current_time() - since

@@ -94,6 +94,8 @@ class Outbox:
         self._batch: list[Sequence[Piece]] = []  # the frames the writer is writing now
         self._sending: list[Piece] = []  # their pieces, coalesced, as the writer reads them
         self._writing_bytes = 0  # the size of the write in progress
+        self.writing_since: float | None = None
+        """When the write in progress (a batch, or a direct write) began; None when idle."""
         self._after_large_write = False  # the last write may have filled the stream
 
     async def put(self, pieces: Sequence[Piece], urgent: bool = False, size: int = -1) -> None:
@@ -151,11 +153,13 @@ class Outbox:
             return False
         self._busy = True
         self._writing_bytes = size
+        self.writing_since = trio.current_time()
         return True
 
     def release(self) -> None:
         """The stream is free again; the writer takes over what was queued meanwhile."""
         self._busy = False
+        self.writing_since = None
         self._batch.clear()
         self._sending = []
         self._after_large_write = self._writing_bytes >= FILLING_WRITE
@@ -183,6 +187,7 @@ class Outbox:
         if self._closed:
             raise trio.ClosedResourceError("the connection is closed")
         self._busy = True
+        self.writing_since = trio.current_time()
         pieces: list[Piece] = []
         self._urgent_space.unpark(count=len(self._urgent))
         urgent_size = 0
