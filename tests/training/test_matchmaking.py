@@ -696,3 +696,39 @@ async def test_two_peers_stepping_two_prefixes_in_turn_out_of_phase_still_meet(
     # in step after a slot or two (the second peer's last steps, once the first is done,
     # are alone again)
     assert all(o.count(Outcome.AVERAGED) >= 4 for o in outcomes), outcomes
+
+
+@pytest.mark.parametrize("seed", [1, 50])
+async def test_two_peers_with_long_work_between_steps_a_slot_apart_fall_into_step(
+    autojump_clock: trio.testing.MockClock, seed: int
+) -> None:
+    """One Averager each, 8 s of work between steps (gather_window 2 s: a step every 5
+    rounds), the second peer starting a slot after the first: each is alone in every round
+    until one follows. The one that sees the other further back than half its cadence
+    follows (the other sees it nearer and stays), a round per lone step, and they meet when
+    the follower comes from 4 rounds back (a look-back fixed at 3 rounds and a coin never
+    met: 0 of 20 steps averaged, a review)."""
+    window = 2.0
+    config = fast_config(gather_window=window)
+    with trio.fail_after(300):
+        async with memnet_swarm(2, first_seed=seed) as (_, nodes):
+            averagers = [
+                Averager(node, "a", [np.ones(4096, np.float32) * i], config=config)
+                for i, node in enumerate(nodes)
+            ]
+            outcomes: list[list[Outcome]] = [[], []]
+
+            async def loop(i: int, start: float) -> None:
+                await trio.sleep_until(start)
+                for _ in range(10):
+                    info = await averagers[i].step(timeout=30.0)
+                    outcomes[i].append(info.outcome)
+                    await trio.sleep(8.0)
+
+            slot = (trio.current_time() // window + 1) * window  # the next slot's start
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(loop, 0, slot + 0.1)
+                nursery.start_soon(loop, 1, slot + window + 0.1)
+    # (16 of 20 with either seed: alone for the first steps, then in step for good)
+    assert all(o.count(Outcome.AVERAGED) >= 6 for o in outcomes), outcomes
+    assert all(o[-4:] == [Outcome.AVERAGED] * 4 for o in outcomes), outcomes
