@@ -7,11 +7,14 @@ the send timeout's (HostConfig.send_timeout)."""
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
 import pytest
 import trio
 import trio.testing
 
-from peer.host import HostConfig, open_rpc_host
+from peer.host import HostConfig, RpcHost, open_rpc_host
 from peer.memnet import MemoryNetwork, MemoryStream
 from peer.rpc import Reply, Request
 from protocol.address import Address
@@ -38,39 +41,14 @@ def slow_uplink(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(MemoryStream, "send_all", throttled)
 
 
-@pytest.mark.parametrize("size", [1 << 20, 2 << 20])
-async def test_one_slow_upload_to_a_quiet_peer_is_not_cut_off(
-    autojump_clock: trio.testing.MockClock, slow_uplink: None, size: int
-) -> None:
-    net = MemoryNetwork(latency=0.05)
-    config = HostConfig(silence_timeout=10.0)
-    async with (
-        open_rpc_host(ID_A, listen=Address("a", 1), network=net.interface("a"), config=config) as a,
-        open_rpc_host(ID_B, listen=None, network=net.interface("b"), config=config) as b,
-    ):
-        a.register("sink", _sink)
-        address = a.listen_address
-        assert address is not None
-        await b.call(address, "sink")  # connected
-        start = trio.current_time()
-        with trio.fail_after(120):
-            reply = await b.call(address, "sink", {}, bytes(size))
-        assert reply.body == {"n": size}
-        assert trio.current_time() - start >= size / RATE  # it really was slow
-        assert b.connections_opened == 1
-
-
 async def _never(request: Request) -> Reply:
     await trio.sleep_forever()
     raise AssertionError("unreachable")
 
 
-async def test_slow_upload_beside_short_unanswered_calls(
-    autojump_clock: trio.testing.MockClock, slow_uplink: None
-) -> None:
-    """Calls that end unanswered (cancelled after 3 s, a hedged lookup's) beside the upload: the
-    rule then runs when they end, its probe waits behind our own write, and the connection
-    was cut at ~15 s."""
+@asynccontextmanager
+async def _connected() -> AsyncIterator[tuple[RpcHost, Address]]:
+    """Host b (the slow uplink), connected to host a, which serves ``sink`` and ``never``."""
     net = MemoryNetwork(latency=0.05)
     config = HostConfig(silence_timeout=10.0)
     async with (
@@ -81,7 +59,30 @@ async def test_slow_upload_beside_short_unanswered_calls(
         a.register("never", _never)
         address = a.listen_address
         assert address is not None
-        await b.call(address, "sink")
+        await b.call(address, "sink")  # connected
+        yield b, address
+
+
+@pytest.mark.parametrize("size", [1 << 20, 2 << 20])
+async def test_one_slow_upload_to_a_quiet_peer_is_not_cut_off(
+    autojump_clock: trio.testing.MockClock, slow_uplink: None, size: int
+) -> None:
+    async with _connected() as (b, address):
+        start = trio.current_time()
+        with trio.fail_after(120):
+            reply = await b.call(address, "sink", {}, bytes(size))
+        assert reply.body == {"n": size}
+        assert trio.current_time() - start >= size / RATE  # it really was slow
+        assert b.connections_opened == 1
+
+
+async def test_slow_upload_beside_short_unanswered_calls(
+    autojump_clock: trio.testing.MockClock, slow_uplink: None
+) -> None:
+    """Calls that end unanswered (cancelled after 3 s, a hedged lookup's) beside the upload: the
+    rule then runs when they end, its probe waits behind our own write, and the connection
+    was cut at ~15 s."""
+    async with _connected() as (b, address):
         size = 2 << 20
         with trio.fail_after(120):
             async with trio.open_nursery() as nursery:
