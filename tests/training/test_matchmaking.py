@@ -732,3 +732,37 @@ async def test_two_peers_with_long_work_between_steps_a_slot_apart_fall_into_ste
     # (16 of 20 with either seed: alone for the first steps, then in step for good)
     assert all(o.count(Outcome.AVERAGED) >= 6 for o in outcomes), outcomes
     assert all(o[-4:] == [Outcome.AVERAGED] * 4 for o in outcomes), outcomes
+
+
+@pytest.mark.parametrize("seed", [1, 50])
+async def test_three_peers_spread_over_their_cadence_fall_into_step(
+    autojump_clock: trio.testing.MockClock, seed: int
+) -> None:
+    """One Averager each, 8 s of work between steps (a step every 5 rounds), the peers
+    starting at slots 0, 1 and 3: each is alone in every round, and each sees the one
+    before it less than half a cadence back (2, 1 and 2 rounds). Comparing that gap with
+    half a cadence had all three stay for good (0 of 30 steps averaged, a review); the one
+    whose gap before is wider than its gap after (the first: 2 against 1) follows."""
+    window = 2.0
+    config = fast_config(gather_window=window)
+    with trio.fail_after(300):
+        async with memnet_swarm(3, first_seed=seed) as (_, nodes):
+            averagers = [
+                Averager(node, "a", [np.ones(4096, np.float32) * i], config=config)
+                for i, node in enumerate(nodes)
+            ]
+            outcomes: list[list[Outcome]] = [[], [], []]
+
+            async def loop(i: int, start: float) -> None:
+                await trio.sleep_until(start)
+                for _ in range(10):
+                    info = await averagers[i].step(timeout=30.0)
+                    outcomes[i].append(info.outcome)
+                    await trio.sleep(8.0)
+
+            slot = (trio.current_time() // window + 1) * window  # the next slot's start
+            async with trio.open_nursery() as nursery:
+                for i, offset in enumerate((0, 1, 3)):
+                    nursery.start_soon(loop, i, slot + offset * window + 0.1)
+    print(outcomes)
+    assert all(o.count(Outcome.AVERAGED) >= 4 for o in outcomes), outcomes

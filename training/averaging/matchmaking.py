@@ -248,18 +248,23 @@ class Matchmaker(Confirmation):
         outside tester's loop stayed so for 8 iterations in 4 runs of 6), and so are two
         with the same work between steps that started a slot apart. Following moves our
         phase one round later. With our cadence ``p`` (the fewest rounds between our last
-        steps)
-        and the other seen ``d`` rounds back at the nearest, it sees us ``p - d`` back: the
-        one with ``2d > p`` follows and the other stays, so the gap closes by a round per
-        lone step, and they meet when the follower comes from ``p - 1`` rounds back. A tie
-        (``2d == p``, e.g. two prefixes in turn), or no cadence yet, is a coin per peer and
-        round (hashed, so a test with fixed identities replays): a rule that made both
-        follow kept them apart, and one by PeerID order locked some pairs into an offset
-        for good (a review: 22 of 24 steps averaged before, 0 after). A look-back fixed at
-        3 rounds and a coin in every case never met for ``p >= 5`` (a review); in a sweep of
-        126 timings (two peers, 0 to 11 s of work between steps, one or two prefixes, the
-        second a quarter to 1.75 slots later, 10 iterations) this rule averaged 2192 of 2520
-        steps against 1738 for that one, more in 25 timings and fewer in none."""
+        steps), the nearest peer seen ``d`` rounds back (the gap before us) and the farthest
+        within a cadence ``f`` back (it steps again ``p - f`` rounds after us: the gap after
+        us), we follow when ``d > p - f`` and stay when ``d < p - f``. Of two peers
+        ``f == d``: the one with ``2d > p`` follows and the other, which sees it ``p - d``
+        back, stays, so the gap closes by a round per lone step, and they meet when the
+        follower comes from ``p - 1`` rounds back. Of three or more spread over the
+        cadence, the gaps cannot all grow from one peer to the next, so one moves
+        (``2d > p`` alone had peers 2, 1 and 2 rounds apart of 5 all stay for good: a
+        review, 0 of 30 steps averaged). A tie (``d == p - f``, e.g. two prefixes in turn),
+        or a cadence of one round, is a coin per peer and round (hashed, so a test with
+        fixed identities replays): a rule that made both follow kept them apart, and one by
+        PeerID order locked some pairs into an offset for good (a review: 22 of 24 steps
+        averaged before, 0 after). A look-back fixed at 3 rounds and a coin in every case
+        never met for ``p >= 5`` (a review); in a sweep of 84 timings (two peers, 0 to 11 s
+        of work between steps, one or two prefixes, the second a quarter to 1.75 slots
+        later, two identity seeds, 10 iterations) this rule averaged 2192 of 2520 steps
+        against 1738 for that one, more in 25 timings and fewer in none."""
         if self._layout is None:
             return False
         # the shortest of our last gaps: a gap we followed in is a round longer, and two
@@ -283,11 +288,13 @@ class Matchmaker(Confirmation):
                     nursery.start_soon(read, back)
         if not seen:
             return False
+        # the gap before us (the nearest peer back) against the gap after us (the farthest
+        # back within a cadence steps again ``cadence - farthest`` rounds after us): a
+        # peer whose gap before is the wider moves into the narrower one
         nearest = min(seen)
-        if cadence >= 2 and 2 * nearest != cadence:
-            # the peer that saw the other further back (the other steps again soon after
-            # it) moves; the other saw it ``cadence - nearest`` rounds back, and stays
-            return 2 * nearest > cadence
+        farthest = max((back for back in seen if back < cadence), default=nearest)
+        if cadence >= 2 and nearest != cadence - farthest:
+            return nearest > cadence - farthest
         return _heads(self.node.peer_id, self.prefix, number)
 
     async def withdraw(self, number: int, deadline: float) -> None:
