@@ -698,37 +698,45 @@ async def test_two_peers_stepping_two_prefixes_in_turn_out_of_phase_still_meet(
     assert all(o.count(Outcome.AVERAGED) >= 4 for o in outcomes), outcomes
 
 
-@pytest.mark.parametrize("seed", [1, 50])
-async def test_two_peers_with_long_work_between_steps_a_slot_apart_fall_into_step(
-    autojump_clock: trio.testing.MockClock, seed: int
-) -> None:
-    """One Averager each, 8 s of work between steps (gather_window 2 s: a step every 5
-    rounds), the second peer starting a slot after the first: each is alone in every round
-    until one follows. The one that sees the other further back than half its cadence
-    follows (the other sees it nearer and stays), a round per lone step, and they meet when
-    the follower comes from 4 rounds back (a look-back fixed at 3 rounds and a coin never
-    met: 0 of 20 steps averaged, a review)."""
+async def _loops_with_work(seed: int, slots: tuple[int, ...], work: float) -> list[list[Outcome]]:
+    """One Averager per peer (prefix ``a``, gather_window 2 s), each peer starting at its
+    slot of ``slots`` from the next slot's start, stepping 10 times with ``work`` seconds
+    between steps; returns each peer's outcomes."""
     window = 2.0
     config = fast_config(gather_window=window)
+    outcomes: list[list[Outcome]] = [[] for _ in slots]
     with trio.fail_after(300):
-        async with memnet_swarm(2, first_seed=seed) as (_, nodes):
+        async with memnet_swarm(len(slots), first_seed=seed) as (_, nodes):
             averagers = [
                 Averager(node, "a", [np.ones(4096, np.float32) * i], config=config)
                 for i, node in enumerate(nodes)
             ]
-            outcomes: list[list[Outcome]] = [[], []]
 
             async def loop(i: int, start: float) -> None:
                 await trio.sleep_until(start)
                 for _ in range(10):
                     info = await averagers[i].step(timeout=30.0)
                     outcomes[i].append(info.outcome)
-                    await trio.sleep(8.0)
+                    await trio.sleep(work)
 
             slot = (trio.current_time() // window + 1) * window  # the next slot's start
             async with trio.open_nursery() as nursery:
-                nursery.start_soon(loop, 0, slot + 0.1)
-                nursery.start_soon(loop, 1, slot + window + 0.1)
+                for i, offset in enumerate(slots):
+                    nursery.start_soon(loop, i, slot + offset * window + 0.1)
+    return outcomes
+
+
+@pytest.mark.parametrize("seed", [1, 50])
+async def test_two_peers_with_long_work_between_steps_a_slot_apart_fall_into_step(
+    autojump_clock: trio.testing.MockClock, seed: int
+) -> None:
+    """8 s of work between steps (gather_window 2 s: a step every 5 rounds), the second
+    peer starting a slot after the first: each is alone in every round until one follows.
+    The one that sees the other further back than half its cadence follows (the other sees
+    it nearer and stays), a round per lone step, and they meet when the follower comes
+    from 4 rounds back (a look-back fixed at 3 rounds and a coin never met: 0 of 20 steps
+    averaged, a review)."""
+    outcomes = await _loops_with_work(seed, (0, 1), work=8.0)
     # (16 of 20 with either seed: alone for the first steps, then in step for good)
     assert all(o.count(Outcome.AVERAGED) >= 6 for o in outcomes), outcomes
     assert all(o[-4:] == [Outcome.AVERAGED] * 4 for o in outcomes), outcomes
@@ -738,31 +746,10 @@ async def test_two_peers_with_long_work_between_steps_a_slot_apart_fall_into_ste
 async def test_three_peers_spread_over_their_cadence_fall_into_step(
     autojump_clock: trio.testing.MockClock, seed: int
 ) -> None:
-    """One Averager each, 8 s of work between steps (a step every 5 rounds), the peers
-    starting at slots 0, 1 and 3: each is alone in every round, and each sees the one
-    before it less than half a cadence back (2, 1 and 2 rounds). Comparing that gap with
-    half a cadence had all three stay for good (0 of 30 steps averaged, a review); the one
-    whose gap before is wider than its gap after (the first: 2 against 1) follows."""
-    window = 2.0
-    config = fast_config(gather_window=window)
-    with trio.fail_after(300):
-        async with memnet_swarm(3, first_seed=seed) as (_, nodes):
-            averagers = [
-                Averager(node, "a", [np.ones(4096, np.float32) * i], config=config)
-                for i, node in enumerate(nodes)
-            ]
-            outcomes: list[list[Outcome]] = [[], [], []]
-
-            async def loop(i: int, start: float) -> None:
-                await trio.sleep_until(start)
-                for _ in range(10):
-                    info = await averagers[i].step(timeout=30.0)
-                    outcomes[i].append(info.outcome)
-                    await trio.sleep(8.0)
-
-            slot = (trio.current_time() // window + 1) * window  # the next slot's start
-            async with trio.open_nursery() as nursery:
-                for i, offset in enumerate((0, 1, 3)):
-                    nursery.start_soon(loop, i, slot + offset * window + 0.1)
-    print(outcomes)
+    """8 s of work between steps (a step every 5 rounds), the peers starting at slots 0, 1
+    and 3: each is alone in every round, and each sees the one before it less than half a
+    cadence back (2, 1 and 2 rounds). Comparing that gap with half a cadence had all three
+    stay for good (0 of 30 steps averaged, a review); the one whose gap before is wider
+    than its gap after (the first: 2 against 1) follows."""
+    outcomes = await _loops_with_work(seed, (0, 1, 3), work=8.0)
     assert all(o.count(Outcome.AVERAGED) >= 4 for o in outcomes), outcomes
