@@ -268,8 +268,23 @@ class NetworkClock:
                 abs(self.offset),
             )
             return
+        level = logging.WARNING if abs(self.offset) >= 1.0 else logging.INFO
+        if self.samples == 1 and self.count_own:
+            # the median of our clock and one peer's is halfway between them, and either may
+            # be the wrong one (a machine with NTP was told its clock was behind "the median
+            # of 1 peers' clocks" when the one peer it knew ran 3 s ahead: an outside tester)
+            logger.log(
+                level,
+                "this machine's clock is %.3f s %s the one peer's clock it knows (either may"
+                " be the wrong one): moving halfway, %.3f s (averaging rounds and DHT"
+                " expirations use the corrected time)",
+                2 * abs(self.offset),
+                side,
+                abs(self.offset),
+            )
+            return
         logger.log(
-            logging.WARNING if abs(self.offset) >= 1.0 else logging.INFO,
+            level,
             "this machine's clock is %.3f s %s the median of %d peers' clocks: following them"
             " (averaging rounds and DHT expirations use the corrected time)",
             abs(self.offset),

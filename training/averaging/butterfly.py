@@ -373,7 +373,10 @@ class Butterfly:
                 break
             nursery.cancel_scope.cancel()
         if not received and reducer in self.liveness.bad:
-            note = f"the reducer is {self.liveness.bad[reducer]}"
+            reason = self.liveness.bad[reducer]
+            # ("the reducer is timeout" read as nonsense: an outside tester)
+            left = reason is DropReason.TIMEOUT
+            note = "the reducer left the round (timeout)" if left else f"the reducer is {reason}"
         return (fetched[0] if fetched else None), received, note
 
     async def _fetch(
