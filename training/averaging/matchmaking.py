@@ -642,9 +642,10 @@ def _out_of_step_note(number: int) -> str:
     """What a step that followed out of lone round ``number`` and was alone again says."""
     return (
         f"; alone in round {number} too, where a peer of our layout had stepped in the rounds"
-        " just before without us: it steps this prefix in other slots than we do (several"
-        " Averagers stepped one after another? step them concurrently, or in one Averager:"
-        " docs/averaging.md, rounds)"
+        " just before without us: it steps this prefix in other slots than we do (work"
+        " between steps that keeps the peers a slot or more apart, or several Averagers"
+        " stepped one after another); lone steps move one of them a round at a time until"
+        " they share a slot (docs/averaging.md, rounds)"
     )
 
 
