@@ -8,8 +8,7 @@ Rules:
 
 - One connection per peer pair, used both ways: inbound connections serve our outbound calls
   too. When both peers dialed each other at once, both keep using the connection dialed by
-  the peer with the smaller PeerID; the other one closes (with a bye) once it has been idle
-  for a second (``RpcConnection.supersede``).
+  the peer with the smaller PeerID; the other one idles out.
 - Concurrent calls to a peer we are not connected to share one dial. A dial (connect and
   handshake) is bounded by ``dial_timeout``; with ``address.peer_id`` set, the handshake must
   prove that identity.
@@ -576,18 +575,6 @@ class RpcHost:
         current = self._by_peer.get(peer_id)
         if current is None or current.closing or initiator.raw < self._connections[current].raw:
             self._by_peer[peer_id] = connection
-            loser = current
-        else:
-            loser = connection
-        # (two connections dialed by the same side: no simultaneous dial, but a peer that
-        # dialed again while its old connection, dead without a reset, still stands here;
-        # the tie keeps the old one in the pool, and closing the new one, its only one,
-        # after a second idle made it dial anew for every call: a review)
-        superseded = (
-            loser is not None
-            and not loser.closing
-            and self._connections[loser].raw != self._connections[self._by_peer[peer_id]].raw
-        )
         logger.debug("%r: connected to %s at %s", self, peer_id.short(), secure.remote_host)
         if group is not None:
             self._inbound.setdefault(group, []).append(connection)
@@ -595,9 +582,6 @@ class RpcHost:
             logger.debug("%r: no slot left for %s, closing its connection", self, peer_id.short())
             connection.close_idle_nowait(PeerBusyError("every connection slot is taken"))
         try:
-            if superseded:  # (the new one itself, before it runs: its watchdog then starts)
-                assert loser is not None
-                loser.supersede()
             await connection.run(task_status=task_status)
         finally:
             del self._connections[connection]
@@ -619,9 +603,7 @@ class RpcHost:
         others = [(i.raw, id(c), c) for c, i in self._connections.items() if c.peer_id == peer_id]
         others = [entry for entry in others if not entry[2].closing]
         if others:
-            promoted = self._by_peer[peer_id] = min(others)[2]
-            # a superseded one carries our calls now: its idle timeout is ours again
-            promoted.idle_timeout = max(promoted.idle_timeout, self.config.idle_timeout)
+            self._by_peer[peer_id] = min(others)[2]
 
     def _admit(self, host: str) -> bool:
         """Whether to take an inbound connection from ``host`` at all (before any object

@@ -95,9 +95,6 @@ logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
 
-_SUPERSEDED_IDLE = 1.0
-"""Seconds a superseded connection (see ``RpcConnection.supersede``) may stay idle."""
-
 WRONG_KIND = "wrong_kind"
 """The code of the :class:`RemoteError` a call gets when the peer answers it as the other
 kind of method (stream items for ``call()``, one reply for ``stream()``); raised here, never
@@ -177,8 +174,6 @@ class RpcConnection:
         self.max_send_frame_size = min(max_frame_size, MIN_PEER_FRAME_SIZE)
         self.max_inflight_requests = max_inflight_requests
         self.idle_timeout = idle_timeout
-        self._idle_changed = trio.Event()  # idle_timeout shortened (see supersede)
-        self._watching_idle = False
         self.silence_timeout = silence_timeout
         self._unanswered_since: float | None = None  # see _note_unanswered
         self._probing = False  # see _probe
@@ -229,7 +224,6 @@ class RpcConnection:
                     nursery.start_soon(self._guard, self._read_loop, nursery)
                     nursery.start_soon(self._guard, self._write_loop)
                     if math.isfinite(self.idle_timeout):
-                        self._watching_idle = True
                         nursery.start_soon(self._guard, self._idle_watchdog)
                     task_status.started()
         finally:
@@ -1079,18 +1073,6 @@ class RpcConnection:
                 self._shutdown(self._bye_cause)
                 return
 
-    def supersede(self) -> None:
-        """Another connection with the same peer carries our calls now (of two dialed at
-        once, both peers keep the one dialed by the smaller PeerID): close this one once it
-        has been idle for a second, with a bye, rather than after ``idle_timeout`` (both
-        stayed open for a minute after two peers first called each other at once: an
-        outside tester)."""
-        self.idle_timeout = min(self.idle_timeout, _SUPERSEDED_IDLE)
-        self._idle_changed.set()
-        if not self._watching_idle and self._tasks is not None and not self.closed:
-            self._watching_idle = True
-            self._tasks.start_soon(self._guard, self._idle_watchdog)
-
     async def _idle_watchdog(self) -> None:
         while True:
             deadline = self._last_sign_of_use + self.idle_timeout
@@ -1108,9 +1090,7 @@ class RpcConnection:
                     self._shutdown(cause)
                     return
                 deadline = now + self.idle_timeout
-            with trio.move_on_at(deadline):
-                await self._idle_changed.wait()
-                self._idle_changed = trio.Event()
+            await trio.sleep_until(deadline)
 
 
 def _time_left() -> float | None:

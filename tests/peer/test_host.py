@@ -425,38 +425,6 @@ async def test_proving_an_address_does_not_break_the_proven_peers_calls(
             assert b.dialed(a.listen_address)
 
 
-@pytest.mark.parametrize("idle_timeout", [60.0, float("inf")])
-async def test_two_peers_dialing_each_other_at_once_keep_one_connection(
-    autojump_clock: trio.testing.MockClock, idle_timeout: float
-) -> None:
-    """Both call each other at once: two connections, and both peers route their calls
-    over the one the smaller PeerID dialed; the other stayed open until the idle timeout,
-    a minute (an outside tester), or for good without one. It closes once idle a second."""
-    id_a, id_b = _ordered_identities()  # b's PeerID is the smaller
-    net = MemoryNetwork(latency=0.01)
-    config = HostConfig(idle_timeout=idle_timeout)
-    async with (
-        open_rpc_host(id_a, listen=Address("a", 1), network=net.interface("a"), config=config) as a,
-        open_rpc_host(id_b, listen=Address("b", 1), network=net.interface("b"), config=config) as b,
-    ):
-        for host in (a, b):
-            host.register("pong", _pong)
-        assert a.listen_address is not None and b.listen_address is not None
-        with trio.fail_after(30):
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(a.call, b.listen_address, "pong")
-                nursery.start_soon(b.call, a.listen_address, "pong")
-            assert (a.connections_opened, b.connections_opened) == (2, 2)
-            assert (a.num_connections, b.num_connections) == (2, 2)
-            await trio.sleep(2.0)
-            assert (a.num_connections, b.num_connections) == (1, 1)
-            assert net.open_connections == 1
-            for _ in range(3):  # both ways over the one left, no new dial
-                await a.call(b.listen_address, "pong")
-                await b.call(a.listen_address, "pong")
-            assert (a.connections_opened, b.connections_opened) == (2, 2)
-
-
 async def _expect_echo(host: RpcHost, address: Address, payload: bytes) -> None:
     assert bytes((await host.call(address, "echo", {}, payload)).payload) == payload
 

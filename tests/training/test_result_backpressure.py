@@ -59,6 +59,10 @@ async def test_slow_member_dropped_at_the_cutoff_reads_the_result(
             assert part.received, report
             assert part.contributors == (reducer.peer_id,), report
             assert part.dropped == {member.peer_id: DropReason.TIMEOUT}, report
+            # the reports say whose cutoff it was, and mark our own PeerID (an outside
+            # tester read its own upload's drop as another member's)
+            assert f"{member.peer_id.short()} (us) timeout" in str(info), str(info)
+            assert infos[0] is not None and "our part's cutoff" in infos[0].note, infos[0]
             # it read the result as soon as it came (the cutoff is at 6.9 s, the result
             # takes 0.2 s), not after a stall and a probe (9.75 s, or the deadline)
             _, done = results[1]

@@ -104,6 +104,21 @@ def _sentences(*notes: str) -> str:
     return "; ".join(note for note in notes if note)
 
 
+def _cut_here(parts: Sequence[PartReport], mine: int | None) -> str:
+    """What a report says when our own reducer's cutoff (our step's timeout, less the
+    result's share) dropped members still sending: they are ``timeout`` in every member's
+    report, and nothing named us (an outside tester cut one member's step short: the
+    others' reports named their own uploads, its own named theirs)."""
+    own = next((p for p in parts if p.index == mine), None)
+    late = [] if own is None else [p for p, r in own.dropped.items() if r is DropReason.TIMEOUT]
+    if not late:
+        return ""
+    return (
+        f"our part's cutoff (this step's timeout) came before {len(late)} member(s) had sent"
+        " it all: they are `timeout` in it"
+    )
+
+
 def _in_trio_task() -> bool:
     """Whether the caller runs in a trio task (async code), not a plain thread."""
     try:
@@ -568,7 +583,8 @@ class Averager:
         return AveragingInfo(
             outcome_of(parts, self.flat.total), conf.round, plan.group, match.leader, parts,
             self.flat.total, epoch=plan.max_epoch, matchmaking_s=t1 - t0,
-            allreduce_s=allreduce_s, dropped=dropped, note=_sentences(match.note, stall),
+            allreduce_s=allreduce_s, dropped=dropped,
+            note=_sentences(match.note, stall, _cut_here(parts, plan.my_part)), me=me.peer_id,
         )  # fmt: skip
 
     def _bench_garbage(

@@ -74,6 +74,7 @@ class AveragingInfo:
     allreduce_s: float = 0.0  # seconds of butterfly (0 when no group formed)
     note: str = ""
     dropped: Mapping[PeerID, DropReason] = field(default_factory=dict)  # union over parts
+    me: PeerID | None = None  # this peer (marked "(us)" where the line names it)
 
     @property
     def averaged_fraction(self) -> float:
@@ -106,7 +107,9 @@ class AveragingInfo:
         if self.parts:
             text += f" (parts: {' '.join(str(p.status) for p in self.parts)})"
         if self.dropped:
-            text += " dropped: " + ", ".join(f"{p.short()} {r}" for p, r in self.dropped.items())
+            text += " dropped: " + ", ".join(
+                f"{p.short()}{' (us)' if p == self.me else ''} {r}" for p, r in self.dropped.items()
+            )
         return text + (f"; {self.note}" if self.note else "")
 
 
