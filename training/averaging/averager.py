@@ -115,7 +115,7 @@ def _cut_here(parts: Sequence[PartReport], mine: int | None) -> str:
         return ""
     return (
         f"our part's cutoff (this step's timeout) came before {len(late)} member(s) had sent"
-        " it all: they are `timeout` in it"
+        " it all: it dropped them as timeout"
     )
 
 
