@@ -105,10 +105,9 @@ def _sentences(*notes: str) -> str:
 
 
 def _cut_here(parts: Sequence[PartReport], mine: int | None) -> str:
-    """What a report says when our own reducer's cutoff (our step's timeout, less the
-    result's share) dropped members still sending: they are ``timeout`` in every member's
-    report, and nothing named us (an outside tester cut one member's step short: the
-    others' reports named their own uploads, its own named theirs)."""
+    """The note of a step whose own part's cutoff (our step's timeout, less the result's
+    share) dropped members still sending: every report lists them as ``timeout``, which
+    read as their fault when our short timeout was the cause (an outside tester)."""
     own = next((p for p in parts if p.index == mine), None)
     late = [] if own is None else [p for p, r in own.dropped.items() if r is DropReason.TIMEOUT]
     if not late:
