@@ -291,7 +291,7 @@ def codec_text(
     block_size: int = 4096,
 ) -> str:
     return (
-        f"{codec_repr(codec, block_size)}|{chunk_bytes}|group_size={group_size}|v7"
+        f"{codec_repr(codec, block_size)}|{chunk_bytes}|group_size={group_size}|v8"
         f"|S={max_staleness}|decay={float(staleness_decay)!r}"
     )
 
@@ -1299,6 +1299,7 @@ class CleanroomAverager:
         self._joined: dict[str, dict[str, Any]] = {}
         self._confirmation: dict[str, Any] | None = None
         self._confirmed = False
+        self._group_id: int | None = None  # 9.5: the confirmation's group tag
         self._reducer: _Reducer | None = None
         self._decl: dict[str, Any] = {}
         self._saw: list[int] | None = None  # 9.2: the step tags our read grouped (marker)
@@ -1340,9 +1341,16 @@ class CleanroomAverager:
                     raise RemoteError("bad_request", "bad round")
                 if not 0 <= round_number < MAX_EPOCH:
                     raise RemoteError("bad_request", "bad round")
+                group = incoming.body.get("group")
+                if "group" in incoming.body and not (_is_int(group) and 1 <= group < 2**62):
+                    raise RemoteError("bad_request", "bad group")
                 with self._state_lock:
                     if round_number != self._round:
                         raise RemoteError("not_found", f"not in round {round_number}")
+                    if group is not None and self._confirmed and group != self._group_id:
+                        raise RemoteError("not_found", "not in that group")
+            elif "group" in incoming.body:
+                raise RemoteError("bad_request", "a group without its round")
             incoming.reply({})
         else:
             self.unknown_requests.append(method)
@@ -1408,17 +1416,19 @@ class CleanroomAverager:
 
     def _on_chunk(self, incoming: Incoming) -> dict[str, Any]:
         body = incoming.body
-        required = {"round", "part", "chunk", "epoch", "weight"}
+        required = {"round", "group", "part", "chunk", "epoch", "weight"}
         optional = {"raw", "abort", "retry"}
-        names_round = _is_int(body.get("round")) and _is_int(body.get("part"))
+        names_round = all(_is_int(body.get(k)) for k in ("round", "group", "part"))
         with self._state_lock:
             reducer = self._reducer
             in_round = body.get("round") == self._round and self._round is not None
             confirmed = self._confirmed
+            group_id = self._group_id
         well_formed = (
             required <= set(body)
             and not set(body) - required - optional
-            and all(_is_int(body[k]) for k in ("round", "part", "chunk", "epoch"))
+            and all(_is_int(body[k]) for k in ("round", "group", "part", "chunk", "epoch"))
+            and 1 <= body["group"] < 2**62
             and 0 <= body["part"] < 256
             and 0 <= body["chunk"] < 2**32
             and _is_number(body["weight"])
@@ -1426,7 +1436,8 @@ class CleanroomAverager:
             and ("abort" not in body or isinstance(body["abort"], str))
         )
         if not well_formed:
-            if names_round and in_round and reducer is not None and body["part"] == reducer.index:
+            ours = names_round and in_round and body["group"] == group_id
+            if ours and reducer is not None and body["part"] == reducer.index:
                 with reducer.cond:
                     caller = b58encode(incoming.peer_id)
                     if reducer.state.get(caller) == "pending":
@@ -1436,15 +1447,19 @@ class CleanroomAverager:
             raise RemoteError("not_found", f"not in round {body['round']}")
         if not confirmed:
             raise RemoteError("busy", "group not confirmed yet")  # 9: "busy at once"
+        if body["group"] != group_id:
+            raise RemoteError("not_found", "not in that group")
         if reducer is None or body["part"] != reducer.index:
             raise RemoteError("bad_request", "not a part we reduce")
         return reducer.take(b58encode(incoming.peer_id), body, incoming.payload)
 
     def _on_result(self, incoming: Incoming) -> None:
         body = incoming.body
-        if set(body) != {"round", "part"} or incoming.payload:
+        if set(body) != {"round", "group", "part"} or incoming.payload:
             raise RemoteError("bad_request", "result keys")
-        if not _is_int(body["round"]) or not _is_int(body["part"]) or not 0 <= body["part"] < 256:
+        if not all(_is_int(body[k]) for k in body) or not 0 <= body["part"] < 256:
+            raise RemoteError("bad_request", "result keys")
+        if not 1 <= body["group"] < 2**62:
             raise RemoteError("bad_request", "result keys")
         limit = time.time() + 10.0
         with self._state_lock:
@@ -1452,6 +1467,8 @@ class CleanroomAverager:
                 raise RemoteError("not_found", f"not in round {body['round']}")
             while not self._confirmed and time.time() < limit:
                 self._state_lock.wait(0.05)
+            if body["group"] != self._group_id:
+                raise RemoteError("not_found", "not in that group")
             reducer = self._reducer
         if reducer is None or body["part"] != reducer.index:
             raise RemoteError("bad_request", "not a part we reduce")
@@ -1551,7 +1568,7 @@ class CleanroomAverager:
             "count": count,
             "total": int(self.values.size),
             "group_size": self.group_size,
-            "detail": f"float32, {self.codec}, clean-room member, layout v7",
+            "detail": f"float32, {self.codec}, clean-room member, layout v8",
             "step": secrets.randbelow(2**32 - 1) + 1,  # 9.2: a random tag, anew each step
         }
         with self._state_lock:
@@ -1723,8 +1740,13 @@ class CleanroomAverager:
         """9.5: only for our round and with us among `members`; spans must tile."""
         report = self.report
         me = self.identity.peer_id_text
-        if set(answer) != {"status", "round", "members", "spans", "budget"}:
+        if set(answer) != {"status", "round", "group", "members", "spans", "budget"}:
             report.observations.append(f"confirmation keys {sorted(answer)}")
+        group = answer.get("group")
+        if not (_is_int(group) and 1 <= group < 2**62):
+            report.outcome = "unconfirmed"
+            report.note = f"a confirmation's group tag is {group!r}"
+            return None
         members = [(p, dict(d)) for p, d in answer["members"]]
         spans = [tuple(s) for s in answer["spans"]]
         if answer["round"] != report.round or me not in [p for p, _ in members]:
@@ -1747,6 +1769,7 @@ class CleanroomAverager:
         confirmation = {**answer, "members": members, "spans": spans}
         with self._state_lock:
             self._confirmation = confirmation
+            self._group_id = group
         return confirmation
 
     def _lead(
@@ -1782,15 +1805,18 @@ class CleanroomAverager:
         reducers = [d for _, d in members if not d.get("client_mode", d.get("address") is None)]
         spans = compute_spans([float(d["bandwidth"]) for d in reducers], int(self.values.size))
         budget = max(deadline - time.time(), 0.001)
+        group = secrets.randbelow(2**62 - 1) + 1  # 9.5: a tag for this group
         confirmation = {
             "status": "ok",
             "round": report.round,
+            "group": group,
             "members": [[p, d] for p, d in members],
             "spans": [list(s) for s in spans],
             "budget": budget,
         }
         with self._state_lock:
             self._confirmation = confirmation
+            self._group_id = group
             self._state_lock.notify_all()
         return {**confirmation, "members": members, "spans": spans}
 
@@ -1918,6 +1944,7 @@ class CleanroomAverager:
         if part in self.abort_parts and count:
             withdrawal: dict[str, Any] = {
                 "round": report.round,
+                "group": self._group_id,
                 "part": part,
                 "chunk": 0,
                 "epoch": self._decl["epoch"],
@@ -1932,6 +1959,7 @@ class CleanroomAverager:
             piece = self.values[a + c * chunk_elems : a + min((c + 1) * chunk_elems, n)]
             body: dict[str, Any] = {
                 "round": report.round,
+                "group": self._group_id,
                 "part": part,
                 "chunk": c,
                 "epoch": self._decl["epoch"],
@@ -2036,7 +2064,7 @@ class CleanroomAverager:
                 conn = self._conn_to(reducer, address)
                 items = conn.stream(
                     f"{self.m}.result",
-                    {"round": self.report.round, "part": part},
+                    {"round": self.report.round, "group": self._group_id, "part": part},
                     timeout=max(end - time.time(), 0.05),
                 )
                 header_body, header_payload = next(items)

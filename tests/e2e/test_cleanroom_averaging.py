@@ -131,8 +131,8 @@ def values_for(seed: int, total: int) -> np.ndarray:
 def test_fingerprint_and_int8_blob_reproduce_the_worked_examples() -> None:
     """9.3's fingerprint and 9.1's int8 blob, byte for byte."""
     text = codec_text("none")
-    assert text == "NoneCodec(max_elements=268435456)|2097152|group_size=16|v7|S=2|decay=0.5"
-    assert layout_fingerprint([(3, 4), (5,)], ["float32", "float16"], text) == "92a6e2aaf155437d"
+    assert text == "NoneCodec(max_elements=268435456)|2097152|group_size=16|v8|S=2|decay=0.5"
+    assert layout_fingerprint([(3, 4), (5,)], ["float32", "float16"], text) == "690d13689743718e"
     blob = encode_blob("int8", np.array([1, -2, 0.5], np.float32), block_size=2)
     assert blob.hex() == ("5343020101010000030000000000000002000000000000000402813c0402813b40817f")
     assert decode_blob(blob, "int8").tolist() == pytest.approx([64 * 2 / 127, -2, 0.5], rel=1e-6)
@@ -541,10 +541,16 @@ EXPECTED_PROBES = {
     "ping {round}": "ok",
     "ping another round": "not_found",
     "ping round nil": "bad_request",
-    "ping {round} + another key": "ok",  # "a ping ignores keys other than round"
+    "ping {round} + another key": "ok",  # "a ping ignores keys other than round and group"
+    "ping {round, group}": "ok",
+    "ping another group": "not_found",  # 9, "Group tags"
+    "ping group 0": "bad_request",
+    "ping group without round": "bad_request",
     "result with a t key": "bad_request",
     "result for a part it does not reduce": "bad_request",
     "result for another round": "not_found",
+    "result for another group": "not_found",
+    "result without group": "bad_request",
     "result with a payload": "bad_request",
     "join with an empty skipped": "bad_request",
     "join whose decl has an 11th key": "bad_request",
@@ -560,7 +566,8 @@ def probe_library_leader(
     found: dict[str, str],
 ) -> Callable[[CleanroomAverager, dict[str, Any]], None]:
     def probe(averager: CleanroomAverager, confirmation: dict[str, Any]) -> None:
-        r, m = averager.report.round, averager.m
+        r, m, g = averager.report.round, averager.m, confirmation["group"]
+        other_g = g % (2**62 - 1) + 1  # another valid tag
         members = confirmation["members"]
         leader, leader_decl = (
             members[0] if members[0][0] != averager.identity.peer_id_text else members[1]
@@ -575,15 +582,41 @@ def probe_library_leader(
             "ping another round": ("ping", {"round": r + 1}, b"", False),
             "ping round nil": ("ping", {"round": None}, b"", False),
             "ping {round} + another key": ("ping", {"round": r, "x": 1}, b"", False),
-            "result with a t key": ("result", {"round": r, "part": theirs, "t": "x"}, b"", True),
-            "result for a part it does not reduce": (
+            "ping {round, group}": ("ping", {"round": r, "group": g}, b"", False),
+            "ping another group": ("ping", {"round": r, "group": other_g}, b"", False),
+            "ping group 0": ("ping", {"round": r, "group": 0}, b"", False),
+            "ping group without round": ("ping", {"group": g}, b"", False),
+            "result with a t key": (
                 "result",
-                {"round": r, "part": ours},
+                {"round": r, "group": g, "part": theirs, "t": "x"},
                 b"",
                 True,
             ),
-            "result for another round": ("result", {"round": r + 1, "part": theirs}, b"", True),
-            "result with a payload": ("result", {"round": r, "part": theirs}, b"x", True),
+            "result for a part it does not reduce": (
+                "result",
+                {"round": r, "group": g, "part": ours},
+                b"",
+                True,
+            ),
+            "result for another round": (
+                "result",
+                {"round": r + 1, "group": g, "part": theirs},
+                b"",
+                True,
+            ),
+            "result for another group": (
+                "result",
+                {"round": r, "group": other_g, "part": theirs},
+                b"",
+                True,
+            ),
+            "result without group": ("result", {"round": r, "part": theirs}, b"", True),
+            "result with a payload": (
+                "result",
+                {"round": r, "group": g, "part": theirs},
+                b"x",
+                True,
+            ),
             "join with an empty skipped": (
                 "join",
                 {"round": r, "decl": decl, "skipped": []},
@@ -605,10 +638,13 @@ def probe_library_leader(
         stranger = ConnectionPool(Identity.generate(), lambda incoming: None)
         try:
             other = stranger.get(leader_decl["address"])
-            chunk = {"round": r, "part": theirs, "chunk": 0, "epoch": 0, "weight": 1.0, "raw": True}
+            chunk = {
+                **{"round": r, "group": g, "part": theirs, "chunk": 0},
+                **{"epoch": 0, "weight": 1.0, "raw": True},
+            }
             found["stranger: chunk"] = answer_code(other, f"{m}.chunk", chunk, b"\0" * 16)
             found["stranger: result"] = answer_code(
-                other, f"{m}.result", {"round": r, "part": theirs}, stream=True
+                other, f"{m}.result", {"round": r, "group": g, "part": theirs}, stream=True
             )
         finally:
             stranger.close()

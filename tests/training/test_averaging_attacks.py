@@ -83,7 +83,9 @@ def honest_chunks(b: butterfly.Butterfly, index: int) -> list[Chunk]:
     for chunk in range(chunk_count(stop - start, b.config.chunk_elements)):
         x, y = chunk_span(stop - start, b.config.chunk_elements, chunk)
         values = np.array(b.flat.source(start + x, start + y), dtype=np.float32)
-        body = ChunkHeader(b.plan.round, index, chunk, me.epoch, me.weight).to_body()
+        body = ChunkHeader(
+            b.plan.round, index, chunk, me.epoch, me.weight, group_id=b.plan.group_id
+        ).to_body()
         chunks.append((body, bytes(b.codec.encode(values)), values))
     return chunks
 
@@ -348,8 +350,9 @@ def queued_service() -> ReducerService:
         for i in range(3)
     )
     plan = Plan(
-        1, peer(0), members, members[:1], ((0, 4096),), {m.peer_id: 1.0 for m in members}, 0
-    )
+        1, peer(0), members, members[:1], ((0, 4096),), {m.peer_id: 1.0 for m in members}, 0,
+        group_id=1,
+    )  # fmt: skip
     config = AveragerConfig(chunk_bytes=4096, retain_budget=1)
     liveness = Liveness(no_node(plan), plan, "ping", 1.0)  # type: ignore[arg-type]  # never probes
     flat = FlatVector([torch.from_numpy(local)])
@@ -371,12 +374,12 @@ async def test_a_queued_sender_cannot_park_payloads_that_will_be_refused(
     await service.load()
     codec = get_codec("none")
     chunk = np.ones(1024, np.float32)
-    await service.on_chunk(peer(1), ChunkHeader(1, 0, 0, 0, 1.0), codec.encode(chunk))
+    await service.on_chunk(peer(1), ChunkHeader(1, 0, 0, 0, 1.0, group_id=1), codec.encode(chunk))
     codes: list[str] = []
 
     async def queued(index: int, payload: bytes) -> None:
         try:
-            await service.on_chunk(peer(2), ChunkHeader(1, 0, index, 0, 1.0), payload)
+            await service.on_chunk(peer(2), ChunkHeader(1, 0, index, 0, 1.0, group_id=1), payload)
             codes.append("ok")
         except RemoteError as exc:
             codes.append(exc.message)
@@ -407,7 +410,7 @@ async def test_a_slow_sender_that_keeps_pace_keeps_its_slot_while_others_wait(
     async def sender(i: int, pause: float) -> None:
         for index in range(4):
             blob = codec.encode(values[i])
-            await service.on_chunk(peer(i), ChunkHeader(1, 0, index, 0, 1.0), blob)
+            await service.on_chunk(peer(i), ChunkHeader(1, 0, index, 0, 1.0, group_id=1), blob)
             await trio.sleep(pause)
 
     async with trio.open_nursery() as nursery:
@@ -432,7 +435,7 @@ async def test_the_pace_counts_from_when_our_own_part_is_loaded(
     async def sender(i: int) -> None:
         for index in range(4):
             blob = codec.encode(values[i])
-            await service.on_chunk(peer(i), ChunkHeader(1, 0, index, 0, 1.0), blob)
+            await service.on_chunk(peer(i), ChunkHeader(1, 0, index, 0, 1.0, group_id=1), blob)
 
     async def slow_load() -> None:
         await trio.sleep(3.0)  # longer than a chunk's share of the time to the cutoff
@@ -475,11 +478,13 @@ async def test_chunks_and_result_requests_from_outside_the_group_or_for_another_
 
             async def script(b: butterfly.Butterfly, index: int, address: Address) -> None:
                 other = (index + 1) % len(b.plan.reducers)
-                body = {"round": b.plan.round, "part": other}
+                body = {"round": b.plan.round, "group": b.plan.group_id, "part": other}
                 await ask(b.node, address, f"{b.methods}.result", body)
-                chunk = ChunkHeader(b.plan.round, index, 0, 0, 1.0).to_body()
+                chunk = ChunkHeader(
+                    b.plan.round, index, 0, 0, 1.0, group_id=b.plan.group_id
+                ).to_body()
                 await ask(outsider, address, f"{b.methods}.chunk", chunk)
-                body = {"round": b.plan.round, "part": index}
+                body = {"round": b.plan.round, "group": b.plan.group_id, "part": index}
                 await ask(outsider, address, f"{b.methods}.result", body)
                 await HONEST_SEND(b, index, address, trio.Event())
 
@@ -622,7 +627,7 @@ async def test_result_streams_never_read_cost_the_others_nothing(
                 self: butterfly.Butterfly, index: int, address: Address, encoded: trio.Event
             ) -> Any:
                 if self.plan.me == attacker.peer_id:
-                    body = {"round": self.plan.round, "part": index}
+                    body = {"round": self.plan.round, "group": self.plan.group_id, "part": index}
                     stream = self.node.rpc.stream(address, f"{self.methods}.result", body)
                     held.append((stream, await stream.__aenter__()))
                 return await download(self, index, address, encoded)

@@ -425,18 +425,26 @@ def test_reducer_local_nonfinite_is_dropped() -> None:
 
 def test_messages_round_trip() -> None:
     members = (decl(1), decl(2, client=True), decl(3))
-    conf = GroupConfirmation(9, members, ((0, 40), (40, 100)), 12.5)
+    conf = GroupConfirmation(9, members, ((0, 40), (40, 100)), 12.5, group_id=77)
     assert GroupConfirmation.from_body(conf.to_body(), 100) == conf
     with pytest.raises(RemoteProtocolError):
         GroupConfirmation.from_body(conf.to_body(), 99)
     for budget in (True, 0, -1.0, math.inf, "12"):  # a bool passed for one second
         with pytest.raises(RemoteProtocolError, match="budget"):
             GroupConfirmation.from_body({**conf.to_body(), "budget": budget}, 100)
-    head = ChunkHeader(9, 1, 3, 7, 2.0, DropReason.NONFINITE)
+    for group in (0, 2**62, None, True, 1.0):
+        with pytest.raises(RemoteProtocolError, match="group"):
+            GroupConfirmation.from_body({**conf.to_body(), "group": group}, 100)
+    with pytest.raises(RemoteProtocolError, match="group"):
+        GroupConfirmation.from_body({k: v for k, v in conf.to_body().items() if k != "group"}, 100)
+    head = ChunkHeader(9, 1, 3, 7, 2.0, DropReason.NONFINITE, group_id=77)
     assert ChunkHeader.from_body(head.to_body()) == head
-    retried = ChunkHeader(9, 1, 3, 7, 2.0, raw=True, retry=True)
+    retried = ChunkHeader(9, 1, 3, 7, 2.0, raw=True, retry=True, group_id=2**62 - 1)
     assert ChunkHeader.from_body(retried.to_body()) == retried
-    for changes in ({"zz": 1}, {"retry": "yes"}, {"retry": 1}, {"weight": True}):
+    for changes in (
+        {"zz": 1}, {"retry": "yes"}, {"retry": 1}, {"weight": True}, {"group": 0},
+        {"group": 2**62}, {"group": True}, {"group": None},
+    ):  # fmt: skip
         with pytest.raises(RemoteProtocolError):
             ChunkHeader.from_body({**retried.to_body(), **changes})
     res = ResultHeader((peer(1),), ((peer(2), DropReason.DEAD),), 3.0, 4)

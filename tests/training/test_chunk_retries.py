@@ -36,6 +36,7 @@ from training.averaging.plan import Liveness, Plan
 from training.averaging.reducing import ReducerService
 
 CHUNK = 1024  # elements (AveragerConfig.chunk_bytes = 4096)
+GROUP = 3  # the group tag of the hand-made plan
 
 
 def peer(i: int) -> PeerID:
@@ -59,6 +60,7 @@ def service_for(
         spans=((0, length),),
         weights=dict.fromkeys(ids, 1.0),
         max_epoch=0,
+        group_id=GROUP,
     )
     tensor = torch.zeros(length)
     flat = FlatVector([tensor])
@@ -70,7 +72,7 @@ def service_for(
 
 
 def chunk_of(values: np.ndarray, index: int, *, retry: bool = False) -> tuple[ChunkHeader, bytes]:
-    header = ChunkHeader(1, 0, index, 0, 1.0, retry=retry)
+    header = ChunkHeader(1, 0, index, 0, 1.0, retry=retry, group_id=GROUP)
     return header, get_codec("none").encode(values[index * CHUNK : (index + 1) * CHUNK])
 
 

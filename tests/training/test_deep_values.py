@@ -39,7 +39,7 @@ def test_a_deep_declaration_field_is_malformed(field: str) -> None:
 
 
 def test_a_deep_abort_reason_is_malformed() -> None:
-    body = ChunkHeader(9, 1, 3, 7, 2.0, DropReason.NONFINITE).to_body()
+    body = ChunkHeader(9, 1, 3, 7, 2.0, DropReason.NONFINITE, group_id=5).to_body()
     with pytest.raises(RemoteProtocolError, match="'abort' must be a string"):
         ChunkHeader.from_body({**body, "abort": deep()})
 

@@ -87,7 +87,7 @@ def test_the_detail_names_the_shapes_when_they_fit() -> None:
     huge = TensorLayout.of([torch.zeros(2, dtype=dtypes[i % 4]) for i in range(4000)])
     odd = AveragerConfig(max_staleness=1000, staleness_decay=0.30000000000000004)
     text = describe_settings(huge, get_codec("topk", fraction=0.012345), odd)
-    assert len(text) == MAX_DETAIL and text.endswith(", layout v7"), text
+    assert len(text) == MAX_DETAIL and text.endswith(", layout v8"), text
 
 
 async def test_a_peer_of_another_version_is_named_as_such(
@@ -104,10 +104,10 @@ async def test_a_peer_of_another_version_is_named_as_such(
                 for node in nodes[:2]
             ]
             ours = newcomer._detail
-            assert ours.endswith(", layout v7")
+            assert ours.endswith(", layout v8")
             for averager in old:  # what an older version declares: no version in its words
                 averager.layout_id = "0123456789abcdef"
-                averager._detail = ours.removesuffix(", layout v7")
+                averager._detail = ours.removesuffix(", layout v8")
             message = await mismatch_beside(newcomer, *(averager.step for averager in old))
     print(message)
     assert "another version of swarm" in message and "update the older side" in message
@@ -116,10 +116,10 @@ async def test_a_peer_of_another_version_is_named_as_such(
 def test_only_the_same_words_read_as_another_version() -> None:
     peer = Identity.from_seed(b"d" * 32).peer_id
     words = "1 tensors (1 float32; shapes 10), codec none"
-    me = Declaration(peer, None, 1.0, 0, 1.0, "aaa", 0, 10, 4, f"{words}, layout v7")
+    me = Declaration(peer, None, 1.0, 0, 1.0, "aaa", 0, 10, 4, f"{words}, layout v8")
     assert me.reads_like(Declaration(peer, None, 1.0, 0, 1.0, "bbb", 0, 10, 4, words))
     assert me.reads_like(
-        Declaration(peer, None, 1.0, 0, 1.0, "bbb", 0, 10, 4, f"{words}, layout v7")
+        Declaration(peer, None, 1.0, 0, 1.0, "bbb", 0, 10, 4, f"{words}, layout v8")
     )
     assert not me.reads_like(Declaration(peer, None, 1.0, 0, 1.0, "bbb", 0, 10, 4, ""))
     assert not me.reads_like(Declaration(peer, None, 1.0, 0, 1.0, "bbb", 0, 10, 8, words))

@@ -287,6 +287,7 @@ def confirmation_body(
         "members": [[str(IDS[i]), value] for i, value in members],
         "spans": [[a, b] for a, b in spans],
         "budget": 3.5,
+        "group": 12345,
     }
 
 
@@ -557,6 +558,13 @@ def _confirmation_variants() -> list[tuple[str, Callable[[dict[str, Any]], None]
         ("round 2**62", setter("round", 2**62), False),
         ("round -1", setter("round", -1), False),
         ("round bool", setter("round", True), False),
+        ("group 1", setter("group", 1), True),
+        ("group 2**62 - 1", setter("group", 2**62 - 1), True),
+        ("group 0", setter("group", 0), False),
+        ("group 2**62", setter("group", 2**62), False),
+        ("group bool", setter("group", True), False),
+        ("group float", setter("group", 5.0), False),
+        ("no group", lambda body: body.pop("group"), False),
         ("no members", setter("members", []), False),
         ("a PeerID twice", twice, False),
         ("a span bound as float", spans_float, False),
@@ -912,7 +920,7 @@ def test_random_headers_are_judged_as_the_text_says() -> None:
         ]
         total = max(g.total, 1)
         spans = spec_spans(total, [d.bandwidth for d in members if not d.client_mode])
-        conf = GroupConfirmation(1, tuple(members), tuple(spans), 1.0)
+        conf = GroupConfirmation(1, tuple(members), tuple(spans), 1.0, group_id=1)
         config = AveragerConfig(max_staleness=g.max_staleness, staleness_decay=g.decay)
         plan = Plan.of(conf, members[0].peer_id, config)
         side = member_side(conf)
@@ -1028,7 +1036,7 @@ def test_result_items(
     """9.6: an item must decode to its chunk's element count, finite; `raw` counts only
     under `none` and `topk`, the other codecs decode every payload as a blob."""
     members = tuple(declaration(i, 1.0, 0, 1.0, False) for i in range(2))
-    conf = GroupConfirmation(1, members, ((0, 4), (4, 8)), 1.0)
+    conf = GroupConfirmation(1, members, ((0, 4), (4, 8)), 1.0, group_id=1)
     side = member_side(conf, codec, **params)
     values = np.array([1, -2, 0.5, 0], np.float32)
     nan = np.array([1, np.nan, 0, 0], np.float32)

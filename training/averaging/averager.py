@@ -64,7 +64,7 @@ logger = logging.getLogger(__name__)
 
 _CHUNK_SLACK = 1 << 16  # bytes of codec header a chunk's blob may carry beyond its values
 _JOIN_KEYS = frozenset({"round", "decl", "skipped"})
-_RESULT_KEYS = frozenset({"round", "part"})
+_RESULT_KEYS = frozenset({"round", "group", "part"})
 
 
 def _check_small(request: Request, keys: frozenset[str]) -> None:
@@ -139,6 +139,7 @@ class _Active:
     round: int
     ready: trio.Event = field(default_factory=trio.Event)
     service: ReducerService | None = None
+    group_id: int | None = None  # the confirmed group's tag (None: no group, or not yet)
     # chunks that came before our group was confirmed wait, payload and all, until it is:
     # per sender and in bytes, bounded (anyone who read our round from the DHT can send)
     parked: Counter[PeerID] = field(default_factory=Counter)
@@ -214,7 +215,8 @@ class Averager:
         # lossless with error feedback; v3: raw float32 payloads with the none codec; v4:
         # convex sums, the group size; v5: grids that n fills exactly; v6: the grid phase is
         # the median count; both so that peers form the same groups; v7: int8 blocks
-        # restart at each tensor boundary, a blob per tensor of a chunk),
+        # restart at each tensor boundary, a blob per tensor of a chunk; v8: the group tag
+        # in the confirmation, chunks, result requests and round pings),
         # and on the staleness rule: each reducer applies its own, so with different ones
         # parts were weighed differently, or a reducer waited until the cutoff for a sender
         # that had found itself stale and sent nothing
@@ -555,6 +557,7 @@ class Averager:
             )  # fmt: skip
         assert self._active is not None
         self._active.service = service
+        self._active.group_id = plan.group_id
         self._active.ready.set()
         butterfly = Butterfly(
             self.node, plan, self.flat, self.codec, self.config, self._methods, service,
@@ -650,12 +653,17 @@ class Averager:
 
     async def _on_ping(self, request: Request) -> Reply:
         """``{}``: alive. ``{round}``: alive *and* in that round, else ``not_found``: a peer
-        whose step ended (or was cancelled) answers pings, but will not send or serve."""
-        round_no = parse_ping(request.body)
+        whose step ended (or was cancelled) answers pings, but will not send or serve.
+        ``{round, group}``: in that round and, once our group is confirmed, in that group
+        (a slot holds consecutive steps: our next step in the same round is not the one
+        the caller waits on)."""
+        round_no, group_id = parse_ping(request.body)
         if round_no is not None:
             active = self._active
             if active is None or active.round != round_no:
                 raise RemoteError("not_found", f"not in round {round_no}")
+            if group_id is not None and active.ready.is_set() and active.group_id != group_id:
+                raise RemoteError("not_found", f"not in that group of round {round_no}")
         return Reply({})
 
     async def _on_join(self, request: Request) -> Reply:
@@ -665,9 +673,18 @@ class Averager:
             raise RemoteError("bad_request", "unknown keys in the declaration")
         return await self._matchmaker.on_join(request)
 
-    async def _service(self, round_no: int, chunk: Request | None = None) -> ReducerService:
+    async def _service(
+        self, round_no: int, group_id: int, chunk: Request | None = None
+    ) -> ReducerService:
         """Our reducer for ``round_no`` once the group is confirmed (a ``chunk`` that comes
-        before waits for it, within the bounds of :meth:`_park`)."""
+        before waits for it, within the bounds of :meth:`_park`), if that group is
+        ``group_id``.
+
+        Raises:
+            RemoteError: ``not_found`` when we are not in that round and group (a message
+                of the caller's step before, in a round of the same number, lands here);
+                ``bad_request`` when we reduce no part.
+        """
         active = self._active
         if active is None or active.round != round_no:
             raise RemoteError("not_found", f"not in round {round_no}")
@@ -676,6 +693,8 @@ class Averager:
                 await active.ready.wait()
         else:
             await active.ready.wait()
+        if active.group_id != group_id:
+            raise RemoteError("not_found", f"not in that group of round {round_no}")
         if active.service is None:
             raise RemoteError("bad_request", "no part is reduced here")
         return active.service
@@ -692,11 +711,11 @@ class Averager:
             and active.round == header.round and not active.ready.is_set()
         ):  # fmt: skip
             # A member's word that it left (Butterfly._withdraw) is not held until our group
-            # is confirmed: in a round of the same number as its step before (a slot holds
-            # consecutive steps), it was that step's word, and it dropped the member's next
-            # contribution, sent after it (a review). Nothing of it can be here yet anyway.
+            # is confirmed: nothing of it can be here yet. (Before group tags, in a round of
+            # the same number as its step before, it was that step's word, and it dropped
+            # the member's next contribution, sent after it: a review. The tag now tells.)
             return Reply({})
-        service = await self._service(header.round, request)
+        service = await self._service(header.round, header.group_id, request)
         return await service.on_chunk(request.peer_id, header, request.payload)
 
     @contextlib.contextmanager
@@ -736,11 +755,11 @@ class Averager:
         """A malformed chunk header that names our round and part drops its sender from the
         part at once (``garbage``): left pending, it would hold the others to the cutoff."""
         body = request.body
-        round_no, part = body.get("round"), body.get("part")
-        if type(round_no) is not int or type(part) is not int:
+        round_no, group_id, part = body.get("round"), body.get("group"), body.get("part")
+        if type(round_no) is not int or type(group_id) is not int or type(part) is not int:
             return
         try:
-            service = await self._service(round_no)  # (as a well-formed chunk would wait)
+            service = await self._service(round_no, group_id)  # (as a chunk would wait)
         except RemoteError:
             return
         if service.part == part:
@@ -748,8 +767,8 @@ class Averager:
 
     async def _on_result(self, request: Request) -> AsyncIterator[Reply]:
         _check_small(request, _RESULT_KEYS)
-        round_no, part = parse_result_request(request.body)
-        service = await self._service(round_no)
+        round_no, group_id, part = parse_result_request(request.body)
+        service = await self._service(round_no, group_id)
         if part != service.part or service.plan.member(request.peer_id) is None:
             raise RemoteError("bad_request", f"part {part} is not reduced here for you")
         async with aclosing(service.results(request.peer_id)) as items:

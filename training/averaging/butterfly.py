@@ -214,8 +214,9 @@ class Butterfly:
             async with trio.open_nursery() as nursery:
                 for index in parts:
                     header = ChunkHeader(
-                        self.plan.round, index, 0, me.epoch, me.weight, abort=DropReason.TIMEOUT
-                    )
+                        self.plan.round, index, 0, me.epoch, me.weight,
+                        abort=DropReason.TIMEOUT, group_id=self.plan.group_id,
+                    )  # fmt: skip
                     nursery.start_soon(self._tell, index, header.to_body())
 
     async def _tell(self, index: int, body: dict[str, object]) -> None:
@@ -293,8 +294,9 @@ class Butterfly:
                         # them, and the reducer, which checks every chunk anyway, drops us.
                         raw = zero_copy and not np.may_share_memory(values, self.flat.array)
                         header = ChunkHeader(
-                            self.plan.round, index, chunk, me.epoch, me.weight, raw=raw
-                        )
+                            self.plan.round, index, chunk, me.epoch, me.weight, raw=raw,
+                            group_id=self.plan.group_id,
+                        )  # fmt: skip
                         await slots.acquire()  # released by send() when its call is over
                         size = 0 if raw else self.ranges.encoded_size(start + a, start + b)
                         buffer = None if raw else pool.take(size)
@@ -411,7 +413,7 @@ class Butterfly:
         if isinstance(self.codec, (Int8Codec, Float16Codec)) and self.feedback is None:
             tensor = self.flat.view(start, stop)
         header: ResultHeader | None = None
-        body = {"round": self.plan.round, "part": index}
+        body = {"round": self.plan.round, "group": self.plan.group_id, "part": index}
         async with self.node.rpc.stream(address, f"{self.methods}.result", body) as items:
             chunk = -1
             try:

@@ -12,6 +12,7 @@ answers, and otherwise moves on as the caller did.
 
 from __future__ import annotations
 
+import secrets
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -28,7 +29,7 @@ from .bench import Bench
 from .config import AveragerConfig
 from .grouping import Declaration
 from .layout import bounded_bandwidths, split_spans
-from .messages import GroupConfirmation, JoinRequest, method_prefix
+from .messages import MAX_GROUP_ID, GroupConfirmation, JoinRequest, method_prefix
 from .round_state import LayoutMismatchError, MatchResult, RoundState
 
 GONE_CODES = frozenset({"not_found", "unknown_method"})
@@ -129,7 +130,11 @@ class Confirmation:
         reducers = [m.bandwidth for m in members if not m.client_mode]
         spans = split_spans(self.total, bounded_bandwidths(reducers))
         state.confirmation = GroupConfirmation(
-            state.number, tuple(members), tuple(spans), state.budget
+            state.number,
+            tuple(members),
+            tuple(spans),
+            state.budget,
+            group_id=secrets.randbelow(MAX_GROUP_ID - 1) + 1,  # its tag (messages.py)
         )
         state.answered_at = trio.current_time()
         state.answered.set()

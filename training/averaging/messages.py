@@ -4,8 +4,12 @@ Methods (``{m}`` = ``avg.<hash of the prefix>``, so several averagers share a no
 
     {m}.join     member -> leader    {round, decl[, skipped]}  ->  GroupConfirmation | refusal
     {m}.chunk    sender -> reducer   ChunkHeader + payload (one codec blob)  ->  {}
-    {m}.result   member -> reducer   {round, part}  =>  ResultHeader, then {chunk} + payload
-    {m}.ping     anyone -> anyone    {} or {round}  ->  {} (not_found: not in that round)
+    {m}.result   member -> reducer   {round, group, part}  =>  ResultHeader, then {chunk} + payload
+    {m}.ping     anyone -> anyone    {}, {round} or {round, group}  ->  {} (not_found: not in it)
+
+``group`` is the tag the leader drew for the group it confirmed: consecutive steps of a
+slot share a round number, and the tag tells one step's group from the next one's (a late
+chunk, result request or ping of the step before is answered ``not_found``).
 
 With the ``none`` codec a payload may be *raw* (``"raw": true`` in the chunk's body or the
 result item's): the chunk's float32 values, little-endian, without the codec blob header,
@@ -19,7 +23,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from protocol.errors import ProtocolError, RemoteProtocolError, brief
@@ -61,21 +65,36 @@ def _map(body: Any) -> Mapping[str, Any]:
     return body
 
 
-def parse_ping(body: Any) -> int | None:
-    """The round a ping asks about, or None for a plain ``{}`` (alive?).
+MAX_GROUP_ID = 1 << 62
+"""Group tags are ints in [1, MAX_GROUP_ID)."""
 
-    Raises: RemoteProtocolError when ``round`` is present but not an int in [0, 2**62)
-    (nil included: nil never stands in for an absent key)."""
+
+def parse_ping(body: Any) -> tuple[int | None, int | None]:
+    """``(round, group)`` a ping asks about: ``(None, None)`` for a plain ``{}`` (alive?),
+    ``(round, None)`` for the round alone (a leader asking an expected member).
+
+    Raises: RemoteProtocolError when ``round`` or ``group`` is present but not an int in
+    range (nil included: nil never stands in for an absent key), or ``group`` comes
+    without ``round``."""
     body = _map(body)
-    return _int(body, "round") if "round" in body else None
+    if "group" in body and "round" not in body:
+        raise RemoteProtocolError("a ping names a group only with its round")
+    round_no = _int(body, "round") if "round" in body else None
+    group = _int(body, "group", 1, MAX_GROUP_ID) if "group" in body else None
+    return round_no, group
 
 
-def parse_result_request(body: Any) -> tuple[int, int]:
-    """``(round, part)`` of a result request.
+def parse_result_request(body: Any) -> tuple[int, int, int]:
+    """``(round, group, part)`` of a result request.
 
-    Raises: RemoteProtocolError unless both are ints in range ([0, 2**62), [0, 256))."""
+    Raises: RemoteProtocolError unless all are ints in range ([0, 2**62), [1, 2**62),
+    [0, 256))."""
     body = _map(body)
-    return _int(body, "round"), _int(body, "part", 0, MAX_MEMBERS)
+    return (
+        _int(body, "round"),
+        _int(body, "group", 1, MAX_GROUP_ID),
+        _int(body, "part", 0, MAX_MEMBERS),
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,12 +134,15 @@ class JoinRequest:
 
 @dataclass(frozen=True, slots=True)
 class GroupConfirmation:
-    """The leader's final word: the members in order, and part ``i`` for ``reducers[i]``."""
+    """The leader's final word: the members in order, and part ``i`` for ``reducers[i]``.
+    ``group_id``: the tag the leader drew for this group (every message of its exchange
+    names it: see the module's docstring)."""
 
     round: int
     members: tuple[Declaration, ...]
     spans: tuple[Span, ...]  # one per non-client member, in member order
     budget: float  # seconds left of the leader's step, from receipt (members keep their own)
+    group_id: int = field(kw_only=True)
 
     @property
     def reducers(self) -> tuple[Declaration, ...]:
@@ -130,6 +152,7 @@ class GroupConfirmation:
         return {
             "status": "ok",
             "round": self.round,
+            "group": self.group_id,
             "members": [[str(m.peer_id), m.to_wire(tagged=False)] for m in self.members],
             "spans": [list(span) for span in self.spans],
             "budget": self.budget,
@@ -174,7 +197,13 @@ class GroupConfirmation:
             or not (math.isfinite(budget) and budget > 0)
         ):
             raise RemoteProtocolError("budget must be a positive number")
-        return cls(_int(body, "round"), tuple(members), tuple(spans), float(budget))
+        return cls(
+            _int(body, "round"),
+            tuple(members),
+            tuple(spans),
+            float(budget),
+            group_id=_int(body, "group", 1, MAX_GROUP_ID),
+        )
 
 
 def raw_flag(body: Mapping[str, Any]) -> bool:
@@ -189,7 +218,9 @@ def raw_flag(body: Mapping[str, Any]) -> bool:
     return raw
 
 
-_CHUNK_KEYS = frozenset({"round", "part", "chunk", "epoch", "weight", "abort", "raw", "retry"})
+_CHUNK_KEYS = frozenset(
+    {"round", "group", "part", "chunk", "epoch", "weight", "abort", "raw", "retry"}
+)
 _RESULT_KEYS = frozenset({"contributors", "dropped", "weight", "chunks", "note"})
 
 
@@ -207,10 +238,12 @@ class ChunkHeader:
     # sent again after the connection broke before the answer came: the same bytes are
     # acknowledged again (any other repeat of a chunk is garbage)
     retry: bool = False
+    group_id: int = field(kw_only=True)  # the confirmation's tag (see the module docstring)
 
     def to_body(self) -> dict[str, Any]:
         body: dict[str, Any] = {
             "round": self.round,
+            "group": self.group_id,
             "part": self.part,
             "chunk": self.chunk,
             "epoch": self.epoch,
@@ -254,6 +287,7 @@ class ChunkHeader:
             reason,
             raw_flag(body),
             retry,
+            group_id=_int(body, "group", 1, MAX_GROUP_ID),
         )
 
 

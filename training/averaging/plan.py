@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import trio
 
@@ -40,6 +40,7 @@ class Plan:
     spans: tuple[Span, ...]
     weights: dict[PeerID, float | None]  # staleness-decayed; None: too stale to count
     max_epoch: int
+    group_id: int = field(kw_only=True)  # the leader's tag: our messages of the round name it
 
     @classmethod
     def of(cls, conf: GroupConfirmation, me: PeerID, config: AveragerConfig) -> Plan:
@@ -53,6 +54,7 @@ class Plan:
             conf.spans,
             weights,
             max(m.epoch for m in conf.members),
+            group_id=conf.group_id,
         )
 
     @property
@@ -80,6 +82,7 @@ class Liveness:
         self.node = node
         self.plan = plan
         self.ping_method = ping_method
+        self._ping_body = {"round": plan.round, "group": plan.group_id}
         self.timeout = timeout
         self.bad: dict[PeerID, DropReason] = {}
         self.changed = trio.Event()
@@ -224,18 +227,18 @@ class Liveness:
     async def _ping(
         self, peer_id: PeerID, address: Address, once_more: bool = False
     ) -> DropReason | None:
-        """One ping naming the round (``once_more``: again if the connection breaks): None
+        """One ping naming the round and group (``once_more``: again if the connection breaks): None
         when the peer answers that it is in it; dead (marked) when it cannot be reached or
         is no longer in the round; frozen (not marked: the caller decides) when no answer
         came within ``timeout``."""
         with trio.move_on_after(self.timeout):
             try:
                 try:
-                    await self.node.rpc.call(address, self.ping_method, {"round": self.plan.round})
+                    await self.node.rpc.call(address, self.ping_method, self._ping_body)
                 except PeerUnavailableError:
                     if not once_more:
                         raise
-                    await self.node.rpc.call(address, self.ping_method, {"round": self.plan.round})
+                    await self.node.rpc.call(address, self.ping_method, self._ping_body)
             except PeerUnavailableError:
                 self.mark(peer_id, DropReason.DEAD)
                 return DropReason.DEAD
