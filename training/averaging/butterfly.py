@@ -9,7 +9,8 @@
 A part whose upload failed is still downloaded (the reducer averaged the others). Its
 result header stops the encoding of our remaining chunks of the part (it is final), so
 that the results are read while our last calls wait for their answers: both ways share
-one connection, whose reader stops behind 32 unread result items. A part
+one connection, whose reader stops behind 32 unread result items; once the download has
+ended, those calls are cancelled (their answers change nothing). A part
 whose download did not complete keeps our local values: ``FlatVector.store`` copies back
 into the tensors only the spans that were fully received, and a part decoded into its
 tensor as it came gets its local values back from flat[span j], where each chunk's were
@@ -186,6 +187,12 @@ class Butterfly:
             else:
                 encoded.set()
             header, received, note = await self._download(index, address, encoded)
+            if header is not None:
+                # The part is final: our chunk calls still under way change nothing (the
+                # reducer refuses them), so they are not waited for. A member with a slow
+                # uplink that reduces a part too had its last calls queued behind its own
+                # result stream, and its step waited for them until its deadline.
+                nursery.cancel_scope.cancel()
         self.reports[index] = self._report(index, header, received, note)
         self._exchanged.add(index)  # not reached when the deadline cut it short
 
@@ -426,7 +433,8 @@ class Butterfly:
                         self._check_header(header, expected_chunks)
                         fetched[:] = [header]
                         # the part is final: chunks not sent yet would be refused (a sender
-                        # it lists had sent them all); the calls under way end as they will
+                        # it lists had sent them all); the calls under way end with the
+                        # download (_exchange)
                         self._encoding[index].cancel()
                         continue
                     await encoded.wait()
