@@ -19,7 +19,7 @@ import math
 import secrets
 import warnings
 import weakref
-from collections import Counter
+from collections import Counter, deque
 from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
@@ -65,6 +65,7 @@ logger = logging.getLogger(__name__)
 _CHUNK_SLACK = 1 << 16  # bytes of codec header a chunk's blob may carry beyond its values
 _JOIN_KEYS = frozenset({"round", "decl", "skipped"})
 _RESULT_KEYS = frozenset({"round", "group", "part"})
+_LEFT_GROUPS = 8  # groups our last steps left, remembered (see Averager._left)
 
 
 def _check_small(request: Request, keys: frozenset[str]) -> None:
@@ -243,6 +244,10 @@ class Averager:
         )
         self._count = 0
         self._active: _Active | None = None
+        # (round, group tag) of the groups our last steps left: a late message naming one
+        # is not_found even while our next step, in a round of the same number, waits for
+        # its own group (a review: a ping was answered alive, a result request held)
+        self._left: deque[tuple[int, int]] = deque(maxlen=_LEFT_GROUPS)
         self._busy = False
         self._closed = False
         self._registered = False
@@ -430,6 +435,8 @@ class Averager:
             raise
         finally:
             if self._active is not None:
+                if self._active.group_id is not None:
+                    self._left.append((self._active.round, self._active.group_id))
                 self._active.ready.set()
                 if self._active.service is not None:  # its waiting result streams end
                     self._active.service.close()
@@ -662,7 +669,10 @@ class Averager:
             active = self._active
             if active is None or active.round != round_no:
                 raise RemoteError("not_found", f"not in round {round_no}")
-            if group_id is not None and active.ready.is_set() and active.group_id != group_id:
+            if group_id is not None and (
+                (round_no, group_id) in self._left
+                or (active.ready.is_set() and active.group_id != group_id)
+            ):
                 raise RemoteError("not_found", f"not in that group of round {round_no}")
         return Reply({})
 
@@ -688,6 +698,8 @@ class Averager:
         active = self._active
         if active is None or active.round != round_no:
             raise RemoteError("not_found", f"not in round {round_no}")
+        if (round_no, group_id) in self._left:
+            raise RemoteError("not_found", f"not in that group of round {round_no}: it left")
         if chunk is not None and not active.ready.is_set():
             with self._park(active, chunk):
                 await active.ready.wait()
@@ -705,16 +717,6 @@ class Averager:
         except RemoteProtocolError:
             await self._drop_for_garbage(request)
             raise
-        active = self._active
-        if (
-            header.abort is DropReason.TIMEOUT and active is not None
-            and active.round == header.round and not active.ready.is_set()
-        ):  # fmt: skip
-            # A member's word that it left (Butterfly._withdraw) is not held until our group
-            # is confirmed: nothing of it can be here yet. (Before group tags, in a round of
-            # the same number as its step before, it was that step's word, and it dropped
-            # the member's next contribution, sent after it: a review. The tag now tells.)
-            return Reply({})
         service = await self._service(header.round, header.group_id, request)
         return await service.on_chunk(request.peer_id, header, request.payload)
 

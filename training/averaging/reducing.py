@@ -122,9 +122,6 @@ class ReducerService:
         self.budget = default_retain_budget(flat.array.nbytes) if budget is None else budget
         self.start = trio.current_time()
         self.progress: dict[PeerID, list[float]] = {}
-        # senders whose chunk calls (or result streams) reached this step's part: only they
-        # can withdraw from it (see on_chunk)
-        self._heard: set[PeerID] = set()
         self._admitted: set[PeerID] = set()
         self._admitted_at: dict[PeerID, float] = {}
         self._loaded_at = math.inf  # when our own values were in (chunks wait for them)
@@ -183,20 +180,12 @@ class ReducerService:
             raise RemoteError("bad_request", f"part {header.part} is not reduced here for you")
         if header.abort is not None:
             if header.abort is DropReason.TIMEOUT:
-                if sender not in self._heard:
-                    # Nothing of it here in this step: most likely the word of its step
-                    # before, in a round of the same number (a slot holds consecutive
-                    # steps), that reached us late: it must not drop the sender's new
-                    # contribution (its chunks of this step come after it, on the same
-                    # connection). A withdrawal before its first chunk is lost so; the
-                    # stall timeout still drops it.
-                    return Reply({})
                 # its step ended (Butterfly._withdraw): it will not fetch our result either,
-                # nor serve its own part
+                # nor serve its own part. (Its group tag says it is this step's word: one of
+                # its step before, in a round of the same number, is not_found.)
                 self.liveness.mark(sender, DropReason.TIMEOUT)
             self._drop(sender, header.abort)
             return Reply({})
-        self._heard.add(sender)
         self._check_pending(sender)
         key = (sender, header.chunk)
         retried = not header.retry and key in self._retries
@@ -638,7 +627,6 @@ class ReducerService:
             RemoteError: ``not_found`` when our step left the round before the mean was
                 ready (see :meth:`close`).
         """
-        self._heard.add(member)
         while not self.ready.is_set():
             if self.closed:
                 raise RemoteError("not_found", f"round {self.plan.round} ended here first")
