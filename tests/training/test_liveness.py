@@ -96,6 +96,30 @@ async def test_a_busy_client_mode_sender_is_not_frozen_either(
         assert await liveness.probe(OTHER) is DropReason.FROZEN
 
 
+async def test_a_probe_whose_caller_is_cancelled_leaves_the_others_a_verdict(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The upload, the download and the reducer share one probe of a peer. When the call
+    that runs it ends first (an upload cancelled once its part's download has ended), the
+    others got no verdict, which read as alive: a frozen peer was waited for a stall
+    timeout more. They now probe again."""
+    node = _Node()
+    liveness = _liveness(node, f"{OTHER}@127.0.0.1:2")  # silent: never answers
+    answers: list[DropReason | None] = []
+
+    async def share() -> None:
+        await trio.sleep(0.1)
+        answers.append(await liveness.probe(OTHER))
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(share)
+            with trio.move_on_after(0.3):  # the caller that runs the probe, cancelled
+                await liveness.probe(OTHER)
+        assert answers == [DropReason.FROZEN]
+        assert trio.current_time() < 3.0  # its own probe: two pings of 1 s
+
+
 @pytest.mark.parametrize("withdraws", [True, False], ids=["withdraws", "withdrawal-lost"])
 @pytest.mark.parametrize("client_mode", [False, True], ids=["pingable", "client-mode"])
 async def test_a_member_that_left_the_round_but_talks_to_us_is_dropped_at_once(

@@ -75,6 +75,14 @@ class Plan:
         return Address.parse(member.address)
 
 
+@dataclass
+class _SharedProbe:
+    """A probe under way, whose answer the other callers share (``Liveness.probe``)."""
+
+    done: trio.Event = field(default_factory=trio.Event)
+    finished: bool = False  # it came to a verdict (False: its caller was cancelled first)
+
+
 class Liveness:
     """Dead or frozen peers seen during a round (sticky), and the probe that finds them."""
 
@@ -88,7 +96,7 @@ class Liveness:
         self.changed = trio.Event()
         self._reconnects: dict[PeerID, int] = {}
         self._reconnecting: dict[PeerID, trio.Event] = {}
-        self._probing: dict[PeerID, trio.Event] = {}
+        self._probing: dict[PeerID, _SharedProbe] = {}
         self._alive_at: dict[PeerID, float] = {}  # see alive_at
         self._clients_gone: dict[PeerID, float] = {}  # since when, see mark_gone_clients
         self._probed_unconnected: set[PeerID] = set()  # see unconnected_servers
@@ -170,21 +178,28 @@ class Liveness:
         queues behind it: only a peer that sends nothing at all, from shortly before the
         ping on, is frozen (every peer of 3 was dropped as frozen with ``stall_timeout``
         1.5 s under load before; none since)."""
-        if peer_id in self.bad:
-            return self.bad[peer_id]
         # one probe per peer at a time, the others share its answer: the upload, the
         # download and our reducer all watch the same peer, and each probe of a silent
         # connection closes the peer's connections (see below)
-        running = self._probing.get(peer_id)
-        if running is not None:
-            await running.wait()
-            return self.bad.get(peer_id)
-        done = self._probing[peer_id] = trio.Event()
+        while True:
+            if peer_id in self.bad:
+                return self.bad[peer_id]
+            running = self._probing.get(peer_id)
+            if running is None:
+                break
+            await running.done.wait()
+            if running.finished:
+                return self.bad.get(peer_id)
+            # its prober was cancelled (the upload whose call it was has ended): no
+            # verdict, which read as alive, and its watchers waited a stall timeout more
+        shared = self._probing[peer_id] = _SharedProbe()
         try:
-            return await self._probe(peer_id)
+            answer = await self._probe(peer_id)
+            shared.finished = True
+            return answer
         finally:
             del self._probing[peer_id]
-            done.set()
+            shared.done.set()
 
     async def _probe(self, peer_id: PeerID) -> DropReason | None:
         started = trio.current_time()
