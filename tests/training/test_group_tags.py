@@ -106,6 +106,9 @@ async def test_messages_of_the_step_before_in_a_round_of_the_same_number_are_not
                     nursery.start_soon(one, i, 2)
     first, second = ([rows[k] for rows in infos] for k in (1, 2))
     assert len({i.round for i in first + second}) == 1  # one round number for both steps
+    # the report's group_id tells the two exchanges apart
+    assert len({i.group_id for i in first}) == len({i.group_id for i in second}) == 1
+    assert first[0].group_id != second[0].group_id and first[0].group_id is not None
     assert answers == ["chunk: not_found", "ping: not_found", "result: not_found"], answers
     for info in second:
         assert info.outcome is Outcome.AVERAGED and not info.dropped, str(info)

@@ -587,6 +587,7 @@ class Averager:
                 feedback.finish(butterfly.counted)
             allreduce_s = trio.current_time() - t1  # not the DHT store's wait, if longer
         self._bench_garbage(conf.round, match.leader, parts, liveness)
+        self._matchmaker.forget(liveness.unreachable - {me.peer_id})
         dropped = merge_dropped(parts)
         stall = watch.note(self.config.stall_timeout / 2, dropped=bool(dropped))
         return AveragingInfo(
@@ -594,6 +595,7 @@ class Averager:
             self.flat.total, epoch=plan.max_epoch, matchmaking_s=t1 - t0,
             allreduce_s=allreduce_s, dropped=dropped,
             note=_sentences(match.note, stall, _cut_here(parts, plan.my_part)), me=me.peer_id,
+            group_id=plan.group_id,
         )  # fmt: skip
 
     def _bench_garbage(

@@ -93,6 +93,10 @@ class Liveness:
         self._ping_body = {"round": plan.round, "group": plan.group_id}
         self.timeout = timeout
         self.bad: dict[PeerID, DropReason] = {}
+        # dead because they could not be reached at all (a refused dial, a client's
+        # connections gone): most likely their process is, and the matchmaker stops
+        # expecting them (Matchmaker.forget); not peers that answered but had left the round
+        self.unreachable: set[PeerID] = set()
         self.changed = trio.Event()
         self._reconnects: dict[PeerID, int] = {}
         self._reconnecting: dict[PeerID, trio.Event] = {}
@@ -132,6 +136,7 @@ class Liveness:
                 continue
             since = self._clients_gone.setdefault(peer_id, now)
             if now - since >= grace:
+                self.unreachable.add(peer_id)
                 self.mark(peer_id, DropReason.DEAD)
             else:
                 due = min(due, since + grace)
@@ -206,6 +211,7 @@ class Liveness:
         address = self.plan.address(peer_id)
         if address is None:  # client mode: cannot be dialed, but a dead one's connection is gone
             if peer_id not in self.node.rpc.connected_peers():
+                self.unreachable.add(peer_id)
                 self.mark(peer_id, DropReason.DEAD)
                 return DropReason.DEAD
             # Its connection to us is pooled under its PeerID and serves our calls too (no
@@ -255,6 +261,7 @@ class Liveness:
                         raise
                     await self.node.rpc.call(address, self.ping_method, self._ping_body)
             except PeerUnavailableError:
+                self.unreachable.add(peer_id)
                 self.mark(peer_id, DropReason.DEAD)
                 return DropReason.DEAD
             except RemoteError as exc:

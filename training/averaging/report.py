@@ -75,6 +75,9 @@ class AveragingInfo:
     note: str = ""
     dropped: Mapping[PeerID, DropReason] = field(default_factory=dict)  # union over parts
     me: PeerID | None = None  # this peer (marked "(us)" where the line names it)
+    # the leader's tag for the group (None without one): consecutive steps of a slot share
+    # a round number, and the tag tells which steps of different peers were one exchange
+    group_id: int | None = None
 
     @property
     def averaged_fraction(self) -> float:
