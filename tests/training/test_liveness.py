@@ -120,6 +120,29 @@ async def test_a_probe_whose_caller_is_cancelled_leaves_the_others_a_verdict(
         assert trio.current_time() < 3.0  # its own probe: two pings of 1 s
 
 
+async def test_a_reconnect_whose_caller_is_cancelled_leaves_the_others_a_verdict(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Two calls to a silent (frozen) peer fail together and share one reconnect; the call
+    running its probe is cancelled first. The other was told to retry at once (alive), and
+    its call waited a stall timeout more (a review); it now gets the probe's verdict."""
+    node = _Node()
+    liveness = _liveness(node, f"{OTHER}@127.0.0.1:2")  # silent: never answers
+    answers: list[bool] = []
+
+    async def share() -> None:
+        await trio.sleep(0.1)
+        answers.append(await liveness.reconnect(OTHER))
+
+    with trio.fail_after(10):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(share)
+            with trio.move_on_after(0.3):
+                await liveness.reconnect(OTHER)
+    assert answers == [False]
+    assert liveness.bad.get(OTHER) is DropReason.FROZEN
+
+
 @pytest.mark.parametrize("withdraws", [True, False], ids=["withdraws", "withdrawal-lost"])
 @pytest.mark.parametrize("client_mode", [False, True], ids=["pingable", "client-mode"])
 async def test_a_member_that_left_the_round_but_talks_to_us_is_dropped_at_once(

@@ -129,12 +129,13 @@ class Matchmaker(Confirmation):
         self.clock = clock
         # declarations of our layout seen in the last rounds (us included): peers of another
         # layout are no company, so they neither count for closing early nor for following;
-        # nor do ghosts: the peers that failed our joins at once in our last round (whose
-        # declarations stay in its key for the next step in the same slot)
+        # nor do ghosts: the declarations (peer, step tag) of peers that failed our joins in
+        # our last round, which stay in its key for the next step in the same slot; the same
+        # peer declaring anew (another tag: a frozen one that came back) counts again
         self._views: list[int] = []
         self._lone_steps = 0  # our steps in a row that ended alone (see _out_of_step)
         self._step_rounds: list[int] = []  # the rounds our last steps ended in (3 at most)
-        self._ghosts: set[PeerID] = set()
+        self._ghosts: set[tuple[PeerID, int]] = set()
         # the round our last read decided, the declaration it grouped, the others' step tags
         self._kept: tuple[int, Declaration, set[int]] | None = None
         # the grid phase of the last round of this step in which we read peers of our
@@ -297,16 +298,6 @@ class Matchmaker(Confirmation):
             return nearest > cadence - farthest
         return _heads(self.node.peer_id, self.prefix, number)
 
-    def forget(self, peers: Collection[PeerID]) -> None:
-        """``peers`` of our last group could not be reached at all in its all-reduce (most
-        likely their process is gone): the rounds that follow close early without them.
-        Each counted in the views we remember; expecting them, a survivor of a killed
-        member waited for the slot's close in its next steps (an outside tester: 2.6 s, then
-        6.1 s, with a 6 s window, against 0.5 s a step before the kill). One that comes
-        back is a newcomer: that round waits for its close, as for any."""
-        if peers:
-            self._views = [max(view - len(peers), 0) for view in self._views]
-
     async def withdraw(self, number: int, deadline: float) -> None:
         """Replace our declaration in round ``number`` by a "done" marker (the caller runs
         this once the round is decided): a later step reusing the slot's key, or a peer that
@@ -432,9 +423,12 @@ class Matchmaker(Confirmation):
             return await self._lead(state, group, deadline, len(declared))
         state.closed.set()
         result = await self._join(state, group, deadline, len(declared))
-        kin = {d.peer_id for d in declared if d.layout == state.me.layout}
-        self._views[-1] -= len(kin & state.gone - ghosts)  # found gone in this round
-        self._ghosts = state.gone
+        gone = [d for d in declared if d.peer_id in state.gone]
+        # found gone in this round: out of its count, unless already out (a ghost before)
+        self._views[-1] -= sum(
+            d.layout == state.me.layout and (d.peer_id, d.step) not in ghosts for d in gone
+        )
+        self._ghosts = {(d.peer_id, d.step) for d in gone}
         return result
 
     def _cut_short(self, state: RoundState, early_by: float) -> MatchResult:
@@ -609,14 +603,17 @@ def _with_refused(result: MatchResult, refused: MatchResult | None) -> MatchResu
 
 
 def _same_layout(
-    declared: list[Declaration], me: Declaration, ghosts: Collection[PeerID] = ()
+    declared: list[Declaration], me: Declaration, ghosts: Collection[tuple[PeerID, int]] = ()
 ) -> int:
-    """Declarations of our layout, but ``ghosts``'."""
-    return sum(d.layout == me.layout and d.peer_id not in ghosts for d in declared)
+    """Declarations of our layout, but ``ghosts`` (``(peer, step tag)`` pairs)."""
+    return sum(d.layout == me.layout and (d.peer_id, d.step) not in ghosts for d in declared)
 
 
 def _may_close_early(
-    declared: list[Declaration], me: Declaration, population: int, ghosts: Collection[PeerID]
+    declared: list[Declaration],
+    me: Declaration,
+    population: int,
+    ghosts: Collection[tuple[PeerID, int]],
 ) -> bool:
     """Exactly ``population`` peers of our layout, and no peer of another layout alone with
     it: a sub-swarm of another layout (two or more) groups apart and needs nothing from us,

@@ -77,7 +77,8 @@ class Plan:
 
 @dataclass
 class _SharedProbe:
-    """A probe under way, whose answer the other callers share (``Liveness.probe``)."""
+    """A probe under way, whose answer the other callers share (``Liveness.probe``,
+    ``Liveness.reconnect``)."""
 
     done: trio.Event = field(default_factory=trio.Event)
     finished: bool = False  # it came to a verdict (False: its caller was cancelled first)
@@ -93,13 +94,9 @@ class Liveness:
         self._ping_body = {"round": plan.round, "group": plan.group_id}
         self.timeout = timeout
         self.bad: dict[PeerID, DropReason] = {}
-        # dead because they could not be reached at all (a refused dial, a client's
-        # connections gone): most likely their process is, and the matchmaker stops
-        # expecting them (Matchmaker.forget); not peers that answered but had left the round
-        self.unreachable: set[PeerID] = set()
         self.changed = trio.Event()
         self._reconnects: dict[PeerID, int] = {}
-        self._reconnecting: dict[PeerID, trio.Event] = {}
+        self._reconnecting: dict[PeerID, _SharedProbe] = {}
         self._probing: dict[PeerID, _SharedProbe] = {}
         self._alive_at: dict[PeerID, float] = {}  # see alive_at
         self._clients_gone: dict[PeerID, float] = {}  # since when, see mark_gone_clients
@@ -136,7 +133,6 @@ class Liveness:
                 continue
             since = self._clients_gone.setdefault(peer_id, now)
             if now - since >= grace:
-                self.unreachable.add(peer_id)
                 self.mark(peer_id, DropReason.DEAD)
             else:
                 due = min(due, since + grace)
@@ -211,7 +207,6 @@ class Liveness:
         address = self.plan.address(peer_id)
         if address is None:  # client mode: cannot be dialed, but a dead one's connection is gone
             if peer_id not in self.node.rpc.connected_peers():
-                self.unreachable.add(peer_id)
                 self.mark(peer_id, DropReason.DEAD)
                 return DropReason.DEAD
             # Its connection to us is pooled under its PeerID and serves our calls too (no
@@ -261,7 +256,6 @@ class Liveness:
                         raise
                     await self.node.rpc.call(address, self.ping_method, self._ping_body)
             except PeerUnavailableError:
-                self.unreachable.add(peer_id)
                 self.mark(peer_id, DropReason.DEAD)
                 return DropReason.DEAD
             except RemoteError as exc:
@@ -281,22 +275,27 @@ class Liveness:
         Calls that failed together (one connection) share one ping; after
         ``MAX_RECONNECTS`` such episodes in a round the peer is marked dead, as are peers
         whose ping fails (see :meth:`probe`)."""
-        if peer_id in self.bad:
-            return False
-        pending = self._reconnecting.get(peer_id)
-        if pending is not None:
-            await pending.wait()
-            return peer_id not in self.bad
+        while True:
+            if peer_id in self.bad:
+                return False
+            pending = self._reconnecting.get(peer_id)
+            if pending is None:
+                break
+            await pending.done.wait()
+            if pending.finished:
+                return peer_id not in self.bad
+            # its caller was cancelled before a verdict (as in probe): ask again
         if self._reconnects.get(peer_id, 0) >= MAX_RECONNECTS:
             self.mark(peer_id, DropReason.DEAD)
             return False
         self._reconnects[peer_id] = self._reconnects.get(peer_id, 0) + 1
-        done = self._reconnecting[peer_id] = trio.Event()
+        shared = self._reconnecting[peer_id] = _SharedProbe()
         try:
             alive = await self.probe(peer_id) is None
+            shared.finished = True
         finally:
             del self._reconnecting[peer_id]
-            done.set()
+            shared.done.set()
         logger.debug(
             "round %d: connection to %s broke; %s",
             self.plan.round, peer_id.short(), "retrying" if alive else "giving up",
