@@ -96,50 +96,33 @@ async def test_a_busy_client_mode_sender_is_not_frozen_either(
         assert await liveness.probe(OTHER) is DropReason.FROZEN
 
 
-async def test_a_probe_whose_caller_is_cancelled_leaves_the_others_a_verdict(
-    autojump_clock: trio.testing.MockClock,
+@pytest.mark.parametrize(
+    ("shared", "verdict"), [("probe", DropReason.FROZEN), ("reconnect", False)]
+)
+async def test_a_shared_probe_whose_caller_is_cancelled_leaves_the_others_a_verdict(
+    autojump_clock: trio.testing.MockClock, shared: str, verdict: object
 ) -> None:
-    """The upload, the download and the reducer share one probe of a peer. When the call
-    that runs it ends first (an upload cancelled once its part's download has ended), the
-    others got no verdict, which read as alive: a frozen peer was waited for a stall
+    """The upload, the download and the reducer share one probe of a peer (and calls that
+    failed together one reconnect). When the call that runs it ends first (an upload
+    cancelled once its part's download has ended), the others got no verdict, which read
+    as alive (retry, for a reconnect: a review): a frozen peer was waited for a stall
     timeout more. They now probe again."""
     node = _Node()
     liveness = _liveness(node, f"{OTHER}@127.0.0.1:2")  # silent: never answers
-    answers: list[DropReason | None] = []
+    ask = getattr(liveness, shared)
+    answers: list[object] = []
 
     async def share() -> None:
         await trio.sleep(0.1)
-        answers.append(await liveness.probe(OTHER))
+        answers.append(await ask(OTHER))
 
     with trio.fail_after(10):
         async with trio.open_nursery() as nursery:
             nursery.start_soon(share)
             with trio.move_on_after(0.3):  # the caller that runs the probe, cancelled
-                await liveness.probe(OTHER)
-        assert answers == [DropReason.FROZEN]
+                await ask(OTHER)
+        assert answers == [verdict]
         assert trio.current_time() < 3.0  # its own probe: two pings of 1 s
-
-
-async def test_a_reconnect_whose_caller_is_cancelled_leaves_the_others_a_verdict(
-    autojump_clock: trio.testing.MockClock,
-) -> None:
-    """Two calls to a silent (frozen) peer fail together and share one reconnect; the call
-    running its probe is cancelled first. The other was told to retry at once (alive), and
-    its call waited a stall timeout more (a review); it now gets the probe's verdict."""
-    node = _Node()
-    liveness = _liveness(node, f"{OTHER}@127.0.0.1:2")  # silent: never answers
-    answers: list[bool] = []
-
-    async def share() -> None:
-        await trio.sleep(0.1)
-        answers.append(await liveness.reconnect(OTHER))
-
-    with trio.fail_after(10):
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(share)
-            with trio.move_on_after(0.3):
-                await liveness.reconnect(OTHER)
-    assert answers == [False]
     assert liveness.bad.get(OTHER) is DropReason.FROZEN
 
 
