@@ -755,8 +755,9 @@ class Averager:
             active.parked_bytes -= size
 
     async def _drop_for_garbage(self, request: Request) -> None:
-        """A malformed chunk header that names our round and part drops its sender from the
-        part at once (``garbage``): left pending, it would hold the others to the cutoff."""
+        """A malformed chunk header that names our round, group and part drops its sender
+        from the part at once (``garbage``): left pending, it would hold the others to the
+        cutoff."""
         body = request.body
         round_no, group_id, part = body.get("round"), body.get("group"), body.get("part")
         if type(round_no) is not int or type(group_id) is not int or type(part) is not int:
