@@ -16,7 +16,7 @@ import hashlib
 import itertools
 import logging
 from collections import Counter
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from dataclasses import replace
 
 import trio
@@ -132,7 +132,11 @@ class Matchmaker(Confirmation):
         # nor do ghosts: the declarations (peer, step tag) of peers that failed our joins in
         # our last round, which stay in its key for the next step in the same slot; the same
         # peer declaring anew (another tag: a frozen one that came back) counts again
-        self._views: list[int] = []
+        self._views: list[frozenset[PeerID]] = []
+        # members of our last groups that failed them (dead, frozen, gone from the round,
+        # joins failed at once): each either shows up in our next round, or our read of it
+        # at its close, authoritative, misses it and it leaves the views (see _settle)
+        self._suspects: set[PeerID] = set()
         self._lone_steps = 0  # our steps in a row that ended alone (see _out_of_step)
         self._step_rounds: list[int] = []  # the rounds our last steps ended in (3 at most)
         self._ghosts: set[tuple[PeerID, int]] = set()
@@ -237,7 +241,33 @@ class Matchmaker(Confirmation):
 
     def _others_recently(self) -> bool:
         """Whether other peers declared in one of the rounds before the last one."""
-        return max(self._views[:-1], default=0) >= 2
+        return max(map(len, self._views[:-1]), default=0) >= 2
+
+    def suspect(self, peers: Iterable[PeerID]) -> None:
+        """Members of our last group that failed it (the all-reduce found them dead,
+        frozen or out of the round): our next round decides whether they still count in the
+        population we expect (see ``_settle``)."""
+        known = frozenset().union(*self._views)
+        self._suspects.update(p for p in peers if p in known and p != self.node.peer_id)
+
+    def _settle(self, view: frozenset[PeerID], state: RoundState) -> None:
+        """Suspects that came to this round are cleared; those that a read at the round's
+        close (not an early one, nor one a joiner woke) did not find are taken out of the
+        views we remember, so that the rounds after this one close early without them.
+        Their dead member cost survivors the slot's close in each round that counted it
+        (3; an outside tester: 2.6 s, then 6.1 s with a 6 s window, against 0.5 s). Only
+        such a read: a live member a moment late would be missing from an early one, and
+        forgetting it on that left it out of every later round (a review: the others
+        closed early without it and remembered the smaller count). A peer that comes back
+        is a newcomer: its round waits for the close."""
+        if not self._suspects:
+            return
+        back = self._suspects & view
+        gone = self._suspects - back if state.read_at_close else set()
+        self._suspects -= back | gone
+        if gone:
+            logger.debug("round %d: %d failed member(s) did not come back", state.number, len(gone))
+            self._views = [v - gone for v in self._views]
 
     async def _out_of_step(self, number: int, deadline: float) -> bool:
         """Whether we, alone in round ``number``, follow into the next round because a peer
@@ -366,7 +396,9 @@ class Matchmaker(Confirmation):
             logger.warning("%s", note)
             return MatchResult(state.number, None, None, len(declared), note)
         ghosts, self._ghosts = self._ghosts, set()
-        self._views = [*self._views[-2:], _same_layout(declared, state.me, ghosts)]
+        view = _same_layout(declared, state.me, ghosts)
+        self._views = [*self._views[-2:], view]
+        self._settle(view, state)
         groups = make_groups(declared, self.config.group_size, self.prefix)
         others = [d for d in declared if d.peer_id != state.me.peer_id]
         self._check_layouts(state.me, others, done)
@@ -424,11 +456,11 @@ class Matchmaker(Confirmation):
         state.closed.set()
         result = await self._join(state, group, deadline, len(declared))
         gone = [d for d in declared if d.peer_id in state.gone]
-        # found gone in this round: out of its count, unless already out (a ghost before)
-        self._views[-1] -= sum(
-            d.layout == state.me.layout and (d.peer_id, d.step) not in ghosts for d in gone
-        )
+        # found gone in this round: out of its count (already out if a ghost before), and
+        # suspect for the rounds before, which counted it
+        self._views[-1] -= {d.peer_id for d in gone}
         self._ghosts = {(d.peer_id, d.step) for d in gone}
+        self.suspect(d.peer_id for d in gone)
         return result
 
     def _cut_short(self, state: RoundState, early_by: float) -> MatchResult:
@@ -525,7 +557,7 @@ class Matchmaker(Confirmation):
         # Close early once as many peers are back as we saw in any of the last 3 rounds (a
         # peer that left costs us the wait until the close, not a split swarm), and not
         # before one poll interval: peers a moment behind us get a chance to show up.
-        population = max(self._views, default=0)
+        population = max(map(len, self._views), default=0)
         not_before = trio.current_time() + poll
         while True:
             now = trio.current_time()
@@ -540,8 +572,10 @@ class Matchmaker(Confirmation):
             declared: list[Declaration] = []
             done: Counter[str | None] = Counter()
             with trio.move_on_at(close_at if early else deadline):
+                at_close = trio.current_time() >= close_at
                 read = await self.node.dht.read_entries(key)
                 state.unheard = read.asked > 0 and not read.answered
+                state.read_at_close = at_close and not state.unheard
                 values = {s: v for s, (v, _) in read.entries.items()}
                 declared = parse_declarations(values)
                 # peers whose read of the round had our declaration, and that withdrew
@@ -604,9 +638,11 @@ def _with_refused(result: MatchResult, refused: MatchResult | None) -> MatchResu
 
 def _same_layout(
     declared: list[Declaration], me: Declaration, ghosts: Collection[tuple[PeerID, int]] = ()
-) -> int:
-    """Declarations of our layout, but ``ghosts`` (``(peer, step tag)`` pairs)."""
-    return sum(d.layout == me.layout and (d.peer_id, d.step) not in ghosts for d in declared)
+) -> frozenset[PeerID]:
+    """The peers declared with our layout, but ``ghosts`` (``(peer, step tag)`` pairs)."""
+    return frozenset(
+        d.peer_id for d in declared if d.layout == me.layout and (d.peer_id, d.step) not in ghosts
+    )
 
 
 def _may_close_early(
@@ -621,7 +657,7 @@ def _may_close_early(
     misconfigured newcomer, which must see us). Nor when every peer of our layout is in
     client mode: they cannot form a group, and a peer that can may still come before the
     close (closing then would leave a "done" marker that tells the others we had a group)."""
-    if _same_layout(declared, me, ghosts) != population:
+    if len(_same_layout(declared, me, ghosts)) != population:
         return False
     ours = [d for d in declared if d.layout == me.layout and d.peer_id != me.peer_id]
     if all(d.client_mode for d in [me, *ours]):
