@@ -1,6 +1,8 @@
-"""A member killed mid-round stops counting in the population the survivors expect once a
-round read at its close shows it gone (``Matchmaker.suspect``): the survivors wait for one
-slot's close, not for every round that counted it (memory network, virtual time)."""
+"""A member that is gone stops counting in the population the survivors expect: their
+next rounds close early without it (memory network, virtual time). A killed member, or one
+whose averager was closed, is found by a ping (``Matchmaker._ping_missing``: refused, or
+``unknown_method``); one that says nothing (frozen for good) by a read at the next round's
+close that misses it (``Matchmaker.suspect``), which costs the survivors that one slot."""
 
 from __future__ import annotations
 
@@ -19,7 +21,8 @@ from test_averaging_support import (
     step_all,
 )
 
-from training import AveragingInfo, Outcome
+from peer import Peer
+from training import AveragerConfig, AveragingInfo, Outcome
 from training.averaging.matchmaking import Matchmaker
 
 WINDOW = 8.0
@@ -34,51 +37,85 @@ async def _steps_after(survivors: list[Member], steps: int) -> list[list[Averagi
     return out
 
 
-def _check(after: list[list[AveragingInfo]], pair: int) -> None:
-    """Every step after the kill averages the survivors; the first waits for its slot's
-    close (the dead member might be a live one a moment late), the next ones close early."""
+def _check(after: list[list[AveragingInfo]], pair: int, waits: int = 0) -> None:
+    """Every step after the fault averages the survivors; the first ``waits`` wait for
+    their slot's close, the others close early."""
     for step, infos in enumerate(after):
         for info in infos:
             assert info.outcome is Outcome.AVERAGED and len(info.group) == pair, str(info)
-            if step:
+            if step >= waits:
                 assert info.matchmaking_s < 1.0, (step, info.matchmaking_s, str(info))
-    assert max(info.matchmaking_s for info in after[0]) > 1.0  # the one slot it costs
+            else:
+                assert info.matchmaking_s > 1.0, (step, info.matchmaking_s, str(info))
 
 
-async def test_survivors_of_a_member_killed_in_the_allreduce_wait_for_one_close_only(
-    autojump_clock: trio.testing.MockClock,
+async def _steady_trio(nodes: list[Peer], config: AveragerConfig) -> list[Member]:
+    """Three members that have averaged twice, the second time early in a long slot (each
+    expects the other two, and closes its rounds early)."""
+    members = make_members(nodes, 16_384, config)
+    await step_all(members, timeout=30.0)  # each learns of the others
+    await trio.sleep(WINDOW - trio.current_time() % WINDOW + 0.1)  # early in a slot
+    steady = await step_all(members, timeout=30.0)
+    assert all(i is not None and i.matchmaking_s < 1.0 for i, _ in steady), steady
+    return members
+
+
+@pytest.mark.parametrize("fault", ["kill", "freeze"])
+async def test_survivors_of_a_member_lost_in_the_allreduce_close_early_again(
+    autojump_clock: trio.testing.MockClock, fault: str
 ) -> None:
-    """Three members step early in a long slot, closing their rounds early (each expects
-    the other two). One is killed in the middle of its uploads: the survivors' round is
-    partial. Their next step waits for the slot's close (the killed member still counts)
-    and reads the round without it; the steps after that close early. They used to wait
-    for the close in each of their next three steps, until the rounds that counted the
-    dead member aged out (an outside tester: 2.6 s, then 6.1 s with a 6 s window, against
-    0.5 s before the kill)."""
+    """One of three members is killed (or frozen for good) in the middle of its uploads:
+    the survivors' round is partial. A killed one refuses the ping of the survivors' next
+    round, which closes early without it; a frozen one does not answer, so that round
+    waits for the slot's close, whose read misses it: the rounds after close early. They
+    used to wait for the close in each of their next three steps, until the rounds that
+    counted the lost member aged out (an outside tester: 2.6 s, then 6.1 s with a 6 s
+    window, against 0.5 s before the kill)."""
     config = fast_config(gather_window=WINDOW, max_inflight=2)
     with trio.fail_after(300):
         async with memnet_swarm(3) as (net, nodes):
-            members = make_members(nodes, 16_384, config)
-            await step_all(members, timeout=30.0)  # each learns of the others
-            await trio.sleep(WINDOW - trio.current_time() % WINDOW + 0.1)  # early in a slot
-            steady = await step_all(members, timeout=30.0)
-            assert all(i is not None and i.matchmaking_s < 1.0 for i, _ in steady), steady
+            members = await _steady_trio(nodes, config)
             victim = 2
-            after_acks(members[victim], 2, lambda: net.kill_host(host_of(victim)))
-            killed = await step_all(members, timeout=30.0)
-            for info, _ in killed[:victim]:
-                assert info is not None and info.outcome is Outcome.PARTIAL, str(info)
-            after = await _steps_after(members[:victim], 3)
-    _check(after, 2)
+            lose = net.kill_host if fault == "kill" else net.freeze_host
+            after_acks(members[victim], 2, lambda: lose(host_of(victim)))
+            if fault == "freeze":  # its own step never returns
+                survivors = await _without(members, victim)
+            else:
+                lost = await step_all(members, timeout=30.0)
+                for info, _ in lost[:victim]:
+                    assert info is not None and info.outcome is Outcome.PARTIAL, str(info)
+                survivors = members[:victim]
+            after = await _steps_after(survivors, 3)
+    _check(after, 2, waits=int(fault == "freeze"))
 
 
-async def test_survivors_of_a_leader_killed_in_matchmaking_wait_for_one_close_only(
+async def _without(members: list[Member], victim: int) -> list[Member]:
+    """Step every member; return the others once their steps did (the victim's is
+    cancelled then)."""
+    survivors: list[Member] = []
+    async with trio.open_nursery() as nursery:
+
+        async def one(i: int) -> None:
+            info = await members[i].averager.step(weight=1.0, timeout=30.0)
+            assert info.outcome is Outcome.PARTIAL, str(info)
+            survivors.append(members[i])
+            if len(survivors) == len(members) - 1:
+                nursery.cancel_scope.cancel()
+
+        for i in range(len(members)):
+            if i != victim:
+                nursery.start_soon(one, i)
+        nursery.start_soon(members[victim].averager.step, 1.0)
+    return sorted(survivors, key=members.index)
+
+
+async def test_survivors_of_a_leader_killed_in_matchmaking_close_early_again(
     autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Four members step early in a long slot; the one that leads is killed as it starts
     leading: the others' joins fail at once, they skip it and average as three. The dead
-    leader's declaration stays in the round key; their next step waits for the slot's
-    close, and the ones after it close early."""
+    leader's declaration stays in the round key (a ghost); the survivors' next steps ping
+    it, are refused, and close early (they waited for the close in the first two)."""
     config = fast_config(gather_window=WINDOW)
     armed = [False]
     killed: list[int] = []
@@ -114,3 +151,19 @@ async def test_survivors_of_a_leader_killed_in_matchmaking_wait_for_one_close_on
                     nursery.start_soon(one, i)
             after = await _steps_after(survivors, 3)
     _check(after, 3)
+
+
+async def test_a_member_that_closed_its_averager_is_not_waited_for(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """One of three steady members closes its averager between steps (a volunteer that
+    stops): the others' pings of their next round are answered ``unknown_method``, and
+    each of their next steps closes early. They waited for the slot's close in all three
+    (8 s each), counting it until the rounds that had it aged out."""
+    config = fast_config(gather_window=WINDOW)
+    with trio.fail_after(300):
+        async with memnet_swarm(3) as (_, nodes):
+            members = await _steady_trio(nodes, config)
+            members[2].averager.close()
+            after = await _steps_after(members[:2], 3)
+    _check(after, 2)

@@ -21,7 +21,10 @@ from dataclasses import replace
 
 import trio
 
-from peer import Peer
+from peer import Peer, PeerUnavailableError, RemoteError
+from peer.errors import PeerBusyError
+from protocol.address import Address
+from protocol.errors import ProtocolError
 from protocol.identity import PeerID
 
 from .bench import Bench
@@ -137,6 +140,7 @@ class Matchmaker(Confirmation):
         # joins failed at once): each either shows up in our next round, or our read of it
         # at its close, authoritative, misses it and it leaves the views (see _settle)
         self._suspects: set[PeerID] = set()
+        self._addresses: dict[PeerID, str] = {}  # of the peers in _views, as they declared
         self._lone_steps = 0  # our steps in a row that ended alone (see _out_of_step)
         self._step_rounds: list[int] = []  # the rounds our last steps ended in (3 at most)
         self._ghosts: set[tuple[PeerID, int]] = set()
@@ -250,6 +254,15 @@ class Matchmaker(Confirmation):
         known = frozenset().union(*self._views)
         self._suspects.update(p for p in peers if p in known and p != self.node.peer_id)
 
+    def _remember_addresses(self, declared: list[Declaration]) -> None:
+        """The addresses of the peers in the views we remember (see ``_ping_missing``)."""
+        known = frozenset().union(*self._views)
+        for d in declared:
+            if d.peer_id in known and d.address is not None:
+                self._addresses[d.peer_id] = d.address
+        for peer_id in self._addresses.keys() - known:
+            del self._addresses[peer_id]
+
     def _settle(self, view: frozenset[PeerID], state: RoundState) -> None:
         """Suspects that came to this round are cleared; those that a read at the round's
         close (not an early one, nor one a joiner woke) did not find are taken out of the
@@ -260,6 +273,7 @@ class Matchmaker(Confirmation):
         forgetting it on that left it out of every later round (a review: the others
         closed early without it and remembered the smaller count). A peer that comes back
         is a newcomer: its round waits for the close."""
+        self._suspects &= frozenset().union(*self._views)
         if not self._suspects:
             return
         back = self._suspects & view
@@ -399,6 +413,7 @@ class Matchmaker(Confirmation):
         view = _same_layout(declared, state.me, ghosts)
         self._views = [*self._views[-2:], view]
         self._settle(view, state)
+        self._remember_addresses(declared)
         groups = make_groups(declared, self.config.group_size, self.prefix)
         others = [d for d in declared if d.peer_id != state.me.peer_id]
         self._check_layouts(state.me, others, done)
@@ -553,14 +568,32 @@ class Matchmaker(Confirmation):
         is left is the peers waiting now (and peers that crashed mid-round, until their
         declaration expires; a round they would lead fails and is retried).
         """
+        async with trio.open_nursery() as pings:
+            result = await self._poll(state, key, close_at, deadline, pings)
+            pings.cancel_scope.cancel()
+        return result
+
+    async def _poll(
+        self,
+        state: RoundState,
+        key: str,
+        close_at: float,
+        deadline: float,
+        pings: trio.Nursery,
+    ) -> tuple[list[Declaration], Counter[str | None]]:
         poll = min(max(self.config.gather_window / 8, 0.02), 0.5)
         # Close early once as many peers are back as we saw in any of the last 3 rounds (a
         # peer that left costs us the wait until the close, not a split swarm), and not
-        # before one poll interval: peers a moment behind us get a chance to show up.
-        population = max(map(len, self._views), default=0)
+        # before one poll interval: peers a moment behind us get a chance to show up. Those
+        # of them that a ping finds without an averager here, or without a process, are
+        # not waited for (``_ping_missing``).
+        departed: set[PeerID] = set()
+        pinged: set[PeerID] = set()
+        views = self._views
         not_before = trio.current_time() + poll
         while True:
             now = trio.current_time()
+            population = max((len(v - departed) for v in views), default=0)
             early = population >= 2 and not state.wake.is_set() and now < close_at
             if early and now < not_before:
                 with trio.move_on_at(min(close_at, not_before)):
@@ -601,10 +634,79 @@ class Matchmaker(Confirmation):
             # peer of another layout (a misconfigured newcomer must learn of the mismatch: our
             # "done" marker names our layout, but a stranger of an older version reads no
             # layout in it): wait for the close, so that everybody reads the same set.
+            present = _same_layout(declared, state.me, self._ghosts)
+            if early and departed & present:  # declared after all (a restart elsewhere?)
+                departed -= present
+                population = max((len(v - departed) for v in views), default=0)
             if not early or _may_close_early(declared, state.me, population, self._ghosts):
                 return declared, done
+            bound = min(close_at, trio.current_time() + self.config.stall_timeout / 2)
+            left = trio.Event()  # a ping found one gone: look again now
+            self._ping_missing(pings, present, pinged, departed, left, bound)
             with trio.move_on_at(min(close_at, trio.current_time() + poll)):
-                await state.wake.wait()
+                await _either(state.wake, left)
+
+    def _ping_missing(
+        self,
+        pings: trio.Nursery,
+        present: frozenset[PeerID],
+        pinged: set[PeerID],
+        departed: set[PeerID],
+        left: trio.Event,
+        bound: float,
+    ) -> None:
+        """Ping, once a round, the peers of our remembered rounds that have not declared in
+        this one (at most ``_MAX_MISSING_PINGS`` of them; more: we wait for the close); one
+        without an averager under our prefix now, or whose address refuses us, has left:
+        this round closes early without it. A peer that answers (it may step a moment late),
+        or says nothing before ``bound``, is waited for. A volunteer that stopped (its
+        averager closed, its process killed) otherwise cost the others the slot's close in
+        each round that remembered it."""
+        missing = frozenset().union(*self._views) - present - {self.node.peer_id}
+        if not missing or len(missing) > _MAX_MISSING_PINGS:
+            return
+        for peer_id in missing - pinged:
+            address = self._addresses.get(peer_id)
+            if address is not None:
+                pinged.add(peer_id)
+                pings.start_soon(self._left_us, peer_id, address, departed, left, bound)
+
+    async def _left_us(
+        self,
+        peer_id: PeerID,
+        address: str,
+        departed: set[PeerID],
+        left: trio.Event,
+        bound: float,
+    ) -> None:
+        with trio.move_on_at(bound):
+            try:
+                await self.node.rpc.call(Address.parse(address), self._method("ping"), {})
+            except RemoteError as exc:
+                if exc.code != "unknown_method":  # else no averager under our prefix now
+                    return
+            except PeerBusyError:
+                return  # up, and busy
+            except PeerUnavailableError:  # refused, or another PeerID answers there
+                pass
+            except ProtocolError:
+                return
+            else:
+                return
+            departed.add(peer_id)
+            left.set()
+
+
+async def _either(first: trio.Event, second: trio.Event) -> None:
+    """Wait until either event is set."""
+    async with trio.open_nursery() as nursery:
+
+        async def wait(event: trio.Event) -> None:
+            await event.wait()
+            nursery.cancel_scope.cancel()
+
+        nursery.start_soon(wait, first)
+        nursery.start_soon(wait, second)
 
 
 def _with_strangers(result: MatchResult, strangers: MatchResult | None) -> MatchResult:
@@ -665,6 +767,10 @@ def _may_close_early(
     foreign = Counter(d.layout for d in declared if d.layout != me.layout)
     return all(count >= 2 for count in foreign.values())
 
+
+_MAX_MISSING_PINGS = 4
+"""The most peers of our remembered rounds, missing from a round, that a peer pings to
+close it early without them (``Matchmaker._ping_missing``)."""
 
 _LONE_STEPS = 2
 """Steps of a prefix in a row that ended alone before a lone one may follow a peer seen in
