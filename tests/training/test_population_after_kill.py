@@ -19,9 +19,11 @@ from test_averaging_support import (
     make_members,
     memnet_swarm,
     step_all,
+    virtual_clock,
 )
 
-from peer import Peer
+from peer import Peer, open_peer
+from protocol.identity import Identity
 from training import AveragerConfig, AveragingInfo, Outcome
 from training.averaging.matchmaking import Matchmaker
 
@@ -167,3 +169,39 @@ async def test_a_member_that_closed_its_averager_is_not_waited_for(
             members[2].averager.close()
             after = await _steps_after(members[:2], 3)
     _check(after, 2)
+
+
+async def test_a_member_back_at_another_address_is_waited_for(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """One of three steady members is killed and restarts at once on another host with the
+    same identity, stepping 0.6 s after the others. The others' ping names its old address,
+    but goes over the connection its new process opened to them (pooled by PeerID): it
+    answers, they wait for it, and all three close early together."""
+    config = fast_config(gather_window=WINDOW)
+    with trio.fail_after(300):
+        async with memnet_swarm(3, first_seed=40) as (net, nodes):
+            members = await _steady_trio(nodes, config)
+            net.kill_host(host_of(2))
+            async with open_peer(
+                listen=f"{host_of(3)}:1000",
+                initial_peers=[nodes[0].address],
+                network=net.interface(host_of(3)),
+                clock=virtual_clock,
+                identity=Identity.from_seed(bytes([42]) * 32),
+            ) as node:
+                (back,) = make_members([node], 16_384, config, seed=2)
+                infos: list[AveragingInfo] = []
+
+                async def one(member: Member, delay: float) -> None:
+                    await trio.sleep(delay)
+                    infos.append(await member.averager.step(weight=1.0, timeout=30.0))
+
+                async with trio.open_nursery() as nursery:
+                    for member in members[:2]:
+                        nursery.start_soon(one, member, 0.0)
+                    nursery.start_soon(one, back, 0.6)
+    assert len(infos) == 3
+    for info in infos:
+        assert info.outcome is Outcome.AVERAGED and len(info.group) == 3, str(info)
+        assert info.matchmaking_s < 2.0, (info.matchmaking_s, str(info))

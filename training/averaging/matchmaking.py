@@ -635,9 +635,6 @@ class Matchmaker(Confirmation):
             # "done" marker names our layout, but a stranger of an older version reads no
             # layout in it): wait for the close, so that everybody reads the same set.
             present = _same_layout(declared, state.me, self._ghosts)
-            if early and departed & present:  # declared after all (a restart elsewhere?)
-                departed -= present
-                population = max((len(v - departed) for v in views), default=0)
             if not early or _may_close_early(declared, state.me, population, self._ghosts):
                 return declared, done
             bound = min(close_at, trio.current_time() + self.config.stall_timeout / 2)
