@@ -587,7 +587,6 @@ class Averager:
                 feedback.finish(butterfly.counted)
             allreduce_s = trio.current_time() - t1  # not the DHT store's wait, if longer
         self._bench_garbage(conf.round, match.leader, parts, liveness)
-        self._matchmaker.suspect(liveness.bad)
         dropped = merge_dropped(parts)
         stall = watch.note(self.config.stall_timeout / 2, dropped=bool(dropped))
         return AveragingInfo(

@@ -16,7 +16,7 @@ import hashlib
 import itertools
 import logging
 from collections import Counter
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection
 from dataclasses import replace
 
 import trio
@@ -136,10 +136,6 @@ class Matchmaker(Confirmation):
         # our last round, which stay in its key for the next step in the same slot; the same
         # peer declaring anew (another tag: a frozen one that came back) counts again
         self._views: list[frozenset[PeerID]] = []
-        # members of our last groups that failed them (dead, frozen, gone from the round,
-        # joins failed at once): each either shows up in our next round, or our read of it
-        # at its close, authoritative, misses it and it leaves the views (see _settle)
-        self._suspects: set[PeerID] = set()
         self._addresses: dict[PeerID, str] = {}  # of the peers in _views, as they declared
         self._lone_steps = 0  # our steps in a row that ended alone (see _out_of_step)
         self._step_rounds: list[int] = []  # the rounds our last steps ended in (3 at most)
@@ -247,13 +243,6 @@ class Matchmaker(Confirmation):
         """Whether other peers declared in one of the rounds before the last one."""
         return max(map(len, self._views[:-1]), default=0) >= 2
 
-    def suspect(self, peers: Iterable[PeerID]) -> None:
-        """Members of our last group that failed it (the all-reduce found them dead,
-        frozen or out of the round): our next round decides whether they still count in the
-        population we expect (see ``_settle``)."""
-        known = frozenset().union(*self._views)
-        self._suspects.update(p for p in peers if p in known and p != self.node.peer_id)
-
     def _remember_addresses(self, declared: list[Declaration]) -> None:
         """The addresses of the peers in the views we remember (see ``_ping_missing``)."""
         known = frozenset().union(*self._views)
@@ -262,26 +251,6 @@ class Matchmaker(Confirmation):
                 self._addresses[d.peer_id] = d.address
         for peer_id in self._addresses.keys() - known:
             del self._addresses[peer_id]
-
-    def _settle(self, view: frozenset[PeerID], state: RoundState) -> None:
-        """Suspects that came to this round are cleared; those that a read at the round's
-        close (not an early one, nor one a joiner woke) did not find are taken out of the
-        views we remember, so that the rounds after this one close early without them.
-        Their dead member cost survivors the slot's close in each round that counted it
-        (3; an outside tester: 2.6 s, then 6.1 s with a 6 s window, against 0.5 s). Only
-        such a read: a live member a moment late would be missing from an early one, and
-        forgetting it on that left it out of every later round (a review: the others
-        closed early without it and remembered the smaller count). A peer that comes back
-        is a newcomer: its round waits for the close."""
-        self._suspects &= frozenset().union(*self._views)
-        if not self._suspects:
-            return
-        back = self._suspects & view
-        gone = self._suspects - back if state.read_at_close else set()
-        self._suspects -= back | gone
-        if gone:
-            logger.debug("round %d: %d failed member(s) did not come back", state.number, len(gone))
-            self._views = [v - gone for v in self._views]
 
     async def _out_of_step(self, number: int, deadline: float) -> bool:
         """Whether we, alone in round ``number``, follow into the next round because a peer
@@ -412,7 +381,6 @@ class Matchmaker(Confirmation):
         ghosts, self._ghosts = self._ghosts, set()
         view = _same_layout(declared, state.me, ghosts)
         self._views = [*self._views[-2:], view]
-        self._settle(view, state)
         self._remember_addresses(declared)
         groups = make_groups(declared, self.config.group_size, self.prefix)
         others = [d for d in declared if d.peer_id != state.me.peer_id]
@@ -471,11 +439,9 @@ class Matchmaker(Confirmation):
         state.closed.set()
         result = await self._join(state, group, deadline, len(declared))
         gone = [d for d in declared if d.peer_id in state.gone]
-        # found gone in this round: out of its count (already out if a ghost before), and
-        # suspect for the rounds before, which counted it
+        # found gone in this round: out of its count (already out if a ghost before)
         self._views[-1] -= {d.peer_id for d in gone}
         self._ghosts = {(d.peer_id, d.step) for d in gone}
-        self.suspect(d.peer_id for d in gone)
         return result
 
     def _cut_short(self, state: RoundState, early_by: float) -> MatchResult:
@@ -605,10 +571,8 @@ class Matchmaker(Confirmation):
             declared: list[Declaration] = []
             done: Counter[str | None] = Counter()
             with trio.move_on_at(close_at if early else deadline):
-                at_close = trio.current_time() >= close_at
                 read = await self.node.dht.read_entries(key)
                 state.unheard = read.asked > 0 and not read.answered
-                state.read_at_close = at_close and not state.unheard
                 values = {s: v for s, (v, _) in read.entries.items()}
                 declared = parse_declarations(values)
                 # peers whose read of the round had our declaration, and that withdrew
@@ -653,12 +617,15 @@ class Matchmaker(Confirmation):
         bound: float,
     ) -> None:
         """Ping, once a round, the peers of our remembered rounds that have not declared in
-        this one (at most ``_MAX_MISSING_PINGS`` of them; more: we wait for the close); one
-        without an averager under our prefix now, or whose address refuses us, has left:
-        this round closes early without it. A peer that answers (it may step a moment late),
-        or says nothing before ``bound``, is waited for. A volunteer that stopped (its
-        averager closed, its process killed) otherwise cost the others the slot's close in
-        each round that remembered it."""
+        this one (at most ``_MAX_MISSING_PINGS`` of them; more: we wait for the close). One
+        that answers is waited for: it may step a moment late. One that does not before
+        ``bound`` (it has no averager under our prefix now, its address refuses us, or it
+        says nothing: frozen, or off the network) is not, in this round only: nothing is
+        forgotten on a ping. A volunteer that stopped otherwise cost the others the slot's
+        close in each round that remembered it (the last 3). Forgetting members that failed
+        a group instead (two versions, both reverted) locked live peers out for good: the
+        others closed early without such a peer and remembered the smaller count (reviews;
+        ``tests/training/test_population_counts.py``, ``test_departures.py``)."""
         missing = frozenset().union(*self._views) - present - {self.node.peer_id}
         if not missing or len(missing) > _MAX_MISSING_PINGS:
             return
@@ -676,22 +643,22 @@ class Matchmaker(Confirmation):
         left: trio.Event,
         bound: float,
     ) -> None:
+        """``peer_id`` departed (this round) unless it answers a ping before ``bound``."""
         with trio.move_on_at(bound):
             try:
                 await self.node.rpc.call(Address.parse(address), self._method("ping"), {})
+                return
             except RemoteError as exc:
                 if exc.code != "unknown_method":  # else no averager under our prefix now
                     return
             except PeerBusyError:
                 return  # up, and busy
-            except PeerUnavailableError:  # refused, or another PeerID answers there
-                pass
+            except PeerUnavailableError:
+                pass  # refused, broken, or another PeerID answers there
             except ProtocolError:
                 return
-            else:
-                return
-            departed.add(peer_id)
-            left.set()
+        departed.add(peer_id)
+        left.set()
 
 
 async def _either(first: trio.Event, second: trio.Event) -> None:

@@ -47,7 +47,6 @@ class RoundState:
     others_done: Counter[str | None] = field(default_factory=Counter)
     store_s: float = 0.0  # how long storing our declaration took
     unheard: bool = False  # our last read of the round asked other nodes and none answered
-    read_at_close: bool = False  # our last read began at the round's close, and was heard
     # -- a member's walk down the ranked members (see Confirmation._join) --
     give_up: float = 0.0  # when a member stops waiting for any leader of this round
     gone: set[PeerID] = field(default_factory=set)  # failed at once: skipped this round
