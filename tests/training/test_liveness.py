@@ -179,6 +179,9 @@ async def test_a_member_that_left_the_round_but_talks_to_us_is_dropped_at_once(
                 # it withdrew (timeout), or a ping found it gone first (dead)
                 reasons = (DropReason.DEAD, DropReason.TIMEOUT) if withdraws else (DropReason.DEAD,)
                 assert part.dropped[leaver.peer_id] in reasons, part
+    if not withdraws and not client_mode:  # found by a ping that it answered: not a death
+        said = [info.note for info in infos if info is not None]
+        assert any("reported dead, but alive" in note for note in said), said
 
 
 async def test_a_member_alive_to_pings_that_never_completes_a_chunk_ends_by_the_cutoff(

@@ -20,7 +20,7 @@ import secrets
 import warnings
 import weakref
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -116,6 +116,21 @@ def _cut_here(parts: Sequence[PartReport], mine: int | None) -> str:
     return (
         f"our part's cutoff (this step's timeout) came before {len(late)} member(s) had sent"
         " it all: it dropped them as timeout"
+    )
+
+
+def _left_note(dropped: Mapping[PeerID, DropReason], liveness: Liveness) -> str:
+    """Members dropped as ``dead`` that had in fact answered, out of the round (their step
+    ended: cancelled, timed out, or their averager closed): an outside tester took such a
+    report for a death."""
+    left = sorted(
+        p.short() for p, r in dropped.items() if r is DropReason.DEAD and p in liveness.left
+    )
+    if not left:
+        return ""
+    return (
+        f"{', '.join(left)}: reported dead, but alive: answered that its step had left the "
+        "round (cancelled, timed out, or its averager closed)"
     )
 
 
@@ -593,7 +608,10 @@ class Averager:
             outcome_of(parts, self.flat.total), conf.round, plan.group, match.leader, parts,
             self.flat.total, epoch=plan.max_epoch, matchmaking_s=t1 - t0,
             allreduce_s=allreduce_s, dropped=dropped,
-            note=_sentences(match.note, stall, _cut_here(parts, plan.my_part)), me=me.peer_id,
+            note=_sentences(
+                match.note, stall, _cut_here(parts, plan.my_part), _left_note(dropped, liveness)
+            ),
+            me=me.peer_id,
             group_id=plan.group_id,
         )  # fmt: skip
 

@@ -367,7 +367,7 @@ class Butterfly:
                     if exc.code in ("not_found", "unknown_method"):
                         # its step ended (or its averager is closed): gone from the round,
                         # as a ping would find (Liveness.probe), and dropped as such
-                        self.liveness.mark(reducer, DropReason.DEAD)
+                        self.liveness.mark_left(reducer)
                 except PeerUnavailableError as exc:
                     if await self.liveness.reconnect(reducer):
                         retried = True

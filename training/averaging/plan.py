@@ -94,6 +94,8 @@ class Liveness:
         self._ping_body = {"round": plan.round, "group": plan.group_id}
         self.timeout = timeout
         self.bad: dict[PeerID, DropReason] = {}
+        # of those marked dead, the ones that answered (their step had ended): alive
+        self.left: set[PeerID] = set()
         self.changed = trio.Event()
         self._reconnects: dict[PeerID, int] = {}
         self._reconnecting: dict[PeerID, _SharedProbe] = {}
@@ -108,6 +110,14 @@ class Liveness:
             self.bad[peer_id] = reason
             self.changed.set()
             self.changed = trio.Event()
+
+    def mark_left(self, peer_id: PeerID) -> None:
+        """``peer_id`` answered that it is no longer in the round (its step ended, was
+        cancelled, or its averager closed): dropped as dead, since it will neither send nor
+        serve any more, but the report's note says it was alive."""
+        if peer_id not in self.bad:
+            self.left.add(peer_id)
+        self.mark(peer_id, DropReason.DEAD)
 
     def mark_gone_clients(self, peers: Iterable[PeerID]) -> float:
         """Mark dead each client-mode peer among ``peers`` that has had no connection to us
@@ -262,7 +272,7 @@ class Liveness:
                 # alive, but its step has ended (or its averager is closed): gone from the
                 # round, it will neither send nor serve any more
                 if exc.code in ("not_found", "unknown_method"):
-                    self.mark(peer_id, DropReason.DEAD)
+                    self.mark_left(peer_id)
                     return DropReason.DEAD
             return None
         return DropReason.FROZEN
