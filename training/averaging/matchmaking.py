@@ -553,13 +553,13 @@ class Matchmaker(Confirmation):
         # before one poll interval: peers a moment behind us get a chance to show up. Those
         # of them that a ping finds without an averager here, or without a process, are
         # not waited for (``_ping_missing``).
-        departed: set[PeerID] = set()
+        departed = _Departures()
         pinged: set[PeerID] = set()
         views = self._views
         not_before = trio.current_time() + poll
         while True:
             now = trio.current_time()
-            population = max((len(v - departed) for v in views), default=0)
+            population = max((len(v - departed.peers) for v in views), default=0)
             early = population >= 2 and not state.wake.is_set() and now < close_at
             if early and now < not_before:
                 with trio.move_on_at(min(close_at, not_before)):
@@ -602,29 +602,29 @@ class Matchmaker(Confirmation):
             if not early or _may_close_early(declared, state.me, population, self._ghosts):
                 return declared, done
             bound = min(close_at, trio.current_time() + self.config.stall_timeout / 2)
-            left = trio.Event()  # a ping found one gone: look again now
-            self._ping_missing(pings, present, pinged, departed, left, bound)
+            departed.news = trio.Event()  # a ping finds one gone: look again at once
+            self._ping_missing(pings, present, pinged, departed, bound)
             with trio.move_on_at(min(close_at, trio.current_time() + poll)):
-                await _either(state.wake, left)
+                await _either(state.wake, departed.news)
 
     def _ping_missing(
         self,
         pings: trio.Nursery,
         present: frozenset[PeerID],
         pinged: set[PeerID],
-        departed: set[PeerID],
-        left: trio.Event,
+        departed: _Departures,
         bound: float,
     ) -> None:
         """Ping, once a round, the peers of our remembered rounds that have not declared in
         this one (at most ``_MAX_MISSING_PINGS`` of them; more: we wait for the close). One
-        that answers is waited for: it may step a moment late. One that does not before
-        ``bound`` (it has no averager under our prefix now, its address refuses us, or it
-        says nothing: frozen, or off the network) is not, in this round only: nothing is
-        forgotten on a ping. A volunteer that stopped otherwise cost the others the slot's
-        close in each round that remembered it (the last 3). Forgetting members that failed
-        a group instead (two versions, both reverted) locked live peers out for good: the
-        others closed early without such a peer and remembered the smaller count (reviews;
+        that has no averager under our prefix now, or whose address refuses us, is not
+        waited for in this round: its volunteer stopped, or its process is gone (a
+        volunteer that stopped cost the others the slot's close in each round that
+        remembered it, the last 3). One that answers, or says nothing, is waited for as
+        before: a peer whose event loop is busy computing is merely late (a review: taking
+        silence for departure left such a peer alone in every round, and for good once the
+        rounds that had it aged out). Forgetting members that failed a group instead (two
+        versions, both reverted) locked live peers out too (reviews;
         ``tests/training/test_population_counts.py``, ``test_departures.py``)."""
         missing = frozenset().union(*self._views) - present - {self.node.peer_id}
         if not missing or len(missing) > _MAX_MISSING_PINGS:
@@ -633,32 +633,38 @@ class Matchmaker(Confirmation):
             address = self._addresses.get(peer_id)
             if address is not None:
                 pinged.add(peer_id)
-                pings.start_soon(self._left_us, peer_id, address, departed, left, bound)
+                pings.start_soon(self._left_us, peer_id, address, departed, bound)
 
     async def _left_us(
-        self,
-        peer_id: PeerID,
-        address: str,
-        departed: set[PeerID],
-        left: trio.Event,
-        bound: float,
+        self, peer_id: PeerID, address: str, departed: _Departures, bound: float
     ) -> None:
-        """``peer_id`` departed (this round) unless it answers a ping before ``bound``."""
+        """``peer_id`` departed (this round) if a ping before ``bound`` is answered
+        ``unknown_method`` or refused; an answer, or none, keeps it expected."""
         with trio.move_on_at(bound):
             try:
                 await self.node.rpc.call(Address.parse(address), self._method("ping"), {})
-                return
             except RemoteError as exc:
-                if exc.code != "unknown_method":  # else no averager under our prefix now
-                    return
+                if exc.code == "unknown_method":  # no averager under our prefix now
+                    departed.add(peer_id)
             except PeerBusyError:
-                return  # up, and busy
-            except PeerUnavailableError:
-                pass  # refused, broken, or another PeerID answers there
+                pass  # up, and busy
+            except PeerUnavailableError:  # refused, broken, or another PeerID answers there
+                departed.add(peer_id)
             except ProtocolError:
-                return
-        departed.add(peer_id)
-        left.set()
+                pass
+
+
+class _Departures:
+    """The peers that a round's pings found gone (``Matchmaker._left_us``), and an event
+    the poll loop renews each time it waits, set when one is found."""
+
+    def __init__(self) -> None:
+        self.peers: set[PeerID] = set()
+        self.news = trio.Event()
+
+    def add(self, peer_id: PeerID) -> None:
+        self.peers.add(peer_id)
+        self.news.set()
 
 
 async def _either(first: trio.Event, second: trio.Event) -> None:
