@@ -26,7 +26,7 @@ from test_averaging_support import (
     virtual_clock,
 )
 
-from peer import MemoryNetwork, Peer, open_peer
+from peer import MemoryNetwork, Peer, PeerUnavailableError, open_peer
 from protocol.identity import Identity
 from training import AveragerConfig, AveragingInfo, Outcome
 from training.averaging.matchmaking import Matchmaker
@@ -429,3 +429,35 @@ async def test_a_member_busy_for_three_slots_then_late_is_back_in_groups(
 
                 rounds.append(await _each_steps(members, work))
     _all_three(rounds[6:])
+
+
+async def test_a_late_member_whose_connection_broke_under_the_ping_is_waited_for(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """C steps 0.6 s after A and B. The first ping A sends it fails as if their pooled
+    connection broke under it (a NAT dropped it): A asks again, C answers, and A waits for
+    it; all three average."""
+    config = fast_config(gather_window=WINDOW)
+    with trio.fail_after(300):
+        async with memnet_swarm(3, first_seed=40) as (_, nodes):
+            members = await _steady_trio(nodes, config)
+            rpc = members[0].averager.node.rpc
+            call = rpc.call
+            broken: list[str] = []
+
+            async def breaking_call(address: Any, method: str, *args: Any, **kw: Any) -> Any:
+                if method.endswith(".ping") and args and args[0] == {} and not broken:
+                    broken.append(method)
+                    raise PeerUnavailableError("the connection died mid-call")
+                return await call(address, method, *args, **kw)
+
+            rpc.call = breaking_call  # type: ignore[method-assign]
+            await _slot_start()
+
+            async def late(i: int) -> None:
+                if i == 2:
+                    await trio.sleep(LATE)
+
+            infos = await _each_steps(members, late)
+    assert broken  # A pinged C, and the first ping failed
+    _all_three([infos])

@@ -642,7 +642,14 @@ class Matchmaker(Confirmation):
         ``unknown_method`` or refused; an answer, or none, keeps it expected."""
         with trio.move_on_at(bound):
             try:
-                await self.node.rpc.call(Address.parse(address), self._method("ping"), {})
+                try:
+                    await self.node.rpc.call(Address.parse(address), self._method("ping"), {})
+                except PeerUnavailableError as exc:
+                    if isinstance(exc, PeerBusyError):
+                        raise
+                    # the pooled connection may have broken under a live peer (a NAT that
+                    # dropped it): ask again, which dials afresh
+                    await self.node.rpc.call(Address.parse(address), self._method("ping"), {})
             except RemoteError as exc:
                 if exc.code == "unknown_method":  # no averager under our prefix now
                     departed.add(peer_id)
