@@ -90,27 +90,35 @@ async def test_survivors_of_a_member_killed_in_the_allreduce_close_early_again(
     _check(after, 2)
 
 
-async def test_survivors_of_a_leader_killed_in_matchmaking_close_early_again(
-    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+@pytest.mark.parametrize("slots", [False, True], ids=["same-slot", "slot-each"])
+@pytest.mark.parametrize("where", ["_lead", "_join"], ids=["leader", "joining"])
+async def test_survivors_of_a_member_killed_in_matchmaking_close_early_again(
+    autojump_clock: trio.testing.MockClock,
+    monkeypatch: pytest.MonkeyPatch,
+    where: str,
+    slots: bool,
 ) -> None:
-    """Four members step early in a long slot; the one that leads is killed as it starts
-    leading: the others' joins fail at once, they skip it and average as three. The dead
-    leader's declaration stays in the round key (a ghost); the survivors' next steps ping
-    it, are refused, and close early (they waited for the close in the first two)."""
+    """Four members step early in a long slot; the leader is killed as it starts leading
+    (the others' joins fail at once: they skip it), or another member as it starts joining
+    (the leader's ping finds it gone); the three average. The dead member's declaration
+    stays in the round key (a ghost for steps in the same slot). The survivors' next three
+    steps, back to back or each early in a slot of its own, ping it, are refused, and close
+    early. They waited for the close in two or three of them (a review: 7.9 s each when
+    the joining member was killed, until the rounds that counted it aged out)."""
     config = fast_config(gather_window=WINDOW)
     armed = [False]
     killed: list[int] = []
-    lead = Matchmaker._lead
+    original = getattr(Matchmaker, where)
 
-    async def killed_lead(self: Matchmaker, *args: Any, **kwargs: Any) -> Any:
+    async def killed_there(self: Matchmaker, *args: Any, **kwargs: Any) -> Any:
         if armed[0] and not killed:
             who = next(i for i, m in enumerate(members) if m.averager._matchmaker is self)
             killed.append(who)
             net.kill_host(host_of(who))
             await trio.sleep_forever()  # its process is gone
-        return await lead(self, *args, **kwargs)
+        return await original(self, *args, **kwargs)
 
-    monkeypatch.setattr(Matchmaker, "_lead", killed_lead)
+    monkeypatch.setattr(Matchmaker, where, killed_there)
     with trio.fail_after(300):
         async with memnet_swarm(4, first_seed=40) as (net, nodes):
             members = make_members(nodes, 16_384, config)
@@ -130,7 +138,11 @@ async def test_survivors_of_a_leader_killed_in_matchmaking_close_early_again(
 
                 for i in range(4):
                     nursery.start_soon(one, i)
-            after = await _steps_after(survivors, 3)
+            after = []
+            for _ in range(3):
+                if slots:
+                    await _slot_start()
+                after += await _steps_after(survivors, 1)
     _check(after, 3)
 
 
@@ -184,53 +196,6 @@ async def test_a_member_back_at_another_address_is_waited_for(
     for info in infos:
         assert info.outcome is Outcome.AVERAGED and len(info.group) == 3, str(info)
         assert info.matchmaking_s < 2.0, (info.matchmaking_s, str(info))
-
-
-async def test_a_member_killed_as_it_joins_is_not_waited_for(
-    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """Four members; one that is not the leader is killed as it starts joining (after it
-    declared): the leader's ping finds it gone and the three average. The survivors' next
-    steps, each early in a slot of its own, ping it, are refused and close early (a review:
-    they waited for the close in each, 7.9 s, until the rounds that counted it aged out)."""
-    config = fast_config(gather_window=WINDOW)
-    armed = [False]
-    killed: list[int] = []
-    join = Matchmaker._join
-
-    async def killed_join(self: Matchmaker, *args: Any, **kwargs: Any) -> Any:
-        if armed[0] and not killed:
-            who = next(i for i, m in enumerate(members) if m.averager._matchmaker is self)
-            killed.append(who)
-            net.kill_host(host_of(who))
-            await trio.sleep_forever()  # its process is gone
-        return await join(self, *args, **kwargs)
-
-    monkeypatch.setattr(Matchmaker, "_join", killed_join)
-    with trio.fail_after(300):
-        async with memnet_swarm(4, first_seed=40) as (net, nodes):
-            members = make_members(nodes, 16_384, config)
-            await step_all(members, timeout=30.0)  # each learns of the others
-            await _slot_start()
-            await step_all(members, timeout=30.0)  # steady: closes early
-            armed[0] = True
-            survivors: list[Member] = []
-            async with trio.open_nursery() as nursery:
-
-                async def one(i: int) -> None:
-                    info = await members[i].averager.step(weight=1.0, timeout=30.0)
-                    assert info.outcome is Outcome.AVERAGED and len(info.group) == 3, str(info)
-                    survivors.append(members[i])
-                    if len(survivors) == 3:
-                        nursery.cancel_scope.cancel()  # the dead one never returns
-
-                for i in range(4):
-                    nursery.start_soon(one, i)
-            after = []
-            for _ in range(3):
-                await _slot_start()
-                after += await _steps_after(survivors, 1)
-    _check(after, 3)
 
 
 async def test_a_member_killed_beside_another_group_is_not_waited_for(
