@@ -678,11 +678,15 @@ async def test_a_member_whose_deadline_ends_its_upload_midway_tells_the_reducers
     verify_round(members, [info for info, _ in results])  # type: ignore[misc]
     late = members[2].peer_id
     assert results[2][1] == pytest.approx(1.6, abs=0.01)
+    own = results[2][0]
+    assert own is not None and "this step's timeout came before" in own.note, own.note
     for info, took in results[:2]:
         assert info is not None and info.outcome is Outcome.PARTIAL, str(info)
+        assert "cutoff" not in info.note, info.note  # their own timeouts were 30 s
         if withdraws:
             assert info.dropped.get(late) is DropReason.TIMEOUT, str(info)
             assert took < 3.0, took  # 1.6 s, and the others' downloads
+            assert "alive, but its step left the round" in info.note, info.note
         else:
             assert took > 5.0, took  # the stall timeout after its last chunk
 

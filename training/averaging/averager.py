@@ -105,32 +105,46 @@ def _sentences(*notes: str) -> str:
     return "; ".join(note for note in notes if note)
 
 
-def _cut_here(parts: Sequence[PartReport], mine: int | None) -> str:
+def _cut_here(service: ReducerService | None) -> str:
     """The note of a step whose own part's cutoff (our step's timeout, less the result's
     share) dropped members still sending: every report lists them as ``timeout``, which
-    read as their fault when our short timeout was the cause (an outside tester)."""
-    own = next((p for p in parts if p.index == mine), None)
-    late = [] if own is None else [p for p, r in own.dropped.items() if r is DropReason.TIMEOUT]
-    if not late:
+    read as their fault when our short timeout was the cause (an outside tester). Not
+    members that withdrew (their own step ended), also ``timeout``: the note blamed our
+    cutoff on survivors whose own timeout was 30 s (another tester)."""
+    if service is None or not service.cut:
         return ""
     return (
-        f"our part's cutoff (this step's timeout) came before {len(late)} member(s) had sent"
-        " it all: it dropped them as timeout"
+        f"our part's cutoff (this step's timeout) came before {len(service.cut)} member(s)"
+        " had sent it all: it dropped them as timeout"
+    )
+
+
+def _deadline_note(parts: int) -> str:
+    """The note of a step whose timeout ended its all-reduce before ``parts`` parts came
+    back: their reducers are reported as ``timeout`` (the note of each part says why), and
+    the step's note said nothing, which read as the others' fault (an outside tester)."""
+    if not parts:
+        return ""
+    return (
+        f"this step's timeout came before {parts} part(s) were done: their reducers are "
+        "reported as timeout (allow the step more time)"
     )
 
 
 def _left_note(dropped: Mapping[PeerID, DropReason], liveness: Liveness) -> str:
-    """Members dropped as ``dead`` that had in fact answered, out of the round (their step
-    ended: cancelled, timed out, or their averager closed): an outside tester took such a
-    report for a death."""
+    """Members dropped as ``dead`` or ``timeout`` that said their step had ended (they
+    answered a ping out of the round, or withdrew: cancelled, timed out, or their averager
+    closed): alive, although an outside tester took such a report for a death."""
     left = sorted(
-        p.short() for p, r in dropped.items() if r is DropReason.DEAD and p in liveness.left
+        f"{p.short()} ({r})"
+        for p, r in dropped.items()
+        if r in (DropReason.DEAD, DropReason.TIMEOUT) and p in liveness.left
     )
     if not left:
         return ""
     return (
-        f"{', '.join(left)}: reported dead, but alive: answered that its step had left the "
-        "round (cancelled, timed out, or its averager closed)"
+        f"{', '.join(left)}: alive, but its step left the round (cancelled, timed out, or "
+        "its averager closed)"
     )
 
 
@@ -609,7 +623,11 @@ class Averager:
             self.flat.total, epoch=plan.max_epoch, matchmaking_s=t1 - t0,
             allreduce_s=allreduce_s, dropped=dropped,
             note=_sentences(
-                match.note, stall, _cut_here(parts, plan.my_part), _left_note(dropped, liveness)
+                match.note,
+                stall,
+                _cut_here(service),
+                _deadline_note(butterfly.cut_by_deadline),
+                _left_note(dropped, liveness),
             ),
             me=me.peer_id,
             group_id=plan.group_id,

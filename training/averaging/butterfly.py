@@ -98,6 +98,7 @@ class Butterfly:
         # remote parts whose exchange (upload and download) ended by itself: the others
         # were cut short by our deadline or a cancellation (see _withdraw)
         self._exchanged: set[int] = set()
+        self.cut_by_deadline = 0  # parts whose report our step's deadline cut short
 
     async def run(self, cutoff: float, deadline: float) -> tuple[PartReport, ...]:
         try:
@@ -111,6 +112,7 @@ class Butterfly:
             for index, reducer in enumerate(self.plan.reducers):
                 if index in self.reports:
                     continue
+                self.cut_by_deadline += 1
                 if reducer.peer_id == self.plan.me:
                     note = "the deadline passed before our own reduction finished"
                 else:  # frozen, or too slow: out of this part either way

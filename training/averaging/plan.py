@@ -94,7 +94,7 @@ class Liveness:
         self._ping_body = {"round": plan.round, "group": plan.group_id}
         self.timeout = timeout
         self.bad: dict[PeerID, DropReason] = {}
-        # of those marked dead, the ones that answered (their step had ended): alive
+        # of those marked dead or timeout, the ones that said their step had ended: alive
         self.left: set[PeerID] = set()
         self.changed = trio.Event()
         self._reconnects: dict[PeerID, int] = {}
@@ -111,13 +111,14 @@ class Liveness:
             self.changed.set()
             self.changed = trio.Event()
 
-    def mark_left(self, peer_id: PeerID) -> None:
+    def mark_left(self, peer_id: PeerID, reason: DropReason = DropReason.DEAD) -> None:
         """``peer_id`` answered that it is no longer in the round (its step ended, was
         cancelled, or its averager closed): dropped as dead, since it will neither send nor
-        serve any more, but the report's note says it was alive."""
+        serve any more, but the report's note says it was alive. A member's own word that
+        its step ended (its withdrawal, ``Butterfly._withdraw``) drops it as ``timeout``."""
         if peer_id not in self.bad:
             self.left.add(peer_id)
-        self.mark(peer_id, DropReason.DEAD)
+        self.mark(peer_id, reason)
 
     def mark_gone_clients(self, peers: Iterable[PeerID]) -> float:
         """Mark dead each client-mode peer among ``peers`` that has had no connection to us

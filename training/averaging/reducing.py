@@ -143,6 +143,7 @@ class ReducerService:
         self.raw_chunks: set[int] = set()  # topk: result chunks sent dense (raw float32)
         self.ready = trio.Event()
         self.closed = False  # our step left the round (see close)
+        self.cut: set[PeerID] = set()  # senders dropped by our cutoff (see reduce)
         self.downloaded: set[PeerID] = set()
         self.last_download = trio.current_time()
 
@@ -183,7 +184,7 @@ class ReducerService:
                 # its step ended (Butterfly._withdraw): it will not fetch our result either,
                 # nor serve its own part. (Its group tag says it is this step's word: one of
                 # its step before, in a round of the same number, is not_found.)
-                self.liveness.mark(sender, DropReason.TIMEOUT)
+                self.liveness.mark_left(sender, DropReason.TIMEOUT)
             self._drop(sender, header.abort)
             return Reply({})
         self._check_pending(sender)
@@ -356,6 +357,8 @@ class ReducerService:
                 if self.reducer.pending():
                     await self._watch_once()
         reasons = {p: self.liveness.bad.get(p, DropReason.TIMEOUT) for p in self.reducer.pending()}
+        # still sending when our cutoff came (the step's timeout, less the result's share)
+        self.cut = {p for p in self.reducer.pending() if p not in self.liveness.bad}
         self.solo = self.reducer.complete_senders() == [self.plan.me]
         # the division runs chunk by chunk in publish(), right before each is encoded
         into_target = self.raw and not self.solo
