@@ -142,9 +142,10 @@ def _left_note(dropped: Mapping[PeerID, DropReason], liveness: Liveness) -> str:
     )
     if not left:
         return ""
+    whose = "its step" if len(left) == 1 else "their steps"
     return (
-        f"{', '.join(left)}: alive, but its step left the round (cancelled, timed out, or "
-        "its averager closed)"
+        f"{', '.join(left)}: alive, but {whose} left the round (cancelled, timed out, or "
+        "averager closed)"
     )
 
 
