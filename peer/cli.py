@@ -512,6 +512,8 @@ def _unique_peers(addresses: Sequence[str]) -> list[str]:
     for given in addresses:
         text = given.strip()  # pasted with a space, or a CR from a file written on Windows
         if "," in text or len(text.split()) > 1:  # `--initial-peers "A,B"` or `"A B"`
+            if len(text.replace(",", " ").split()) == 1:  # `"A,"`: one, and a stray comma
+                raise ProtocolError(f"malformed address {given!r}: a stray comma")
             raise ProtocolError(
                 f"{given!r} is several addresses: give them separated by spaces, unquoted "
                 "(--initial-peers ADDR ADDR)"

@@ -55,6 +55,8 @@ class Address:
         if not isinstance(text, str) or not text or len(text) > MAX_ADDRESS_LENGTH:
             raise AddressError(f"malformed address {text!r}")
         if "," in text or len(text.split()) > 1:
+            if len(text.replace(",", " ").split()) == 1:  # "A," : one, and a stray comma
+                raise AddressError(f"malformed address {text!r}: a stray comma")
             raise AddressError(
                 f"{text!r} is several addresses: give a list with one address per item"
             )

@@ -309,6 +309,7 @@ A = "6KKPsmJY8vaenxMPzr674T1cSeZmq4u8pzQcXN7eTAGK@127.0.0.1:1"
             f"{A + ' 127.0.0.1:2'!r} is several addresses: give them separated by spaces, "
             "unquoted (--initial-peers ADDR ADDR)",
         ),
+        (f"{A},", f"malformed address {A + ','!r}: a stray comma"),
         (
             "xyz0@127.0.0.1:1",
             "malformed address 'xyz0@127.0.0.1:1': PeerID 'xyz0': invalid base58 character '0'",

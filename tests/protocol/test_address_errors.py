@@ -40,6 +40,13 @@ def test_several_addresses_in_one_string_say_so(text: str) -> None:
         Address.parse(text)
 
 
+@pytest.mark.parametrize("text", ["A@127.0.0.1:1,", ",127.0.0.1:1"])
+def test_one_address_with_a_stray_comma_says_so(text: str) -> None:
+    """Was "is several addresses" for one address and a trailing comma (a new user)."""
+    with pytest.raises(AddressError, match="a stray comma"):
+        Address.parse(text)
+
+
 @pytest.mark.parametrize("ensure", [True, False])
 async def test_a_join_that_no_initial_peer_answered_is_said_once(
     ensure: bool, caplog: pytest.LogCaptureFixture

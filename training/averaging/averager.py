@@ -136,7 +136,7 @@ def _left_note(dropped: Mapping[PeerID, DropReason], liveness: Liveness) -> str:
     answered a ping out of the round, or withdrew: cancelled, timed out, or their averager
     closed): alive, although an outside tester took such a report for a death."""
     left = sorted(
-        f"{p.short()} ({r})"
+        f"{p.short()} (dropped as {r})"
         for p, r in dropped.items()
         if r in (DropReason.DEAD, DropReason.TIMEOUT) and p in liveness.left
     )
@@ -144,8 +144,8 @@ def _left_note(dropped: Mapping[PeerID, DropReason], liveness: Liveness) -> str:
         return ""
     whose = "its step" if len(left) == 1 else "their steps"
     return (
-        f"{', '.join(left)}: alive, but {whose} left the round (cancelled, timed out, or "
-        "averager closed)"
+        f"{', '.join(left)}: {whose} left the round (cancelled, timed out, or averager "
+        "closed); the peer is alive"
     )
 
 
