@@ -5,6 +5,7 @@ awaitable. Before, it returned a coroutine that never ran (``info.group`` then f
 
 from __future__ import annotations
 
+import warnings
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
@@ -78,3 +79,15 @@ def test_a_with_block_closes_the_averager() -> None:
         with pytest.raises(RuntimeError, match="'blocking/with' is closed"):
             averager.step(timeout=1.0)
         Averager(node, "blocking/with", [tensor]).close()  # the prefix is free again
+
+
+def test_a_closed_averager_says_only_that_it_is_closed() -> None:
+    """Its tensors referenced by nothing else (a throwaway tensor): ``step()`` warned that
+    nobody would see their average before it raised "closed" (a helper's trial)."""
+    with run_in_background("127.0.0.1:0") as node:
+        averager = Averager(node, "blocking/closed", [torch.zeros(4)])
+        averager.close()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            with pytest.raises(RuntimeError, match="'blocking/closed' is closed"):
+                averager.step(timeout=1.0)

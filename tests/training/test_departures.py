@@ -90,6 +90,34 @@ async def test_survivors_of_a_member_killed_in_the_allreduce_close_early_again(
     _check(after, 2)
 
 
+async def test_the_survivor_of_a_pair_is_told_it_is_alone_and_not_to_wait(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Of a pair, one is killed in the all-reduce. The survivor's next step, in the same
+    slot, is alone: its note said "1 other peer(s) had finished matchmaking in this round"
+    (the dead partner's marker, from the group with us), and a later one that a peer of our
+    layout "had stepped in the rounds just before without us"; it also followed into the
+    next slot for its dead partner, a whole window more (an outside tester: 14.8 s of
+    matchmaking with an 8 s window). The ping finds the partner gone: neither note, and no
+    following."""
+    config = fast_config(gather_window=WINDOW, max_inflight=2)
+    with trio.fail_after(300):
+        async with memnet_swarm(2) as (net, nodes):
+            members = make_members(nodes, 16_384, config)
+            await step_all(members, timeout=30.0)
+            await _slot_start()
+            await step_all(members, timeout=30.0)
+            after_acks(members[1], 2, lambda: net.kill_host(host_of(1)))
+            lost = await step_all(members, timeout=30.0)
+            assert lost[0][0] is not None and lost[0][0].outcome is Outcome.FAILED, lost
+            for step in range(3):
+                info, _ = (await step_all(members[:1], timeout=30.0))[0]
+                assert info is not None and info.outcome is Outcome.ALONE, str(info)
+                assert "finished matchmaking" not in info.note, (step, info.note)
+                assert "without us" not in info.note, (step, info.note)
+                assert info.matchmaking_s <= WINDOW, (step, info.matchmaking_s)
+
+
 @pytest.mark.parametrize("slots", [False, True], ids=["same-slot", "slot-each"])
 @pytest.mark.parametrize("where", ["_lead", "_join"], ids=["leader", "joining"])
 async def test_survivors_of_a_member_killed_in_matchmaking_close_early_again(

@@ -411,6 +411,7 @@ class Averager:
                     "call step from a plain thread"
                 )
             check_step_arguments(weight, epoch, timeout)
+            self._check_open()  # before the warning below: a closed averager says only that
             self.flat.check_memory()
             self._warn_if_unreferenced()  # here, so that the warning names the caller's line
             return self._background.run(self._step_async, weight, epoch, timeout)
@@ -441,8 +442,7 @@ class Averager:
                 "this Averager is on a background peer (run_in_background): call "
                 "step_blocking() from a thread, or build it on open_peer()'s peer in async code"
             )
-        if self._closed:
-            raise RuntimeError(f"the averager {self.prefix!r} is closed: make a new one")
+        self._check_open()
         if self._busy:  # e.g. step_blocking from two threads: one step at a time
             raise RuntimeError(
                 f"the averager {self.prefix!r} is already in a step (from another task or "
@@ -475,6 +475,10 @@ class Averager:
             self._busy = False
             if self._closed:  # closed during the step
                 self._unregister()
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"the averager {self.prefix!r} is closed: make a new one")
 
     def _warn_if_unreferenced(self) -> None:
         """Warn (once) when some tensors are held by nothing but this averager: nobody would

@@ -18,6 +18,7 @@ import logging
 from collections import Counter
 from collections.abc import Callable, Collection
 from dataclasses import replace
+from typing import Any
 
 import trio
 
@@ -46,6 +47,7 @@ from .grouping import (
     round_closing_after,
     round_key,
 )
+from .messages import GroupConfirmation
 from .round_state import LayoutMismatchError, MatchResult, RoundState
 
 logger = logging.getLogger(__name__)
@@ -139,6 +141,11 @@ class Matchmaker(Confirmation):
         self._addresses: dict[PeerID, str] = {}  # of the peers in _views, as they declared
         self._lone_steps = 0  # our steps in a row that ended alone (see _out_of_step)
         self._step_rounds: list[int] = []  # the rounds our last steps ended in (3 at most)
+        # the members of the groups we were confirmed in, by round (the last few): their
+        # "done" markers in that round tell of a group with us, not of peers that went on
+        # without us (a pair's survivor, alone in the slot after its partner died, was told
+        # "1 other peer(s) had finished matchmaking in this round": an outside tester)
+        self._grouped: dict[int, frozenset[str]] = {}
         self._ghosts: set[tuple[PeerID, int]] = set()
         # the round our last read decided, the declaration it grouped, the others' step tags
         self._kept: tuple[int, Declaration, set[int]] | None = None
@@ -215,7 +222,7 @@ class Matchmaker(Confirmation):
             # they average now, the next round cannot be better, and our "done" marker would
             # tell them we had found a group).
             lonely = result.alone and not result.left_out and lone_retry
-            retry = result.retry or (lonely and self._others_recently())
+            retry = result.retry or (lonely and self._others_recently(state.departed))
             if (
                 lonely and not retry and self._lone_steps >= _LONE_STEPS
                 and deadline - trio.current_time() >= 2 * window
@@ -223,6 +230,8 @@ class Matchmaker(Confirmation):
                 retry = await self._out_of_step(number, deadline)
                 followed = number if retry else followed
             lone_retry = lone_retry and not result.alone
+            if result.confirmation is not None:
+                self._note_grouped(number, result.confirmation)
             if result.strangers and (strangers is None or result.strangers > strangers.strangers):
                 strangers = result
             if result.late:
@@ -239,9 +248,23 @@ class Matchmaker(Confirmation):
                 )
             await self.withdraw(number, min(deadline, trio.current_time() + window / 4))
 
-    def _others_recently(self) -> bool:
-        """Whether other peers declared in one of the rounds before the last one."""
-        return max(map(len, self._views[:-1]), default=0) >= 2
+    def _note_grouped(self, number: int, confirmation: GroupConfirmation) -> None:
+        self._grouped[number] = frozenset(str(m.peer_id) for m in confirmation.members)
+        while len(self._grouped) > _GROUPED_ROUNDS:
+            del self._grouped[min(self._grouped)]
+
+    def _without_us(self, number: int, values: dict[Any, Any]) -> dict[Any, Any]:
+        """Round ``number``'s entries but those of peers confirmed in a group with us there."""
+        grouped = self._grouped.get(number)
+        if not grouped:
+            return values
+        return {s: v for s, v in values.items() if s not in grouped}
+
+    def _others_recently(self, departed: set[PeerID]) -> bool:
+        """Whether other peers declared in one of the rounds before the last one, but those
+        that this round's pings found gone (a pair's survivor waited a whole slot more
+        for its dead partner)."""
+        return max((len(v - departed) for v in self._views[:-1]), default=0) >= 2
 
     def _remember_addresses(self, declared: list[Declaration]) -> None:
         """The addresses of the peers in the views we remember (see ``_ping_missing``)."""
@@ -292,7 +315,7 @@ class Matchmaker(Confirmation):
 
         async def read(back: int) -> None:
             entries = await self.node.dht.get_entries(round_key(self.prefix, number - back))
-            values = {s: v for s, (v, _) in entries.items()}
+            values = self._without_us(number - back, {s: v for s, (v, _) in entries.items()})
             if peers_of_layout(values, layout, self._subkey):
                 seen.append(back)
 
@@ -553,7 +576,7 @@ class Matchmaker(Confirmation):
         # before one poll interval: peers a moment behind us get a chance to show up. Those
         # of them that a ping finds without an averager here, or without a process, are
         # not waited for (``_ping_missing``).
-        departed = _Departures()
+        departed = _Departures(state.departed)
         pinged: set[PeerID] = set()
         views = self._views
         not_before = trio.current_time() + poll
@@ -590,7 +613,7 @@ class Matchmaker(Confirmation):
                 if company:
                     self.seen_phase = phase_of([state.me, *company])
                 state.others_seen = max(state.others_seen, len(others))
-                done = parse_done(values, self._subkey)
+                done = parse_done(self._without_us(state.number, values), self._subkey)
                 if done.total() > state.others_done.total():
                     state.others_done = done
             # Exactly the peers of our layout we expect: close (peers of other layouts group
@@ -665,8 +688,8 @@ class _Departures:
     """The peers that a round's pings found gone (``Matchmaker._left_us``), and an event
     the poll loop renews each time it waits, set when one is found."""
 
-    def __init__(self) -> None:
-        self.peers: set[PeerID] = set()
+    def __init__(self, peers: set[PeerID]) -> None:
+        self.peers = peers  # the round's own set (RoundState.departed), filled in place
         self.news = trio.Event()
 
     def add(self, peer_id: PeerID) -> None:
@@ -755,6 +778,7 @@ the rounds before (``Matchmaker._out_of_step``): pairs that fall into step by th
 after a lone step or two are left to it (following moved some into an offset they never
 left: a review)."""
 
+_GROUPED_ROUNDS = 8  # rounds whose groups with us Matchmaker._grouped remembers
 _LOOK_BACK = 3
 """Rounds before a lone one in which a peer of our layout that stepped without us makes a
 lone step follow into the next round, on a coin toss (``Matchmaker._out_of_step``); more

@@ -47,6 +47,8 @@ class RoundState:
     others_done: Counter[str | None] = field(default_factory=Counter)
     store_s: float = 0.0  # how long storing our declaration took
     unheard: bool = False  # our last read of the round asked other nodes and none answered
+    # peers of our last rounds that this round's pings found gone (Matchmaker._ping_missing)
+    departed: set[PeerID] = field(default_factory=set)
     # -- a member's walk down the ranked members (see Confirmation._join) --
     give_up: float = 0.0  # when a member stops waiting for any leader of this round
     gone: set[PeerID] = field(default_factory=set)  # failed at once: skipped this round
