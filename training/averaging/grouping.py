@@ -238,6 +238,16 @@ def parse_closed(entries: Mapping[Any, Any], exclude: str, step: int) -> list[De
     return out
 
 
+def saw_tag(value: object, step: int) -> bool:
+    """Whether ``value`` is a "done" marker whose read saw step tag ``step`` (``saw``)."""
+    return (
+        isinstance(value, Mapping)
+        and value.get("done") is True
+        and 0 < step < MAX_STEP_TAG
+        and _lists_tag(value.get("saw"), step)
+    )
+
+
 def _lists_tag(saw: object, step: int) -> bool:
     """Whether ``saw`` is a well-formed tag list (at most MAX_SAW ints in (0, 2**32), bools
     not counted as ints) holding ``step``."""

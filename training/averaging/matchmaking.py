@@ -46,6 +46,7 @@ from .grouping import (
     phase_of,
     round_closing_after,
     round_key,
+    saw_tag,
 )
 from .messages import GroupConfirmation
 from .round_state import LayoutMismatchError, MatchResult, RoundState
@@ -141,11 +142,13 @@ class Matchmaker(Confirmation):
         self._addresses: dict[PeerID, str] = {}  # of the peers in _views, as they declared
         self._lone_steps = 0  # our steps in a row that ended alone (see _out_of_step)
         self._step_rounds: list[int] = []  # the rounds our last steps ended in (3 at most)
-        # the members of the groups we were confirmed in, by round (the last few): their
-        # "done" markers in that round tell of a group with us, not of peers that went on
-        # without us (a pair's survivor, alone in the slot after its partner died, was told
-        # "1 other peer(s) had finished matchmaking in this round": an outside tester)
-        self._grouped: dict[int, frozenset[str]] = {}
+        # the groups we were confirmed in, by round (the last few): our step's tag there
+        # and the members. A member's "done" marker there that saw that tag tells of the
+        # group with us, not of a peer that went on without us (a pair's survivor, alone in
+        # the slot after its partner died, was told "1 other peer(s) had finished
+        # matchmaking in this round": an outside tester); one of the member's later step in
+        # the slot saw another tag of ours, or none (a review: a slow store's note lost it)
+        self._grouped: dict[int, tuple[int, frozenset[str]]] = {}
         self._ghosts: set[tuple[PeerID, int]] = set()
         # the round our last read decided, the declaration it grouped, the others' step tags
         self._kept: tuple[int, Declaration, set[int]] | None = None
@@ -231,7 +234,7 @@ class Matchmaker(Confirmation):
                 followed = number if retry else followed
             lone_retry = lone_retry and not result.alone
             if result.confirmation is not None:
-                self._note_grouped(number, result.confirmation)
+                self._note_grouped(number, me.step, result.confirmation)
             if result.strangers and (strangers is None or result.strangers > strangers.strangers):
                 strangers = result
             if result.late:
@@ -248,17 +251,19 @@ class Matchmaker(Confirmation):
                 )
             await self.withdraw(number, min(deadline, trio.current_time() + window / 4))
 
-    def _note_grouped(self, number: int, confirmation: GroupConfirmation) -> None:
-        self._grouped[number] = frozenset(str(m.peer_id) for m in confirmation.members)
+    def _note_grouped(self, number: int, step: int, confirmation: GroupConfirmation) -> None:
+        members = frozenset(str(m.peer_id) for m in confirmation.members)
+        self._grouped[number] = (step, members)
         while len(self._grouped) > _GROUPED_ROUNDS:
             del self._grouped[min(self._grouped)]
 
     def _without_us(self, number: int, values: dict[Any, Any]) -> dict[Any, Any]:
-        """Round ``number``'s entries but those of peers confirmed in a group with us there."""
+        """Round ``number``'s entries but the markers of its group with us (see _grouped)."""
         grouped = self._grouped.get(number)
-        if not grouped:
+        if grouped is None:
             return values
-        return {s: v for s, v in values.items() if s not in grouped}
+        step, members = grouped
+        return {s: v for s, v in values.items() if s not in members or not saw_tag(v, step)}
 
     def _others_recently(self, departed: set[PeerID]) -> bool:
         """Whether other peers declared in one of the rounds before the last one, but those
