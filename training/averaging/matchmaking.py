@@ -146,8 +146,9 @@ class Matchmaker(Confirmation):
         # and the members. A member's "done" marker there that saw that tag tells of the
         # group with us, not of a peer that went on without us (a pair's survivor, alone in
         # the slot after its partner died, was told "1 other peer(s) had finished
-        # matchmaking in this round": an outside tester); one of the member's later step in
-        # the slot saw another tag of ours, or none (a review: a slow store's note lost it)
+        # matchmaking in this round": an outside tester). The marker of a member's later
+        # step in that slot saw another tag of ours, or none, and counts (a review: leaving
+        # out every marker of the members hid from a slow reader those that went on)
         self._grouped: dict[int, tuple[int, frozenset[str]]] = {}
         self._ghosts: set[tuple[PeerID, int]] = set()
         # the round our last read decided, the declaration it grouped, the others' step tags
