@@ -227,9 +227,7 @@ def parse_closed(entries: Mapping[Any, Any], exclude: str, step: int) -> list[De
     for subkey, value in entries.items():
         if subkey == exclude or not isinstance(subkey, str) or not isinstance(value, Mapping):
             continue
-        if value.get("done") is not True or "closed" not in value:
-            continue
-        if not _lists_tag(value.get("saw"), step):
+        if not saw_tag(value, step) or "closed" not in value:
             continue
         try:
             out.append(Declaration.from_wire(PeerID.from_base58(subkey), value["closed"]))
