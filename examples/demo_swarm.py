@@ -80,7 +80,7 @@ async def volunteer(args: argparse.Namespace) -> None:
     )
     opt = torch.optim.SGD(model.parameters(), lr=0.02, momentum=0.9)
     x, y = make_data(seed=100 + args.index, n=2000, bias=args.index % NUM_CLASSES)
-    tensors = [p.data for p in model.parameters()]
+    tensors = list(model.parameters())
 
     async with open_peer(listen="127.0.0.1:0", initial_peers=[args.initial_peer]) as node:
         averager = Averager(node, prefix="demo/params", tensors=tensors, codec="int8", group_size=8)
