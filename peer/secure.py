@@ -31,8 +31,10 @@ from protocol.noise import (
     NEED_DATA,
     NoiseHandshake,
     NoiseTransport,
+    sealed_size,
 )
 
+from .buffer_pool import FRAME_POOL
 from .errors import PeerBusyError, PeerUnavailableError
 from .network import partial_sender, remote_host_of
 
@@ -45,8 +47,12 @@ RECEIVE_SIZE = 1 << 20
 _MIN_RECEIVE_SIZE = 1 << 16
 """First read size; doubled after each read that comes back full, halved after short ones."""
 SEAL_SLICE = 1 << 20
-"""Plaintext sealed per write: bounds the reusable send buffer to ~1 MiB."""
+"""Plaintext sealed per write: bounds a send's seal buffer to ``sealed_size(SEAL_SLICE)``."""
+_KEEP_SEAL_BUFFER = 16 << 10
+"""A connection keeps a seal buffer of its own up to this size (its small frames); a larger
+send borrows one from the process's pool and gives it back after (see ``send_pieces``)."""
 _HANDSHAKE_READ = 4096
+_MAX_SEALED_WRITE = sealed_size(SEAL_SLICE)
 
 Buffer = bytes | bytearray | memoryview
 
@@ -68,7 +74,8 @@ class SecureStream(trio.abc.Stream):
         self.remote_peer_id = remote_peer_id
         self.remote_host = remote_host_of(stream) if remote_host is None else remote_host
         self._transport = transport
-        self._out = bytearray()
+        self._own_out = bytearray()  # this connection's seal buffer, for small sends
+        self._out: bytearray | memoryview = self._own_out  # or one lent by the pool
         self._send_some = partial_sender(stream)
         self._owed: memoryview | None = None  # sealed bytes of a cancelled write, unsent
         self._torn = False  # a send was cut off with its data not all sealed, or unknown
@@ -127,6 +134,7 @@ class SecureStream(trio.abc.Stream):
             raise trio.BusyResourceError("another task is sending on this stream")
         self._sending = True
         sealing = False  # between the first seal of this send and the last
+        lent: memoryview | None = None  # a pooled seal buffer, for a large send
         try:
             if self._closed:
                 raise trio.ClosedResourceError("stream closed")
@@ -134,6 +142,15 @@ class SecureStream(trio.abc.Stream):
                 raise trio.BrokenResourceError("an earlier send was cut off midway")
             if self._owed is not None:
                 await self._send_owed()
+            # A write seals at most SEAL_SLICE of plaintext plus its messages' overhead
+            # (below: it writes before adding a slice that would go beyond), so this much
+            # holds the whole send, write by write.
+            need = min(
+                sum(sealed_size(memoryview(piece).nbytes) for piece in pieces),
+                _MAX_SEALED_WRITE,
+            )
+            if need > _KEEP_SEAL_BUFFER:
+                lent = self._out = FRAME_POOL.get(need)
             sealing = True
             used = 0
             for index in range(len(pieces)):
@@ -161,6 +178,9 @@ class SecureStream(trio.abc.Stream):
                 self._torn = True
             raise
         finally:
+            if lent is not None:  # back to the pool: no view of it is left (owed bytes
+                self._out = self._own_out  # were copied out)
+                del lent
             self._sending = False
 
     @property

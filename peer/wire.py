@@ -9,7 +9,6 @@ straight into it, so a large payload is copied exactly once after the kernel.
 from __future__ import annotations
 
 import math
-import sys
 from collections import deque
 from collections.abc import Callable, Sequence
 
@@ -18,6 +17,7 @@ import trio
 from protocol.errors import RemoteProtocolError
 from protocol.framing import HEADER
 
+from .buffer_pool import FRAME_POOL, POOL_MIN, FramePool
 from .receive_budget import MIN_RATE, ByteMeter, Meter, ReceiveBudget
 from .secure import RECEIVE_SIZE, SEAL_SLICE, SecureStream
 
@@ -43,10 +43,6 @@ FILLING_WRITE = 1 << 15
 or the peer's window): the next frames go through the writer (see :meth:`Outbox.try_claim`)."""
 _COALESCE_BELOW = 1 << 16
 """Adjacent pieces smaller than this are joined before sealing (one message, not many)."""
-_POOL_MIN = 1 << 16
-"""Frames at least this large get a pooled buffer (sizes rounded up to a multiple of it)."""
-POOL_BYTES = 96 << 20
-"""Most bytes of large frame buffers the process keeps for reuse (in use or free)."""
 
 
 class Outbox:
@@ -330,59 +326,6 @@ class _PlainReceiver:
         return n
 
 
-class FramePool:
-    """Large frame buffers shared by every reader of the process, reused once unreferenced.
-
-    A frame's payload may outlive the read loop (a reducer keeps received chunks until the
-    sender's part is complete), so a buffer is free again only when no view of it is alive
-    (its reference count says so). Buffers come in size classes (multiples of 64 KiB); the
-    pool tracks at most ``limit`` bytes of them, in use or free, and beyond that hands out
-    untracked buffers (a fresh large buffer costs page faults, ~2 GB/s here).
-    """
-
-    def __init__(self, limit: int = POOL_BYTES) -> None:
-        self.limit = limit
-        self.tracked = 0  # bytes of the buffers in ``_classes``
-        self.allocated = 0  # buffers made so far (pooled or not): what reuse saves
-        self._classes: dict[int, list[bytearray]] = {}
-
-    def get(self, length: int) -> memoryview:
-        """A writable view of exactly ``length`` bytes (a fresh buffer for small ones)."""
-        if length < _POOL_MIN:
-            return memoryview(bytearray(length))
-        size = -(-length // _POOL_MIN) * _POOL_MIN
-        buffers = self._classes.setdefault(size, [])
-        for buffer in buffers:
-            # referenced by the list, the loop and getrefcount only: no view is alive
-            if sys.getrefcount(buffer) <= 3:
-                return memoryview(buffer)[:length]
-        self.allocated += 1
-        buffer = bytearray(size)
-        if self.tracked + size > self.limit:
-            self._evict(self.tracked + size - self.limit)
-        if self.tracked + size <= self.limit:
-            buffers.append(buffer)
-            self.tracked += size
-        return memoryview(buffer)[:length]
-
-    def _evict(self, need: int) -> None:
-        """Forget free buffers of any class until ``need`` bytes are released (or none is)."""
-        for size, buffers in self._classes.items():
-            for i in range(len(buffers) - 1, -1, -1):
-                if need <= 0:
-                    return
-                if sys.getrefcount(buffers[i]) <= 2:  # the list and getrefcount
-                    del buffers[i]
-                    self.tracked -= size
-                    need -= size
-
-
-FRAME_POOL = FramePool()
-"""The pool every :class:`FrameReader` draws from by default. Loops in other threads may share
-it: a buffer another thread is looking at has a reference more, so it is never handed out
-twice (the byte counts are only approximate then)."""
-
-
 class TruncatedFrameError(RemoteProtocolError):
     """The stream ended inside a frame: a protocol violation, but most likely a peer that
     died while it wrote a large frame (killed between two of its transport messages), so
@@ -467,10 +410,10 @@ class FrameReader:
 
     async def _frame(self, length: int) -> memoryview:
         budget = self._budget
-        if length < _POOL_MIN or budget is None:
+        if length < POOL_MIN or budget is None:
             return await self._body(length)
         # the size of the buffer it will take (pooled sizes are whole multiples of 64 KiB)
-        size = -(-length // _POOL_MIN) * _POOL_MIN
+        size = -(-length // POOL_MIN) * POOL_MIN
         self.waiting = True
         try:
             hold = await budget.acquire(
@@ -493,7 +436,7 @@ class FrameReader:
             budget.release(hold)
 
     async def _body(self, length: int, wait_for_half: bool = True) -> memoryview:
-        if wait_for_half and length >= _POOL_MIN and self._wait_buffered is not None:
+        if wait_for_half and length >= POOL_MIN and self._wait_buffered is not None:
             # Allocate once half of it is here: a peer that announces 4 MiB frames and
             # sends nothing more would otherwise make each connection hold 4 MiB.
             await self._wait_buffered(length // 2)

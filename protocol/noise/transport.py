@@ -141,12 +141,13 @@ class NoiseTransport:
         self._seal_n = n
         return b"".join(parts)
 
-    def seal_into(self, data: Buffer, out: bytearray, offset: int = 0) -> int:
+    def seal_into(self, data: Buffer, out: bytearray | memoryview, offset: int = 0) -> int:
         """Seal ``data`` (any C-contiguous buffer) into ``out[offset : offset + k]``; return ``k``.
 
-        ``k == sealed_size(len(data))`` (0 for empty data). ``out`` is grown when shorter
-        than ``offset + k`` and never shrunk, so one bytearray per connection, passed on
-        every call, settles at the largest size sent and is never reallocated afterwards.
+        ``k == sealed_size(len(data))`` (0 for empty data). A bytearray ``out`` is grown when
+        shorter than ``offset + k`` and never shrunk, so one bytearray per connection, passed on
+        every call, settles at the largest size sent and is never reallocated afterwards; a
+        writable memoryview ``out`` (a pooled buffer) must be long enough.
         Bytes of ``out`` outside ``[offset, offset + k)`` are left untouched. ``out`` must
         not be exported (no live memoryview on it) when it needs to grow: release the view
         passed to ``send_all`` before sealing again. To bound the buffer, seal large data a
@@ -155,6 +156,7 @@ class NoiseTransport:
         Raises:
             LocalProtocolError: if the transport is dead or the nonce is exhausted.
             BufferError: if ``out`` must grow while a memoryview on it is alive.
+            ValueError: if ``out`` is a memoryview shorter than ``offset + k``.
         """
         self._check_alive()
         src = _byte_view(data)
@@ -165,6 +167,8 @@ class NoiseTransport:
         self._reserve_nonces(size)
         end = offset + total
         if len(out) < end:
+            if not isinstance(out, bytearray):
+                raise ValueError(f"a buffer of {len(out)} bytes cannot hold {end} sealed bytes")
             out.extend(bytes(end - len(out)))
         encrypt_into, nonce, n = self._seal_aead.encrypt_into, self._seal_nonce, self._seal_n
         pack_into = LENGTH_PREFIX.pack_into
