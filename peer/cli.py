@@ -41,6 +41,7 @@ _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 BOOTSTRAP_STORED_BYTES = 8 << 20
 BOOTSTRAP_POOL_BYTES = 4 << 20
 BOOTSTRAP_RECEIVE_BYTES = 8 << 20  # large frames on their way in (DHT messages are small)
+BOOTSTRAP_SEND_BYTES = 8 << 20  # and on their way out (FIND_VALUE pages: up to 1 MiB each)
 _WILDCARD_HOSTS = {"0.0.0.0": "127.0.0.1", "::": "::1"}  # listen on all -> announce loopback
 
 
@@ -400,13 +401,15 @@ async def _bootstrap(args: argparse.Namespace, stop: _SignalStop) -> int:
 
     # A bootstrap node stays small whatever peers send it: it keeps at most 8 MiB of
     # others' records (about 16k small ones, counting each entry's overhead), 4 MiB of large
-    # frame buffers for reuse and 8 MiB of large frames on their way in, where a volunteer
-    # keeps 256 MiB, 96 MiB and 256 MiB.
+    # buffers for reuse, 8 MiB of large frames on their way in and 8 MiB on their way out,
+    # where a volunteer keeps 256 MiB, 96 MiB, 256 MiB and 256 MiB.
     FRAME_POOL.limit = BOOTSTRAP_POOL_BYTES
     config = PeerConfig(
         host=HostConfig(
             receive_budget=BOOTSTRAP_RECEIVE_BYTES,
             receive_budget_per_host=BOOTSTRAP_RECEIVE_BYTES // 8,  # it averages nothing
+            send_budget=BOOTSTRAP_SEND_BYTES,
+            send_budget_per_host=BOOTSTRAP_SEND_BYTES // 8,
         ),
         dht=DHTConfig(max_stored_bytes=BOOTSTRAP_STORED_BYTES),
     )

@@ -88,6 +88,7 @@ from .rpc import (
     StreamHandler,
 )
 from .secure import SecureStream, secure_handshake, turn_away
+from .send_budget import SendBudget
 
 __all__ = ["HostConfig", "RpcHost", "open_rpc_host"]
 
@@ -144,6 +145,7 @@ class RpcHost:
         self._receive_budget = ReceiveBudget(
             config.receive_budget, config.receive_stall_timeout, config.receive_budget_per_host
         )
+        self._send_budget = SendBudget(config.send_budget, config.send_budget_per_host)
         if config.max_inflight_requests < MAX_INFLIGHT_REQUESTS:
             logger.warning(
                 "HostConfig.max_inflight_requests is %d: peers may keep %d requests in flight "
@@ -564,6 +566,7 @@ class RpcHost:
             idle_timeout=config.idle_timeout,
             silence_timeout=config.silence_timeout,
             receive_budget=self._receive_budget,
+            send_budget=self._send_budget,
             # local experiments run every peer on one loopback address: no share apart
             receive_group=(
                 None if is_loopback_host(secure.remote_host) else host_group(secure.remote_host)

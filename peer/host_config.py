@@ -72,6 +72,16 @@ class HostConfig:
     """Of ``receive_budget``, the most that one remote host (an IPv6 /64) may hold (but one
     frame of any size); loopback hosts are not counted apart. None: no limit apart (the
     peers behind a NAT share one address)."""
+    send_budget: int = 256 << 20
+    """Bytes of queued outbound frames of 4 KiB or more (replies, result chunks, uploads), all
+    connections together, from when they are queued until they are written; a frame that
+    does not fit waits (see ``peer.send_budget``). It bounds what peers that ask for large
+    replies and read none can make us hold (each connection also queues at most 4 MiB).
+    Keep it well above what averaging sends at once (``max_inflight`` chunks of 2 MiB, and
+    each member's result items)."""
+    send_budget_per_host: int | None = None
+    """Of ``send_budget``, the most that frames to one remote host (an IPv6 /64) may hold (but
+    one frame of any size); loopback hosts are not counted apart. None: no limit apart."""
     receive_stall_timeout: float = 10.0
     """A large frame that received nothing for this long, or under 16 KiB/s on average once
     this old, is cut off (its connection closed) when another frame waits for room in
@@ -87,6 +97,7 @@ class HostConfig:
             "max_connections_per_ip",
             "max_inflight_requests",
             "receive_budget",
+            "send_budget",
         ):
             self._check_at_least_one(name)
         for name in ("handshake_timeout", "idle_timeout", "dial_timeout", "receive_stall_timeout"):
@@ -109,14 +120,14 @@ class HostConfig:
                 "HostConfig.handshake_burst_per_ip must be at least 1, "
                 f"got {self.handshake_burst_per_ip}"
             )
-        per_host = self.receive_budget_per_host
-        if per_host is not None and (
-            isinstance(per_host, bool) or not isinstance(per_host, int) or per_host < 1
-        ):
-            raise ValueError(
-                "HostConfig.receive_budget_per_host must be None or an integer of at least 1, "
-                f"got {per_host!r}"
-            )
+        for name in ("receive_budget_per_host", "send_budget_per_host"):
+            per_host = getattr(self, name)
+            if per_host is not None and (
+                isinstance(per_host, bool) or not isinstance(per_host, int) or per_host < 1
+            ):
+                raise ValueError(
+                    f"HostConfig.{name} must be None or an integer of at least 1, got {per_host!r}"
+                )
         if not self.silence_timeout > 0:  # math.inf turns the check off
             raise ValueError(
                 f"HostConfig.silence_timeout must be positive, got {self.silence_timeout}"

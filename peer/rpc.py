@@ -77,6 +77,7 @@ from .calls import StreamHandler as StreamHandler
 from .errors import LimitExceededError, PeerUnavailableError, RemoteError
 from .receive_budget import ReceiveBudget
 from .secure import SecureStream
+from .send_budget import SendBudget
 from .wire import FrameReader, Outbox, TruncatedFrameError, send_coalesced, write_pieces
 
 __all__ = [
@@ -161,6 +162,7 @@ class RpcConnection:
         silence_timeout: float = math.inf,
         receive_budget: ReceiveBudget | None = None,
         receive_group: str | None = None,
+        send_budget: SendBudget | None = None,
     ) -> None:
         self._byte_stream = stream
         self._receive_budget = receive_budget
@@ -179,7 +181,11 @@ class RpcConnection:
         self._probing = False  # see _probe
         self._tasks: trio.Nursery | None = None  # the connection's own, while it runs
         self._handlers = handlers
-        self._outbox = Outbox(capacity=max(8, max_inflight_requests // 4))
+        self._outbox = Outbox(
+            capacity=max(8, max_inflight_requests // 4),
+            budget=send_budget,
+            group=receive_group,  # the same share of each budget: the peer's host group
+        )
         # the peer serves at least the protocol's 128 at once, perhaps no more; one of them
         # is kept for the silence probe (_probe), which must not wait behind our calls
         # (not of a few: a limit set that low is a test's, counted call by call)
@@ -193,6 +199,8 @@ class RpcConnection:
         self._incoming: dict[int, _Incoming] = {}
         self._served = trio.lowlevel.ParkingLot()  # a request we served was answered
         self._overflow = trio.Lock()  # quick requests answered off the reader: one at a time
+        self._quick_backlog: deque[tuple[RpcFrame, _Incoming]] = deque()  # (their order)
+        self._quick_draining = False  # a task answers the backlog
         self._next_id = 0
         self._scope = trio.CancelScope()
         self._cause: BaseException | None = None
@@ -730,8 +738,15 @@ class RpcConnection:
                 if self._bye_cause is not None:
                     continue  # crossed our bye: the peer sends it again elsewhere
                 quick = self._handlers.quick.get(frame.method)
-                if quick is not None and self._outbox.has_room() and self._outbox.has_room(True):
+                if (
+                    quick is not None
+                    and self._outbox.has_room()
+                    and self._outbox.has_room(True)
+                    and self._outbox.budget_has_room()
+                ):
                     self._answer_quick(frame, quick)
+                elif quick is not None:
+                    self._queue_quick(frame, nursery)
                 else:
                     self._start_request(frame, nursery)
             elif frame.kind is FrameKind.BYE:
@@ -795,6 +810,9 @@ class RpcConnection:
                 pending.finish(ConnectionClosedError(message))
 
     def _start_request(self, frame: RpcFrame, nursery: trio.Nursery) -> None:
+        nursery.start_soon(self._serve_request, frame, self._register(frame))
+
+    def _register(self, frame: RpcFrame) -> _Incoming:
         if frame.request_id in self._incoming:
             raise RemoteProtocolError(f"request id {frame.request_id} is already in flight")
         if len(self._incoming) >= self.max_inflight_requests:
@@ -802,7 +820,23 @@ class RpcConnection:
         deadline = math.inf if frame.timeout is None else trio.current_time() + frame.timeout
         incoming = _Incoming(trio.CancelScope(deadline=deadline))
         self._incoming[frame.request_id] = incoming
-        nursery.start_soon(self._serve_request, frame, incoming)
+        return incoming
+
+    def _queue_quick(self, frame: RpcFrame, nursery: trio.Nursery) -> None:
+        """A quick request that came while the outbox (or the host's send budget) was full:
+        answered in turn by one task, not a task each (a peer that pipelines its 128 and
+        reads nothing made us hold 128 tasks, ~5 KiB each, on each of its connections)."""
+        self._quick_backlog.append((frame, self._register(frame)))
+        if not self._quick_draining:
+            self._quick_draining = True
+            nursery.start_soon(self._drain_quick)
+
+    async def _drain_quick(self) -> None:
+        try:
+            while self._quick_backlog:
+                await self._serve_request(*self._quick_backlog.popleft())
+        finally:
+            self._quick_draining = False
 
     async def _deliver(self, frame: RpcFrame) -> None:
         pending = self._pending.get(frame.request_id)
@@ -959,7 +993,7 @@ class RpcConnection:
         except Exception as exc:
             code, message = self._error_reply(frame.method, exc)
             pieces, size = self._encode(_error_frame(frame.request_id, code, message))
-        self._outbox.put_nowait(pieces, urgent=size <= _DIRECT_MAX, size=size)  # large: waits
+        self._outbox.put_nowait(pieces, urgent=size <= _DIRECT_MAX, size=size)  # (large: bulk)
 
     def _error_reply(self, method: str, exc: Exception) -> tuple[str, str]:
         """The error code and message that answer a handler's exception (a group of one,
@@ -989,12 +1023,24 @@ class RpcConnection:
         if (handler := self._handlers.unary.get(method)) is not None:
             return self._encode_reply(request_id, await handler(request)), True
         if (quick := self._handlers.quick.get(method)) is not None:  # the outbox was full
-            # One at a time: a large reply waits here for room in the outbox (a small one
-            # skips the bulk queue), and a peer that asks for many large replies and reads
-            # none must not make each of its requests hold one.
+            # One at a time, and made only once the outbox and the host's send budget have
+            # room (it may take one frame beyond): a peer that asks for many large replies
+            # and reads none must not make each of its requests hold one, nor each of its
+            # connections (1,024 of them) one while it waits.
             async with self._overflow:
-                pieces, size = self._encode_reply(request_id, quick(request))
-                await self._queue(pieces, size, urgent=size <= _DIRECT_MAX)
+                try:
+                    await self._outbox.wait_for_room()
+                    reply = quick(request)
+                    pieces, size = self._encode_reply(request_id, reply)
+                    if size > _DIRECT_MAX and not self._outbox.has_room():
+                        # made again once the bulk queue has room: not held meanwhile (a
+                        # small reply goes ahead of the bulk frames: it needs no room there)
+                        del pieces
+                        await self._outbox.wait_for_room(bulk=True)
+                        pieces, size = self._encode_reply(request_id, reply)
+                except trio.ClosedResourceError:
+                    raise PeerUnavailableError("connection closed") from None
+                self._outbox.put_nowait(pieces, urgent=size <= _DIRECT_MAX, size=size)
             return None
         if (stream_handler := self._handlers.streaming.get(method)) is not None:
             items = stream_handler(request)

@@ -20,6 +20,7 @@ from protocol.framing import HEADER
 from .buffer_pool import FRAME_POOL, POOL_MIN, FramePool
 from .receive_budget import MIN_RATE, ByteMeter, Meter, ReceiveBudget
 from .secure import RECEIVE_SIZE, SEAL_SLICE, SecureStream
+from .send_budget import CHARGED_FROM, SendBudget
 
 __all__ = [
     "FramePool",
@@ -72,10 +73,24 @@ class Outbox:
 
     The bulk queue is bounded in bytes too (``max_bytes``): a peer that asks for large
     replies (a FIND_VALUE page is 1 MiB) and never reads them would otherwise make us hold
-    ``capacity`` of them per connection.
+    ``capacity`` of them per connection. And frames of ``CHARGED_FROM`` bytes or more, in
+    either queue, count against the host's ``budget`` (all connections together, and
+    ``group``'s share of it: ``peer.send_budget``) from when they are queued until they are
+    written, withdrawn or the outbox closes; ``put`` waits for room there too.
     """
 
-    def __init__(self, capacity: int, max_bytes: int = QUEUE_BYTES) -> None:
+    def __init__(
+        self,
+        capacity: int,
+        max_bytes: int = QUEUE_BYTES,
+        budget: SendBudget | None = None,
+        group: str | None = None,
+    ) -> None:
+        self._budget = budget
+        self._group = group
+        self._charges: dict[int, int] = {}  # id of a queued frame -> what it took from budget
+        self._charged = 0  # taken from the budget and not given back: queued and writing
+        self._batch_charge = 0  # of which the batch being written holds this much
         self._items: deque[Sequence[Piece]] = deque()
         self._urgent: deque[Sequence[Piece]] = deque()
         self._capacity = capacity
@@ -103,12 +118,49 @@ class Outbox:
         """
         await trio.lowlevel.checkpoint_if_cancelled()
         space = self._urgent_space if urgent else self._space
-        while not self._closed and not self.has_room(urgent):
-            await space.park()
+        if size < 0:
+            size = _size_of(pieces)
+        while not self._closed:
+            if not self.has_room(urgent):
+                await space.park()
+            elif not self._budget_fits(size):
+                assert self._budget is not None
+                await self._budget.wait()
+            else:
+                break
         if self._closed:
             raise trio.ClosedResourceError("the connection is closed")
         self._append(pieces, urgent, size)
         await trio.lowlevel.cancel_shielded_checkpoint()
+
+    async def wait_for_room(self, bulk: bool = False) -> None:
+        """Until the urgent queue (and the bulk one, if ``bulk``) takes a frame, and the
+        host's budget has room left: then make a reply (of a size not known yet) and
+        :meth:`put_nowait` it, with no checkpoint in between (it takes at most that one
+        frame beyond the budget).
+
+        Raises:
+            trio.ClosedResourceError: if the outbox is closed.
+        """
+        await trio.lowlevel.checkpoint_if_cancelled()  # (a request its caller cancelled)
+        while not self._closed:
+            if bulk and not self.has_room(False):
+                await self._space.park()
+            elif not self.has_room(True):
+                await self._urgent_space.park()
+            elif not self.budget_has_room():
+                assert self._budget is not None
+                await self._budget.wait()
+            else:
+                return
+        raise trio.ClosedResourceError("the connection is closed")
+
+    def budget_has_room(self) -> bool:
+        """Whether the host's send budget has room left for this connection's frames."""
+        return self._budget is None or self._budget.has_room(self._group)
+
+    def _budget_fits(self, size: int) -> bool:
+        return size < CHARGED_FROM or self._budget is None or self._budget.fits(size, self._group)
 
     def put_nowait(self, pieces: Sequence[Piece], urgent: bool = False, size: int = -1) -> None:
         """Queue a frame regardless of capacity; dropped when the outbox is closed."""
@@ -116,13 +168,24 @@ class Outbox:
             self._append(pieces, urgent, size)
 
     def _append(self, pieces: Sequence[Piece], urgent: bool, size: int) -> None:
+        if size < 0:
+            size = _size_of(pieces)
         if urgent:
             self._urgent.append(pieces)
         else:
             self._items.append(pieces)
-            self._queued_bytes += size if size >= 0 else _size_of(pieces)
+            self._queued_bytes += size
+        if size >= CHARGED_FROM and self._budget is not None:
+            self._budget.take(size, self._group)
+            self._charges[id(pieces)] = size
+            self._charged += size
         if not self._busy:
             self._ready.unpark()
+
+    def _give_back(self, size: int) -> None:
+        if size and self._budget is not None:
+            self._charged -= size
+            self._budget.give(size, self._group)
 
     def has_room(self, urgent: bool = False) -> bool:
         """True when fewer than ``capacity`` frames are queued (urgent ones, if ``urgent``)
@@ -156,6 +219,8 @@ class Outbox:
         """The stream is free again; the writer takes over what was queued meanwhile."""
         self._busy = False
         self.writing_since = None
+        self._give_back(self._batch_charge)
+        self._batch_charge = 0
         self._batch.clear()
         self._sending = []
         self._after_large_write = self._writing_bytes >= FILLING_WRITE
@@ -187,11 +252,13 @@ class Outbox:
         pieces: list[Piece] = []
         self._urgent_space.unpark(count=len(self._urgent))
         urgent_size = 0
+        charges = self._charges
         while self._urgent:
             frame = self._urgent.popleft()
             self._batch.append(frame)
             pieces.extend(frame)
             urgent_size += _size_of(frame)
+            self._batch_charge += charges.pop(id(frame), 0)
         size = taken = 0
         while self._items and size < BATCH_BYTES:
             frame = self._items.popleft()
@@ -199,6 +266,7 @@ class Outbox:
             pieces.extend(frame)
             size += _size_of(frame)
             taken += 1
+            self._batch_charge += charges.pop(id(frame), 0)
         if taken:  # frame slots, bytes or both freed
             self._queued_bytes -= size
             # all of them: bytes, not frames, left; a woken waiter may have been cancelled
@@ -213,12 +281,14 @@ class Outbox:
         for index, queued in enumerate(self._urgent):
             if queued is frame:
                 del self._urgent[index]
+                self._give_back(self._charges.pop(id(frame), 0))
                 self._urgent_space.unpark()
                 return True
         for index, queued in enumerate(self._items):
             if queued is frame:
                 del self._items[index]
                 self._queued_bytes -= _size_of(frame)
+                self._give_back(self._charges.pop(id(frame), 0))
                 self._space.unpark_all()
                 return True
         return False
@@ -247,6 +317,9 @@ class Outbox:
         self._items.clear()
         self._urgent.clear()
         self._queued_bytes = 0
+        self._charges.clear()
+        self._give_back(self._charged)  # the batch being written too: it is cut off
+        self._batch_charge = 0
         self._space.unpark_all()
         self._urgent_space.unpark_all()
         self._ready.unpark_all()

@@ -89,6 +89,62 @@ async def test_a_peer_that_never_reads_large_replies_makes_us_build_few_of_them(
             assert built == 100
 
 
+async def test_peers_that_never_read_large_replies_hold_the_send_budget_and_no_more(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Each connection queues at most 4 MiB, but a client that opened 128 connections, asked
+    on each for 100 pages of 1 MiB and read none made a bootstrap node hold 1.3 GB (an
+    outside tester, real TCP: the queue, the batch being written, a reply waiting for room,
+    and a task per request). Now large frames take room in the host's send budget, and one
+    host holds at most its share of it: another host's large reply goes out at once."""
+    net = MemoryNetwork(window=MIB)  # a peer that stops reading stalls our writes, as TCP
+    config = HostConfig(send_budget=8 * MIB, send_budget_per_host=2 * MIB)
+    built = 0
+
+    def page(request: Request) -> Reply:
+        nonlocal built
+        built += 1
+        return Reply({}, LARGE)
+
+    async with (
+        open_rpc_host(
+            SERVER, listen=Address("s", 1), network=net.interface("s"), config=config
+        ) as server,
+        open_rpc_host(GOOD, listen=None, network=net.interface("good")) as good,
+    ):
+        server.register_quick("page", page)
+        server.register_quick("ping", lambda request: Reply({"ok": True}))
+        assert server.listen_address is not None
+        with trio.fail_after(30):
+            attackers = [
+                await _dial(net, "bad", Identity.from_seed(bytes([i + 1]) * 32)) for i in range(6)
+            ]
+            for attacker in attackers:
+                await attacker.send_all(_requests("page", 20))
+            await trio.sleep(5)  # everything that can happen without the attackers reading
+            # each window took one page (written: no longer ours); then the host's share,
+            # one frame beyond it, and the frame each writer is stuck on
+            assert built <= 6 + 2 + 1 + 6, built
+            assert server._send_budget.used <= 3 * MIB + 6 * MIB
+            assert (await good.call(server.listen_address, "ping")).body == {"ok": True}
+            with trio.fail_after(1):  # another host's large reply is not held back
+                assert (await good.call(server.listen_address, "page")).payload == LARGE
+            # once they read, every request is answered: no waiter was forgotten (all at
+            # once: the frames stuck on the others hold their host's share meanwhile)
+            answered = []
+
+            async def read(attacker: SecureStream) -> None:
+                answered.append(await _read_replies(attacker, 20))
+
+            async with trio.open_nursery() as nursery:
+                for attacker in attackers:
+                    nursery.start_soon(read, attacker)
+            assert answered == [20] * 6 and built == 6 * 20 + 1
+            assert server._send_budget.used == 0
+            for attacker in attackers:
+                await attacker.aclose()
+
+
 async def test_connections_that_never_handshake_do_not_lock_other_peers_out(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

@@ -1,0 +1,88 @@
+"""A host's budget for frames on their way out, over all of its connections together.
+
+Each connection queues at most ``QUEUE_BYTES`` of frames for its writer (``peer.wire.Outbox``)
+so that a peer that stops reading holds our memory to that, not to every reply it asked
+for. Per connection that was not enough: a client that opened 128 connections, asked on
+each for 1 MiB FIND_VALUE pages and read none made a bootstrap node hold 1.3 GB (an outside
+tester; the queue, the batch being written and the reply waiting for room, ~9 MiB a
+connection, and up to 1,024 connections). So frames of ``CHARGED_FROM`` bytes or more take
+their size from this budget when they are queued and give it back once written (or
+withdrawn, or their connection closed); a frame that does not fit waits, its producer
+with it (a handler, a result stream, a caller's upload), and a quick request is answered
+once there is room again, not before its reply is made.
+
+- One remote host (an IPv4 address, an IPv6 /64: ``peer.remote_hosts.host_group``) may be
+  held to ``per_host`` of it (but always one frame), so that one host's unread replies
+  do not hold every other host's back; loopback hosts are not counted apart. Off by
+  default (``HostConfig.send_budget_per_host``), as for the receive budget: the peers of
+  a NAT share one address. ``swarm bootstrap`` sets it.
+- A frame larger than what is free goes out alone, once nothing else is charged.
+- Smaller frames (pings, DHT lookups and their replies) take nothing from it: they never
+  wait behind others' large replies; each connection queues at most ``capacity`` of them.
+- A connection whose peer reads nothing holds its share until ``HostConfig.send_timeout``
+  cuts it off (its write stalled): other hosts' large frames wait for room meanwhile.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+
+import trio
+
+__all__ = ["CHARGED_FROM", "SendBudget"]
+
+CHARGED_FROM = 4 << 10
+"""Frames of at least this many bytes count against the budget (a DHT lookup's reply of 20
+contacts is ~1.6 KB; a FIND_VALUE page or a result chunk is up to megabytes)."""
+
+
+class SendBudget:
+    """Bytes of queued outbound frames, all connections together, at most ``limit`` (and
+    ``per_host`` for one remote host group, when given)."""
+
+    def __init__(self, limit: int, per_host: int | None = None) -> None:
+        if limit < 1 or (per_host is not None and per_host < 1):
+            raise ValueError("a send budget must be at least one byte (and its host share)")
+        self.limit = limit
+        self.per_host = per_host
+        self.used = 0
+        self._by_group: Counter[str] = Counter()
+        self._room = trio.lowlevel.ParkingLot()
+
+    def fits(self, size: int, group: str | None) -> bool:
+        """Whether a frame of ``size`` bytes from a connection to ``group`` may be queued
+        now (always, when nothing is charged: a frame larger than the budget goes alone)."""
+        if self.used and self.used + size > self.limit:
+            return False
+        if self.per_host is not None and group is not None:
+            held = self._by_group[group]
+            if held and held + size > self.per_host:
+                return False
+        return True
+
+    def has_room(self, group: str | None) -> bool:
+        """Whether anything is left, for ``group`` too: a reply not made yet may be queued."""
+        if self.used >= self.limit:
+            return False
+        return self.per_host is None or group is None or self._by_group[group] < self.per_host
+
+    def take(self, size: int, group: str | None) -> None:
+        self.used += size
+        if group is not None:
+            self._by_group[group] += size
+
+    def give(self, size: int, group: str | None) -> None:
+        if not size:
+            return
+        self.used -= size
+        if group is not None:
+            left = self._by_group[group] - size
+            if left > 0:
+                self._by_group[group] = left
+            else:
+                del self._by_group[group]
+        self._room.unpark_all()  # each waiter checks its own frame again
+
+    async def wait(self) -> None:
+        """Until some of the budget is given back."""
+        await self._room.park()
