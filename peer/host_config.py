@@ -83,8 +83,9 @@ class HostConfig:
     """Of ``send_budget``, the most that frames to one remote host (an IPv6 /64) may hold (but
     one frame of any size); loopback hosts are not counted apart. None: no limit apart."""
     receive_stall_timeout: float = 10.0
-    """A large frame that received nothing for this long, or under 16 KiB/s on average once
-    this old, is cut off (its connection closed) when another frame waits for room in
+    """A large frame that received nothing for this long, or, once this old, under 16 KiB/s
+    on average or too slow at that average to bring the rest within 3 times this long
+    more, is cut off (its connection closed) when another frame waits for room in
     ``receive_budget``."""
     drain_timeout: float = 3.0
     """On a clean exit: how long connections may go on answering and writing what they

@@ -24,12 +24,13 @@ whoever handles it, e.g. a reducer within its ``retain_budget``).
   longer than ``idle_timeout`` behind a slow frame. It holds a connection slot, not a
   buffer; parked connections end once their frame gets room and stalls (below).
 - While a frame waits, frames that are not arriving are cut off to make room (their
-  connections end with a protocol error): one that got no byte for ``stall_timeout``, or
-  that got less than ``MIN_RATE`` bytes per second on average since it began, once it is
-  ``stall_timeout`` old; only the waiting frame's own host's, when it waits for that
-  host's share (cutting off another host's would free nothing it can use). A peer that
-  trickles a byte now and then to keep its place must send at that rate, for every frame
-  it holds.
+  connections end with a protocol error): one that got no byte for ``stall_timeout``, or,
+  once it is ``stall_timeout`` old, that got less than ``MIN_RATE`` bytes per second on
+  average since it began, or so little that the rest would take more than
+  ``FINISH_WITHIN`` stall timeouts at that average; only the waiting frame's own host's,
+  when it waits for that host's share (cutting off another host's would free nothing it
+  can use). A peer that trickles bytes to keep its place must send at that rate, for
+  every frame it holds: a 4 MiB frame within ~40 s.
 - A frame larger than the whole budget goes in alone. Small frames (under 64 KiB) take
   nothing from it: each connection reads at most one frame at a time, and
   ``HostConfig.max_connections`` bounds those.
@@ -46,6 +47,12 @@ import trio
 
 __all__ = ["MIN_RATE", "ByteMeter", "FrameHold", "Meter", "ReceiveBudget"]
 
+FINISH_WITHIN = 3
+"""A frame that others wait behind counts as stalled, once ``stall_timeout`` old, when at its
+average rate the rest of it would take more than this many stall timeouts (30 s by default):
+two peers that trickled a 4 MiB frame each at 24 KiB/s, just above ``MIN_RATE``, held a
+bootstrap node's whole 8 MiB for ~3 minutes, and every larger store waited (an outside
+tester). An honest 1.1 MB store over a 1 Mbit/s link takes ~9 s."""
 MIN_RATE = 16 << 10
 """Bytes per second below which a frame that others wait behind counts as stalled (a
 writer to a peer that reads slower than ~17 KiB/s is cut off too: ``HostConfig.send_timeout``)."""
@@ -87,10 +94,13 @@ class FrameHold:
 
     def stalled_until(self, stall_timeout: float) -> float:
         """When the frame counts as stalled if nothing more arrives: no byte for
-        ``stall_timeout``, or under ``MIN_RATE`` on average once that old."""
+        ``stall_timeout``; or, once that old, an average rate under ``MIN_RATE``, or too
+        slow to bring the rest within ``FINISH_WITHIN`` stall timeouts more."""
         received = self._meter.bytes_received - self._base
         last = max(self._meter.last_received, self.started)
-        slow_until = max(self.started + stall_timeout, self.started + received / MIN_RATE)
+        remaining = max(0, self.size - received)
+        least_rate = max(MIN_RATE, remaining / (FINISH_WITHIN * stall_timeout))
+        slow_until = max(self.started + stall_timeout, self.started + received / least_rate)
         return min(last + stall_timeout, slow_until)
 
 

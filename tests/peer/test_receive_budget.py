@@ -154,6 +154,50 @@ async def test_a_frame_that_trickles_in_is_cut_off_when_another_waits(
     assert outcomes["honest"] == CONTENT and trio.current_time() < 12
 
 
+async def test_a_frame_too_slow_to_finish_soon_is_cut_off_when_another_waits(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Two peers that trickled a 4 MiB frame each at 24 KiB/s, above MIN_RATE, held a
+    bootstrap node's whole 8 MiB receive budget for ~3 minutes, and every larger store
+    waited (an outside tester). Once stall_timeout old, a frame whose rest would take more
+    than FINISH_WITHIN stall timeouts at its average rate counts as stalled."""
+    budget = ReceiveBudget(limit=4 * MIB, stall_timeout=10.0)
+    slow, slow_side = await _secure_pair()
+    honest, honest_side = await _secure_pair()
+    outcomes: dict[str, object] = {}
+    honest_read = trio.Event()
+
+    async def read(name: str, stream: SecureStream) -> None:
+        try:
+            frame = await FrameReader(stream, 4 * MIB, FramePool(), budget).next_frame()
+            outcomes[name] = None if frame is None else bytes(frame)
+        except RemoteProtocolError as exc:
+            outcomes[name] = exc
+        if name == "honest":
+            honest_read.set()
+
+    async def trickle() -> None:  # 24 KiB/s, in 6 KiB pieces
+        await slow.send_all(encode_frame_header(4 * MIB))
+        for _ in range(4 * MIB // (6 << 10)):
+            await trio.sleep(0.25)
+            await slow.send_all(CONTENT[: 6 << 10])
+
+    with trio.fail_after(120):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read, "slow", slow_side)
+            nursery.start_soon(trickle)
+            await trio.sleep(1)
+            nursery.start_soon(read, "honest", honest_side)
+            start = trio.current_time()
+            await honest.send_all(encode_frame_header(MIB) + CONTENT)
+            await honest_read.wait()
+            nursery.cancel_scope.cancel()
+    assert isinstance(outcomes["slow"], RemoteProtocolError)
+    assert outcomes["honest"] == CONTENT
+    assert trio.current_time() - start == pytest.approx(9.0, abs=0.5)  # 10 s after it began
+    assert budget.cut_off == 1
+
+
 async def test_one_remote_host_holds_at_most_its_share(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
