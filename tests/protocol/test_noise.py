@@ -225,6 +225,30 @@ def test_non_byte_buffers_are_accepted() -> None:
     assert tr.next_plaintext() == floats.tobytes()
 
 
+@pytest.mark.parametrize("into", [False, True])
+def test_a_partial_message_does_not_keep_its_large_read_alive(into: bool) -> None:
+    """Received bytes are kept by reference: the half message at the end of a 1 MiB read
+    kept the whole read alive until its rest came (a peer that sent a burst ending there,
+    then waited, held ~0.8 MiB per connection of a node). Once every whole message is
+    out, the rest is kept as a copy of its own."""
+    import sys
+
+    ti, tr = session()
+    whole = ti.seal(bytes(1 << 20))
+    last = ti.seal(b"last" * 250)
+    chunk = whole + last[:500]  # one read: whole messages, then half of one
+    refs = sys.getrefcount(chunk)
+    tr.receive_data(chunk)
+    out = bytearray(MAX_PLAINTEXT_PER_MESSAGE)
+    got = 0
+    while (n := tr.next_plaintext_into(out) if into else tr.next_plaintext()) is not NEED_DATA:
+        got += n if isinstance(n, int) else len(n)
+    assert got == 1 << 20
+    assert sys.getrefcount(chunk) == refs  # the transport holds no view of it
+    tr.receive_data(last[500:])
+    assert tr.next_plaintext() == b"last" * 250
+
+
 def test_next_plaintext_into() -> None:
     ti, tr = session()
     tr.receive_data(ti.seal(b"") + ti.seal(b"abcdef"))
