@@ -47,24 +47,31 @@ class SendBudget:
         self.per_host = per_host
         self.used = 0
         self._by_group: Counter[str] = Counter()
-        self._room = trio.lowlevel.ParkingLot()
+        self._room = trio.lowlevel.ParkingLot()  # waiters for the total
+        self._share: dict[str, trio.lowlevel.ParkingLot] = {}  # waiters for a host's share
 
     def fits(self, size: int, group: str | None) -> bool:
-        """Whether a frame of ``size`` bytes from a connection to ``group`` may be queued
-        now (always, when nothing is charged: a frame larger than the budget goes alone)."""
-        if self.used and self.used + size > self.limit:
-            return False
-        if self.per_host is not None and group is not None:
-            held = self._by_group[group]
-            if held and held + size > self.per_host:
-                return False
-        return True
+        """Whether a frame of ``size`` bytes to ``group`` may be queued now (always, when
+        nothing is charged: a frame larger than the budget goes alone)."""
+        return not self._blocked(size, group)
 
     def has_room(self, group: str | None) -> bool:
         """Whether anything is left, for ``group`` too: a reply not made yet may be queued."""
-        if self.used >= self.limit:
-            return False
-        return self.per_host is None or group is None or self._by_group[group] < self.per_host
+        return not self._blocked(None, group)
+
+    def _blocked(self, size: int | None, group: str | None) -> str:
+        """ "total" or "host" when a frame of ``size`` (None: of any size, but nothing left)
+        does not fit that limit now, else ""."""
+        if size is None:
+            if self.used >= self.limit:
+                return "total"
+        elif self.used and self.used + size > self.limit:
+            return "total"
+        if self.per_host is not None and group is not None:
+            held = self._by_group.get(group, 0)
+            if (held >= self.per_host) if size is None else (held and held + size > self.per_host):
+                return "host"
+        return ""
 
     def take(self, size: int, group: str | None) -> None:
         self.used += size
@@ -81,8 +88,25 @@ class SendBudget:
                 self._by_group[group] = left
             else:
                 del self._by_group[group]
-        self._room.unpark_all()  # each waiter checks its own frame again
+            if (share := self._share.get(group)) is not None:
+                share.unpark_all()
+        if self.used < self.limit:
+            self._room.unpark_all()  # each checks its own frame again
 
-    async def wait(self) -> None:
-        """Until some of the budget is given back."""
-        await self._room.park()
+    async def wait(self, size: int | None, group: str | None) -> None:
+        """Until some of what blocks a frame of ``size`` to ``group`` (None: of any size) is
+        given back: the total, or that host's share (another host's frames written do not
+        wake it: a thousand connections of one host waiting on its share cost a core)."""
+        if self._blocked(size, group) != "host" or group is None:
+            await self._room.park()
+            return
+        share = self._share.get(group)
+        if share is None:
+            share = self._share[group] = trio.lowlevel.ParkingLot()
+        try:
+            await share.park()
+        finally:
+            # nobody else waits on it (and it is still the group's: another waiter woken
+            # with us may have dropped it and parked on a new one, which must stay)
+            if not share and self._share.get(group) is share:
+                del self._share[group]

@@ -125,7 +125,7 @@ class Outbox:
                 await space.park()
             elif not self._budget_fits(size):
                 assert self._budget is not None
-                await self._budget.wait()
+                await self._budget.wait(size, self._group)
             else:
                 break
         if self._closed:
@@ -150,7 +150,7 @@ class Outbox:
                 await self._urgent_space.park()
             elif not self.budget_has_room():
                 assert self._budget is not None
-                await self._budget.wait()
+                await self._budget.wait(None, self._group)
             else:
                 return
         raise trio.ClosedResourceError("the connection is closed")
