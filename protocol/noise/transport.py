@@ -23,9 +23,10 @@ next one) raises ``RemoteProtocolError`` and kills the transport: every later ca
 
 Speed: received ``bytes`` are kept by reference, not copied; a message wholly inside one
 received chunk is decrypted straight from it, and only a message straddling two chunks is
-gathered into a scratch buffer. Memory: once every whole message is out, a partial one
-at the end of a large chunk is kept as a copy, not by holding the chunk. Sealing writes ciphertext straight into the caller's buffer
+gathered into a scratch buffer. Sealing writes ciphertext straight into the caller's buffer
 with ``encrypt_into``; ``next_plaintext_into`` decrypts straight into the caller's buffer.
+Memory: once every whole message is out, a partial one at the end of a large chunk is kept
+as a copy of its bytes, not by holding the chunk.
 """
 
 from __future__ import annotations
