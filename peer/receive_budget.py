@@ -84,13 +84,15 @@ class FrameHold:
 
     __slots__ = ("_base", "_meter", "group", "scope", "size", "started")
 
-    def __init__(self, size: int, group: str | None, meter: Meter, now: float) -> None:
+    def __init__(
+        self, size: int, group: str | None, meter: Meter, now: float, arrived: int = 0
+    ) -> None:
         self.size = size
         self.group = group
         self.started = now
         self.scope = trio.CancelScope()
         self._meter = meter
-        self._base = meter.bytes_received
+        self._base = meter.bytes_received - arrived  # bytes of it in already count
 
     def stalled_until(self, stall_timeout: float) -> float:
         """When the frame counts as stalled if nothing more arrives: no byte for
@@ -105,12 +107,13 @@ class FrameHold:
 
 
 class _Waiter:
-    __slots__ = ("event", "group", "hold", "meter", "size")
+    __slots__ = ("arrived", "event", "group", "hold", "meter", "size")
 
-    def __init__(self, size: int, group: str | None, meter: Meter) -> None:
+    def __init__(self, size: int, group: str | None, meter: Meter, arrived: int = 0) -> None:
         self.size = size
         self.group = group
         self.meter = meter
+        self.arrived = arrived
         self.event = trio.Event()
         self.hold: FrameHold | None = None  # granted
 
@@ -137,12 +140,15 @@ class ReceiveBudget:
         meter: Meter,
         keepalive: Callable[[], None] | None = None,
         every: float = math.inf,
+        arrived: int = 0,
     ) -> FrameHold:
         """Take ``size`` bytes for one frame from remote host ``group`` (None: counted in
         the total only), waiting for room and cutting off stalled frames to make it; give
         them back with :meth:`release`. While it waits, ``keepalive()`` runs every
-        ``every`` seconds (the peer, not read meanwhile, must not take us for gone)."""
-        waiter = _Waiter(size, group, meter)
+        ``every`` seconds (the peer, not read meanwhile, must not take us for gone).
+        ``arrived``: bytes of the frame the stream holds already (not read while it
+        waits: they count as received, not as still to come, a review)."""
+        waiter = _Waiter(size, group, meter, arrived)
         self._waiters.append(waiter)
         next_keepalive = trio.current_time() + every
         try:
@@ -206,7 +212,7 @@ class ReceiveBudget:
                     if waiter.group in changed:
                         waiter.event.set()
                 continue
-            waiter.hold = self._take(waiter.size, waiter.group, waiter.meter)
+            waiter.hold = self._take(waiter.size, waiter.group, waiter.meter, waiter.arrived)
             changed.add(waiter.group)
             waiter.event.set()
 
@@ -221,8 +227,8 @@ class ReceiveBudget:
                 return waiter
         return None
 
-    def _take(self, size: int, group: str | None, meter: Meter) -> FrameHold:
-        hold = FrameHold(size, group, meter, trio.current_time())
+    def _take(self, size: int, group: str | None, meter: Meter, arrived: int = 0) -> FrameHold:
+        hold = FrameHold(size, group, meter, trio.current_time(), arrived)
         self._holds.add(hold)
         self.used += size
         if group is not None:

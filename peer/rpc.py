@@ -122,11 +122,12 @@ peer to close first (and the most its watchdog waits for that, the bye's write i
 
 
 class _Incoming:
-    __slots__ = ("by_caller", "scope")
+    __slots__ = ("by_caller", "queued", "scope")
 
     def __init__(self, scope: trio.CancelScope) -> None:
         self.scope = scope
         self.by_caller = False
+        self.queued = False  # in the quick backlog
 
 
 def _without_frames(exc: BaseException) -> BaseException:
@@ -199,7 +200,8 @@ class RpcConnection:
         self._incoming: dict[int, _Incoming] = {}
         self._served = trio.lowlevel.ParkingLot()  # a request we served was answered
         self._overflow = trio.Lock()  # quick requests answered off the reader: one at a time
-        self._quick_backlog: deque[tuple[RpcFrame, _Incoming]] = deque()  # (their order)
+        # (their order; a reply made already, too large for the send budget then)
+        self._quick_backlog: deque[tuple[RpcFrame, _Incoming, Reply | None]] = deque()
         self._quick_draining = False  # a task answers the backlog
         self._next_id = 0
         self._scope = trio.CancelScope()
@@ -742,9 +744,9 @@ class RpcConnection:
                     quick is not None
                     and self._outbox.has_room()
                     and self._outbox.has_room(True)
-                    and self._outbox.budget_has_room()
+                    and not self._quick_backlog  # (in turn)
                 ):
-                    self._answer_quick(frame, quick)
+                    self._answer_quick(frame, quick, nursery)
                 elif quick is not None:
                     self._queue_quick(frame, nursery)
                 else:
@@ -757,6 +759,12 @@ class RpcConnection:
                 if incoming is not None:
                     incoming.by_caller = True
                     incoming.scope.cancel()
+                    if incoming.queued:  # nothing to answer: out of the backlog now (a
+                        # request and its cancel, again and again, piled up there)
+                        for index, entry in enumerate(self._quick_backlog):
+                            if entry[1] is incoming:
+                                del self._quick_backlog[index]
+                                break
             else:
                 await self._deliver(frame)
             del frame
@@ -822,11 +830,20 @@ class RpcConnection:
         self._incoming[frame.request_id] = incoming
         return incoming
 
-    def _queue_quick(self, frame: RpcFrame, nursery: trio.Nursery) -> None:
-        """A quick request that came while the outbox (or the host's send budget) was full:
-        answered in turn by one task, not a task each (a peer that pipelines its 128 and
-        reads nothing made us hold 128 tasks, ~5 KiB each, on each of its connections)."""
-        self._quick_backlog.append((frame, self._register(frame)))
+    def _queue_quick(
+        self,
+        frame: RpcFrame,
+        nursery: trio.Nursery,
+        incoming: _Incoming | None = None,
+        reply: Reply | None = None,
+    ) -> None:
+        """A quick request that came while the outbox was full (or whose large ``reply``
+        found no room in the host's send budget): answered in turn by one task, not a task
+        each (a peer that pipelines its 128 and reads nothing made us hold 128 tasks, ~5 KiB
+        each, on each of its connections)."""
+        incoming = self._register(frame) if incoming is None else incoming
+        incoming.queued = True
+        self._quick_backlog.append((frame, incoming, reply))
         if not self._quick_draining:
             self._quick_draining = True
             nursery.start_soon(self._drain_quick)
@@ -834,7 +851,9 @@ class RpcConnection:
     async def _drain_quick(self) -> None:
         try:
             while self._quick_backlog:
-                await self._serve_request(*self._quick_backlog.popleft())
+                frame, incoming, reply = self._quick_backlog.popleft()
+                incoming.queued = False
+                await self._serve_request(frame, incoming, reply)
         finally:
             self._quick_draining = False
 
@@ -925,7 +944,9 @@ class RpcConnection:
 
     # -- serving ---------------------------------------------------------------------------
 
-    async def _serve_request(self, frame: RpcFrame, incoming: _Incoming) -> None:
+    async def _serve_request(
+        self, frame: RpcFrame, incoming: _Incoming, reply: Reply | None = None
+    ) -> None:
         request_id = frame.request_id
         request = Request(self.peer_id, frame.method, frame.body, frame.payload, self.remote_host)
         unary = frame.method not in self._handlers.streaming  # its error may skip the queue
@@ -934,7 +955,7 @@ class RpcConnection:
             try:
                 with incoming.scope:  # the caller's deadline, and its cancel
                     try:
-                        last = await self._answer(request, request_id)
+                        last = await self._answer(request, request_id, reply)
                     except Exception as exc:
                         code, message = self._error_reply(frame.method, exc)
                         last = self._encode(_error_frame(request_id, code, message)), unary
@@ -980,19 +1001,21 @@ class RpcConnection:
         await self._queue(pieces, size, urgent=urgent and size <= _DIRECT_MAX)
         return None
 
-    def _answer_quick(self, frame: RpcFrame, handler: QuickHandler) -> None:
-        """Answer on the reader, no task: the reply is queued for the writer."""
+    def _answer_quick(self, frame: RpcFrame, handler: QuickHandler, nursery: trio.Nursery) -> None:
+        """Answer on the reader, no task: the reply is queued for the writer, or, when it
+        is large and the host's send budget has no room for it, in the quick backlog."""
         request = Request(self.peer_id, frame.method, frame.body, frame.payload, self.remote_host)
         try:
             reply = handler(request)
-            pieces, size = self._encode(
-                RpcFrame(
-                    FrameKind.RESPONSE, frame.request_id, body=reply.body, payload=reply.payload
-                )
-            )
+            pieces, size = self._encode_reply(frame.request_id, reply)
         except Exception as exc:
             code, message = self._error_reply(frame.method, exc)
             pieces, size = self._encode(_error_frame(frame.request_id, code, message))
+        else:
+            if not self._outbox.budget_fits(size):
+                del pieces  # not held while it waits: made again then
+                self._queue_quick(frame, nursery, reply=reply)
+                return
         self._outbox.put_nowait(pieces, urgent=size <= _DIRECT_MAX, size=size)  # (large: bulk)
 
     def _error_reply(self, method: str, exc: Exception) -> tuple[str, str]:
@@ -1014,29 +1037,30 @@ class RpcConnection:
         return "internal", type(exc).__name__  # its text may hold local details
 
     async def _answer(
-        self, request: Request, request_id: int
+        self, request: Request, request_id: int, made: Reply | None = None
     ) -> tuple[tuple[list[bytes | memoryview], int], bool] | None:
-        """Run the handler and queue the frames of its answer, but the last: returned
-        (encoded, and whether it may skip the bulk queue) for the caller to write, or None
-        when every frame was queued."""
+        """Run the handler (a quick one's ``made`` reply: it ran already) and queue the
+        frames of its answer, but the last: returned (encoded, and whether it may skip the
+        bulk queue) for the caller to write, or None when every frame was queued."""
         method = request.method
         if (handler := self._handlers.unary.get(method)) is not None:
             return self._encode_reply(request_id, await handler(request)), True
         if (quick := self._handlers.quick.get(method)) is not None:  # the outbox was full
-            # One at a time, and made only once the outbox and the host's send budget have
-            # room (it may take one frame beyond): a peer that asks for many large replies
-            # and reads none must not make each of its requests hold one, nor each of its
-            # connections (1,024 of them) one while it waits.
+            # One at a time: a peer that asks for many large replies and reads none must
+            # not make each of its requests hold one, nor each of its connections (1,024 of
+            # them) one while it waits. A small reply needs room in the urgent queue only
+            # (it skips the bulk frames and takes nothing from the send budget: pings and
+            # lookups never wait behind others' unread pages); a large one waits, not held
+            # (made again after), for the bulk queue and the budget.
             async with self._overflow:
                 try:
                     await self._outbox.wait_for_room()
-                    reply = quick(request)
+                    reply = quick(request) if made is None else made
                     pieces, size = self._encode_reply(request_id, reply)
-                    if size > _DIRECT_MAX and not self._outbox.has_room():
-                        # made again once the bulk queue has room: not held meanwhile (a
-                        # small reply goes ahead of the bulk frames: it needs no room there)
+                    bulk = size > _DIRECT_MAX
+                    if (bulk and not self._outbox.has_room()) or not self._outbox.budget_fits(size):
                         del pieces
-                        await self._outbox.wait_for_room(bulk=True)
+                        await self._outbox.wait_for_room(bulk=bulk, size=size)
                         pieces, size = self._encode_reply(request_id, reply)
                 except trio.ClosedResourceError:
                     raise PeerUnavailableError("connection closed") from None

@@ -312,6 +312,11 @@ class SecureStream(trio.abc.Stream):
         pending = 0 if self._pending is None else len(self._pending)
         return pending + self._transport.buffered
 
+    @property
+    def unread(self) -> int:
+        """Bytes that arrived and no ``receive_into`` took yet (sealed or not)."""
+        return self._buffered
+
     def _take_pending(self, target: memoryview) -> int:
         assert self._pending is not None
         n = min(len(target), len(self._pending))

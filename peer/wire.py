@@ -20,7 +20,7 @@ from protocol.framing import HEADER
 from .buffer_pool import FRAME_POOL, POOL_MIN, FramePool
 from .receive_budget import MIN_RATE, ByteMeter, Meter, ReceiveBudget
 from .secure import RECEIVE_SIZE, SEAL_SLICE, SecureStream
-from .send_budget import CHARGED_FROM, SendBudget
+from .send_budget import CHARGED_FROM, SendBudget, Wait
 
 __all__ = [
     "FramePool",
@@ -91,6 +91,7 @@ class Outbox:
         self._charges: dict[int, int] = {}  # id of a queued frame -> what it took from budget
         self._charged = 0  # taken from the budget and not given back: queued and writing
         self._batch_charge = 0  # of which the batch being written holds this much
+        self._budget_waits: set[Wait] = set()  # ours, woken on close
         self._items: deque[Sequence[Piece]] = deque()
         self._urgent: deque[Sequence[Piece]] = deque()
         self._capacity = capacity
@@ -123,9 +124,9 @@ class Outbox:
         while not self._closed:
             if not self.has_room(urgent):
                 await space.park()
-            elif not self._budget_fits(size):
+            elif not self.budget_fits(size):
                 assert self._budget is not None
-                await self._budget.wait(size, self._group)
+                await self._budget.wait(size, self._group, self._budget_waits)
             else:
                 break
         if self._closed:
@@ -133,11 +134,11 @@ class Outbox:
         self._append(pieces, urgent, size)
         await trio.lowlevel.cancel_shielded_checkpoint()
 
-    async def wait_for_room(self, bulk: bool = False) -> None:
-        """Until the urgent queue (and the bulk one, if ``bulk``) takes a frame, and the
-        host's budget has room left: then make a reply (of a size not known yet) and
-        :meth:`put_nowait` it, with no checkpoint in between (it takes at most that one
-        frame beyond the budget).
+    async def wait_for_room(self, bulk: bool = False, size: int = 0) -> None:
+        """Until the urgent queue (and the bulk one, if ``bulk``) takes a frame and the
+        host's budget one of ``size`` bytes; then :meth:`put_nowait` it with no checkpoint
+        in between. (A reply made before the wait, its size known, need not be held
+        meanwhile: it is made again after.)
 
         Raises:
             trio.ClosedResourceError: if the outbox is closed.
@@ -148,18 +149,16 @@ class Outbox:
                 await self._space.park()
             elif not self.has_room(True):
                 await self._urgent_space.park()
-            elif not self.budget_has_room():
+            elif not self.budget_fits(size):
                 assert self._budget is not None
-                await self._budget.wait(None, self._group)
+                await self._budget.wait(size, self._group, self._budget_waits)
             else:
                 return
         raise trio.ClosedResourceError("the connection is closed")
 
-    def budget_has_room(self) -> bool:
-        """Whether the host's send budget has room left for this connection's frames."""
-        return self._budget is None or self._budget.has_room(self._group)
-
-    def _budget_fits(self, size: int) -> bool:
+    def budget_fits(self, size: int) -> bool:
+        """Whether a frame of ``size`` bytes fits the host's send budget now (small ones
+        always do: they take nothing from it)."""
         return size < CHARGED_FROM or self._budget is None or self._budget.fits(size, self._group)
 
     def put_nowait(self, pieces: Sequence[Piece], urgent: bool = False, size: int = -1) -> None:
@@ -320,6 +319,8 @@ class Outbox:
         self._charges.clear()
         self._give_back(self._charged)  # the batch being written too: it is cut off
         self._batch_charge = 0
+        for wait in self._budget_waits:  # they see the outbox closed
+            wait.event.set()
         self._space.unpark_all()
         self._urgent_space.unpark_all()
         self._ready.unpark_all()
@@ -430,6 +431,7 @@ class FrameReader:
             else _PlainReceiver(stream).receive_into
         )
         self._wait_buffered = stream.wait_buffered if isinstance(stream, SecureStream) else None
+        self._stream = stream if isinstance(stream, SecureStream) else None  # (its unread)
         self._head = bytearray(HEADER.size)
         self._pool = pool
         self._budget = budget
@@ -490,7 +492,12 @@ class FrameReader:
         self.waiting = True
         try:
             hold = await budget.acquire(
-                size, self._group, self._meter, self._keepalive, self._keepalive_every
+                size,
+                self._group,
+                self._meter,
+                self._keepalive,
+                self._keepalive_every,
+                arrived=min(length, self._stream.unread) if self._stream is not None else 0,
             )
         finally:
             self.waiting = False

@@ -49,11 +49,11 @@ MAX_MESSAGE_LENGTH = 65535
 MAX_PLAINTEXT_PER_MESSAGE = MAX_MESSAGE_LENGTH - TAG_LENGTH  # 65519
 _FULL_FRAME = LENGTH_PREFIX.size + MAX_MESSAGE_LENGTH  # 65537 bytes on the wire
 _MERGE_BELOW = 4096
+"""Bytes fed in pieces smaller than this join the buffered piece before them while that is
+smaller too (one copy of at most this much per piece)."""
 _COMPACT_FROM = 64 << 10
 """Received chunks holding more than this, over twice the bytes still unread in them, are
 replaced by a copy of those bytes once every whole message is out (see ``_compact``)."""
-"""Bytes fed in pieces smaller than this join the buffered piece before them while that is
-smaller too (one copy of at most this much per piece)."""
 
 
 def sealed_size(plaintext_length: int) -> int:

@@ -145,6 +145,74 @@ async def test_peers_that_never_read_large_replies_hold_the_send_budget_and_no_m
                 await attacker.aclose()
 
 
+def _frames(*frames: RpcFrame) -> bytes:
+    return b"".join(bytes(piece) for frame in frames for piece in encode_rpc_frame(frame))
+
+
+async def test_small_replies_never_wait_behind_others_unread_large_replies(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A ping's reply takes nothing from the send budget, so it must not wait for it: with
+    the budget filled by other connections' unread pages, a ping waited 55 s, until the
+    send timeout cut them off (a review)."""
+    net = MemoryNetwork(window=MIB)
+    config = HostConfig(send_budget=2 * MIB)  # no share per host (the default)
+    async with (
+        open_rpc_host(
+            SERVER, listen=Address("s", 1), network=net.interface("s"), config=config
+        ) as server,
+        open_rpc_host(GOOD, listen=None, network=net.interface("good")) as good,
+    ):
+        server.register_quick("page", lambda request: Reply({}, LARGE))
+        server.register_quick("ping", lambda request: Reply({"ok": True}))
+        assert server.listen_address is not None
+        with trio.fail_after(30):
+            attackers = [
+                await _dial(net, "bad", Identity.from_seed(bytes([i + 1]) * 32)) for i in range(4)
+            ]
+            for attacker in attackers:
+                await attacker.send_all(_requests("page", 20))
+            await trio.sleep(5)
+            assert not server._send_budget.fits(MIB, None)  # no room for a page
+            with trio.fail_after(1):
+                assert (await good.call(server.listen_address, "ping")).body == {"ok": True}
+            for attacker in attackers:
+                await attacker.aclose()
+
+
+async def test_a_request_cancelled_while_queued_leaves_the_backlog(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Quick requests waiting for room wait in one queue per connection. A request and its
+    cancel, again and again, while the first waited, piled up there (2,000 entries of
+    30 KB each past the in-flight limit of 128: a review)."""
+    net = MemoryNetwork(window=MIB)
+    config = HostConfig(send_budget=MIB)
+    async with open_rpc_host(
+        SERVER, listen=Address("s", 1), network=net.interface("s"), config=config
+    ) as server:
+        server.register_quick("page", lambda request: Reply({}, LARGE))
+        with trio.fail_after(60):
+            hog = await _dial(net, "bad", Identity.from_seed(b"h" * 32))  # fills the budget
+            await hog.send_all(_requests("page", 20))
+            await trio.sleep(2)
+            cheat = Identity.from_seed(b"a" * 32)
+            attacker = await _dial(net, "bad2", cheat)
+            await attacker.send_all(_frames(RpcFrame(FrameKind.REQUEST, 0, method="page")))
+            for k in range(1, 2001):
+                await attacker.send_all(
+                    _frames(
+                        RpcFrame(FrameKind.REQUEST, k, method="page", payload=bytes(30_000)),
+                        RpcFrame(FrameKind.CANCEL, k),
+                    )
+                )
+            await trio.sleep(1)
+            (connection,) = [c for c in server._connections if c.peer_id == cheat.peer_id]
+            assert len(connection._quick_backlog) <= 1 and len(connection._incoming) <= 1
+            for stream in (hog, attacker):
+                await stream.aclose()
+
+
 async def test_connections_that_never_handshake_do_not_lock_other_peers_out(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
