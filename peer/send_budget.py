@@ -8,8 +8,9 @@ tester; the queue, the batch being written and the reply waiting for room, ~9 Mi
 connection, and up to 1,024 connections). So frames of ``CHARGED_FROM`` bytes or more take
 their size from this budget when they are queued and give it back once written (or
 withdrawn, or their connection closed); a frame that does not fit waits, its producer
-with it (a handler, a result stream, a caller's upload), and a quick request is answered
-once there is room again, not before its reply is made.
+with it (a handler, a result stream, a caller's upload), and a quick request's large
+reply waits in its connection's queue of quick requests, as the handler's reply object
+(it is encoded again once there is room: no copy of it held meanwhile).
 
 - One remote host (an IPv4 address, an IPv6 /64: ``peer.remote_hosts.host_group``) may be
   held to ``per_host`` of it (but always one frame), so that one host's unread replies
@@ -18,7 +19,9 @@ once there is room again, not before its reply is made.
   a NAT share one address. ``swarm bootstrap`` sets it.
 - A frame larger than what is free goes out alone, once nothing else is charged.
 - Smaller frames (pings, DHT lookups and their replies) take nothing from it: they never
-  wait behind others' large replies; each connection queues at most ``capacity`` of them.
+  wait behind others' large replies; each connection queues at most ``capacity`` of them
+  (but a quick request queued behind one of its own connection's large replies answers in
+  turn).
 - A connection whose peer reads nothing holds its share until ``HostConfig.send_timeout``
   cuts it off (its write stalled): other hosts' large frames wait for room meanwhile.
 """
