@@ -15,9 +15,11 @@ node); the per-host connection limit (128) applies, loopback included.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import trio
@@ -77,21 +79,27 @@ async def run(pid: int, address: Address, count: int, sent: int) -> dict[str, ob
     }
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--connections", type=int, default=100)
-    parser.add_argument("--sent-kib", type=int, default=2200)
-    args = parser.parse_args()
+@contextlib.contextmanager
+def bootstrap_node() -> Iterator[tuple[int, Address]]:
+    """A `swarm bootstrap` process on loopback: its pid and address, stopped after."""
     proc = subprocess.Popen(
         BOOTSTRAP, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT
     )
     try:
         assert proc.stdout is not None
-        address = Address.parse(proc.stdout.readline().strip())
-        report = trio.run(run, proc.pid, address, args.connections, args.sent_kib << 10)
+        yield proc.pid, Address.parse(proc.stdout.readline().strip())
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--connections", type=int, default=100)
+    parser.add_argument("--sent-kib", type=int, default=2200)
+    args = parser.parse_args()
+    with bootstrap_node() as (pid, address):
+        report = trio.run(run, pid, address, args.connections, args.sent_kib << 10)
     print(json.dumps(report))
 
 

@@ -28,7 +28,6 @@ import argparse
 import json
 import os
 import socket
-import subprocess
 import sys
 from collections.abc import Awaitable, Callable
 from pathlib import Path
@@ -37,6 +36,8 @@ import trio
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
+
+from stalled_frames import bootstrap_node, memory_mib  # noqa: E402  (the same node, alike)
 
 from peer import open_peer  # noqa: E402
 from peer.secure import SecureStream, secure_handshake  # noqa: E402
@@ -47,18 +48,8 @@ from protocol.identity import Identity  # noqa: E402
 from protocol.messages import FindValueRequest  # noqa: E402
 from protocol.rpc import FrameKind, RpcFrame, encode_rpc_frame  # noqa: E402
 
-BOOTSTRAP = [sys.executable, "-m", "peer.cli", "bootstrap", "--host", "127.0.0.1", "--port", "0"]
 KEY = "unread-replies/page"
 HOLD = 5.0
-
-
-def memory_mib(pid: int) -> dict[str, float]:
-    fields = {}
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        name, _, value = line.partition(":")
-        if name in ("VmRSS", "VmHWM"):
-            fields[name] = round(int(value.split()[0]) / 1024, 1)
-    return fields
 
 
 def _frame(
@@ -149,18 +140,10 @@ def main() -> None:
     args = parser.parse_args()
     report: dict[str, object] = {"connections": args.connections, "requests": args.requests}
     for load in (unread_pages, one_page_each, half_message):
-        proc = subprocess.Popen(
-            BOOTSTRAP, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT
-        )
-        try:
-            assert proc.stdout is not None
-            address = Address.parse(proc.stdout.readline().strip())
+        with bootstrap_node() as (pid, address):
             report[load.__name__] = trio.run(
-                run, proc.pid, address, load, args.connections, args.requests
+                run, pid, address, load, args.connections, args.requests
             )
-        finally:
-            proc.terminate()
-            proc.wait(10)
     print(json.dumps(report))
 
 

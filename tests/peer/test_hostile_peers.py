@@ -55,6 +55,27 @@ async def _read_replies(stream: SecureStream, count: int) -> int:
     return answered
 
 
+async def _asking_for_pages(net: MemoryNetwork, count: int) -> list[SecureStream]:
+    """``count`` connections from host "bad", each asking for 20 pages and reading none."""
+    attackers = []
+    for i in range(count):
+        attacker = await _dial(net, "bad", Identity.from_seed(bytes([i + 1]) * 32))
+        await attacker.send_all(_requests("page", 20))
+        attackers.append(attacker)
+    return attackers
+
+
+class _Pages:
+    """A quick handler of 1 MiB pages that counts the pages it built."""
+
+    def __init__(self) -> None:
+        self.built = 0
+
+    def __call__(self, request: Request) -> Reply:
+        self.built += 1
+        return Reply({}, LARGE)
+
+
 async def test_a_peer_that_never_reads_large_replies_makes_us_build_few_of_them(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
@@ -62,12 +83,7 @@ async def test_a_peer_that_never_reads_large_replies_makes_us_build_few_of_them(
     them and read none made the node build and hold all 100 (32 queued, the rest held by
     tasks waiting for queue room): ~150 MB per connection, measured on real TCP."""
     net = MemoryNetwork(window=MIB)  # a peer that stops reading stalls our writes, as TCP
-    built = 0
-
-    def page(request: Request) -> Reply:
-        nonlocal built
-        built += 1
-        return Reply({}, LARGE)
+    page = _Pages()
 
     async with (
         open_rpc_host(SERVER, listen=Address("s", 1), network=net.interface("s")) as server,
@@ -81,12 +97,12 @@ async def test_a_peer_that_never_reads_large_replies_makes_us_build_few_of_them(
             await attacker.send_all(_requests("page", 100))
             await trio.sleep(5)  # everything that can happen without the attacker reading
             # the outbox's byte budget, the batch being written, what the window holds
-            assert built <= QUEUE_BYTES // MIB + 4
+            assert page.built <= QUEUE_BYTES // MIB + 4
             reply = await good.call(server.listen_address, "ping")
             assert reply.body == {"ok": True}
             # once it reads, every request is answered: no waiter was forgotten
             assert await _read_replies(attacker, 100) == 100
-            assert built == 100
+            assert page.built == 100
 
 
 async def test_peers_that_never_read_large_replies_hold_the_send_budget_and_no_more(
@@ -99,12 +115,7 @@ async def test_peers_that_never_read_large_replies_hold_the_send_budget_and_no_m
     host holds at most its share of it: another host's large reply goes out at once."""
     net = MemoryNetwork(window=MIB)  # a peer that stops reading stalls our writes, as TCP
     config = HostConfig(send_budget=8 * MIB, send_budget_per_host=2 * MIB)
-    built = 0
-
-    def page(request: Request) -> Reply:
-        nonlocal built
-        built += 1
-        return Reply({}, LARGE)
+    page = _Pages()
 
     async with (
         open_rpc_host(
@@ -116,15 +127,11 @@ async def test_peers_that_never_read_large_replies_hold_the_send_budget_and_no_m
         server.register_quick("ping", lambda request: Reply({"ok": True}))
         assert server.listen_address is not None
         with trio.fail_after(30):
-            attackers = [
-                await _dial(net, "bad", Identity.from_seed(bytes([i + 1]) * 32)) for i in range(6)
-            ]
-            for attacker in attackers:
-                await attacker.send_all(_requests("page", 20))
+            attackers = await _asking_for_pages(net, 6)
             await trio.sleep(5)  # everything that can happen without the attackers reading
             # each window took one page (written: no longer ours); then the host's share,
             # one frame beyond it, and the frame each writer is stuck on
-            assert built <= 6 + 2 + 1 + 6, built
+            assert page.built <= 6 + 2 + 1 + 6, page.built
             assert server._send_budget.used <= 3 * MIB + 6 * MIB
             assert (await good.call(server.listen_address, "ping")).body == {"ok": True}
             with trio.fail_after(1):  # another host's large reply is not held back
@@ -139,7 +146,7 @@ async def test_peers_that_never_read_large_replies_hold_the_send_budget_and_no_m
             async with trio.open_nursery() as nursery:
                 for attacker in attackers:
                     nursery.start_soon(read, attacker)
-            assert answered == [20] * 6 and built == 6 * 20 + 1
+            assert answered == [20] * 6 and page.built == 6 * 20 + 1
             assert server._send_budget.used == 0
             for attacker in attackers:
                 await attacker.aclose()
@@ -167,11 +174,7 @@ async def test_small_replies_never_wait_behind_others_unread_large_replies(
         server.register_quick("ping", lambda request: Reply({"ok": True}))
         assert server.listen_address is not None
         with trio.fail_after(30):
-            attackers = [
-                await _dial(net, "bad", Identity.from_seed(bytes([i + 1]) * 32)) for i in range(4)
-            ]
-            for attacker in attackers:
-                await attacker.send_all(_requests("page", 20))
+            attackers = await _asking_for_pages(net, 4)
             await trio.sleep(5)
             assert not server._send_budget.fits(MIB, None)  # no room for a page
             with trio.fail_after(1):

@@ -38,6 +38,15 @@ async def _secure_pair() -> tuple[SecureStream, SecureStream]:
     return await secure_pair(PEER, SERVER)
 
 
+async def _read_one(stream: SecureStream, budget: ReceiveBudget) -> object:
+    """One frame's bytes (None at the end of the stream), or the error that cut it off."""
+    try:
+        frame = await FrameReader(stream, 4 * MIB, FramePool(), budget).next_frame()
+    except RemoteProtocolError as exc:
+        return exc
+    return None if frame is None else bytes(frame)
+
+
 async def test_a_frame_waits_for_room_and_a_stalled_one_is_cut_off_to_make_it(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
@@ -127,11 +136,7 @@ async def test_a_frame_that_trickles_in_is_cut_off_when_another_waits(
     honest_read = trio.Event()
 
     async def read(name: str, stream: SecureStream) -> None:
-        try:
-            frame = await FrameReader(stream, 4 * MIB, FramePool(), budget).next_frame()
-            outcomes[name] = None if frame is None else bytes(frame)
-        except RemoteProtocolError as exc:
-            outcomes[name] = exc
+        outcomes[name] = await _read_one(stream, budget)
         if name == "honest":
             honest_read.set()
 
@@ -168,11 +173,7 @@ async def test_a_frame_too_slow_to_finish_soon_is_cut_off_when_another_waits(
     honest_read = trio.Event()
 
     async def read(name: str, stream: SecureStream) -> None:
-        try:
-            frame = await FrameReader(stream, 4 * MIB, FramePool(), budget).next_frame()
-            outcomes[name] = None if frame is None else bytes(frame)
-        except RemoteProtocolError as exc:
-            outcomes[name] = exc
+        outcomes[name] = await _read_one(stream, budget)
         if name == "honest":
             honest_read.set()
 
