@@ -53,6 +53,7 @@ _KEEP_SEAL_BUFFER = 16 << 10
 send borrows one from the process's pool and gives it back after (see ``send_pieces``)."""
 _HANDSHAKE_READ = 4096
 _MAX_SEALED_WRITE = sealed_size(SEAL_SLICE)
+_OVERHEAD = sealed_size(1) - 1  # a transport message's length prefix and tag
 
 Buffer = bytes | bytearray | memoryview
 
@@ -144,13 +145,12 @@ class SecureStream(trio.abc.Stream):
                 await self._send_owed()
             # A write seals at most SEAL_SLICE of plaintext plus its messages' overhead
             # (below: it writes before adding a slice that would go beyond), so this much
-            # holds the whole send, write by write.
-            need = min(
-                sum(sealed_size(memoryview(piece).nbytes) for piece in pieces),
-                _MAX_SEALED_WRITE,
-            )
+            # holds the whole send, write by write (each piece's messages: at most one
+            # more than its whole ones, 18 bytes of overhead each).
+            plain = sum(memoryview(piece).nbytes for piece in pieces)
+            need = plain + _OVERHEAD * (len(pieces) + plain // MAX_PLAINTEXT_PER_MESSAGE)
             if need > _KEEP_SEAL_BUFFER:
-                lent = self._out = FRAME_POOL.get(need)
+                lent = self._out = FRAME_POOL.get(min(need, _MAX_SEALED_WRITE))
             sealing = True
             used = 0
             for index in range(len(pieces)):

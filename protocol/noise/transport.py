@@ -310,9 +310,11 @@ class NoiseTransport:
         tail of a 1 MiB read kept the whole read alive until the rest came (a peer that
         sent a burst ending halfway through a message, then waited, held ~0.8 MiB per
         connection of a node). Called with no view of the chunks handed out."""
-        held = sum(len(chunk) for chunk in self._chunks)
+        chunks = self._chunks
+        if not chunks:
+            return
+        held = len(chunks[0]) if len(chunks) == 1 else sum(len(chunk) for chunk in chunks)
         if held > _COMPACT_FROM and held > 2 * self._buffered:
-            chunks = self._chunks
             rest = b"".join([chunks[0][self._pos :], *list(chunks)[1:]])
             self._chunks = collections.deque([memoryview(rest)])
             self._pos = 0

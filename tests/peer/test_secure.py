@@ -199,6 +199,40 @@ async def test_a_connection_keeps_no_large_seal_buffer_after_a_large_send() -> N
             await b.aclose()
 
 
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        [17_000],  # just over what a connection keeps: a lent buffer
+        [65_519, 65_520, 1, 131_038],  # on and around a transport message's plaintext
+        [30_000] * 34,  # many pieces, ~1 MiB: each seals into messages of its own
+        [(1 << 20) - 5, 3, 70_000],  # a write's worth, then more
+        [(2 << 20) + 7, 65_519],  # several writes of one piece
+    ],
+)
+async def test_a_lent_seal_buffer_holds_every_write_of_a_send(sizes: list[int]) -> None:
+    """The lent buffer is sized from the pieces (an upper bound on what one write seals,
+    at most a full write's): every mix of pieces arrives whole and in order."""
+    a, b = await _pair(*_socket_pair(), _identity(1), _identity(2))
+    pieces = [bytes([i % 251]) * size for i, size in enumerate(sizes)]
+    data = b"".join(pieces)
+    got = bytearray()
+
+    async def drain() -> None:
+        buffer = bytearray(1 << 16)
+        while len(got) < len(data):
+            n = await b.receive_into(buffer)
+            assert n
+            got.extend(buffer[:n])
+
+    with trio.fail_after(30):
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(drain)
+            await a.send_pieces([memoryview(piece) for piece in pieces])
+    assert got == data
+    await a.aclose()
+    await b.aclose()
+
+
 # -- frame buffers (peer.wire) over a secure channel ------------------------------------
 
 
