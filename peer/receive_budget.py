@@ -52,7 +52,7 @@ FINISH_WITHIN = 3
 average rate the rest of it would take more than this many stall timeouts (30 s by default):
 two peers that trickled a 4 MiB frame each at 24 KiB/s, just above ``MIN_RATE``, held a
 bootstrap node's whole 8 MiB for ~3 minutes, and every larger store waited (an outside
-tester). An honest 1.1 MB store over a 1 Mbit/s link takes ~9 s."""
+tester). An honest 1.1 MB store over a 1 Mbit/s link takes ~9 s (1.1 MB at 125 KB/s)."""
 MIN_RATE = 16 << 10
 """Bytes per second below which a frame that others wait behind counts as stalled (a
 writer to a peer that reads slower than ~17 KiB/s is cut off too: ``HostConfig.send_timeout``)."""

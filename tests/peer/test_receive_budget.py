@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import sys
+from collections.abc import Awaitable, Callable
 from contextlib import AbstractAsyncContextManager
 from typing import Any
 
@@ -124,49 +125,15 @@ async def test_a_frame_larger_than_the_budget_comes_in_alone(
     assert frame is not None and frame == CONTENT and budget.used == 0
 
 
-async def test_a_frame_that_trickles_in_is_cut_off_when_another_waits(
-    autojump_clock: trio.testing.MockClock,
-) -> None:
-    """A byte every 9 s kept a frame's room forever (a reviewer): under MIN_RATE on average
-    once stall_timeout old, it counts as stalled."""
-    budget = ReceiveBudget(limit=MIB, stall_timeout=10.0)
-    trickling, trickling_side = await _secure_pair()
-    honest, honest_side = await _secure_pair()
-    outcomes: dict[str, object] = {}
-    honest_read = trio.Event()
-
-    async def read(name: str, stream: SecureStream) -> None:
-        outcomes[name] = await _read_one(stream, budget)
-        if name == "honest":
-            honest_read.set()
-
-    async def trickle() -> None:
-        await trickling.send_all(encode_frame_header(MIB))
-        for _ in range(100):
-            await trio.sleep(9)
-            await trickling.send_all(b"\0")
-
-    with trio.fail_after(60):
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(read, "trickling", trickling_side)
-            nursery.start_soon(trickle)
-            await trio.testing.wait_all_tasks_blocked()
-            nursery.start_soon(read, "honest", honest_side)
-            await honest.send_all(encode_frame_header(MIB) + CONTENT)
-            await honest_read.wait()
-            nursery.cancel_scope.cancel()
-    assert isinstance(outcomes["trickling"], RemoteProtocolError)
-    assert outcomes["honest"] == CONTENT and trio.current_time() < 12
-
-
-async def test_a_frame_too_slow_to_finish_soon_is_cut_off_when_another_waits(
-    autojump_clock: trio.testing.MockClock,
-) -> None:
-    """Two peers that trickled a 4 MiB frame each at 24 KiB/s, above MIN_RATE, held a
-    bootstrap node's whole 8 MiB receive budget for ~3 minutes, and every larger store
-    waited (an outside tester). Once stall_timeout old, a frame whose rest would take more
-    than FINISH_WITHIN stall timeouts at its average rate counts as stalled."""
-    budget = ReceiveBudget(limit=4 * MIB, stall_timeout=10.0)
+async def _honest_frame_behind(
+    budget: ReceiveBudget,
+    slow_sender: Callable[[SecureStream], Awaitable[None]],
+    head_start: float | None = None,
+) -> tuple[object, object, float]:
+    """A slow frame (sent by ``slow_sender``) takes room first (after ``head_start``
+    seconds; None: once everything is blocked); then an honest 1 MiB frame comes. Returns
+    what reading each gave (bytes, or the error that cut it off) and how long the honest
+    one took."""
     slow, slow_side = await _secure_pair()
     honest, honest_side = await _secure_pair()
     outcomes: dict[str, object] = {}
@@ -177,25 +144,60 @@ async def test_a_frame_too_slow_to_finish_soon_is_cut_off_when_another_waits(
         if name == "honest":
             honest_read.set()
 
-    async def trickle() -> None:  # 24 KiB/s, in 6 KiB pieces
-        await slow.send_all(encode_frame_header(4 * MIB))
+    async with trio.open_nursery() as nursery:
+        nursery.start_soon(read, "slow", slow_side)
+        nursery.start_soon(slow_sender, slow)
+        if head_start is None:
+            await trio.testing.wait_all_tasks_blocked()
+        else:
+            await trio.sleep(head_start)
+        nursery.start_soon(read, "honest", honest_side)
+        start = trio.current_time()
+        await honest.send_all(encode_frame_header(MIB) + CONTENT)
+        await honest_read.wait()
+        nursery.cancel_scope.cancel()
+    return outcomes["slow"], outcomes["honest"], trio.current_time() - start
+
+
+async def test_a_frame_that_trickles_in_is_cut_off_when_another_waits(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A byte every 9 s kept a frame's room forever (a reviewer): under MIN_RATE on average
+    once stall_timeout old, it counts as stalled."""
+    budget = ReceiveBudget(limit=MIB, stall_timeout=10.0)
+
+    async def trickle(stream: SecureStream) -> None:
+        await stream.send_all(encode_frame_header(MIB))
+        for _ in range(100):
+            await trio.sleep(9)
+            await stream.send_all(b"\0")
+
+    with trio.fail_after(60):
+        trickled, honest, _ = await _honest_frame_behind(budget, trickle)
+    assert isinstance(trickled, RemoteProtocolError)
+    assert honest == CONTENT and trio.current_time() < 12
+
+
+async def test_a_frame_too_slow_to_finish_soon_is_cut_off_when_another_waits(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Two peers that trickled a 4 MiB frame each at 24 KiB/s, above MIN_RATE, held a
+    bootstrap node's whole 8 MiB receive budget for ~3 minutes, and every larger store
+    waited (an outside tester). Once stall_timeout old, a frame whose rest would take more
+    than FINISH_WITHIN stall timeouts at its average rate counts as stalled."""
+    budget = ReceiveBudget(limit=4 * MIB, stall_timeout=10.0)
+
+    async def trickle(stream: SecureStream) -> None:  # 24 KiB/s, in 6 KiB pieces
+        await stream.send_all(encode_frame_header(4 * MIB))
         for _ in range(4 * MIB // (6 << 10)):
             await trio.sleep(0.25)
-            await slow.send_all(CONTENT[: 6 << 10])
+            await stream.send_all(CONTENT[: 6 << 10])
 
     with trio.fail_after(120):
-        async with trio.open_nursery() as nursery:
-            nursery.start_soon(read, "slow", slow_side)
-            nursery.start_soon(trickle)
-            await trio.sleep(1)
-            nursery.start_soon(read, "honest", honest_side)
-            start = trio.current_time()
-            await honest.send_all(encode_frame_header(MIB) + CONTENT)
-            await honest_read.wait()
-            nursery.cancel_scope.cancel()
-    assert isinstance(outcomes["slow"], RemoteProtocolError)
-    assert outcomes["honest"] == CONTENT
-    assert trio.current_time() - start == pytest.approx(9.0, abs=0.5)  # 10 s after it began
+        slow, honest, waited = await _honest_frame_behind(budget, trickle, head_start=1)
+    assert isinstance(slow, RemoteProtocolError)
+    assert honest == CONTENT
+    assert waited == pytest.approx(9.0, abs=0.5)  # 10 s after the slow one began
     assert budget.cut_off == 1
 
 
