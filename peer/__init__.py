@@ -24,6 +24,7 @@ _EXPORTS = {
     "BackgroundDHT": ".background",
     "BackgroundPeer": ".background",
     "PeerStoppedError": ".errors",
+    "PeerThreadError": ".background",
     "run_in_background": ".background",
     "DHT": ".dht",
     "DHTConfig": ".dht",
@@ -55,6 +56,7 @@ if TYPE_CHECKING:
 
     from .background import BackgroundDHT as BackgroundDHT
     from .background import BackgroundPeer as BackgroundPeer
+    from .background import PeerThreadError as PeerThreadError
     from .background import run_in_background as run_in_background
     from .dht import DHT as DHT
     from .dht import DHTConfig as DHTConfig
@@ -104,6 +106,7 @@ __all__ = [
     "Peer",
     "PeerConfig",
     "PeerStoppedError",
+    "PeerThreadError",
     "PeerUnavailableError",
     "RecordError",
     "RecordTooLargeError",

@@ -98,7 +98,7 @@ class AveragingInfo:
         return self.outcome is Outcome.AVERAGED
 
     def __str__(self) -> str:
-        """One line: ``averaged 75% over 4 peers in round 12 (parts: all all some none)``;
+        """One line: ``partial 75% over 4 peers in round 12 (parts: all all all none)``;
         without a group, ``alone in round 12; no partner``."""
         if len(self.group) <= 1 and not self.parts:
             text = f"{self.outcome} in round {self.round}"
