@@ -14,6 +14,7 @@ import trio.testing
 from test_allreduce_faults import SIZE, after_acks
 from test_averaging_support import fast_config, make_members, memnet_swarm, step_all, verify_round
 
+from peer.errors import PeerUnavailableError
 from protocol.identity import Identity, PeerID
 from training import Outcome, PartStatus
 from training.averaging.butterfly import Butterfly
@@ -94,6 +95,48 @@ async def test_a_busy_client_mode_sender_is_not_frozen_either(
         assert await liveness.probe(OTHER) is None
         await trio.sleep(5)
         assert await liveness.probe(OTHER) is DropReason.FROZEN
+
+
+class _StaleConnectionHost(_SlowHost):
+    """A host whose pooled connection to the peer broke unseen (the peer closed it while
+    our process was stopped): the first ``stale`` calls fail at once as they are written;
+    later ones, over a fresh dial, are answered when ``alive``."""
+
+    def __init__(self, stale: int, alive: bool) -> None:
+        super().__init__()
+        self.stale = stale
+        self.alive = alive
+        self.calls = 0
+
+    async def call(self, *args: Any) -> None:
+        self.calls += 1
+        await trio.lowlevel.checkpoint()
+        if self.calls <= self.stale or not self.alive:
+            raise PeerUnavailableError("connection lost: [Errno 32] Broken pipe")
+
+
+@pytest.mark.parametrize(
+    ("stale", "alive", "verdict"),
+    [(1, True, None), (2, True, DropReason.DEAD), (1, False, DropReason.DEAD)],
+    ids=["broken-pooled-connection", "broken-twice", "refused"],
+)
+async def test_a_ping_whose_pooled_connection_broke_unseen_is_sent_once_more(
+    autojump_clock: trio.testing.MockClock, stale: int, alive: bool, verdict: object
+) -> None:
+    """An outside trial stopped a member's process (SIGSTOP) for 8 s mid-round: the
+    others closed their silent connections to it meanwhile, and on waking its probes
+    wrote their pings on those connections, which it had not yet seen closed, and found
+    every live member dead at once: its part was averaged over itself alone and the
+    others took that (its own values) for their result. A ping that fails so is now sent
+    once more over a fresh dial; a peer that cannot be reached that way is still dead."""
+    node = _Node()
+    node.rpc = _StaleConnectionHost(stale, alive)
+    liveness = _liveness(node, f"{OTHER}@127.0.0.1:2")
+    with trio.fail_after(10):
+        assert await liveness.probe(OTHER) is verdict
+    assert node.rpc.calls == 2
+    assert liveness.bad.get(OTHER) is verdict
+    assert trio.current_time() < 0.1  # no timeout waited: a broken connection fails at once
 
 
 @pytest.mark.parametrize(

@@ -237,10 +237,8 @@ class Liveness:
             # every round used it again (two honest peers "frozen" to each other until the
             # host's send_timeout). Its calls fail now (and are retried, see reconnect);
             # a peer that answers over a fresh dial is alive.
-            # (The peer may be doing the same at this moment, closing our fresh connection
-            # as its old one: a ping that fails so is tried once more.)
             await self.node.rpc.disconnect(peer_id)
-            answer = await self._ping(peer_id, address, once_more=True)
+            answer = await self._ping(peer_id, address)
             if answer is not DropReason.FROZEN:
                 return self._answered(peer_id, answer)
         self.mark(peer_id, DropReason.FROZEN)
@@ -251,20 +249,22 @@ class Liveness:
             self._alive_at[peer_id] = trio.current_time()
         return answer
 
-    async def _ping(
-        self, peer_id: PeerID, address: Address, once_more: bool = False
-    ) -> DropReason | None:
-        """One ping naming the round and group (``once_more``: again if the connection breaks): None
-        when the peer answers that it is in it; dead (marked) when it cannot be reached or
-        is no longer in the round; frozen (not marked: the caller decides) when no answer
-        came within ``timeout``."""
+    async def _ping(self, peer_id: PeerID, address: Address) -> DropReason | None:
+        """One ping naming the round and group: None when the peer answers that it is in
+        it; dead (marked) when it cannot be reached or is no longer in the round; frozen
+        (not marked: the caller decides) when no answer came within ``timeout``.
+
+        A ping whose connection breaks is sent once more, over a fresh dial: the peer may
+        be closing our connection as its old one while we ping (see :meth:`_probe`), and a
+        pooled connection the peer closed while our process was stopped still looks open
+        until its reader runs, so a ping written on it fails at once (without the fresh
+        dial, a member stopped for 8 s found every live member dead on waking, and the
+        others took its own values for its part: an outside trial)."""
         with trio.move_on_after(self.timeout):
             try:
                 try:
                     await self.node.rpc.call(address, self.ping_method, self._ping_body)
                 except PeerUnavailableError:
-                    if not once_more:
-                        raise
                     await self.node.rpc.call(address, self.ping_method, self._ping_body)
             except PeerUnavailableError:
                 self.mark(peer_id, DropReason.DEAD)
