@@ -291,7 +291,7 @@ def codec_text(
     block_size: int = 4096,
 ) -> str:
     return (
-        f"{codec_repr(codec, block_size)}|{chunk_bytes}|group_size={group_size}|v8"
+        f"{codec_repr(codec, block_size)}|{chunk_bytes}|group_size={group_size}|v9"
         f"|S={max_staleness}|decay={float(staleness_decay)!r}"
     )
 
@@ -362,6 +362,31 @@ def parse_declaration(declarer: str, value: object) -> dict[str, Any] | None:
         "client_mode": client_mode,
         "raw": dict(value),
     }
+
+
+def group_tag(
+    round_no: int,
+    drawn: int,
+    members: list[tuple[str, dict[str, Any]]],
+    spans: list[tuple[int, int]],
+) -> int:
+    """9 ("Group tags"): what our chunks, result requests and pings name: a digest of the
+    confirmation as we received it, not the leader's draw itself."""
+    listed = [
+        [
+            b58decode(p),
+            d.get("address") or "",
+            float(d["weight"]),
+            int(d["epoch"]),
+            float(d["bandwidth"]),
+            d["layout"],
+        ]
+        for p, d in members
+    ]
+    packed = msgpack.packb(
+        [round_no, drawn, listed, [[int(a), int(b)] for a, b in spans]], use_bin_type=True
+    )
+    return int.from_bytes(hashlib.sha256(packed).digest()[:8], "big") % (2**62 - 1) + 1
 
 
 # ---------------------------------------------------------------- 9.4 groups
@@ -1568,7 +1593,7 @@ class CleanroomAverager:
             "count": count,
             "total": int(self.values.size),
             "group_size": self.group_size,
-            "detail": f"float32, {self.codec}, clean-room member, layout v8",
+            "detail": f"float32, {self.codec}, clean-room member, layout v9",
             "step": secrets.randbelow(2**32 - 1) + 1,  # 9.2: a random tag, anew each step
         }
         with self._state_lock:
@@ -1769,7 +1794,7 @@ class CleanroomAverager:
         confirmation = {**answer, "members": members, "spans": spans}
         with self._state_lock:
             self._confirmation = confirmation
-            self._group_id = group
+            self._group_id = group_tag(report.round, group, members, spans)
         return confirmation
 
     def _lead(
@@ -1816,7 +1841,7 @@ class CleanroomAverager:
         }
         with self._state_lock:
             self._confirmation = confirmation
-            self._group_id = group
+            self._group_id = group_tag(report.round, group, members, spans)
             self._state_lock.notify_all()
         return {**confirmation, "members": members, "spans": spans}
 

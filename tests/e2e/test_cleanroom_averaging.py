@@ -49,6 +49,7 @@ from cleanroom_averager import (
     decode_blob,
     encode_blob,
     grid_sides,
+    group_tag,
     layout_fingerprint,
     make_groups,
     method_prefix,
@@ -131,8 +132,8 @@ def values_for(seed: int, total: int) -> np.ndarray:
 def test_fingerprint_and_int8_blob_reproduce_the_worked_examples() -> None:
     """9.3's fingerprint and 9.1's int8 blob, byte for byte."""
     text = codec_text("none")
-    assert text == "NoneCodec(max_elements=268435456)|2097152|group_size=16|v8|S=2|decay=0.5"
-    assert layout_fingerprint([(3, 4), (5,)], ["float32", "float16"], text) == "690d13689743718e"
+    assert text == "NoneCodec(max_elements=268435456)|2097152|group_size=16|v9|S=2|decay=0.5"
+    assert layout_fingerprint([(3, 4), (5,)], ["float32", "float16"], text) == "e57772a6944b8ac8"
     blob = encode_blob("int8", np.array([1, -2, 0.5], np.float32), block_size=2)
     assert blob.hex() == ("5343020101010000030000000000000002000000000000000402813c0402813b40817f")
     assert decode_blob(blob, "int8").tolist() == pytest.approx([64 * 2 / 127, -2, 0.5], rel=1e-6)
@@ -566,7 +567,9 @@ def probe_library_leader(
     found: dict[str, str],
 ) -> Callable[[CleanroomAverager, dict[str, Any]], None]:
     def probe(averager: CleanroomAverager, confirmation: dict[str, Any]) -> None:
-        r, m, g = averager.report.round, averager.m, confirmation["group"]
+        r, m = averager.report.round, averager.m
+        # the tag the group's messages name: 9's digest of the confirmation, not the draw
+        g = group_tag(r, confirmation["group"], confirmation["members"], confirmation["spans"])
         other_g = g % (2**62 - 1) + 1  # another valid tag
         members = confirmation["members"]
         leader, leader_decl = (

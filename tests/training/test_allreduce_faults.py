@@ -8,6 +8,7 @@ import contextlib
 import hashlib
 from collections.abc import AsyncIterator, Callable
 from contextlib import aclosing, asynccontextmanager
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -33,8 +34,8 @@ from training import AveragingInfo, DropReason, Outcome, PartStatus
 from training.averaging.bench import BENCH_STEPS
 from training.averaging.butterfly import Butterfly
 from training.averaging.grouping import rank_key
-from training.averaging.messages import ResultHeader
-from training.averaging.plan import Liveness
+from training.averaging.messages import GroupConfirmation, ResultHeader
+from training.averaging.plan import Liveness, Plan
 from training.averaging.reducing import ReducerService
 
 SIZE = 16_384  # 4 equal parts of 4 chunks (1024 elements each) in a group of 4
@@ -389,13 +390,12 @@ def garble_uploads(member: Member) -> None:
 async def test_a_member_that_keeps_sending_garbage_is_benched_and_the_others_average(
     autojump_clock: trio.testing.MockClock, victim: int
 ) -> None:
-    """The garbage member keeps stepping, garbling every chunk it sends. A round's leader
-    that saw its garbage (as a reducer) benches it, and so does every member of a round the
-    culprit led; members of another's round do not (a lying leader could have caused it).
-    Each round the culprit is in costs it a bencher more, so at most two of the next four
-    rounds include it (three honest peers, one bench taken in the first round); the others
-    average the whole vector over the honest peers, and the culprit is told why and keeps
-    its values."""
+    """The garbage member keeps stepping, garbling every chunk it sends. Every honest
+    member's reducer saw its garbage under the round's group tag, so each benches it,
+    whoever led (the tag is a digest of the confirmation: a lying leader could not have
+    caused it, see test_members_a_leader_lied_to_do_not_bench_each_other). The next rounds
+    average the whole vector over the honest peers (the issue: "the next round succeeds
+    without the faulty member"), and the culprit is told why and keeps its values."""
     with trio.fail_after(120):
         async with memnet_swarm(4, first_seed=60) as (_, nodes):  # the same ranks each run
             members = make_members(nodes, SIZE, fast_config())
@@ -404,16 +404,13 @@ async def test_a_member_that_keeps_sending_garbage_is_benched_and_the_others_ave
             survivors = [m for i, m in enumerate(members) if i != victim]
             results = await step_all(members, timeout=TIMEOUT)
             infos = check_survivors(results, members, victim)
-            leader = infos[0].leader
             for info in infos:
                 assert set(info.group) == {m.peer_id for m in members}
                 for part in info.parts:
                     if part.reducer != culprit:
                         assert part.dropped == {culprit: DropReason.GARBAGE}
-            for m in survivors:  # only the leader benches (unless the culprit led)
-                benched = culprit in m.averager._matchmaker.bench
-                assert benched == (m.peer_id == leader or leader == culprit), m.peer_id
-            without = 0  # survivors' steps that averaged in full over the honest peers
+            for m in survivors:  # each saw it as a reducer, whoever led
+                assert culprit in m.averager._matchmaker.bench, m.peer_id
             for _ in range(4):  # several rounds: the leader changes from round to round
                 for m in members:
                     m.data = m.array.copy()
@@ -422,22 +419,50 @@ async def test_a_member_that_keeps_sending_garbage_is_benched_and_the_others_ave
                 assert len(infos) == len(members)
                 culprit_info = infos.pop(victim)
                 verify_round(survivors, infos, without_report=[members[victim]])
-                for info in infos:
-                    if culprit in info.group:  # a leader that had not benched it yet
-                        assert info.outcome is Outcome.PARTIAL, str(info)
-                        assert info.dropped.get(culprit) is DropReason.GARBAGE, str(info)
-                    elif info.outcome is Outcome.AVERAGED:  # all of them, or those that
-                        # skipped the culprit where it ranked first
-                        assert set(info.group) <= {m.peer_id for m in survivors}, str(info)
-                        without += 1
-                    else:  # it had benched the culprit, which led its group: nobody
-                        # to join (or nobody joined it, taking over)
-                        assert info.outcome in (Outcome.UNCONFIRMED, Outcome.ALONE), str(info)
+                for info in infos:  # where the culprit ranks first, they join the next
+                    assert info.outcome is Outcome.AVERAGED, str(info)
+                    assert set(info.group) == {m.peer_id for m in survivors}, str(info)
                 if culprit_info.outcome is Outcome.UNCONFIRMED:
                     assert "benched us: it sent us garbage" in culprit_info.note
-                if culprit_info.outcome is not Outcome.PARTIAL:  # out of that round
-                    np.testing.assert_array_equal(members[victim].array, members[victim].data)
-            assert without >= 2 * len(survivors), without
+                assert culprit_info.outcome is not Outcome.PARTIAL, str(culprit_info)
+                np.testing.assert_array_equal(members[victim].array, members[victim].data)
+
+
+async def test_members_a_leader_lied_to_do_not_bench_each_other(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A leader that tells one member another weight for a second member (each join gets
+    its own answer) would make the two honest peers' chunks look like garbage to each
+    other. Their group tags, digests of what each was told, differ: they take each other's
+    chunks for another group's, and nobody benches anybody (with the leader's random draw
+    for a tag, the first would have benched the second, now that garbage under our own
+    tag benches whoever led)."""
+    of = Plan.of.__func__  # type: ignore[attr-defined]
+    told: dict[str, PeerID] = {}
+
+    def lied_to(cls: type[Plan], conf: GroupConfirmation, me: PeerID, config: Any) -> Plan:
+        if me == told["lied_to"]:
+            members = tuple(
+                replace(m, weight=2 * m.weight) if m.peer_id == told["about"] else m
+                for m in conf.members
+            )
+            conf = replace(conf, members=members)
+        return of(cls, conf, me, config)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(Plan, "of", classmethod(lied_to))
+    with trio.fail_after(120):
+        async with memnet_swarm(4) as (_, nodes):
+            members = make_members(nodes, SIZE, fast_config())
+            told.update(lied_to=members[0].peer_id, about=members[1].peer_id)
+            results = await step_all(members, timeout=TIMEOUT)
+    infos = [info for info, _ in results]
+    verify_round(members, infos)  # type: ignore[arg-type]
+    first = infos[0]
+    assert first is not None and first.outcome is not Outcome.AVERAGED, str(first)
+    assert DropReason.GARBAGE not in first.dropped.values(), str(first)
+    for m in members:
+        for other in members:
+            assert other.peer_id not in m.averager._matchmaker.bench, (m.peer_id, other.peer_id)
 
 
 @pytest.mark.parametrize("nan_at", [[5], [0, PART, 2 * PART + 7, SIZE - 1]])
@@ -577,12 +602,11 @@ async def test_a_result_header_that_contradicts_itself_or_the_plan_is_garbage(
                 assert part.note == "the reducer is garbage"
                 assert all(p.status is PartStatus.ALL for p in info.parts if p is not part)
             monkeypatch.setattr(ReducerService, "results", serve)
-            # mended: the round's leader saw its garbage result itself and benches it for
-            # BENCH_STEPS of its steps (the other member does not: another's round), so it
-            # sits out the rounds that leader leads, and averages in the others
-            leader = results[0][0].leader if results[0][0] else None
+            # mended: each member saw its garbage result itself (under the round's group
+            # tag, whoever led) and benches it for BENCH_STEPS of its steps, so it sits
+            # out those rounds, and the other two average without it
             benchers = [m for m in members if victim_id in m.averager._matchmaker.bench]
-            assert [m.peer_id for m in benchers] == [leader]
+            assert {m.peer_id for m in benchers} == {m.peer_id for m in members} - {victim_id}
             for _ in range(BENCH_STEPS):
                 for m in members:
                     m.data = m.array.copy()
@@ -590,9 +614,9 @@ async def test_a_result_header_that_contradicts_itself_or_the_plan_is_garbage(
                 infos = [info for info, _ in results if info]
                 assert len(infos) == 3
                 verify_round(members, infos)  # each report against its own group
-                # with or without the victim, as the round's leader had it; the bencher
-                # skips it where it ranks first (then it may be left alone)
+                # without the victim: the benchers skip it where it ranks first
                 done = [i for i in infos if i.outcome is Outcome.AVERAGED]
+                assert all(victim_id not in i.group for i in done), [str(i) for i in infos]
                 assert len(done) >= 2 and all(
                     i.outcome in (Outcome.UNCONFIRMED, Outcome.ALONE)
                     for i in infos

@@ -87,7 +87,7 @@ def test_the_detail_names_the_shapes_when_they_fit() -> None:
     huge = TensorLayout.of([torch.zeros(2, dtype=dtypes[i % 4]) for i in range(4000)])
     odd = AveragerConfig(max_staleness=1000, staleness_decay=0.30000000000000004)
     text = describe_settings(huge, get_codec("topk", fraction=0.012345), odd)
-    assert len(text) == MAX_DETAIL and text.endswith(", layout v8"), text
+    assert len(text) == MAX_DETAIL and text.endswith(", layout v9"), text
 
 
 async def test_a_peer_of_another_version_is_named_as_such(
@@ -104,10 +104,10 @@ async def test_a_peer_of_another_version_is_named_as_such(
                 for node in nodes[:2]
             ]
             ours = newcomer._detail
-            assert ours.endswith(", layout v8")
+            assert ours.endswith(", layout v9")
             for averager in old:  # what an older version declares: no version in its words
                 averager.layout_id = "0123456789abcdef"
-                averager._detail = ours.removesuffix(", layout v8")
+                averager._detail = ours.removesuffix(", layout v9")
             message = await mismatch_beside(newcomer, *(averager.step for averager in old))
     print(message)
     assert "another version of swarm" in message and "update the older side" in message

@@ -277,7 +277,7 @@ def spec_layout(
     """9.3: the first 16 lowercase hex digits of SHA-256 of `repr((shapes, dtypes,
     codec_text))`; what 9.2's `layout` holds, needed to declare beside ours by hand."""
     codec_text = (
-        f"{codec}|{chunk_bytes}|group_size={group_size}|v8|S={max_staleness}|decay={float(decay)!r}"
+        f"{codec}|{chunk_bytes}|group_size={group_size}|v9|S={max_staleness}|decay={float(decay)!r}"
     )
     return hashlib.sha256(repr((shapes, dtypes, codec_text)).encode("utf-8")).hexdigest()[:16]
 
@@ -500,7 +500,7 @@ def test_the_layout_example_of_9_3() -> None:
     """9.2's `layout`, built from 9.3's recipe: the text's example (and, end to end below, the
     layout our averager declares)."""
     layout = spec_layout(((3, 4), (5,)), ("float32", "float16"))
-    assert layout == "690d13689743718e"
+    assert layout == "e57772a6944b8ac8"
     assert len(layout) <= MAX_LAYOUT
 
 
@@ -959,7 +959,7 @@ def check_our_declaration(peer_id: PeerID, value: Any) -> None:
     assert read.address is not None and read.address.startswith(f"{peer_id}@")
     assert read.count == 0  # "Ours starts at 0"
     assert (read.weight, read.epoch, read.total, read.group_size) == (1.0, 0, SIZE, 16)
-    assert read.detail.endswith(", layout v8"), read.detail
+    assert read.detail.endswith(", layout v9"), read.detail
 
 
 async def step_into(averager: Averager, out: list[AveragingInfo]) -> None:

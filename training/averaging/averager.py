@@ -649,11 +649,14 @@ class Averager:
         our own reducer dropped as such, and reducers whose result we found to be garbage.
         Not what other reducers' headers say: that is hearsay.
 
-        Only in a round we led, or the culprit's own: sizes, epochs and weights are checked
-        against the confirmation, and a lying leader that told members different things
-        (each join gets its own answer) would make honest peers' data look like garbage to
-        each other, and bench each other, for rounds after its own. What we told everyone
-        ourselves, or what the culprit told us itself, it cannot disown."""
+        Whoever led the round: sizes, epochs and weights are checked against the
+        confirmation, and a lying leader that told members different things (each join
+        gets its own answer) could make honest peers' data look like garbage to each
+        other, but such members carry different group tags (``plan.group_tag``, a digest
+        of the confirmation each received) and never take each other's chunks or results.
+        Garbage under our own tag came from a member told exactly what we were told.
+        (Before the tags were digests, only the leader and the culprit's own round's
+        members benched, and a persistent culprit was in up to half of the next rounds.)"""
         me = self.node.peer_id
         if leader is None:
             return
@@ -663,7 +666,7 @@ class Averager:
             (p, "a result") for p, reason in liveness.bad.items() if reason is DropReason.GARBAGE
         )
         for peer_id, what in seen.items():
-            if peer_id != me and leader in (me, peer_id):
+            if peer_id != me:
                 self._matchmaker.bench.record(
                     peer_id, f"it sent us garbage {what} in round {round_no}"
                 )

@@ -43,7 +43,7 @@ MAX_LAYOUT = 64  # characters of a layout fingerprint on the wire (a short hash)
 MAX_DETAIL = 200  # characters of a declaration's detail (words for error messages)
 MAX_STEP_TAG = 1 << 32  # a declaration's step tag is below this (5 bytes in msgpack)
 MAX_SAW = 1024  # step tags a "done" marker lists (within the DHT's 16 KiB per value)
-LAYOUT_VERSION = "v8"
+LAYOUT_VERSION = "v9"
 """The averaging wire's version, part of every layout fingerprint (``Averager.layout_id``)
 and named at the end of a declaration's detail: peers of other versions group apart."""
 _VERSION_WORDS = re.compile(r", layout v\d+$")

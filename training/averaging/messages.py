@@ -7,9 +7,12 @@ Methods (``{m}`` = ``avg.<hash of the prefix>``, so several averagers share a no
     {m}.result   member -> reducer   {round, group, part}  =>  ResultHeader, then {chunk} + payload
     {m}.ping     anyone -> anyone    {}, {round} or {round, group}  ->  {} (not_found: not in it)
 
-``group`` is the tag the leader drew for the group it confirmed: consecutive steps of a
-slot share a round number, and the tag tells one step's group from the next one's (a late
-chunk, result request or ping of the step before is answered ``not_found``).
+``group`` in a chunk, result request or ping is the group's tag (``plan.group_tag``): a
+digest of the confirmation as the member received it, the leader's random draw (the
+confirmation's ``group``) included. Consecutive steps of a slot share a round number, and
+the tag tells one step's group from the next one's (a late chunk, result request or ping
+of the step before is answered ``not_found``); members that a lying leader told different
+things have different tags.
 
 With the ``none`` codec a payload may be *raw* (``"raw": true`` in the chunk's body or the
 result item's): the chunk's float32 values, little-endian, without the codec blob header,
@@ -135,8 +138,8 @@ class JoinRequest:
 @dataclass(frozen=True, slots=True)
 class GroupConfirmation:
     """The leader's final word: the members in order, and part ``i`` for ``reducers[i]``.
-    ``group_id``: the tag the leader drew for this group (every message of its exchange
-    names it: see the module's docstring)."""
+    ``group_id``: the number the leader drew for this group (every message of its exchange
+    names the tag made from it and the rest: see the module's docstring)."""
 
     round: int
     members: tuple[Declaration, ...]
@@ -238,7 +241,7 @@ class ChunkHeader:
     # sent again after the connection broke before the answer came: the same bytes are
     # acknowledged again (any other repeat of a chunk is garbage)
     retry: bool = False
-    group_id: int = field(kw_only=True)  # the confirmation's tag (see the module docstring)
+    group_id: int = field(kw_only=True)  # the group's tag (see the module docstring)
 
     def to_body(self) -> dict[str, Any]:
         body: dict[str, Any] = {

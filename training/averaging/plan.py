@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
+import msgpack
 import trio
 
 from peer import Peer, PeerUnavailableError, RemoteError
@@ -17,7 +19,7 @@ from protocol.identity import PeerID
 from .config import AveragerConfig
 from .grouping import Declaration
 from .layout import Span
-from .messages import GroupConfirmation
+from .messages import MAX_GROUP_ID, GroupConfirmation
 from .reducer import DropReason, Member, effective_weights
 
 logger = logging.getLogger(__name__)
@@ -40,7 +42,7 @@ class Plan:
     spans: tuple[Span, ...]
     weights: dict[PeerID, float | None]  # staleness-decayed; None: too stale to count
     max_epoch: int
-    group_id: int = field(kw_only=True)  # the leader's tag: our messages of the round name it
+    group_id: int = field(kw_only=True)  # our messages of the round name it: group_tag
 
     @classmethod
     def of(cls, conf: GroupConfirmation, me: PeerID, config: AveragerConfig) -> Plan:
@@ -54,7 +56,7 @@ class Plan:
             conf.spans,
             weights,
             max(m.epoch for m in conf.members),
-            group_id=conf.group_id,
+            group_id=group_tag(conf),
         )
 
     @property
@@ -82,6 +84,27 @@ class _SharedProbe:
 
     done: trio.Event = field(default_factory=trio.Event)
     finished: bool = False  # it came to a verdict (False: its caller was cancelled first)
+
+
+def group_tag(conf: GroupConfirmation) -> int:
+    """The tag our chunks, result requests and pings of the round carry: a digest of the
+    confirmation as we received it (the round, the leader's random draw, each member's
+    declaration as the all-reduce reads it, the spans), in [1, MAX_GROUP_ID).
+
+    Members of one honest leader's group all compute the same tag. Members that a lying
+    leader told different things (each join gets its own answer) compute different ones,
+    and take each other's messages for another group's (``not_found``), not for garbage:
+    so data that fails our checks under our own tag was sent by a member that received
+    exactly our confirmation, and is its own doing, whoever led the round (see
+    ``Averager._bench_garbage``)."""
+    members = [
+        (m.peer_id.raw, m.address or "", float(m.weight), int(m.epoch), float(m.bandwidth),
+         m.layout)
+        for m in conf.members
+    ]  # fmt: skip
+    spans = [[int(a), int(b)] for a, b in conf.spans]
+    packed = msgpack.packb([conf.round, conf.group_id, members, spans], use_bin_type=True)
+    return int.from_bytes(hashlib.sha256(packed).digest()[:8], "big") % (MAX_GROUP_ID - 1) + 1
 
 
 class Liveness:
