@@ -34,7 +34,7 @@ from training import AveragingInfo, DropReason, Outcome, PartStatus
 from training.averaging.bench import BENCH_STEPS
 from training.averaging.butterfly import Butterfly
 from training.averaging.grouping import rank_key
-from training.averaging.messages import GroupConfirmation, ResultHeader
+from training.averaging.messages import GroupConfirmation, ResultHeader, method_prefix
 from training.averaging.plan import Liveness, Plan
 from training.averaging.reducing import ReducerService
 
@@ -463,6 +463,49 @@ async def test_members_a_leader_lied_to_do_not_bench_each_other(
     for m in members:
         for other in members:
             assert other.peer_id not in m.averager._matchmaker.bench, (m.peer_id, other.peer_id)
+
+
+async def test_a_leader_cannot_list_an_honest_member_under_a_host_of_its_own(
+    autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A reviewer's attack: a lying leader sends everyone one confirmation (one group tag)
+    that lists an honest member at an accomplice's host, which answers its pings and
+    serves a garbage result for its part: every member benched the honest one. Declared
+    addresses name their PeerID (``Declaration.from_wire``), and members dial the plan's
+    members with it, so the accomplice fails the handshake: the honest member is dropped
+    as unreachable for that round, never as garbage, and nobody benches it."""
+    of = Plan.of.__func__  # type: ignore[attr-defined]
+    victim: dict[str, PeerID] = {}
+
+    def rewritten(cls: type[Plan], conf: GroupConfirmation, me: PeerID, config: Any) -> Plan:
+        members = tuple(  # (past from_wire: a bare HOST:PORT is refused there)
+            replace(m, address=f"{host_of(4)}:1000") if m.peer_id == victim["id"] else m
+            for m in conf.members
+        )
+        return of(cls, replace(conf, members=members), me, config)  # type: ignore[no-any-return]
+
+    monkeypatch.setattr(Plan, "of", classmethod(rewritten))
+    with trio.fail_after(120):
+        async with memnet_swarm(5) as (_, nodes):
+            accomplice, m = nodes[4], method_prefix("t/x")
+
+            async def answer(request: Any) -> Reply:
+                return Reply({})
+
+            async def garbage_result(request: Any) -> AsyncIterator[Reply]:
+                yield Reply({"contributors": [], "dropped": [], "weight": 1.0, "chunks": 0})
+
+            accomplice.rpc.register(f"{m}.ping", answer)
+            accomplice.rpc.register(f"{m}.chunk", answer)
+            accomplice.rpc.register_stream(f"{m}.result", garbage_result)
+            members = make_members(nodes[:4], SIZE, fast_config())
+            victim["id"] = members[1].peer_id
+            results = await step_all(members, timeout=TIMEOUT)
+    for info, _ in results:
+        assert info is not None
+        assert DropReason.GARBAGE not in info.dropped.values(), str(info)
+    for mm in members:
+        assert victim["id"] not in mm.averager._matchmaker.bench, mm.peer_id
 
 
 @pytest.mark.parametrize("nan_at", [[5], [0, PART, 2 * PART + 7, SIZE - 1]])

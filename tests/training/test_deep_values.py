@@ -35,7 +35,8 @@ def test_brief_is_short_and_survives_any_depth() -> None:
 @pytest.mark.parametrize("field", ["weight", "bandwidth", "epoch", "count", "total", "layout"])
 def test_a_deep_declaration_field_is_malformed(field: str) -> None:
     with pytest.raises(RemoteProtocolError):
-        Declaration.from_wire(PEER, declaration_wire(**{field: deep()}))
+        wire = declaration_wire(address=f"{PEER}@127.0.0.1:4000", **{field: deep()})
+        Declaration.from_wire(PEER, wire)
 
 
 def test_a_deep_abort_reason_is_malformed() -> None:

@@ -20,6 +20,7 @@ from training.averaging.grouping import Declaration
 from training.averaging.messages import JoinRequest, parse_ping, parse_result_request
 
 PEER = Identity.from_seed(b"r" * 32).peer_id
+DECL = declaration_wire(address=f"{PEER}@127.0.0.1:4000")
 BAD_ROUNDS = [-1, 2**62, None, True, 1.0, "1", [1]]
 
 
@@ -71,8 +72,8 @@ def test_a_result_request_in_range_parses() -> None:
 
 def test_an_empty_skipped_list_is_malformed() -> None:
     with pytest.raises(RemoteProtocolError, match="omitted when empty"):
-        JoinRequest.from_body(PEER, {"round": 1, "decl": declaration_wire(), "skipped": []})
-    request = JoinRequest.from_body(PEER, {"round": 1, "decl": declaration_wire()})
+        JoinRequest.from_body(PEER, {"round": 1, "decl": DECL, "skipped": []})
+    request = JoinRequest.from_body(PEER, {"round": 1, "decl": DECL})
     assert request.skipped == ()
 
 
@@ -81,6 +82,18 @@ def test_an_empty_skipped_list_is_malformed() -> None:
 def test_a_declared_address_is_a_str_or_nil(address: Any, client_mode: bool) -> None:
     with pytest.raises(RemoteProtocolError, match="str or nil"):
         Declaration.from_wire(PEER, declaration_wire(address=address, client_mode=client_mode))
+
+
+def test_a_full_members_address_must_name_its_peer_id() -> None:
+    """Dialed without a PeerID, whoever answers at the address passes for the member: a
+    lying leader listed an honest member under a host of its own, whose garbage results
+    got the member benched by everyone (a review). v9 refuses such a declaration."""
+    with pytest.raises(RemoteProtocolError, match="must name its PeerID"):
+        Declaration.from_wire(PEER, declaration_wire(address="127.0.0.1:4000"))
+    other = Identity.from_seed(b"o" * 32).peer_id
+    with pytest.raises(RemoteProtocolError, match="names another peer"):
+        Declaration.from_wire(PEER, declaration_wire(address=f"{other}@127.0.0.1:4000"))
+    assert Declaration.from_wire(PEER, DECL).address == f"{PEER}@127.0.0.1:4000"
 
 
 def test_a_client_declaration_without_an_address_parses() -> None:

@@ -179,8 +179,8 @@ class Butterfly:
 
     async def _exchange(self, index: int) -> None:
         reducer = self.plan.reducers[index]
-        assert reducer.address is not None
-        address = Address.parse(reducer.address)
+        address = self.plan.address(reducer.peer_id)
+        assert address is not None
         encoded = trio.Event()  # our values of the part are all encoded: results may land
         self._encoding[index] = trio.CancelScope()
         async with trio.open_nursery() as nursery:
@@ -229,12 +229,10 @@ class Butterfly:
                     nursery.start_soon(self._tell, index, header.to_body())
 
     async def _tell(self, index: int, body: dict[str, object]) -> None:
-        address = self.plan.reducers[index].address
+        address = self.plan.address(self.plan.reducers[index].peer_id)
         assert address is not None
         try:
-            await self.node.rpc.call(
-                Address.parse(address), f"{self.methods}.chunk", body, memoryview(b"")
-            )
+            await self.node.rpc.call(address, f"{self.methods}.chunk", body, memoryview(b""))
         except (PeerUnavailableError, RemoteError) as exc:  # gone, done, or it dropped us
             logger.debug("round %d: withdrawal from part %d: %s", self.plan.round, index, exc)
 

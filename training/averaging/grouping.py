@@ -156,6 +156,12 @@ class Declaration:
                 raise RemoteProtocolError(f"bad address in declaration: {exc}") from None
             if named is not None and named != peer_id:  # others would dial that peer for us
                 raise RemoteProtocolError("a declaration's address names another peer")
+            if named is None:
+                # dialed without a PeerID, whoever answers there would pass for the member:
+                # a lying leader that listed an honest member under a host of its own made
+                # every member take that host's garbage for the member's, and bench it
+                # (a review); the PeerID makes the handshake prove who answers
+                raise RemoteProtocolError("a declaration's address must name its PeerID")
         if not (math.isfinite(weight) and 0 < weight <= MAX_WEIGHT):
             raise RemoteProtocolError(f"declared weight {weight} is not in (0, {MAX_WEIGHT:g}]")
         if not (math.isfinite(bandwidth) and bandwidth > 0):

@@ -71,10 +71,12 @@ class Plan:
         return next((m for m in self.members if m.peer_id == peer_id), None)
 
     def address(self, peer_id: PeerID) -> Address | None:
+        """Where to reach ``peer_id``, its PeerID included, so that the handshake proves
+        who answers (declarations name it, ``Declaration.from_wire``)."""
         member = self.member(peer_id)
         if member is None or member.address is None:
             return None
-        return Address.parse(member.address)
+        return Address.parse(member.address).with_peer_id(peer_id)
 
 
 @dataclass
