@@ -350,8 +350,8 @@ def parse_declaration(declarer: str, value: object) -> dict[str, Any] | None:
             parsed = Address.parse(address)  # type: ignore[arg-type]
         except ValueError:
             return None  # 7: a malformed address is skipped
-        if parsed.peer_id is not None and b58encode(parsed.peer_id) != declarer:
-            return None  # "a PeerID part, when present, must be the declarer's"
+        if parsed.peer_id is None or b58encode(parsed.peer_id) != declarer:
+            return None  # v9: a full member's address names the declarer's own PeerID
     return {
         "address": None if client_mode else address,
         "weight": weight,
@@ -369,13 +369,18 @@ def group_tag(
     drawn: int,
     members: list[tuple[str, dict[str, Any]]],
     spans: list[tuple[int, int]],
-) -> int:
+) -> bytes:
     """9 ("Group tags"): what our chunks, result requests and pings name: a digest of the
     confirmation as we received it, not the leader's draw itself."""
+
+    def address(d: dict[str, Any]) -> str:  # "" for client mode, whatever it declared
+        client = d.get("client_mode", d.get("address") is None)
+        return "" if client else d.get("address") or ""
+
     listed = [
         [
             b58decode(p),
-            d.get("address") or "",
+            address(d),
             float(d["weight"]),
             int(d["epoch"]),
             float(d["bandwidth"]),
@@ -386,7 +391,12 @@ def group_tag(
     packed = msgpack.packb(
         [round_no, drawn, listed, [[int(a), int(b)] for a, b in spans]], use_bin_type=True
     )
-    return int.from_bytes(hashlib.sha256(packed).digest()[:8], "big") % (2**62 - 1) + 1
+    return hashlib.sha256(packed).digest()[:16]
+
+
+def _is_tag(value: object) -> bool:
+    """9: a group tag in a chunk, result request or ping is 16 bytes (msgpack bin)."""
+    return isinstance(value, bytes) and len(value) == 16
 
 
 # ---------------------------------------------------------------- 9.4 groups
@@ -1324,7 +1334,7 @@ class CleanroomAverager:
         self._joined: dict[str, dict[str, Any]] = {}
         self._confirmation: dict[str, Any] | None = None
         self._confirmed = False
-        self._group_id: int | None = None  # 9.5: the confirmation's group tag
+        self._group_id: bytes | None = None  # 9: the group's tag (group_tag)
         self._reducer: _Reducer | None = None
         self._decl: dict[str, Any] = {}
         self._saw: list[int] | None = None  # 9.2: the step tags our read grouped (marker)
@@ -1367,7 +1377,7 @@ class CleanroomAverager:
                 if not 0 <= round_number < MAX_EPOCH:
                     raise RemoteError("bad_request", "bad round")
                 group = incoming.body.get("group")
-                if "group" in incoming.body and not (_is_int(group) and 1 <= group < 2**62):
+                if "group" in incoming.body and not _is_tag(group):
                     raise RemoteError("bad_request", "bad group")
                 with self._state_lock:
                     if round_number != self._round:
@@ -1443,7 +1453,9 @@ class CleanroomAverager:
         body = incoming.body
         required = {"round", "group", "part", "chunk", "epoch", "weight"}
         optional = {"raw", "abort", "retry"}
-        names_round = all(_is_int(body.get(k)) for k in ("round", "group", "part"))
+        names_round = all(_is_int(body.get(k)) for k in ("round", "part")) and _is_tag(
+            body.get("group")
+        )
         with self._state_lock:
             reducer = self._reducer
             in_round = body.get("round") == self._round and self._round is not None
@@ -1452,8 +1464,8 @@ class CleanroomAverager:
         well_formed = (
             required <= set(body)
             and not set(body) - required - optional
-            and all(_is_int(body[k]) for k in ("round", "group", "part", "chunk", "epoch"))
-            and 1 <= body["group"] < 2**62
+            and all(_is_int(body[k]) for k in ("round", "part", "chunk", "epoch"))
+            and _is_tag(body["group"])
             and 0 <= body["part"] < 256
             and 0 <= body["chunk"] < 2**32
             and _is_number(body["weight"])
@@ -1482,9 +1494,9 @@ class CleanroomAverager:
         body = incoming.body
         if set(body) != {"round", "group", "part"} or incoming.payload:
             raise RemoteError("bad_request", "result keys")
-        if not all(_is_int(body[k]) for k in body) or not 0 <= body["part"] < 256:
+        if not all(_is_int(body[k]) for k in ("round", "part")) or not 0 <= body["part"] < 256:
             raise RemoteError("bad_request", "result keys")
-        if not 1 <= body["group"] < 2**62:
+        if not _is_tag(body["group"]):
             raise RemoteError("bad_request", "result keys")
         limit = time.time() + 10.0
         with self._state_lock:

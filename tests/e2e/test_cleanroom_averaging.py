@@ -570,7 +570,7 @@ def probe_library_leader(
         r, m = averager.report.round, averager.m
         # the tag the group's messages name: 9's digest of the confirmation, not the draw
         g = group_tag(r, confirmation["group"], confirmation["members"], confirmation["spans"])
-        other_g = g % (2**62 - 1) + 1  # another valid tag
+        other_g = bytes(b ^ 1 for b in g)  # another valid tag
         members = confirmation["members"]
         leader, leader_decl = (
             members[0] if members[0][0] != averager.identity.peer_id_text else members[1]

@@ -351,7 +351,7 @@ def queued_service() -> ReducerService:
     )
     plan = Plan(
         1, peer(0), members, members[:1], ((0, 4096),), {m.peer_id: 1.0 for m in members}, 0,
-        group_id=1,
+        group_id=(1).to_bytes(16, "big"),
     )  # fmt: skip
     config = AveragerConfig(chunk_bytes=4096, retain_budget=1)
     liveness = Liveness(no_node(plan), plan, "ping", 1.0)  # type: ignore[arg-type]  # never probes
@@ -374,12 +374,16 @@ async def test_a_queued_sender_cannot_park_payloads_that_will_be_refused(
     await service.load()
     codec = get_codec("none")
     chunk = np.ones(1024, np.float32)
-    await service.on_chunk(peer(1), ChunkHeader(1, 0, 0, 0, 1.0, group_id=1), codec.encode(chunk))
+    await service.on_chunk(
+        peer(1), ChunkHeader(1, 0, 0, 0, 1.0, group_id=(1).to_bytes(16, "big")), codec.encode(chunk)
+    )
     codes: list[str] = []
 
     async def queued(index: int, payload: bytes) -> None:
         try:
-            await service.on_chunk(peer(2), ChunkHeader(1, 0, index, 0, 1.0, group_id=1), payload)
+            await service.on_chunk(
+                peer(2), ChunkHeader(1, 0, index, 0, 1.0, group_id=(1).to_bytes(16, "big")), payload
+            )
             codes.append("ok")
         except RemoteError as exc:
             codes.append(exc.message)
@@ -410,7 +414,9 @@ async def test_a_slow_sender_that_keeps_pace_keeps_its_slot_while_others_wait(
     async def sender(i: int, pause: float) -> None:
         for index in range(4):
             blob = codec.encode(values[i])
-            await service.on_chunk(peer(i), ChunkHeader(1, 0, index, 0, 1.0, group_id=1), blob)
+            await service.on_chunk(
+                peer(i), ChunkHeader(1, 0, index, 0, 1.0, group_id=(1).to_bytes(16, "big")), blob
+            )
             await trio.sleep(pause)
 
     async with trio.open_nursery() as nursery:
@@ -435,7 +441,9 @@ async def test_the_pace_counts_from_when_our_own_part_is_loaded(
     async def sender(i: int) -> None:
         for index in range(4):
             blob = codec.encode(values[i])
-            await service.on_chunk(peer(i), ChunkHeader(1, 0, index, 0, 1.0, group_id=1), blob)
+            await service.on_chunk(
+                peer(i), ChunkHeader(1, 0, index, 0, 1.0, group_id=(1).to_bytes(16, "big")), blob
+            )
 
     async def slow_load() -> None:
         await trio.sleep(3.0)  # longer than a chunk's share of the time to the cutoff

@@ -57,10 +57,10 @@ def test_copy_finite_checks_every_piece() -> None:
 
 
 def test_raw_chunk_header_and_payload() -> None:
-    head = ChunkHeader(9, 1, 3, 7, 2.0, raw=True, group_id=5)
+    head = ChunkHeader(9, 1, 3, 7, 2.0, raw=True, group_id=(5).to_bytes(16, "big"))
     assert head.to_body()["raw"] is True
     assert ChunkHeader.from_body(head.to_body()) == head
-    assert "raw" not in ChunkHeader(9, 1, 3, 7, 2.0, group_id=5).to_body()
+    assert "raw" not in ChunkHeader(9, 1, 3, 7, 2.0, group_id=(5).to_bytes(16, "big")).to_body()
     with pytest.raises(RemoteProtocolError):
         ChunkHeader.from_body({**head.to_body(), "raw": 1})
     values = np.float32([1, 2, 3])

@@ -437,13 +437,16 @@ def test_messages_round_trip() -> None:
             GroupConfirmation.from_body({**conf.to_body(), "group": group}, 100)
     with pytest.raises(RemoteProtocolError, match="group"):
         GroupConfirmation.from_body({k: v for k, v in conf.to_body().items() if k != "group"}, 100)
-    head = ChunkHeader(9, 1, 3, 7, 2.0, DropReason.NONFINITE, group_id=77)
+    head = ChunkHeader(9, 1, 3, 7, 2.0, DropReason.NONFINITE, group_id=(77).to_bytes(16, "big"))
     assert ChunkHeader.from_body(head.to_body()) == head
-    retried = ChunkHeader(9, 1, 3, 7, 2.0, raw=True, retry=True, group_id=2**62 - 1)
+    retried = ChunkHeader(
+        9, 1, 3, 7, 2.0, raw=True, retry=True, group_id=(2**62 - 1).to_bytes(16, "big")
+    )
     assert ChunkHeader.from_body(retried.to_body()) == retried
     for changes in (
         {"zz": 1}, {"retry": "yes"}, {"retry": 1}, {"weight": True}, {"group": 0},
-        {"group": 2**62}, {"group": True}, {"group": None},
+        {"group": 2**62 - 1}, {"group": True}, {"group": None}, {"group": bytes(15)},
+        {"group": bytes(17)}, {"group": "00" * 16},
     ):  # fmt: skip
         with pytest.raises(RemoteProtocolError):
             ChunkHeader.from_body({**retried.to_body(), **changes})

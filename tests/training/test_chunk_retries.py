@@ -36,7 +36,7 @@ from training.averaging.plan import Liveness, Plan
 from training.averaging.reducing import ReducerService
 
 CHUNK = 1024  # elements (AveragerConfig.chunk_bytes = 4096)
-GROUP = 3  # the group tag of the hand-made plan
+GROUP = (3).to_bytes(16, "big")  # the group tag of the hand-made plan
 
 
 def peer(i: int) -> PeerID:

@@ -40,7 +40,9 @@ def test_a_deep_declaration_field_is_malformed(field: str) -> None:
 
 
 def test_a_deep_abort_reason_is_malformed() -> None:
-    body = ChunkHeader(9, 1, 3, 7, 2.0, DropReason.NONFINITE, group_id=5).to_body()
+    body = ChunkHeader(
+        9, 1, 3, 7, 2.0, DropReason.NONFINITE, group_id=(5).to_bytes(16, "big")
+    ).to_body()
     with pytest.raises(RemoteProtocolError, match="'abort' must be a string"):
         ChunkHeader.from_body({**body, "abort": deep()})
 

@@ -40,7 +40,9 @@ async def test_early_chunks_are_bounded_per_sender_and_in_size(
             outcomes: list[str] = []
 
             async def flood(round_no: int, payload: bytes) -> None:
-                body = ChunkHeader(round_no, 0, 0, 0, 1.0, group_id=1).to_body()
+                body = ChunkHeader(
+                    round_no, 0, 0, 0, 1.0, group_id=(1).to_bytes(16, "big")
+                ).to_body()
                 method = f"{method_prefix('t/x')}.chunk"
                 assert victim.rpc.listen_address is not None
                 address = Address.parse(victim.address)
@@ -97,8 +99,8 @@ async def test_join_and_result_requests_carry_nothing_extra(
                         await attacker.rpc.call(address, f"{methods}.join", body, payload)
                     assert trio.current_time() - start < 0.1
                 results = [
-                    ({"round": round_no, "group": 1, "part": 0}, b"x"),
-                    ({"round": round_no, "group": 1, "part": 0, "p": 1}, b""),
+                    ({"round": round_no, "group": (1).to_bytes(16, "big"), "part": 0}, b"x"),
+                    ({"round": round_no, "group": (1).to_bytes(16, "big"), "part": 0, "p": 1}, b""),
                 ]
                 for body, payload in results:
                     start = trio.current_time()

@@ -56,7 +56,16 @@ def _liveness(node: _Node, other_address: str | None) -> Liveness:
         Declaration(ME, f"{ME}@127.0.0.1:1", 1.0, 0, 1.0, "layout", 0),
         Declaration(OTHER, other_address, 1.0, 0, 1.0, "layout", 0),
     )
-    plan = Plan(1, ME, members, members, ((0, 1), (1, 2)), {ME: 1.0, OTHER: 1.0}, 0, group_id=7)
+    plan = Plan(
+        1,
+        ME,
+        members,
+        members,
+        ((0, 1), (1, 2)),
+        {ME: 1.0, OTHER: 1.0},
+        0,
+        group_id=(7).to_bytes(16, "big"),
+    )
     return Liveness(node, plan, "ping", timeout=1.0)  # type: ignore[arg-type]
 
 

@@ -43,7 +43,9 @@ async def test_a_member_refused_as_busy_before_confirmation_sends_again(
             answers: list[str] = []
 
             async def flood(round_no: int) -> None:
-                body = ChunkHeader(round_no, 0, 0, 0, 1.0, group_id=1).to_body()
+                body = ChunkHeader(
+                    round_no, 0, 0, 0, 1.0, group_id=(1).to_bytes(16, "big")
+                ).to_body()
                 method = f"{method_prefix('t/x')}.chunk"
                 try:  # the most a chunk may carry, parked until the group is confirmed
                     await stranger.rpc.call(

@@ -47,7 +47,7 @@ def service_for(codec: str, local: np.ndarray) -> tuple[ReducerService, torch.Te
         spans=((0, len(local)),),
         weights={me: 1.0, other: 1.0},
         max_epoch=0,
-        group_id=1,
+        group_id=(1).to_bytes(16, "big"),
     )
     tensor = torch.from_numpy(local.copy())
     flat = FlatVector([tensor])
@@ -61,7 +61,9 @@ async def send_all(service: ReducerService, codec: str, values: np.ndarray) -> N
     encoder = get_codec(codec)
     for chunk in range(CHUNKS):
         blob = encoder.encode(values[chunk * CHUNK : (chunk + 1) * CHUNK])
-        await service.on_chunk(peer(1), ChunkHeader(1, 0, chunk, 0, 1.0, group_id=1), blob)
+        await service.on_chunk(
+            peer(1), ChunkHeader(1, 0, chunk, 0, 1.0, group_id=(1).to_bytes(16, "big")), blob
+        )
 
 
 async def test_result_chunks_are_served_while_the_mean_is_encoded() -> None:

@@ -24,7 +24,8 @@ DECL = declaration_wire(address=f"{PEER}@127.0.0.1:4000")
 BAD_ROUNDS = [-1, 2**62, None, True, 1.0, "1", [1]]
 
 
-BAD_GROUPS = [0, -1, 2**62, None, True, 1.0, "1", [1]]
+TAG = bytes(range(16))  # a group tag: 16 bytes (v9)
+BAD_GROUPS = [0, 1, 2**62 - 1, None, True, 1.0, "1", [1], b"", TAG[:15], TAG + b"x", TAG.hex()]
 
 
 @pytest.mark.parametrize("value", BAD_ROUNDS)
@@ -33,7 +34,7 @@ def test_a_ping_round_out_of_range_or_nil_is_malformed(value: Any) -> None:
         parse_ping({"round": value})
     assert parse_ping({}) == (None, None)
     assert parse_ping({"round": 2**62 - 1}) == (2**62 - 1, None)
-    assert parse_ping({"round": 3, "group": 2**62 - 1}) == (3, 2**62 - 1)
+    assert parse_ping({"round": 3, "group": TAG}) == (3, TAG)
 
 
 @pytest.mark.parametrize("value", BAD_GROUPS)
@@ -44,21 +45,21 @@ def test_a_ping_group_out_of_range_or_nil_is_malformed(value: Any) -> None:
 
 def test_a_ping_group_without_its_round_is_malformed() -> None:
     with pytest.raises(RemoteProtocolError, match="only with its round"):
-        parse_ping({"group": 5})
+        parse_ping({"group": TAG})
 
 
 @pytest.mark.parametrize(
     "body",
     [
-        *({"round": r, "group": 1, "part": 0} for r in BAD_ROUNDS),
+        *({"round": r, "group": TAG, "part": 0} for r in BAD_ROUNDS),
         *({"round": 5, "group": g, "part": 0} for g in BAD_GROUPS),
-        {"round": 5, "group": 1, "part": -1},
-        {"round": 5, "group": 1, "part": 256},
-        {"round": 5, "group": 1, "part": 2**62},
-        {"round": 5, "group": 1, "part": None},
-        {"round": 5, "group": 1},
+        {"round": 5, "group": TAG, "part": -1},
+        {"round": 5, "group": TAG, "part": 256},
+        {"round": 5, "group": TAG, "part": 2**62},
+        {"round": 5, "group": TAG, "part": None},
+        {"round": 5, "group": TAG},
         {"round": 5, "part": 0},
-        {"group": 1, "part": 0},
+        {"group": TAG, "part": 0},
     ],
 )
 def test_a_result_request_out_of_range_is_malformed(body: dict[str, Any]) -> None:
@@ -67,7 +68,7 @@ def test_a_result_request_out_of_range_is_malformed(body: dict[str, Any]) -> Non
 
 
 def test_a_result_request_in_range_parses() -> None:
-    assert parse_result_request({"round": 0, "group": 1, "part": 255}) == (0, 1, 255)
+    assert parse_result_request({"round": 0, "group": TAG, "part": 255}) == (0, TAG, 255)
 
 
 def test_an_empty_skipped_list_is_malformed() -> None:
@@ -129,16 +130,16 @@ async def test_a_live_averager_answers_bad_request_not_not_found(
 
             for value in (-1, 2**62, None):
                 await ask("ping", {"round": value})
-                await ask("result", {"round": value, "group": 1, "part": 0})
-            await ask("result", {"round": 5, "group": 1, "part": -1})
-            await ask("result", {"round": 5, "group": 1, "part": 2**62})
+                await ask("result", {"round": value, "group": TAG, "part": 0})
+            await ask("result", {"round": 5, "group": TAG, "part": -1})
+            await ask("result", {"round": 5, "group": TAG, "part": 2**62})
             await ask("result", {"round": 5, "group": 0, "part": 0})
-            await ask("ping", {"round": 5, "group": 0})
+            await ask("ping", {"round": 5, "group": TAG[:15]})
             assert codes == ["bad_request"] * 10, codes
             codes.clear()
             await ask("ping", {})
             await ask("ping", {"round": 5})  # well-formed, not in that round
-            await ask("ping", {"round": 5, "group": 1})
-            await ask("result", {"round": 5, "group": 1, "part": 0})
+            await ask("ping", {"round": 5, "group": TAG})
+            await ask("result", {"round": 5, "group": TAG, "part": 0})
             assert codes == ["ok", "not_found", "not_found", "not_found"], codes
             member.averager.close()

@@ -172,12 +172,13 @@ def spec_host_ok(host: str) -> bool:
 
 
 def spec_address_ok(text: str, declarer: bytes) -> bool:
-    """9.2 with 7: `HOST:PORT` or `PEERID@HOST:PORT`, at most 300 characters, no `,`; PORT
-    ASCII digits for 0 to 65535; a PeerID part must be the declarer's."""
+    """9.2 with 7: `PEERID@HOST:PORT` (v9: a full member's address names its PeerID), at
+    most 300 characters, no `,`; PORT ASCII digits for 0 to 65535; the PeerID the
+    declarer's."""
     if len(text) > 300 or "," in text or text.count("@") > 1:
         return False
     peer, at, hostport = text.rpartition("@")
-    if at and spec_peer_id(peer) != declarer:
+    if not at or spec_peer_id(peer) != declarer:
         return False
     host, colon, port = hostport.rpartition(":")
     if not colon or not port.isascii() or not port.isdigit() or int(port) > 65535:
@@ -382,7 +383,7 @@ def valid_declaration(rng: random.Random, peer: bytes) -> dict[str, Any]:
     host = rng.choice(("10.0.0.7", "[::1]", "[2001:db8::5]", "node.example", "bücher.example"))
     address: str | None = None
     if not client:
-        address = f"{b58encode(peer)}@{host}:{port}" if rng.random() < 0.7 else f"{host}:{port}"
+        address = f"{b58encode(peer)}@{host}:{port}"
     elif rng.random() < 0.3:
         address = f"{host}:{port}"  # "a str is ignored when client_mode is true"
     value: dict[str, Any] = {

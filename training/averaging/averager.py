@@ -170,7 +170,7 @@ class _Active:
     round: int
     ready: trio.Event = field(default_factory=trio.Event)
     service: ReducerService | None = None
-    group_id: int | None = None  # the confirmed group's tag (None: no group, or not yet)
+    group_id: bytes | None = None  # the confirmed group's tag (None: no group, or not yet)
     # chunks that came before our group was confirmed wait, payload and all, until it is:
     # per sender and in bytes, bounded (anyone who read our round from the DHT can send)
     parked: Counter[PeerID] = field(default_factory=Counter)
@@ -277,7 +277,7 @@ class Averager:
         # (round, group tag) of the groups our last steps left: a late message naming one
         # is not_found even while our next step, in a round of the same number, waits for
         # its own group (a review: a ping was answered alive, a result request held)
-        self._left: deque[tuple[int, int]] = deque(maxlen=_LEFT_GROUPS)
+        self._left: deque[tuple[int, bytes]] = deque(maxlen=_LEFT_GROUPS)
         self._busy = False
         self._closed = False
         self._registered = False
@@ -635,7 +635,7 @@ class Averager:
                 _left_note(dropped, liveness),
             ),
             me=me.peer_id,
-            group_id=plan.group_id,
+            group_id=int.from_bytes(plan.group_id[:8], "big"),  # (the report's: a number)
         )  # fmt: skip
 
     def _bench_garbage(
@@ -729,7 +729,7 @@ class Averager:
         return await self._matchmaker.on_join(request)
 
     async def _service(
-        self, round_no: int, group_id: int, chunk: Request | None = None
+        self, round_no: int, group_id: bytes, chunk: Request | None = None
     ) -> ReducerService:
         """Our reducer for ``round_no`` once the group is confirmed (a ``chunk`` that comes
         before waits for it, within the bounds of :meth:`_park`), if that group is
@@ -804,7 +804,7 @@ class Averager:
         cutoff."""
         body = request.body
         round_no, group_id, part = body.get("round"), body.get("group"), body.get("part")
-        if type(round_no) is not int or type(group_id) is not int or type(part) is not int:
+        if type(round_no) is not int or type(group_id) is not bytes or type(part) is not int:
             return
         try:
             service = await self._service(round_no, group_id)  # (as a chunk would wait)

@@ -69,35 +69,41 @@ def _map(body: Any) -> Mapping[str, Any]:
 
 
 MAX_GROUP_ID = 1 << 62
-"""Group tags are ints in [1, MAX_GROUP_ID)."""
+"""A leader's draw for its group (the confirmation's ``group``) is an int in [1, MAX_GROUP_ID)."""
+TAG_BYTES = 16
+"""A group tag (the ``group`` of a chunk, result request or ping) is this many bytes: 128
+bits, so that no leader can find two confirmations with one tag (``plan.group_tag``)."""
 
 
-def parse_ping(body: Any) -> tuple[int | None, int | None]:
+def _tag(body: Mapping[str, Any]) -> bytes:
+    value = body.get("group")
+    if type(value) is not bytes or len(value) != TAG_BYTES:
+        raise RemoteProtocolError(f"field 'group' must be a group tag: {TAG_BYTES} bytes")
+    return value
+
+
+def parse_ping(body: Any) -> tuple[int | None, bytes | None]:
     """``(round, group)`` a ping asks about: ``(None, None)`` for a plain ``{}`` (alive?),
     ``(round, None)`` for the round alone (a leader asking an expected member).
 
-    Raises: RemoteProtocolError when ``round`` or ``group`` is present but not an int in
-    range (nil included: nil never stands in for an absent key), or ``group`` comes
-    without ``round``."""
+    Raises: RemoteProtocolError when ``round`` is present but not an int in range, or
+    ``group`` present but not a tag (nil included: nil never stands in for an absent key),
+    or ``group`` comes without ``round``."""
     body = _map(body)
     if "group" in body and "round" not in body:
         raise RemoteProtocolError("a ping names a group only with its round")
     round_no = _int(body, "round") if "round" in body else None
-    group = _int(body, "group", 1, MAX_GROUP_ID) if "group" in body else None
+    group = _tag(body) if "group" in body else None
     return round_no, group
 
 
-def parse_result_request(body: Any) -> tuple[int, int, int]:
+def parse_result_request(body: Any) -> tuple[int, bytes, int]:
     """``(round, group, part)`` of a result request.
 
-    Raises: RemoteProtocolError unless all are ints in range ([0, 2**62), [1, 2**62),
-    [0, 256))."""
+    Raises: RemoteProtocolError unless ``round`` and ``part`` are ints in range ([0,
+    2**62), [0, 256)) and ``group`` a tag."""
     body = _map(body)
-    return (
-        _int(body, "round"),
-        _int(body, "group", 1, MAX_GROUP_ID),
-        _int(body, "part", 0, MAX_MEMBERS),
-    )
+    return (_int(body, "round"), _tag(body), _int(body, "part", 0, MAX_MEMBERS))
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,7 +247,7 @@ class ChunkHeader:
     # sent again after the connection broke before the answer came: the same bytes are
     # acknowledged again (any other repeat of a chunk is garbage)
     retry: bool = False
-    group_id: int = field(kw_only=True)  # the group's tag (see the module docstring)
+    group_id: bytes = field(kw_only=True)  # the group's tag (see the module docstring)
 
     def to_body(self) -> dict[str, Any]:
         body: dict[str, Any] = {
@@ -290,7 +296,7 @@ class ChunkHeader:
             reason,
             raw_flag(body),
             retry,
-            group_id=_int(body, "group", 1, MAX_GROUP_ID),
+            group_id=_tag(body),
         )
 
 

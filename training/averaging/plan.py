@@ -19,7 +19,7 @@ from protocol.identity import PeerID
 from .config import AveragerConfig
 from .grouping import Declaration
 from .layout import Span
-from .messages import MAX_GROUP_ID, GroupConfirmation
+from .messages import TAG_BYTES, GroupConfirmation
 from .reducer import DropReason, Member, effective_weights
 
 logger = logging.getLogger(__name__)
@@ -42,7 +42,7 @@ class Plan:
     spans: tuple[Span, ...]
     weights: dict[PeerID, float | None]  # staleness-decayed; None: too stale to count
     max_epoch: int
-    group_id: int = field(kw_only=True)  # our messages of the round name it: group_tag
+    group_id: bytes = field(kw_only=True)  # our messages of the round name it: group_tag
 
     @classmethod
     def of(cls, conf: GroupConfirmation, me: PeerID, config: AveragerConfig) -> Plan:
@@ -88,10 +88,12 @@ class _SharedProbe:
     finished: bool = False  # it came to a verdict (False: its caller was cancelled first)
 
 
-def group_tag(conf: GroupConfirmation) -> int:
+def group_tag(conf: GroupConfirmation) -> bytes:
     """The tag our chunks, result requests and pings of the round carry: a digest of the
     confirmation as we received it (the round, the leader's random draw, each member's
-    declaration as the all-reduce reads it, the spans), in [1, MAX_GROUP_ID).
+    declaration as the all-reduce reads it, the spans): the first TAG_BYTES (16) bytes of
+    its SHA-256. A leader that tried draws to find two confirmations with one tag would
+    need ~2**64 of them (with 62 bits, ~2**31 were within a reviewer's reach).
 
     Members of one honest leader's group all compute the same tag. Members that a lying
     leader told different things (each join gets its own answer) compute different ones,
@@ -106,7 +108,7 @@ def group_tag(conf: GroupConfirmation) -> int:
     ]  # fmt: skip
     spans = [[int(a), int(b)] for a, b in conf.spans]
     packed = msgpack.packb([conf.round, conf.group_id, members, spans], use_bin_type=True)
-    return int.from_bytes(hashlib.sha256(packed).digest()[:8], "big") % (MAX_GROUP_ID - 1) + 1
+    return hashlib.sha256(packed).digest()[:TAG_BYTES]
 
 
 class Liveness:

@@ -75,8 +75,8 @@ class AveragingInfo:
     note: str = ""
     dropped: Mapping[PeerID, DropReason] = field(default_factory=dict)  # union over parts
     me: PeerID | None = None  # this peer (marked "(us)" where the line names it)
-    # the leader's tag for the group (None without one): consecutive steps of a slot share
-    # a round number, and the tag tells which steps of different peers were one exchange
+    # made of the group's tag (its first 8 bytes; None without a group): consecutive steps
+    # of a slot share a round number, and this tells which steps of peers were one exchange
     group_id: int | None = None
 
     @property
