@@ -23,12 +23,12 @@ from test_averaging_support import (
     virtual_clock,
 )
 
-from peer import Peer
+from peer import Peer, RemoteError, Reply, Request
 from protocol.errors import RemoteProtocolError
 from protocol.identity import PeerID
 from training import Averager, AveragingInfo, Outcome
 from training.averaging.grouping import Declaration, rank_key, round_closing_after, round_key
-from training.averaging.messages import JoinRequest
+from training.averaging.messages import JoinRequest, method_prefix
 from training.averaging.round_state import RoundState
 
 SIZE = 3000
@@ -260,3 +260,42 @@ def test_a_join_body_without_skipped_still_parses_and_the_list_is_bounded() -> N
     for bad in ("abc", [1], ["not base58!"], {"a": 1}):
         with pytest.raises(RemoteProtocolError):
             JoinRequest.from_body(peer, dict(old, skipped=bad))
+
+
+async def test_a_redirect_is_dialed_with_the_peer_id_of_the_leader_it_names(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A reviewer's attack: the top-ranked peer answers every join ``not_leader``, naming a
+    bystander (which never averages) at another member's bare ``HOST:PORT``. Dialed without
+    the named PeerID, the member there answered for it: three members reported the
+    bystander as their leader, and one joined the real host there although it had benched
+    it. The redirect is now dialed with the PeerID it names, so nobody reaches the
+    bystander there, and nobody takes anyone else for it."""
+    with trio.fail_after(60):
+        async with memnet_swarm(6, first_seed=40) as (_, nodes):
+            order = [i + 1 for i in by_rank(nodes[1:])]
+            redirector, rest = nodes[order[0]], [nodes[i] for i in order[1:]]
+            bystander = nodes[0]  # runs no averager
+            members = make_members(rest, SIZE, fast_config())
+            real = members[0]  # who answers at the address the redirect gives
+            members[2].averager._matchmaker.bench.record(real.peer_id, "test: garbage")
+            bare = str(real.averager.node.address).split("@", 1)[1]  # HOST:PORT only
+
+            async def join(request: Request) -> Reply:
+                if request.peer_id == real.peer_id:
+                    raise RemoteError("not_found", "not in the round")
+                body = {"status": "not_leader", "leader": str(bystander.peer_id), "address": bare}
+                return Reply(body)
+
+            async with ghost_declaring(redirector):
+                redirector.rpc.register(f"{method_prefix('t/x')}.join", join)
+                results = await step_all(members, timeout=20.0)
+    for info, _ in results:
+        assert info is not None
+        assert info.leader != bystander.peer_id, str(info)
+        assert bystander.peer_id not in info.group, str(info)
+    benched_it = results[2][0]
+    assert benched_it is not None
+    assert benched_it.leader != real.peer_id or real.peer_id not in benched_it.group, str(
+        benched_it
+    )

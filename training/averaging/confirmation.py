@@ -226,9 +226,9 @@ class Confirmation:
                     leader, where = answer.body.get("leader"), answer.body.get("address")
                     if isinstance(leader, str) and isinstance(where, str) and not redirected:
                         try:
-                            redirect = PeerID.from_base58(leader), where
+                            redirect = _redirect(leader, where)
                         except ProtocolError as exc:
-                            note = f"the leader redirected us to a malformed PeerID: {exc}"
+                            note = f"the leader redirected us to a malformed address: {exc}"
                             break
                         redirected = True
                         note = "redirected, then no confirmation in time"
@@ -266,7 +266,9 @@ class Confirmation:
         state.attempt = (target, scope)
         try:
             with scope:
-                return await self.node.rpc.call(Address.parse(address), self._method("join"), body)
+                # with the PeerID of the leader we mean: whoever answers there must be it
+                where = Address.parse(address).with_peer_id(target)
+                return await self.node.rpc.call(where, self._method("join"), body)
         except RemoteError as exc:
             if exc.code == "mismatch":
                 raise LayoutMismatchError(exc.message) from None
@@ -441,3 +443,19 @@ class Confirmation:
 def _passed_note(passed: list[str]) -> str:
     """The leaders a member skipped (each with why), for the report's note."""
     return f"ranked leader(s) skipped: {', '.join(passed)}" if passed else ""
+
+
+def _redirect(leader: str, where: str) -> tuple[PeerID, str]:
+    """The leader and address a ``not_leader`` answer names, the address carrying that
+    leader's PeerID: dialed so, only that leader can answer there (a reviewer: a redirect to
+    one peer's name at another's bare ``HOST:PORT`` had members report a peer that never
+    took part as their leader, and join a leader they had benched).
+
+    Raises:
+        ProtocolError: a malformed PeerID or address, or one that names another peer.
+    """
+    peer_id = PeerID.from_base58(leader)
+    address = Address.parse(where)
+    if address.peer_id is not None and address.peer_id != peer_id:
+        raise ProtocolError(f"the address {where} names another peer than {leader}")
+    return peer_id, str(address.with_peer_id(peer_id))
