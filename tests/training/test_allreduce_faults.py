@@ -534,6 +534,39 @@ async def test_member_with_nan_is_dropped_where_it_has_nan(
             assert np.isfinite(victim.array).all()  # it took the others' mean everywhere
 
 
+async def test_a_member_that_keeps_sending_non_finite_values_is_benched_on_the_second(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """An outside trial's junk sender under ``none`` (random bytes: nearly always a NaN in
+    each chunk) was dropped as ``nonfinite``, never benched, and kept every round partial.
+    A NaN once is healed by the mean the member receives; one dropped as nonfinite by our
+    part again in our next step is benched, and the round after goes on without it."""
+    with trio.fail_after(120):
+        async with memnet_swarm(4) as (_, nodes):
+            members = make_members(nodes, SIZE, fast_config())
+            victim = members[3]
+            honest = members[:3]
+            for round_no in range(3):
+                for m in members:
+                    m.data = m.array.copy()
+                victim.data[::97] = np.nan  # in every part, every round: not healed
+                victim.array[:] = victim.data
+                results = await step_all(members, timeout=TIMEOUT)
+                infos = [info for info, _ in results[:3]]
+                benched = [victim.peer_id in m.averager._matchmaker.bench for m in honest]
+                if round_no < 2:  # the first offense heals, the second benches
+                    verify_round(members, [info for info, _ in results])  # type: ignore[misc]
+                    for info in infos:
+                        assert info is not None and info.outcome is Outcome.PARTIAL, str(info)
+                        assert info.dropped == {victim.peer_id: DropReason.NONFINITE}, str(info)
+                    assert benched == [round_no == 1] * 3
+                else:
+                    verify_round(honest, infos, without_report=[victim])  # type: ignore[arg-type]
+                    for info in infos:
+                        assert info is not None and info.outcome is Outcome.AVERAGED, str(info)
+                        assert victim.peer_id not in info.group, str(info)
+
+
 async def test_member_too_stale_is_dropped_and_staleness_decays_weights(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

@@ -278,6 +278,9 @@ class Averager:
         # is not_found even while our next step, in a round of the same number, waits for
         # its own group (a review: a ping was answered alive, a result request held)
         self._left: deque[tuple[int, bytes]] = deque(maxlen=_LEFT_GROUPS)
+        # senders our reducer dropped as nonfinite in our last step with a group (and its
+        # round): one that does so again did not heal (see _bench_garbage)
+        self._nonfinite: tuple[int, set[PeerID]] = (0, set())
         self._busy = False
         self._closed = False
         self._registered = False
@@ -656,23 +659,36 @@ class Averager:
         of the confirmation each received) and never take each other's chunks or results.
         Garbage under our own tag came from a member told exactly what we were told.
         (Before the tags were digests, only the leader and the culprit's own round's
-        members benched, and a persistent culprit was in up to half of the next rounds.)"""
+        members benched, and a persistent culprit was in up to half of the next rounds.)
+
+        A sender our part dropped as ``nonfinite`` is not benched (it receives the others'
+        mean, which heals a NaN), unless our part drops it so again in our next step with a
+        group: then nothing healed (random bytes under ``none`` read as non-finite values:
+        an outside trial's junk sender kept every round at 25 % partial, never benched)."""
         me = self.node.peer_id
         if leader is None:
             return
-        seen = {p: "chunks" for part in parts if part.reducer == me
+        mine = [part for part in parts if part.reducer == me]
+        seen = {p: f"garbage chunks in round {round_no}" for part in mine
                 for p, reason in part.dropped.items() if reason is DropReason.GARBAGE}  # fmt: skip
         seen.update(
-            (p, "a result") for p, reason in liveness.bad.items() if reason is DropReason.GARBAGE
+            (p, f"garbage a result in round {round_no}")
+            for p, reason in liveness.bad.items()
+            if reason is DropReason.GARBAGE
         )
+        nonfinite = {
+            p for part in mine for p, reason in part.dropped.items()
+            if reason is DropReason.NONFINITE
+        }  # fmt: skip
+        before, self._nonfinite = self._nonfinite, (round_no, nonfinite)
+        for peer_id in nonfinite & before[1]:
+            seen.setdefault(
+                peer_id, f"non-finite values in rounds {before[0]} and {round_no} (not healed)"
+            )
         for peer_id, what in seen.items():
             if peer_id != me:
-                self._matchmaker.bench.record(
-                    peer_id, f"it sent us garbage {what} in round {round_no}"
-                )
-                logger.info(
-                    "round %d: benched %s (it sent us garbage %s)", round_no, peer_id.short(), what
-                )
+                self._matchmaker.bench.record(peer_id, f"it sent us {what}")
+                logger.info("round %d: benched %s (it sent us %s)", round_no, peer_id.short(), what)
 
     async def _find_group(self, me: Declaration, deadline: float) -> MatchResult:
         """The matchmaker's answer, its note telling when this process stood still during
