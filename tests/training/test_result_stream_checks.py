@@ -116,7 +116,7 @@ def test_a_result_header_with_an_unknown_key_or_a_bool_weight_is_malformed(
         ResultHeader.from_body({**body, **change})
 
 
-@pytest.mark.parametrize("codec", ["int8", "float16"])
+@pytest.mark.parametrize("codec", ["none", "int8", "float16"])
 async def test_a_step_cancelled_midway_through_a_part_leaves_none_of_it(
     autojump_clock: trio.testing.MockClock, monkeypatch: pytest.MonkeyPatch, codec: str
 ) -> None:
