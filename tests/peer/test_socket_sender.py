@@ -1,0 +1,95 @@
+"""``partial_sender`` on a TCP socket: it writes as much as the kernel takes at once and
+reports exactly what went out, is cancelled only while it has sent nothing, and turns
+socket errors into trio's stream errors."""
+
+from __future__ import annotations
+
+import socket
+import struct
+
+import pytest
+import trio
+
+from peer.network import partial_sender
+
+
+async def _tcp_pair() -> tuple[trio.SocketStream, trio.SocketStream]:
+    listeners = await trio.open_tcp_listeners(0, host="127.0.0.1")
+    async with listeners[0]:
+        port = listeners[0].socket.getsockname()[1]
+        a = await trio.open_tcp_stream("127.0.0.1", port)
+        b = await listeners[0].accept()
+    return a, b
+
+
+async def test_every_byte_it_reports_reaches_the_peer_in_order() -> None:
+    """Calls cut short by deadlines while the peer reads slowly: what the calls returned,
+    put together, is exactly what the peer reads."""
+    data = bytes(range(256)) * (16 << 12)  # 16 MiB
+    with trio.fail_after(60):
+        a, b = await _tcp_pair()
+        a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 16)
+        send_some = partial_sender(a)
+        assert send_some is not None
+        received = bytearray()
+
+        async def read_slowly() -> None:
+            while chunk := await b.receive_some(1 << 16):
+                received.extend(chunk)
+                await trio.sleep(0.0005)
+
+        sent, cut = 0, 0
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read_slowly)
+            view = memoryview(data)
+            while sent < len(data):
+                with trio.move_on_after(0.001) as scope:
+                    sent += await send_some(view[sent:])
+                cut += scope.cancelled_caught
+            await a.aclose()
+        assert cut, "no call was cancelled while waiting"
+        assert received == data
+        await b.aclose()
+
+
+async def test_a_closed_socket_is_a_closed_resource() -> None:
+    with trio.fail_after(10):
+        a, b = await _tcp_pair()
+        send_some = partial_sender(a)
+        assert send_some is not None
+        await a.aclose()
+        with pytest.raises(trio.ClosedResourceError):
+            await send_some(memoryview(b"x"))
+        await b.aclose()
+
+
+async def test_a_reset_connection_is_a_broken_resource() -> None:
+    with trio.fail_after(10):
+        a, b = await _tcp_pair()
+        send_some = partial_sender(a)
+        assert send_some is not None
+        b.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))
+        await b.aclose()  # a reset, not a clean end
+        with pytest.raises(trio.BrokenResourceError):
+            for _ in range(100):  # the first write may go out before the reset is seen
+                await send_some(memoryview(b"x" * 65536))
+                await trio.sleep(0.01)
+        await a.aclose()
+
+
+async def test_a_call_cancelled_before_it_starts_sends_nothing() -> None:
+    with trio.fail_after(10):
+        a, b = await _tcp_pair()
+        send_some = partial_sender(a)
+        assert send_some is not None
+        with trio.CancelScope() as scope:
+            scope.cancel()
+            await send_some(memoryview(b"lost"))
+        assert scope.cancelled_caught
+        await send_some(memoryview(b"kept"))
+        await a.aclose()
+        got = bytearray()
+        while chunk := await b.receive_some():
+            got += chunk
+        assert got == b"kept"
+        await b.aclose()
