@@ -70,6 +70,12 @@ _ON_PEER_THREAD = (
     "given to node.run or node.run_sync), where it would wait for itself: there, await "
     "the async peer's methods instead (node.peer.dht.get(...), not node.dht.get(...))"
 )
+_IN_TRIO_RUN = (
+    "this blocking call was made inside a trio run on this thread (trio.run(...)), whose "
+    "loop it would block: in async code use `async with peer.open_peer(...)` and await its "
+    "methods, or call the background peer from a plain thread (`await "
+    "trio.to_thread.run_sync(node.dht.get, key)`)"
+)
 _ABANDONED_JOIN_S = 2.0  # how long a stop waits for a loop that a given-up call holds
 _ABANDONED = (
     "stopped waiting: the interrupted call may still run on the peer's loop (and write "
@@ -113,7 +119,8 @@ class BackgroundPeer:
 
         Raises:
             PeerStoppedError: if the peer is no longer running, or stops during the call.
-            RuntimeError: if called in a forked child process, or on the peer's own thread.
+            RuntimeError: if called in a forked child process, on the peer's own thread
+                (PeerThreadError), or inside a trio run on this thread.
             TypeError: if ``async_fn`` is not a function (a coroutine object, say).
             Exception: whatever ``async_fn`` raises.
         """
@@ -163,7 +170,8 @@ class BackgroundPeer:
 
         Raises:
             PeerStoppedError: if the peer is no longer running.
-            RuntimeError: if called in a forked child process, or on the peer's own thread.
+            RuntimeError: if called in a forked child process, on the peer's own thread
+                (PeerThreadError), or inside a trio run on this thread.
             Exception: whatever ``fn`` raises.
         """
         self._check_process()
@@ -183,6 +191,10 @@ class BackgroundPeer:
         # that names neither the peer nor the way out
         if threading.current_thread() is self._loop_thread:
             raise PeerThreadError(_ON_PEER_THREAD)
+        # inside another trio run trio's own refusal ("this is a blocking function; call it
+        # from a thread") names neither the peer nor the way out (an outside tester)
+        if trio.lowlevel.in_trio_run():
+            raise RuntimeError(_IN_TRIO_RUN)
 
     def __repr__(self) -> str:
         return f"<BackgroundPeer {self.address}>"

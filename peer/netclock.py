@@ -250,6 +250,20 @@ class NetworkClock:
         median = self._median()
         side = "behind" if median > 0 else "ahead of"
         if abs(median) > self.config.max_offset:
+            if self.samples == 1:
+                # one peer's word cannot tell which clock is wrong (an outside tester's fake
+                # peer 1e9 s off had this machine told to set its clock); with our own voice
+                # counted the median is halfway, so the gap is twice it
+                logger.warning(
+                    "this machine's clock is %.3f s %s the one peer's clock it knows (either"
+                    " may be the wrong one), beyond ClockConfig.max_offset: correcting by only"
+                    " %.0f s; set whichever clock is wrong (records and rounds will not match"
+                    " the others')",
+                    abs(median) * (2 if self.count_own else 1),
+                    side,
+                    self.config.max_offset,
+                )
+                return
             logger.warning(
                 "this machine's clock is %.3f s %s the median of %d peers' clocks, beyond"
                 " ClockConfig.max_offset: correcting by only %.0f s; set this machine's clock"

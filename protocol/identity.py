@@ -105,7 +105,7 @@ def verify_signature(public_key: bytes, signature: bytes, data: bytes) -> bool:
 
 class IdentityFileError(SwarmError):
     """A key file exists but does not hold a key (wrong size), or is a dangling link; or
-    the path names a folder."""
+    the path is empty or names a folder."""
 
 
 class Identity:
@@ -180,11 +180,15 @@ class Identity:
 
         Raises:
             IdentityFileError: if the file exists but is not a valid key file, or is a
-                link to a missing file; or ``path`` names a folder (it ends with a path
-                separator, ``.`` or ``..``).
+                link to a missing file; or ``path`` is empty or names a folder (it ends
+                with a path separator, ``.`` or ``..``).
             OSError: if it cannot be read or created; it names ``path``.
         """
         text = os.fspath(path)
+        if not text:  # Path("") is the current folder: the error below would name nothing
+            raise IdentityFileError(
+                "identity path is empty: give the key file's path, e.g. swarm.key"
+            )
         # Path() drops a trailing "/" or "/.": "keys/" would make a file named "keys"
         if os.path.basename(text) in ("", ".", ".."):
             raise IdentityFileError(

@@ -9,6 +9,7 @@ import textwrap
 from fractions import Fraction
 from pathlib import Path
 
+import msgpack
 import numpy as np
 import pytest
 import trio
@@ -183,6 +184,26 @@ async def test_a_ttl_beyond_float64_and_an_unhashable_subkey_are_the_documented_
                 with pytest.raises(RecordError, match="a subkey is None, str, int or bytes"):
                     await node.dht.store("sk", 1, ttl=60.0, subkey=subkey)  # type: ignore[arg-type]
             assert await node.dht.store("sk", 1, ttl=60.0, subkey=b"x")
+
+
+async def test_store_takes_a_value_1024_containers_deep_and_refuses_deeper() -> None:
+    """The API's limit is the wire's (protocol.md section 6): an outside tester saw depth
+    499 accepted and 2000 refused, with no limit stated."""
+
+    def nested(depth: int) -> list[object]:
+        value: list[object] = []
+        for _ in range(depth - 1):
+            value = [value]
+        return value
+
+    with trio.fail_after(10):
+        async with open_peer() as node:
+            assert await node.dht.store("deep", nested(1024))
+            read = await node.dht.get("deep")  # (== on it would pass Python's recursion limit)
+            assert msgpack.packb(read) == msgpack.packb(nested(1024))
+            for depth in (1025, 2000):
+                with pytest.raises(TypeError, match="msgpack-serializable"):
+                    await node.dht.store("deeper", nested(depth))
 
 
 async def test_initial_peers_none_starts_a_new_swarm() -> None:

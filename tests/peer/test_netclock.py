@@ -117,6 +117,25 @@ def test_beyond_max_offset_says_so(caplog: pytest.LogCaptureFixture) -> None:
     assert "correcting by only 60 s; set this machine's clock" in caplog.text
 
 
+def test_beyond_max_offset_with_one_peer_blames_neither(caplog: pytest.LogCaptureFixture) -> None:
+    """One peer's clock far off (an outside tester's fake initial peer said 1e9) does not
+    tell which of the two is wrong: the warning says so, the bound holds."""
+    clock = NetworkClock(lambda: 0.0, ClockConfig(max_offset=60.0))
+    clock.record("10.0.0.1", -4000.0, 0.0, 0.0)
+    clock.log_change()
+    assert clock.offset == -60.0
+    [line] = caplog.messages
+    assert "4000.000 s ahead of the one peer's clock it knows (either may be the wrong one)" in line
+    assert "beyond ClockConfig.max_offset: correcting by only 60 s" in line
+    assert "set this machine's clock" not in line and "median" not in line
+
+    client = NetworkClock(lambda: 0.0, ClockConfig(max_offset=60.0), count_own=False)
+    client.record("10.0.0.1", 4000.0, 0.0, 0.0)  # a client follows its one peer all the way
+    client.log_change()
+    assert client.offset == 60.0
+    assert "4000.000 s behind the one peer's clock it knows" in caplog.messages[-1]
+
+
 def test_the_default_clock_does_not_follow_a_step_of_the_system_time(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

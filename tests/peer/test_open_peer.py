@@ -12,7 +12,7 @@ from peer import PeerStoppedError, open_peer
 from peer.dht import DHTConfig
 from peer.memnet import MemoryNetwork
 from protocol.errors import AddressError, ProtocolError
-from protocol.identity import Identity
+from protocol.identity import Identity, IdentityFileError
 
 OTHER = Identity.from_seed(bytes([9]) * 32)
 
@@ -31,6 +31,8 @@ OTHER = Identity.from_seed(bytes([9]) * 32)
         # a client-mode trial: both were ignored without a word
         ({"client_mode": True, "announce_host": "203.0.113.7"}, ValueError, "client-mode"),
         ({"client_mode": True, "listen": "garbage"}, ProtocolError, "no port"),
+        # an outside tester: "identity path  names a folder" (the CLI says the name is empty)
+        ({"identity": ""}, IdentityFileError, "^identity path is empty"),
     ],
 )
 async def test_wrong_arguments_are_named(

@@ -271,3 +271,12 @@ def test_a_path_ending_with_a_separator_is_a_folder_not_a_file(tmp_path: Path) -
         with pytest.raises(IdentityFileError, match="names a folder"):
             Identity.load_or_create(f"{tmp_path}/{name}")
     assert list(tmp_path.iterdir()) == []
+
+
+def test_an_empty_path_is_refused_as_empty(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``open_peer(identity="")`` said "identity path  names a folder" (an outside tester):
+    the error says the path is empty, as the CLI's ``--identity ''`` does."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(IdentityFileError, match=r"^identity path is empty: .*e\.g\. swarm\.key$"):
+        Identity.load_or_create("")
+    assert list(tmp_path.iterdir()) == []

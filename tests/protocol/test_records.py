@@ -353,6 +353,16 @@ def test_decode_value_reads_plain_values() -> None:
     assert decode_value(msgpack.packb(value, use_bin_type=True)) == value
 
 
+def test_a_value_nests_at_most_1024_containers_deep() -> None:
+    """The limit protocol.md section 6 states (msgpack's unpacker stack): 1024 nested
+    arrays or maps are stored, 1025 are refused (an outside tester found no limit stated)."""
+    for container in (b"\x91", b"\x81\x00"):  # [x], {0: x}
+        deepest = container * 1023 + b"\x90"  # the innermost one empty: 1024 deep
+        validate_entry(KEY, Entry(None, deepest, NOW + 1), now=NOW)
+        with pytest.raises(RecordError, match="not a DHT value"):
+            validate_entry(KEY, Entry(None, container + deepest, NOW + 1), now=NOW)
+
+
 def test_subkey_order_is_a_total_order_over_every_subkey_type() -> None:
     subkeys = [None, "a", "b", str(ALICE.peer_id), b"a", 0, -1, 2**64 - 1, -(2**63)]
     orders = [subkey_order(s) for s in subkeys]
