@@ -12,6 +12,7 @@ from collections.abc import Callable
 
 import numpy as np
 import pytest
+import torch
 import trio
 from test_averaging_support import (
     fast_config,
@@ -28,7 +29,7 @@ from peer import Peer
 from peer.netclock import wall_clock
 from protocol.address import Address
 from training import Averager, AveragerConfig, AveragingInfo, LayoutMismatchError, Outcome
-from training.averaging.arguments import check_prefix
+from training.averaging.arguments import check_prefix, check_step_arguments
 from training.averaging.grouping import Declaration, rank_key, round_closing_after, round_key
 from training.averaging.matchmaking import MAX_FOREIGN_LAYOUTS, _with_refused
 from training.averaging.messages import method_prefix
@@ -192,6 +193,9 @@ async def test_step_arguments_are_checked(autojump_clock: trio.testing.MockClock
         with trio.fail_after(5):  # the largest epoch the wire takes
             info = await member.averager.step(epoch=2**62 - 1)
         assert info.epoch == 2**62 - 1
+        with trio.fail_after(5):  # a 0-d torch integer too, as numpy's
+            info = await member.averager.step(epoch=torch.tensor(3))  # type: ignore[arg-type]
+        assert info.epoch == 3 and type(info.epoch) is int
         async with trio.open_nursery() as nursery:
             nursery.start_soon(member.averager.step)
             await trio.testing.wait_all_tasks_blocked()
@@ -200,6 +204,65 @@ async def test_step_arguments_are_checked(autojump_clock: trio.testing.MockClock
         with trio.fail_after(5):  # the caller's deadline is the default timeout
             info = await member.averager.step()
         assert info.outcome is Outcome.ALONE
+
+
+def check_one(name: str, value: object) -> None:
+    """``check_step_arguments`` with ``value`` as argument ``name``, the others valid."""
+    arguments: dict[str, object] = {"weight": 1.0, "epoch": 0, "timeout": None, name: value}
+    check_step_arguments(**arguments)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("name", ["weight", "epoch", "timeout"])
+@pytest.mark.parametrize("value", [True, np.True_, np.array(True), torch.tensor(True)])
+def test_a_bool_is_refused_whichever_library_made_it(name: str, value: object) -> None:
+    """An outside tester: ``weight=np.True_`` counted as weight 1 where ``True`` was refused."""
+    with pytest.raises(ValueError, match=rf"^{name} must be a "):
+        check_one(name, value)
+
+
+@pytest.mark.parametrize("name", ["weight", "epoch", "timeout"])
+@pytest.mark.parametrize(
+    "value",
+    [np.array([2]), np.array([[2]]), torch.tensor([2]), torch.tensor([[2]]), torch.zeros(0)],
+    ids=repr,
+)
+def test_an_array_or_tensor_with_a_dimension_is_refused_even_of_one_element(
+    name: str, value: object
+) -> None:
+    """One rule for numpy and torch (a tester: ``torch.tensor([2.0])`` was a weight,
+    ``np.array([2.0])`` "must be a number"): 0-d ones are numbers, the others are not."""
+    with pytest.raises(ValueError, match=rf"^{name} must be a single number, got \w+ of shape"):
+        check_one(name, value)
+
+
+@pytest.mark.parametrize("name", ["weight", "epoch", "timeout"])
+@pytest.mark.parametrize(
+    "value", [np.int64(2), np.array(2), torch.tensor(2), torch.tensor(2, dtype=torch.int32)]
+)
+def test_numpy_and_torch_integers_with_no_dimension_are_numbers(name: str, value: object) -> None:
+    """A tester: ``epoch=torch.tensor(3)`` was refused where ``np.int64(3)`` was taken."""
+    check_one(name, value)
+
+
+@pytest.mark.parametrize("value", [np.float64(2.0), np.array(2.0), torch.tensor(2.0)])
+def test_numpy_and_torch_floats_are_weights_and_timeouts_not_epochs(value: object) -> None:
+    check_one("weight", value)
+    check_one("timeout", value)
+    with pytest.raises(ValueError, match="epoch must be a non-negative integer"):
+        check_one("epoch", value)
+
+
+@pytest.mark.parametrize(
+    "weight",
+    [1e301, 10**400, np.float64(1e301), torch.tensor(1e301, dtype=torch.float64)],
+    ids=["1e301", "10**400", "numpy", "torch"],
+)
+def test_a_weight_beyond_the_limit_is_told_the_limit(weight: object) -> None:
+    """A tester: ``10**400`` read "must be a positive finite number" (it is a number, only
+    too large), where ``1e301`` named the limit. The message stays short."""
+    with pytest.raises(ValueError, match=r"weight must be at most 1e\+300 \(the wire") as info:
+        check_one("weight", weight)
+    assert len(str(info.value)) < 120
 
 
 @pytest.mark.parametrize(("scope", "ends"), [(0.3, 0.25), (2.0, 1.8), (20.0, 19.0)])

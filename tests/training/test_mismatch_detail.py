@@ -6,6 +6,7 @@ float64 tensor among float32 ones: both sides read the same)."""
 from __future__ import annotations
 
 from collections.abc import Awaitable, Callable
+from dataclasses import replace
 from functools import partial
 
 import numpy as np
@@ -21,6 +22,7 @@ from training import Averager, AveragerConfig, LayoutMismatchError
 from training.averaging.averager import describe_settings
 from training.averaging.grouping import DECLARATION_KEYS, MAX_DETAIL, Declaration
 from training.averaging.layout import TensorLayout
+from training.averaging.matchmaking import _same_words_note
 
 
 async def mismatch_beside(newcomer: Averager, *others: Callable[[], Awaitable[object]]) -> str:
@@ -124,3 +126,54 @@ def test_only_the_same_words_read_as_another_version() -> None:
     assert not me.reads_like(Declaration(peer, None, 1.0, 0, 1.0, "bbb", 0, 10, 4, ""))
     assert not me.reads_like(Declaration(peer, None, 1.0, 0, 1.0, "bbb", 0, 10, 8, words))
     assert not me.reads_like(Declaration(peer, None, 1.0, 0, 1.0, "bbb", 0, 11, 4, words))
+
+
+def test_the_detail_tells_the_order_of_the_dtypes() -> None:
+    """An outside tester: [float32, float16] against [float16, float32] both read "2 tensors
+    (1 float16, 1 float32; shapes 1000 1000)", only the fingerprints differing."""
+    config = AveragerConfig()
+    ab = TensorLayout.of([torch.zeros(1000), torch.zeros(1000, dtype=torch.float16)])
+    ba = TensorLayout.of([torch.zeros(1000, dtype=torch.float16), torch.zeros(1000)])
+    text = describe_settings(ab, get_codec("none"), config)
+    assert "(1 float16, 1 float32; dtypes float32 float16; shapes 1000 1000)" in text, text
+    assert "dtypes float16 float32;" in describe_settings(ba, get_codec("none"), config)
+    one = TensorLayout.of([torch.zeros(3), torch.zeros(4)])  # one dtype: no order to tell
+    assert "(2 float32; shapes 3 4)" in describe_settings(one, get_codec("none"), config)
+    # too many to spell out: hashes of the shapes, then of the dtypes' order, apart
+    mixed = [torch.zeros(i + 1, dtype=torch.float16 if i % 3 else torch.float32) for i in range(60)]
+    text = describe_settings(TensorLayout.of(mixed), get_codec("none"), config)
+    swapped = describe_settings(TensorLayout.of(mixed[1:] + mixed[:1]), get_codec("none"), config)
+    assert "; dtypes hash " in text and "; shapes hash " in text and len(text) <= MAX_DETAIL
+    assert text.split("; shapes")[0] != swapped.split("; shapes")[0]
+
+
+async def test_peers_of_one_version_with_the_dtypes_in_another_order_are_told_so(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The tester's two orders again: the error blamed "another version of swarm", although
+    both sides ran v9."""
+    ab = [np.zeros(1000, np.float32), np.zeros(1000, np.float16)]
+    with trio.fail_after(300):
+        async with memnet_swarm(3) as (_, nodes):
+            newcomer = Averager(nodes[2], "t/x", ab[::-1], config=fast_config())
+            swarm = [Averager(node, "t/x", ab, config=fast_config()) for node in nodes[:2]]
+            message = await mismatch_beside(newcomer, *(averager.step for averager in swarm))
+    print(message)
+    assert "dtypes float16 float32" in message and "dtypes float32 float16" in message
+    assert "another version" not in message
+
+
+def test_the_same_words_of_the_same_version_are_not_called_another_version() -> None:
+    """When the words cannot tell two layouts of one version apart (a codec parameter they
+    leave out), the note says so and how to line the tensors up, not "update"."""
+    peer = Identity.from_seed(b"d" * 32).peer_id
+    words = "2 tensors (2 float32; shapes 3 4), codec none"
+    me = Declaration(peer, None, 1.0, 0, 1.0, "aaa", 0, 7, 4, f"{words}, layout v9")
+    same = Declaration(peer, None, 1.0, 0, 1.0, "bbb", 0, 7, 4, f"{words}, layout v9")
+    older = Declaration(peer, None, 1.0, 0, 1.0, "ccc", 0, 7, 4, words)
+    assert me.version == same.version == "v9" and older.version is None
+    note = _same_words_note(me, [same])
+    assert "list the same tensors in the same order" in note and "another version" not in note
+    assert "another version of swarm" in _same_words_note(me, [older])
+    assert _same_words_note(me, [replace(same, detail="other words, layout v9")]) == ""
+    assert _same_words_note(me, [replace(same, layout="aaa")]) == ""  # our own layout

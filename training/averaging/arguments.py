@@ -7,10 +7,12 @@ from __future__ import annotations
 
 import math
 import numbers
+import sys
 
 from peer import BackgroundPeer, Peer
 from peer.node import MIN_PEER_FRAME_SIZE
 from protocol.codecs import Codec
+from protocol.errors import brief
 from protocol.records import RecordError, check_key
 
 from .config import AveragerConfig
@@ -19,25 +21,34 @@ from .pieces import RangeCodec
 
 
 def check_step_arguments(weight: float, epoch: int, timeout: float | None) -> None:
-    """Raises: ValueError naming the argument that :meth:`Averager.step` cannot take."""
-    if not (math.isfinite(number := _real(weight, "weight")) and number > 0):
-        raise ValueError(f"weight must be a positive finite number, got {weight!r}")
+    """Numbers may be Python's, numpy scalars, or 0-d numpy arrays and torch tensors; a bool
+    (numpy's and torch's too) is refused, as is an array or tensor with a dimension, even of
+    one element (see ``_item``).
+
+    Raises: ValueError naming the argument that :meth:`Averager.step` cannot take."""
+    # an int of any size stays exact: 10**400 is beyond the limit, not infinite
+    if not 0 < (number := _real(weight, "weight")) < math.inf:
+        raise ValueError(f"weight must be a positive finite number, got {brief(weight)}")
     if number > MAX_WEIGHT:  # what a declaration can carry
-        raise ValueError(f"weight must be at most {MAX_WEIGHT:g} (the wire limit), got {weight!r}")
-    if not isinstance(epoch, numbers.Integral) or isinstance(epoch, bool) or epoch < 0:
-        raise ValueError(f"epoch must be a non-negative integer, got {epoch!r}")
-    if epoch >= MAX_EPOCH:  # what a declaration can carry
-        raise ValueError(f"epoch must be below 2**62 (the wire limit), got {epoch}")
+        raise ValueError(
+            f"weight must be at most {MAX_WEIGHT:g} (the wire limit), got {brief(weight)}"
+        )
+    integer = _item(epoch, "epoch")
+    if not isinstance(integer, numbers.Integral) or isinstance(integer, bool) or integer < 0:
+        raise ValueError(f"epoch must be a non-negative integer, got {brief(epoch)}")
+    if int(integer) >= MAX_EPOCH:  # what a declaration can carry
+        raise ValueError(f"epoch must be below 2**62 (the wire limit), got {brief(epoch)}")
     if timeout is None:
         return
-    if not math.isfinite(seconds := _real(timeout, "timeout")):
+    # not NaN, not infinite, and (an int) within float's range, as the step counts in floats
+    if not abs(seconds := _real(timeout, "timeout")) <= sys.float_info.max:
         raise ValueError(
-            f"timeout must be a finite number of seconds, got {timeout!r}; None uses the "
-            "default (a margin before the caller's cancel-scope deadline, else "
+            f"timeout must be a finite number of seconds, got {brief(timeout)}; None uses "
+            "the default (a margin before the caller's cancel-scope deadline, else "
             "AveragerConfig.default_timeout)"
         )
     if not seconds > 0:
-        raise ValueError(f"timeout must be positive, got {timeout!r}")
+        raise ValueError(f"timeout must be positive, got {brief(timeout)}")
 
 
 def check_prefix(prefix: object) -> str:
@@ -118,13 +129,39 @@ def check_chunk_fits(
     )
 
 
+def _item(value: object, name: str) -> object:
+    """``value`` itself, or the Python number a numpy scalar, 0-d numpy array or 0-d torch
+    tensor holds (``.item()``: a bool for theirs, which the checks then refuse as they do
+    ``True``). One rule for numpy and torch: ``float()`` takes a one-element torch tensor
+    of any shape but no numpy array with a dimension, and a tester found ``[2.0]`` a weight
+    in one and not the other.
+
+    Raises: ValueError for an array or tensor with a dimension."""
+    ndim = getattr(value, "ndim", None)
+    if ndim is None or not callable(item := getattr(value, "item", None)):
+        return value
+    if ndim:
+        shape = tuple(getattr(value, "shape", ()))
+        raise ValueError(
+            f"{name} must be a single number, got {type(value).__name__} of shape {shape}: "
+            "pass a number or a 0-d array or tensor (x.item() of a one-element one)"
+        )
+    return item()
+
+
 def _real(value: object, name: str) -> float:
-    """``value`` as a float (numpy and 0-d torch numbers too); bools and text are refused."""
+    """``value`` as a Python float, or an int kept exact (``_item`` unwraps numpy and torch
+    numbers first); bools and text are refused.
+
+    Raises: ValueError naming ``name`` for anything else."""
+    number = _item(value, name)
+    if isinstance(number, bool):  # numpy's and torch's too, once unwrapped
+        raise ValueError(f"{name} must be a number, not a bool, got {brief(value)}")
+    if isinstance(number, numbers.Integral):
+        return int(number)
     try:
-        if isinstance(value, bool | str | bytes):
+        if isinstance(number, str | bytes):
             raise TypeError
-        return float(value)  # type: ignore[arg-type]
-    except OverflowError:  # an integer beyond float's range (10**400): not finite
-        return math.inf
+        return float(number)  # type: ignore[arg-type]
     except (TypeError, ValueError):
-        raise ValueError(f"{name} must be a number, got {value!r}") from None
+        raise ValueError(f"{name} must be a number, got {brief(value)}") from None

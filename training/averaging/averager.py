@@ -397,9 +397,11 @@ class Averager:
                 else ``config.default_timeout``.
 
         Raises:
-            ValueError: for a weight that is not a positive finite number, an epoch that is
-                not an integer in ``[0, 2**62)`` (``int``, numpy integer or other
-                ``numbers.Integral``), a timeout that is not a positive finite number.
+            ValueError: for a weight that is not a positive finite number up to 1e300,
+                an epoch that is not an integer in ``[0, 2**62)`` (``int``, numpy integer
+                or other ``numbers.Integral``, 0-d torch integer tensor), a timeout that is
+                not a positive finite number; for a bool (numpy's and torch's too) or an
+                array or tensor with a dimension, even of one element (0-d ones are numbers).
             RuntimeError: if another step of this averager is running, or it was closed; or
                 if a tensor object now holds other memory than when the averager was made
                 (``p.data = ...``, ``model.to(dtype)``): the averager would average the old.
@@ -874,11 +876,27 @@ def describe_settings(layout: TensorLayout, codec: Codec, config: AveragerConfig
         f"{config.max_staleness}, staleness_decay {config.staleness_decay}"
     )
     version = f", layout {LAYOUT_VERSION}"
-    # The shapes themselves when they fit the declaration's detail (a transposed weight
-    # then reads as such), else a hash of them, else the words cut short before the version.
+    # With several dtypes their order is part of the layout too: [float32, float16] and
+    # [float16, float32] counted alike, and a tester was told "another version of swarm".
+    order = " ".join(layout.dtypes) if len(dtypes) > 1 else ""
     shapes = " ".join("x".join(map(str, shape)) or "()" for shape in layout.shapes)
-    text = f"{len(layout.shapes)} tensors ({kinds}; shapes {shapes}), {rest}"
+
+    def words(order: str, shapes: str) -> str:
+        in_order = f"; dtypes {order}" if order else ""
+        return f"{len(layout.shapes)} tensors ({kinds}{in_order}; shapes {shapes}), {rest}"
+
+    # The dtypes in order and the shapes themselves when they fit the declaration's detail
+    # (a transposed weight then reads as such), else a hash of the shapes, then of the
+    # dtypes' order too, else the words cut short before the version.
+    text = words(order, shapes)
     if len(text) + len(version) > MAX_DETAIL:
-        digest = hashlib.sha256(repr(layout.shapes).encode()).hexdigest()[:8]
-        text = f"{len(layout.shapes)} tensors ({kinds}; shapes hash {digest}), {rest}"
+        shapes = f"hash {_digest(layout.shapes)}"
+        text = words(order, shapes)
+    if len(text) + len(version) > MAX_DETAIL and order:
+        text = words(f"hash {_digest(layout.dtypes)}", shapes)
     return text[: MAX_DETAIL - len(version)] + version
+
+
+def _digest(value: object) -> str:
+    """A short hash of ``value``'s repr, for the words of a layout too long to spell out."""
+    return hashlib.sha256(repr(value).encode()).hexdigest()[:8]

@@ -46,7 +46,7 @@ MAX_SAW = 1024  # step tags a "done" marker lists (within the DHT's 16 KiB per v
 LAYOUT_VERSION = "v9"
 """The averaging wire's version, part of every layout fingerprint (``Averager.layout_id``)
 and named at the end of a declaration's detail: peers of other versions group apart."""
-_VERSION_WORDS = re.compile(r", layout v\d+$")
+_VERSION_WORDS = re.compile(r", layout (v\d+)$")
 DECLARATION_KEYS = frozenset(
     {"address", "weight", "epoch", "bandwidth", "client_mode", "layout", "count", "total"}
     | {"group_size", "detail", "step"}
@@ -82,12 +82,20 @@ class Declaration:
 
     def reads_like(self, other: Declaration) -> bool:
         """Whether ``other`` declares the same settings in words (its version aside): with
-        another fingerprint, it runs another version of swarm (older details name none)."""
+        another fingerprint, it runs another version of swarm when its ``version`` is not
+        ours, else its layout differs in what the words leave out."""
         return bool(other.detail) and (
             other.total,
             other.group_size,
             _VERSION_WORDS.sub("", other.detail),
         ) == (self.total, self.group_size, _VERSION_WORDS.sub("", self.detail))
+
+    @property
+    def version(self) -> str | None:
+        """The layout version its detail ends with; None for details that name none
+        (versions before v5, or a detail left out)."""
+        found = _VERSION_WORDS.search(self.detail)
+        return found.group(1) if found else None
 
     def describe_layout(self) -> str:
         """What the layout fingerprint covers, as far as the declaration says it."""

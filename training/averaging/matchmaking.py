@@ -98,6 +98,22 @@ _OTHER_VERSION = (
     "the settings read the same on both sides: peers of another version of swarm (ours"
     f" averages with layout {LAYOUT_VERSION}); update the older side"
 )
+_UNSAID = (
+    f"the settings read the same on both sides, both of layout {LAYOUT_VERSION}: the tensors"
+    " differ in what these words leave out (the order of their dtypes or shapes, or a codec"
+    " parameter); list the same tensors in the same order on every peer"
+)
+
+
+def _same_words_note(me: Declaration, others: Collection[Declaration]) -> str:
+    """Why peers whose settings read as ours (``reads_like``) have another layout: another
+    version of swarm only when their declared version is not ours (a tester's peers, all
+    of v9, listed a float32 and a float16 tensor in opposite orders and were told to update
+    "the older side"); else something the words leave out. Empty if none reads as ours."""
+    alike = [d for d in others if d.layout != me.layout and me.reads_like(d)]
+    notes = [_OTHER_VERSION] * any(d.version != me.version for d in alike)
+    notes += [_UNSAID] * any(d.version == me.version for d in alike)
+    return "; ".join(notes)
 
 
 def _late_note(state: RoundState, window: float) -> str:
@@ -504,7 +520,7 @@ class Matchmaker(Confirmation):
             layout, and no peer of ours ever came beside us (declared or done), or none did
             for ``OUTNUMBERED_ROUNDS`` rounds in which strangers had company."""
         foreign = sorted({d.describe_layout() for d in others if d.layout != me.layout})
-        other_version = any(me.reads_like(d) for d in others if d.layout != me.layout)
+        same_words = _same_words_note(me, others)
         kinds = Counter(d.layout for d in others if d.layout != me.layout)
         # Done strangers count toward OUTNUMBERED_ROUNDS too: two markers of one layout are
         # a group of it that averaged in our round, as much evidence as two declarations;
@@ -522,8 +538,8 @@ class Matchmaker(Confirmation):
             self._outnumbered += 1
         if kinds and not ours:
             sides = [f"ours: {me.describe_layout()}"] + [f"theirs: {foreign}"] * bool(foreign)
-            if other_version:
-                sides.append(_OTHER_VERSION)
+            if same_words:
+                sides.append(same_words)
             if done_kinds:  # all a marker tells of its peer is the layout fingerprint
                 sides.append(
                     f"{done_kinds.total()} peer(s) that had finished matchmaking before we read "
@@ -548,7 +564,7 @@ class Matchmaker(Confirmation):
                 "staleness rule: they cannot average with us, only among themselves, if "
                 "several (ours: %s; theirs: %s%s)",
                 self.prefix, me.describe_layout(), foreign,
-                f"; {_OTHER_VERSION}" if other_version else "",
+                f"; {same_words}" if same_words else "",
             )  # fmt: skip
 
     async def _gather(
