@@ -87,11 +87,20 @@ class ReducerService:
         self.solo = False
         # The sum builds up in place, in our own span of the flat vector (it holds our values;
         # the tensors keep them too, for when the round fails), or in float64 beside it
-        # (``none`` with three senders or more: see wide_sum_wanted).
+        # (``none`` with three senders or more: see wide_sum_wanted); with ``none`` (below)
+        # in the results' buffer instead.
         wide_sum = None
         weights = effective_weights(members, config.max_staleness, config.staleness_decay)
         if wide_sum_wanted(codec, weights, plan.me):
             wide_sum = np.frombuffer((wide or SharedBuffer()).get(8 * length), np.float64, length)
+        self.raw = isinstance(codec, NoneCodec)  # results are raw views of the mean
+        # none: the mean forms in the buffer the results are served from (their blobs are
+        # views of it, no copy), and goes from there into our tensor
+        acc = acc_source = self._flat_span = flat.array[start:stop]
+        self._mean_bytes: bytearray | None = None
+        if self.raw:
+            self._mean_bytes = self._results.get(4 * length)
+            acc = np.frombuffer(self._mean_bytes, np.float32, length)
         self.reducer = PartReducer(
             length=length,
             chunk_elements=config.chunk_elements,
@@ -102,10 +111,11 @@ class ReducerService:
             senders=[m.peer_id for m in members],
             max_staleness=config.max_staleness,
             decay=config.staleness_decay,
-            acc=flat.array[start:stop],
+            acc=acc,
             scratch=scratch,
             local=plan.me,
-            local_values=self.target,
+            # (none: acc is not the flat vector, which holds our values when no one tensor does)
+            local_values=self.target if self.target is not None or not self.raw else acc_source,
             defer_load=True,  # see load(): after our uploads are under way
             wide=wide_sum,
         )
@@ -139,7 +149,6 @@ class ReducerService:
         self.header: ResultHeader | None = None
         self.blobs: list[bytes | memoryview] = []
         self.publish_ended = False  # publish() returned or was cancelled: no more blobs
-        self.raw = isinstance(codec, NoneCodec)  # results are raw views of the mean
         self.raw_chunks: set[int] = set()  # topk: result chunks sent dense (raw float32)
         self.ready = trio.Event()
         self.closed = False  # our step left the round (see close)
@@ -361,8 +370,7 @@ class ReducerService:
         self.cut = {p for p in self.reducer.pending() if p not in self.liveness.bad}
         self.solo = self.reducer.complete_senders() == [self.plan.me]
         # the division runs chunk by chunk in publish(), right before each is encoded
-        into_target = self.raw and not self.solo
-        outcome = self.reducer.finalize(reasons, self.target if into_target else None, divide=False)
+        outcome = self.reducer.finalize(reasons, divide=False)
         for sender in list(self._admitted):
             self._release(sender)
         if isinstance(self.codec, TopKCodec) and outcome.weight > 0:
@@ -509,7 +517,7 @@ class ReducerService:
         if outcome.note:  # refused before a chunk is served
             logger.warning("round %d: part %d: %s", self.plan.round, self.part, outcome.note)
         self.outcome = outcome
-        # none: the division writes the mean straight into our tensor (publish, or its cleanup)
+        # none: publish (or its cleanup) copies the whole mean into our tensor
         self.in_place = (
             self.raw and self.target is not None and outcome.weight > 0 and not self.solo
         )
@@ -528,9 +536,10 @@ class ReducerService:
         Call after :meth:`reduce`.
 
         The blobs are slices of one buffer, reused next round once unreferenced. With the
-        none codec they are a raw copy of the mean (no codec header): a result item may still
-        sit in a slow member's outbox after our step returned and the caller changed its
-        tensors, so the items must not be views of them.
+        none codec it is where the mean formed (raw float32, no codec header), copied from
+        there into our tensor: a result item may still sit in a slow member's outbox after
+        our step returned and the caller changed its tensors, so the items must not be
+        views of them.
         """
         assert self.header is not None
         chunks = self.header.chunks
@@ -539,8 +548,14 @@ class ReducerService:
             self.publish_ended = True
             return
         mean = self.reducer.mean()
-        view = memoryview(self._results.get(self.part_bytes))
-        out = mean if self.target is None or self.solo else self.target
+        if self.raw:  # the mean itself is in the results' buffer (see __init__)
+            assert self._mean_bytes is not None
+            view = memoryview(self._mean_bytes)
+            # it goes into our tensor, or the flat vector's span, from where it is stored
+            out = mean if self.solo else self.target if self.target is not None else self._flat_span
+        else:
+            view = memoryview(self._results.get(self.part_bytes))
+            out = mean if self.target is None or self.solo else self.target
         offset = 0
         written = 0  # elements of the mean decoded back into our tensor (``out``) so far
         try:
@@ -549,7 +564,9 @@ class ReducerService:
                 self.reducer.divide(index)
                 if self.raw:
                     size = 4 * (b - a)
-                    np.copyto(np.frombuffer(view, np.float32, b - a, offset), mean[a:b])
+                    if out is not mean:
+                        np.copyto(out[a:b], mean[a:b])
+                        written = b
                 else:
                     size = self._encode(mean[a:b], view[offset:], self.span[0] + a)
                     self.ranges.decode_into(
@@ -562,7 +579,9 @@ class ReducerService:
                 await trio.lowlevel.checkpoint()
         finally:  # cancelled midway (the round's deadline): the streams stop waiting,
             self.reducer.divide_all()  # and the whole mean is there to be stored
-            if written and out is not mean:
+            if self.raw and out is not mean:  # all of it, as when the division wrote it
+                np.copyto(out[written:], mean[written:])
+            elif written and out is not mean:
                 # Our tensor lost its local values up to ``written``: it keeps the part.
                 # Cut short, the rest gets the mean too (a caller that cancelled the step
                 # stores nothing: a trial found 20-30 of 46 chunks averaged, the rest
