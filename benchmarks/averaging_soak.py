@@ -38,7 +38,8 @@ fds, threads of every process, from /proc) and a summary line. Per member in the
   at the last one before its last round; ``peak_rss_mib``;
 - ``tasks``, ``conns``, ``dht_keys``, ``soak_keys``: first, last and peak of the trio
   tasks in its peer's loop, its RPC connections, the keys in its DHT storage and those of
-  them under ``soak/`` (round keys), read in the member after each round;
+  them under ``soak/`` (round keys), read in the member after each round (the settled one
+  of five readings 0.1 s apart: see ``settled_figures``);
 - ``step_s``, ``matchmaking_s``, ``allreduce_s``: medians over the first and the last fifth
   of its rounds; ``fraction``: mean ``averaged_fraction`` over the same;
 - ``stderr_lines``: tracebacks, warnings and errors it logged (``--debug``: the
@@ -196,6 +197,22 @@ def inner_figures(node: Any) -> dict[str, int]:
     }
 
 
+SETTLE_READS, SETTLE_GAP_S = 5, 0.1
+
+
+def settled_figures(node: Any) -> dict[str, int]:
+    """:func:`inner_figures` right after a round, the reading with the fewest tasks beyond
+    the connections' own among ``SETTLE_READS`` taken ``SETTLE_GAP_S`` apart: a result
+    stream or a ping that is still ending as the step returns (more often on a loaded
+    machine) is not a task left behind, while one that is stays in every reading."""
+    readings = []
+    for i in range(SETTLE_READS):
+        if i:
+            time.sleep(SETTLE_GAP_S)
+        readings.append(node.run_sync(inner_figures, node))
+    return min(readings, key=lambda r: r["tasks"] - 4 * r["conns"])
+
+
 def names_in(workdir: str) -> dict[str, int]:
     """PeerID -> member index, from the identity files of the members."""
     from protocol.identity import Identity
@@ -273,7 +290,7 @@ def _member(args: argparse.Namespace) -> None:
                     note=info.note,
                     problems=check_round(info, tensor, index, k, names),
                 )
-            row.update(node.run_sync(inner_figures, node))
+            row.update(settled_figures(node))
             print(json.dumps(row), flush=True)
         for averager in averagers:
             averager.close()
