@@ -4,6 +4,7 @@ socket errors into trio's stream errors."""
 
 from __future__ import annotations
 
+import array
 import socket
 import struct
 
@@ -92,4 +93,33 @@ async def test_a_call_cancelled_before_it_starts_sends_nothing() -> None:
         while chunk := await b.receive_some():
             got += chunk
         assert got == b"kept"
+        await b.aclose()
+
+
+async def test_bytes_and_views_of_wider_items_are_sent_from_the_right_byte() -> None:
+    """What ``send_some`` returns counts bytes, whatever the buffer: ``bytes``, and a view
+    of float32 items the kernel takes only part of (a slice of items resent the wrong bytes,
+    a review's reproduction)."""
+    values = array.array("f", range(1 << 20))  # 4 MiB of float32
+    expected = values.tobytes()
+    with trio.fail_after(60):
+        a, b = await _tcp_pair()
+        a.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, 1 << 16)
+        send_some = partial_sender(a)
+        assert send_some is not None
+        received = bytearray()
+
+        async def read_all() -> None:
+            while chunk := await b.receive_some(1 << 16):
+                received.extend(chunk)
+
+        async with trio.open_nursery() as nursery:
+            nursery.start_soon(read_all)
+            assert await send_some(b"head") == 4  # type: ignore[arg-type]
+            sent = await send_some(memoryview(values))  # bytes, of a view of 4-byte items
+            rest = memoryview(values).cast("B")
+            while sent < len(expected):
+                sent += await send_some(rest[sent:])
+            await a.aclose()
+        assert received == b"head" + expected
         await b.aclose()
