@@ -704,9 +704,13 @@ class Averager:
             if reason is DropReason.NONFINITE
         }  # fmt: skip
         before, self._nonfinite = self._nonfinite, (round_no, nonfinite)
+        # (two steps can share a round number: a step retried in its slot)
+        rounds = f"rounds {before[0]} and {round_no}"
+        if before[0] == round_no:
+            rounds = f"round {round_no}"
         for peer_id in nonfinite & before[1]:
             seen.setdefault(
-                peer_id, f"non-finite values in rounds {before[0]} and {round_no} (not healed)"
+                peer_id, f"non-finite values in two steps in a row ({rounds}; not healed)"
             )
         for peer_id, what in seen.items():
             if peer_id != me:
