@@ -434,8 +434,6 @@ class Averager:
         epoch = int(epoch)
         if timeout is not None:
             timeout = float(timeout)
-        elif called_at is not None:
-            timeout = self.config.default_timeout
         else:
             left = trio.current_effective_deadline() - trio.current_time()
             if math.isfinite(left):
