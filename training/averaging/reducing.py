@@ -96,11 +96,14 @@ class ReducerService:
         self.raw = isinstance(codec, NoneCodec)  # results are raw views of the mean
         # none: the mean forms in the buffer the results are served from (their blobs are
         # views of it, no copy), and goes from there into our tensor
-        acc = acc_source = self._flat_span = flat.array[start:stop]
+        acc = self._flat_span = flat.array[start:stop]
+        local_values = self.target  # None: ours are in the flat vector (copied in by load)
         self._mean_bytes: bytearray | None = None
         if self.raw:
             self._mean_bytes = self._results.get(4 * length)
             acc = np.frombuffer(self._mean_bytes, np.float32, length)
+            if local_values is None:  # (not where the sum builds up any more)
+                local_values = self._flat_span
         self.reducer = PartReducer(
             length=length,
             chunk_elements=config.chunk_elements,
@@ -114,8 +117,7 @@ class ReducerService:
             acc=acc,
             scratch=scratch,
             local=plan.me,
-            # (none: acc is not the flat vector, which holds our values when no one tensor does)
-            local_values=self.target if self.target is not None or not self.raw else acc_source,
+            local_values=local_values,
             defer_load=True,  # see load(): after our uploads are under way
             wide=wide_sum,
         )
