@@ -357,8 +357,8 @@ class _SocketSender:
     16 KiB, which keeps the unsent backlog short: on loopback ~130-196 KiB per ``send``),
     and writing the next part right away mostly succeeds. trio's ``socket.send`` yields to
     the scheduler after each part: ~800 passes per 64 MiB, each costing more than the write
-    itself. This writes again at once while
-    the kernel takes more, and waits for room only when it takes nothing."""
+    itself. This writes again at once while the kernel takes more, and waits for room only
+    when it takes nothing."""
 
     __slots__ = ("_sock",)
 
