@@ -7,10 +7,12 @@ The parent runs a bootstrap peer and starts N worker processes of this script. E
 worker starts from the same weights, draws its own batches of a synthetic regression task
 (a random teacher network), and after each backward averages its gradients with whoever
 is ready (`Averager.step_blocking`, the blocking form for plain scripts), then steps its
-optimizer: like PyTorch DDP, but over the swarm. Every 10 steps it also averages its
-parameters (a second Averager), which pulls the models back together after a round that
-did not reach everybody. At the end the parent prints every worker's test loss beside one
-process trained alone with the same total batch (N x the worker batch).
+optimizer: like PyTorch DDP, but over the swarm. Every 10 epochs of the swarm (counted from
+the gradient rounds' reports, not by a local step count, so that a late worker meets the
+others) it also averages its parameters (a second Averager), which pulls the models back
+together after a round that did not reach everybody. At the end the parent prints every
+worker's test loss beside one process trained alone with the same total batch (N x the
+worker batch).
 """
 
 from __future__ import annotations
@@ -77,8 +79,8 @@ def worker(args: argparse.Namespace) -> None:
             info = grads.step_blocking(weight=BATCH, epoch=epoch, timeout=30.0)
             epoch = max(epoch, info.epoch) + 1  # the swarm's progress (see the README)
             opt.step()
-            if step % 10 == 9:
-                synced = params.step_blocking(timeout=30.0)
+            if epoch % 10 == 0:  # by the swarm's epoch, not a local count (docs/averaging.md)
+                synced = params.step_blocking(epoch=epoch, timeout=30.0)
                 print(
                     f"worker {args.index} step {step + 1}: loss {loss.item():.4f}, grads "
                     f"{info.averaged_fraction:.0%} over {len(info.group)}, params {synced}",

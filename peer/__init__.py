@@ -29,6 +29,7 @@ _EXPORTS = {
     "DHT": ".dht",
     "DHTConfig": ".dht",
     "LimitExceededError": ".errors",
+    "PeerBusyError": ".errors",
     "PeerUnavailableError": ".errors",
     "RemoteError": ".errors",
     "HostConfig": ".host",
@@ -61,6 +62,7 @@ if TYPE_CHECKING:
     from .dht import DHT as DHT
     from .dht import DHTConfig as DHTConfig
     from .errors import LimitExceededError as LimitExceededError
+    from .errors import PeerBusyError as PeerBusyError
     from .errors import PeerStoppedError as PeerStoppedError
     from .errors import PeerUnavailableError as PeerUnavailableError
     from .errors import RemoteError as RemoteError
@@ -104,6 +106,7 @@ __all__ = [
     "MemoryNetwork",
     "Network",
     "Peer",
+    "PeerBusyError",
     "PeerConfig",
     "PeerStoppedError",
     "PeerThreadError",

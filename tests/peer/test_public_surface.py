@@ -9,8 +9,8 @@ import peer
 
 PEER_API = {
     "BackgroundDHT", "BackgroundPeer", "ClockConfig", "DHT", "DHTConfig", "HostConfig",
-    "LimitExceededError", "MemoryNetwork", "Network", "Peer", "PeerConfig", "PeerStoppedError",
-    "PeerThreadError",
+    "LimitExceededError", "MemoryNetwork", "Network", "Peer", "PeerBusyError", "PeerConfig",
+    "PeerStoppedError", "PeerThreadError",
     "PeerUnavailableError", "RecordError", "RecordTooLargeError", "RemoteError", "Reply",
     "Request", "RpcHost", "SwarmError", "TcpNetwork", "open_peer", "open_rpc_host",
     "run_in_background",
