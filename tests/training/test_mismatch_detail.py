@@ -19,7 +19,7 @@ from protocol.codecs import get_codec
 from protocol.errors import RemoteProtocolError
 from protocol.identity import Identity
 from training import Averager, AveragerConfig, LayoutMismatchError
-from training.averaging.averager import describe_settings
+from training.averaging.descriptions import describe_settings
 from training.averaging.grouping import DECLARATION_KEYS, MAX_DETAIL, Declaration
 from training.averaging.layout import TensorLayout
 from training.averaging.matchmaking import _same_words_note

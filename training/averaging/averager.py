@@ -13,7 +13,6 @@ and report what happened (report). Nothing waits beyond ``timeout``.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import logging
 import math
 import secrets
@@ -21,7 +20,7 @@ import time
 import warnings
 import weakref
 from collections import Counter, deque
-from collections.abc import AsyncIterator, Callable, Iterator, Mapping, Sequence
+from collections.abc import AsyncIterator, Callable, Iterator, Sequence
 from contextlib import aclosing
 from dataclasses import dataclass, field, replace
 from typing import Any
@@ -31,7 +30,7 @@ import torch
 import trio
 
 from peer import BackgroundPeer, Peer, PeerStoppedError, RemoteError, Reply, Request
-from protocol.codecs import Codec, NonFiniteError, get_codec
+from protocol.codecs import NonFiniteError, get_codec
 from protocol.errors import RemoteProtocolError
 from protocol.identity import PeerID
 
@@ -40,17 +39,17 @@ from .buffers import BufferPool, SharedBuffer
 from .butterfly import Butterfly
 from .casts import TORCH_CASTS
 from .config import AveragerConfig, default_retain_budget
+from .descriptions import cut_here, deadline_note, describe_settings, left_note, sentences
 from .feedback import ErrorFeedback
 from .grouping import (
     DECLARATION_KEYS,
     LAYOUT_VERSION,
-    MAX_DETAIL,
     MAX_EPOCH,
     MAX_STEP_TAG,
     Declaration,
     phase_of,
 )
-from .layout import FlatVector, Float32Array, TensorLayout
+from .layout import FlatVector, Float32Array
 from .loopwatch import LoopWatch
 from .matchmaking import Matchmaker
 from .messages import ChunkHeader, method_prefix, parse_ping, parse_result_request
@@ -100,54 +99,6 @@ def network_time(node: Peer, local: Callable[[], float]) -> Callable[[], float]:
         return seconds + network_clock.offset
 
     return now
-
-
-def _sentences(*notes: str) -> str:
-    return "; ".join(note for note in notes if note)
-
-
-def _cut_here(service: ReducerService | None) -> str:
-    """The note of a step whose own part's cutoff (our step's timeout, less the result's
-    share) dropped members still sending: every report lists them as ``timeout``, which
-    read as their fault when our short timeout was the cause (an outside tester). Not
-    members that withdrew (their own step ended), also ``timeout``: the note blamed our
-    cutoff on survivors whose own timeout was 30 s (another tester)."""
-    if service is None or not service.cut:
-        return ""
-    return (
-        f"our part's cutoff (this step's timeout) came before {len(service.cut)} member(s)"
-        " had sent it all: it dropped them as timeout"
-    )
-
-
-def _deadline_note(parts: int) -> str:
-    """The note of a step whose timeout ended its all-reduce before ``parts`` parts came
-    back: their reducers are reported as ``timeout`` (the note of each part says why), and
-    the step's note said nothing, which read as the others' fault (an outside tester)."""
-    if not parts:
-        return ""
-    return (
-        f"this step's timeout came before {parts} part(s) were done: their reducers are "
-        "reported as timeout (allow the step more time)"
-    )
-
-
-def _left_note(dropped: Mapping[PeerID, DropReason], liveness: Liveness) -> str:
-    """Members dropped as ``dead`` or ``timeout`` that said their step had ended (they
-    answered a ping out of the round, or withdrew: cancelled, timed out, or their averager
-    closed): alive, although an outside tester took such a report for a death."""
-    left = sorted(
-        f"{p.short()} (dropped as {r})"
-        for p, r in dropped.items()
-        if r in (DropReason.DEAD, DropReason.TIMEOUT) and p in liveness.left
-    )
-    if not left:
-        return ""
-    whose = "its step" if len(left) == 1 else "their steps"
-    return (
-        f"{', '.join(left)}: {whose} left the round (cancelled, timed out, or averager "
-        "closed); the peer is alive"
-    )
 
 
 def _in_trio_task() -> bool:
@@ -651,12 +602,12 @@ class Averager:
             outcome_of(parts, self.flat.total), conf.round, plan.group, match.leader, parts,
             self.flat.total, epoch=plan.max_epoch, matchmaking_s=t1 - t0,
             allreduce_s=allreduce_s, dropped=dropped,
-            note=_sentences(
+            note=sentences(
                 match.note,
                 stall,
-                _cut_here(service),
-                _deadline_note(butterfly.cut_by_deadline),
-                _left_note(dropped, liveness),
+                cut_here(service),
+                deadline_note(butterfly.cut_by_deadline),
+                left_note(dropped, liveness),
             ),
             me=me.peer_id,
             group_id=int.from_bytes(plan.group_id[:8], "big"),  # (the report's: a number)
@@ -735,7 +686,7 @@ class Averager:
         # the stall first: the matchmaker's guesses of why nobody joined come after the
         # likelier cause (a tester's suspended leader read "they may have read it before
         # our declaration reached them" first)
-        return replace(match, note=_sentences(stall, match.note)) if stall else match
+        return replace(match, note=sentences(stall, match.note)) if stall else match
 
     def _enter_round(self, number: int) -> None:
         if self._active is not None:
@@ -863,42 +814,3 @@ class Averager:
         async with aclosing(service.results(request.peer_id)) as items:
             async for item in items:
                 yield item
-
-
-def describe_settings(layout: TensorLayout, codec: Codec, config: AveragerConfig) -> str:
-    """What the layout fingerprint covers, in words, for the error a peer of another
-    layout gets (the fingerprint alone does not say which setting differs); at most
-    ``MAX_DETAIL`` characters, always ending with the layout version (``reads_like``)."""
-    dtypes = Counter(layout.dtypes)
-    kinds = ", ".join(f"{n} {dtype}" for dtype, n in sorted(dtypes.items()))
-    args = ", ".join(f"{k}={v}" for k, v in codec.params.items() if k != "max_elements")
-    codec_text = f"{codec.name}({args})" if args else codec.name
-    rest = (
-        f"codec {codec_text}, chunk_bytes {config.chunk_bytes}, max_staleness "
-        f"{config.max_staleness}, staleness_decay {config.staleness_decay}"
-    )
-    version = f", layout {LAYOUT_VERSION}"
-    # With several dtypes their order is part of the layout too: [float32, float16] and
-    # [float16, float32] counted alike, and a tester was told "another version of swarm".
-    order = " ".join(layout.dtypes) if len(dtypes) > 1 else ""
-    shapes = " ".join("x".join(map(str, shape)) or "()" for shape in layout.shapes)
-
-    def words(order: str, shapes: str) -> str:
-        in_order = f"; dtypes {order}" if order else ""
-        return f"{len(layout.shapes)} tensors ({kinds}{in_order}; shapes {shapes}), {rest}"
-
-    # The dtypes in order and the shapes themselves when they fit the declaration's detail
-    # (a transposed weight then reads as such), else a hash of the shapes, then of the
-    # dtypes' order too, else the words cut short before the version.
-    text = words(order, shapes)
-    if len(text) + len(version) > MAX_DETAIL:
-        shapes = f"hash {_digest(layout.shapes)}"
-        text = words(order, shapes)
-    if len(text) + len(version) > MAX_DETAIL and order:
-        text = words(f"hash {_digest(layout.dtypes)}", shapes)
-    return text[: MAX_DETAIL - len(version)] + version
-
-
-def _digest(value: object) -> str:
-    """A short hash of ``value``'s repr, for the words of a layout too long to spell out."""
-    return hashlib.sha256(repr(value).encode()).hexdigest()[:8]

@@ -1,0 +1,110 @@
+"""Words for reports and errors: the sentences a step's note is made of (why members were
+dropped, when the cause was this peer's own timeout or their leaving), and the layout
+settings in words for the error a peer of another layout gets."""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from protocol.codecs import Codec
+from protocol.identity import PeerID
+
+from .config import AveragerConfig
+from .grouping import LAYOUT_VERSION, MAX_DETAIL
+from .plan import Liveness
+from .reducer import DropReason
+
+if TYPE_CHECKING:
+    from .layout import TensorLayout
+    from .reducing import ReducerService
+
+
+def sentences(*notes: str) -> str:
+    """The non-empty ``notes`` as one note, "; " between them."""
+    return "; ".join(note for note in notes if note)
+
+
+def cut_here(service: ReducerService | None) -> str:
+    """The note of a step whose own part's cutoff (our step's timeout, less the result's
+    share) dropped members still sending: every report lists them as ``timeout``, which
+    read as their fault when our short timeout was the cause (an outside tester). Not
+    members that withdrew (their own step ended), also ``timeout``: the note blamed our
+    cutoff on survivors whose own timeout was 30 s (another tester)."""
+    if service is None or not service.cut:
+        return ""
+    return (
+        f"our part's cutoff (this step's timeout) came before {len(service.cut)} member(s)"
+        " had sent it all: it dropped them as timeout"
+    )
+
+
+def deadline_note(parts: int) -> str:
+    """The note of a step whose timeout ended its all-reduce before ``parts`` parts came
+    back: their reducers are reported as ``timeout`` (the note of each part says why), and
+    the step's note said nothing, which read as the others' fault (an outside tester)."""
+    if not parts:
+        return ""
+    return (
+        f"this step's timeout came before {parts} part(s) were done: their reducers are "
+        "reported as timeout (allow the step more time)"
+    )
+
+
+def left_note(dropped: Mapping[PeerID, DropReason], liveness: Liveness) -> str:
+    """Members dropped as ``dead`` or ``timeout`` that said their step had ended (they
+    answered a ping out of the round, or withdrew: cancelled, timed out, or their averager
+    closed): alive, although an outside tester took such a report for a death."""
+    left = sorted(
+        f"{p.short()} (dropped as {r})"
+        for p, r in dropped.items()
+        if r in (DropReason.DEAD, DropReason.TIMEOUT) and p in liveness.left
+    )
+    if not left:
+        return ""
+    whose = "its step" if len(left) == 1 else "their steps"
+    return (
+        f"{', '.join(left)}: {whose} left the round (cancelled, timed out, or averager "
+        "closed); the peer is alive"
+    )
+
+
+def describe_settings(layout: TensorLayout, codec: Codec, config: AveragerConfig) -> str:
+    """What the layout fingerprint covers, in words, for the error a peer of another
+    layout gets (the fingerprint alone does not say which setting differs); at most
+    ``MAX_DETAIL`` characters, always ending with the layout version (``reads_like``)."""
+    dtypes = Counter(layout.dtypes)
+    kinds = ", ".join(f"{n} {dtype}" for dtype, n in sorted(dtypes.items()))
+    args = ", ".join(f"{k}={v}" for k, v in codec.params.items() if k != "max_elements")
+    codec_text = f"{codec.name}({args})" if args else codec.name
+    rest = (
+        f"codec {codec_text}, chunk_bytes {config.chunk_bytes}, max_staleness "
+        f"{config.max_staleness}, staleness_decay {config.staleness_decay}"
+    )
+    version = f", layout {LAYOUT_VERSION}"
+    # With several dtypes their order is part of the layout too: [float32, float16] and
+    # [float16, float32] counted alike, and a tester was told "another version of swarm".
+    order = " ".join(layout.dtypes) if len(dtypes) > 1 else ""
+    shapes = " ".join("x".join(map(str, shape)) or "()" for shape in layout.shapes)
+
+    def words(order: str, shapes: str) -> str:
+        in_order = f"; dtypes {order}" if order else ""
+        return f"{len(layout.shapes)} tensors ({kinds}{in_order}; shapes {shapes}), {rest}"
+
+    # The dtypes in order and the shapes themselves when they fit the declaration's detail
+    # (a transposed weight then reads as such), else a hash of the shapes, then of the
+    # dtypes' order too, else the words cut short before the version.
+    text = words(order, shapes)
+    if len(text) + len(version) > MAX_DETAIL:
+        shapes = f"hash {digest(layout.shapes)}"
+        text = words(order, shapes)
+    if len(text) + len(version) > MAX_DETAIL and order:
+        text = words(f"hash {digest(layout.dtypes)}", shapes)
+    return text[: MAX_DETAIL - len(version)] + version
+
+
+def digest(value: object) -> str:
+    """A short hash of ``value``'s repr, for the words of a layout too long to spell out."""
+    return hashlib.sha256(repr(value).encode()).hexdigest()[:8]
