@@ -586,10 +586,40 @@ async def test_member_too_stale_is_dropped_and_staleness_decays_weights(
                 assert info.stale == (stale_id,)
                 for part in info.parts:
                     assert part.dropped == {stale_id: DropReason.STALE}
+                if info.me == stale_id:  # its note says why, and what to do
+                    assert "our epoch 2 is more than max_staleness (2) behind the group's" in (
+                        info.note
+                    ), str(info)
+                    assert "continue from info.epoch" in info.note
+                else:
+                    assert "epoch" not in info.note, str(info)
             members[3].epoch = 5
             for m in members:
                 m.data = m.array.copy()
             await next_round_without(members, victim=len(members))
+
+
+async def test_a_member_far_ahead_of_all_others_is_told_in_its_note(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Every other member stale: the whole group takes on the one peer's values, and its
+    own report (every part ``none``) says why (an outside tester: a local count as epoch)."""
+    with trio.fail_after(120):
+        async with memnet_swarm(3) as (_, nodes):
+            members = make_members(nodes, SIZE, fast_config(max_staleness=2))
+            for m, epoch in zip(members, [13, 10, 9], strict=True):
+                m.epoch = epoch
+            results = await step_all(members, timeout=TIMEOUT)
+    infos = [info for info, _ in results]
+    verify_round(members, infos)  # type: ignore[arg-type]
+    ahead, *others = infos
+    assert ahead is not None and ahead.outcome is Outcome.FAILED, str(ahead)
+    assert "every other member's epoch (at most 10) is more than max_staleness (2) behind ours" in (
+        ahead.note
+    ), str(ahead)
+    for info in others:
+        assert info is not None and info.received_fraction == 1.0, str(info)
+        assert "our epoch" in info.note and "behind the group's newest (13)" in info.note
 
 
 async def test_a_reducer_whose_result_misses_the_deadline_is_listed_as_dropped(

@@ -39,7 +39,14 @@ from .buffers import BufferPool, SharedBuffer
 from .butterfly import Butterfly
 from .casts import TORCH_CASTS
 from .config import AveragerConfig, default_retain_budget
-from .descriptions import cut_here, deadline_note, describe_settings, left_note, sentences
+from .descriptions import (
+    cut_here,
+    deadline_note,
+    describe_settings,
+    left_note,
+    sentences,
+    stale_note,
+)
 from .feedback import ErrorFeedback
 from .grouping import (
     DECLARATION_KEYS,
@@ -605,6 +612,7 @@ class Averager:
             note=sentences(
                 match.note,
                 stall,
+                stale_note(plan, self.config.max_staleness),
                 cut_here(service),
                 deadline_note(butterfly.cut_by_deadline),
                 left_note(dropped, liveness),

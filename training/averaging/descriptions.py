@@ -14,7 +14,7 @@ from protocol.identity import PeerID
 
 from .config import AveragerConfig
 from .grouping import LAYOUT_VERSION, MAX_DETAIL
-from .plan import Liveness
+from .plan import Liveness, Plan
 from .reducer import DropReason
 
 if TYPE_CHECKING:
@@ -69,6 +69,32 @@ def left_note(dropped: Mapping[PeerID, DropReason], liveness: Liveness) -> str:
         f"{', '.join(left)}: {whose} left the round (cancelled, timed out, or averager "
         "closed); the peer is alive"
     )
+
+
+def stale_note(plan: Plan, max_staleness: int) -> str:
+    """Why staleness left contributions out, when it concerns this peer: its own epoch too
+    far behind the group's newest, or every other member's too far behind its own (the
+    whole group then took on this peer's values, and its report alone said nothing: an
+    outside tester asked for a word of warning)."""
+    me = plan.member(plan.me)
+    if me is None or len(plan.members) < 2:
+        return ""
+    where = "docs/averaging.md, Weights and staleness"
+    if plan.weights.get(plan.me, 0.0) is None:
+        return (
+            f"our epoch {me.epoch} is more than max_staleness ({max_staleness}) behind the "
+            f"group's newest ({plan.max_epoch}): our values were left out as stale and we "
+            f"took on the others' mean; continue from info.epoch ({where})"
+        )
+    others = [m for m in plan.members if m.peer_id != plan.me]
+    if all(plan.weights.get(m.peer_id, 0.0) is None for m in others):
+        newest_other = max(m.epoch for m in others)
+        return (
+            f"every other member's epoch (at most {newest_other}) is more than max_staleness "
+            f"({max_staleness}) behind ours ({me.epoch}): they were left out as stale and "
+            f"took on our values; is our epoch a local count rather than the swarm's? ({where})"
+        )
+    return ""
 
 
 def describe_settings(layout: TensorLayout, codec: Codec, config: AveragerConfig) -> str:
