@@ -257,7 +257,15 @@ class _Listener:
 
 
 class MemoryNetwork:
-    """A switchboard of in-memory streams keyed by ``(host, port)``; see the module docstring."""
+    """A switchboard of in-memory streams keyed by ``(host, port)``, for tests on virtual time.
+
+    Each simulated peer takes ``interface(host)`` as its network and listens on that host.
+    Every chunk written arrives ``latency`` seconds later, in order (plus ``slow_host``'s
+    extra delay); ``window`` bounds the unread bytes per direction (None: unbounded). Faults:
+    ``partition(*groups)`` / ``heal()``, ``kill_host`` / ``revive_host``, ``freeze_host`` /
+    ``unfreeze_host`` (streams stay open, nothing moves to or from the host meanwhile;
+    what the other side already received stays received), ``drop_connections``. The
+    module docstring gives the exact rules."""
 
     def __init__(self, *, latency: float = 0.0, window: int | None = None) -> None:
         self.latency = latency
