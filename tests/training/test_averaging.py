@@ -192,7 +192,7 @@ async def test_a_lone_peer_gets_a_clear_answer_and_keeps_its_tensors(
             info = await member.averager.step(timeout=10.0)
             assert trio.current_time() - start <= 1.5 * 1.0 + 0.1
     assert info.outcome is Outcome.ALONE
-    assert info.group == (member.peer_id,)
+    assert info.group == (member.peer_id,) and info.me == member.peer_id
     assert info.averaged_fraction == 0.0 and info.parts == ()
     # its node knows the other node; a peer whose gather_window differs from the others'
     # meets nobody either, and nothing else would tell it (a trial: 2.1 s beside 2.0 s)

@@ -547,7 +547,7 @@ class Averager:
             outcome = Outcome.ALONE if match.alone else Outcome.UNCONFIRMED
             return AveragingInfo(
                 outcome, match.round, (me.peer_id,), match.leader, (), self.flat.total,
-                epoch=epoch, matchmaking_s=t1 - t0, note=match.note,
+                epoch=epoch, matchmaking_s=t1 - t0, note=match.note, me=me.peer_id,
             )  # fmt: skip
         conf = match.confirmation
         plan = Plan.of(conf, me.peer_id, self.config)
