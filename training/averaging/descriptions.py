@@ -1,6 +1,7 @@
 """Words for reports and errors: the sentences a step's note is made of (why members were
-dropped, when the cause was this peer's own timeout or their leaving), and the layout
-settings in words for the error a peer of another layout gets."""
+dropped, when the cause was this peer's own timeout, their leaving, or an epoch too far
+behind or ahead), and the layout settings in words for the error a peer of another layout
+gets."""
 
 from __future__ import annotations
 
