@@ -10,7 +10,10 @@ is ready (`Averager.step_blocking`, the blocking form for plain scripts), then s
 optimizer: like PyTorch DDP, but over the swarm. Every 10 epochs of the swarm (counted from
 the gradient rounds' reports, not by a local step count, so that a late worker meets the
 others) it also averages its parameters (a second Averager), which pulls the models back
-together after a round that did not reach everybody. At the end the parent prints every
+together after a round that did not reach everybody; until one such round has brought
+it the others' values, a worker averages its parameters with a tiny weight, so that one
+joining late takes on the swarm's parameters instead of pulling them back toward its
+fresh ones. At the end the parent prints every
 worker's test loss beside one process trained alone with the same total batch (N x the
 worker batch).
 """
@@ -67,6 +70,10 @@ def worker(args: argparse.Namespace) -> None:
         params = Averager(node, "train_mlp/params", list(model.parameters()), codec=args.codec)
         grads = None
         epoch = 0
+        # A tiny weight in parameter rounds until one has brought us the others' values: a
+        # worker that joins a running swarm then takes on its parameters instead of pulling
+        # them back toward its own fresh ones (workers that start together are equal anyway)
+        synced = False
         for step in range(args.steps):
             batch = slice(step * BATCH, (step + 1) * BATCH)
             loss = torch.nn.functional.mse_loss(model(x[batch]), y[batch])
@@ -80,10 +87,13 @@ def worker(args: argparse.Namespace) -> None:
             epoch = max(epoch, info.epoch) + 1  # the swarm's progress (see the README)
             opt.step()
             if epoch % 10 == 0:  # by the swarm's epoch, not a local count (docs/averaging.md)
-                synced = params.step_blocking(epoch=epoch, timeout=30.0)
+                report = params.step_blocking(
+                    weight=1.0 if synced else 1e-3, epoch=epoch, timeout=30.0
+                )
+                synced = synced or (len(report.group) > 1 and report.received_fraction == 1.0)
                 print(
                     f"worker {args.index} step {step + 1}: loss {loss.item():.4f}, grads "
-                    f"{info.averaged_fraction:.0%} over {len(info.group)}, params {synced}",
+                    f"{info.averaged_fraction:.0%} over {len(info.group)}, params {report}",
                     flush=True,
                 )
         print(json.dumps({"worker": args.index, "test_loss": test_loss(model)}), flush=True)
