@@ -194,6 +194,26 @@ async def test_tensors_that_cannot_be_averaged_in_place_are_refused_naming_them(
                 Averager(nodes[0], "t/x", [torch.zeros(2), make()], config=fast_config())
 
 
+async def test_a_model_or_a_state_dict_instead_of_tensors_says_what_to_pass(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A model was "got Linear" (no way out named); a state_dict's advice listed a tied
+    weight twice, which the next check refuses (an outside trial)."""
+    model = torch.nn.Sequential(torch.nn.Embedding(5, 3), torch.nn.Linear(3, 5))
+    model[1].weight = model[0].weight  # tied
+    with trio.fail_after(30):
+        async with memnet_swarm(1) as (_, nodes):
+            with pytest.raises(TypeError, match=r"got the model \(Sequential\): pass list"):
+                Averager(nodes[0], "t/m", model, config=fast_config())
+            with pytest.raises(TypeError, match="a state_dict") as refused:
+                Averager(nodes[0], "t/s", model.state_dict(), config=fast_config())
+            advice = str(refused.value).partition("under each name): ")[2]
+            sd = model.state_dict()  # the advice, run as written, is accepted
+            tensors = eval(advice, {"sd": sd})
+            Averager(nodes[0], "t/s", tensors, config=fast_config()).close()
+            assert len(tensors) == 2 and len(sd) == 3
+
+
 @pytest.mark.parametrize("tensors", [None, 5], ids=["None", "int"])
 async def test_tensors_that_are_not_a_list_say_what_was_expected(
     autojump_clock: trio.testing.MockClock, tensors: Any

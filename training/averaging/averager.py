@@ -511,7 +511,10 @@ class Averager:
         """:meth:`step_blocking` (or :meth:`step` outside a trio task) itself."""
         called_at = time.monotonic()
         if self._background is None:
-            raise RuntimeError("step_blocking needs a peer from peer.run_in_background")
+            raise RuntimeError(
+                "step_blocking needs a peer from peer.run_in_background; on open_peer()'s "
+                "peer, in its trio loop, use info = await averager.step(...)"
+            )
         check_step_arguments(weight, epoch, timeout)
         self._check_open()  # before the warning below: a closed averager says only that
         self.flat.check_memory()

@@ -90,7 +90,14 @@ def as_list(tensors: Iterable[Any]) -> list[Any]:
         raise TypeError(
             "tensors must be a list of tensors, got a mapping (a state_dict()?): pass "
             "list(model.parameters()), or the floating tensors of state_dict().values() "
-            "without tied weights ([t for t in sd.values() if t.is_floating_point()])"
+            "with each tied weight once (a state_dict lists it under each name): "
+            "list({t.data_ptr(): t for t in sd.values() if t.is_floating_point()}.values())"
+        )
+    if isinstance(tensors, torch.nn.Module):  # iterating it fails, or yields submodules
+        raise TypeError(
+            f"tensors must be a list of tensors, got the model ({type(tensors).__name__}): "
+            "pass list(model.parameters()), or [p.grad for p in model.parameters()] for "
+            "its gradients"
         )
     try:
         iterator = iter(tensors)
