@@ -5,6 +5,7 @@ awaitable. Before, it returned a coroutine that never ran (``info.group`` then f
 
 from __future__ import annotations
 
+import gc
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -13,6 +14,7 @@ import pytest
 import torch
 import trio
 import trio.testing
+from test_averaging_support import fast_config, make_members, memnet_swarm
 
 from peer import open_peer, run_in_background
 from training import Averager, AveragerConfig, AveragingInfo, Outcome
@@ -169,3 +171,25 @@ async def test_the_unreferenced_check_is_asked_at_the_first_steps_then_ever_more
                 await averager.step(timeout=0.05)
             averager.close()
     assert asked == [1, 2, 3, 4, 8, 16]
+
+
+async def test_a_step_never_awaited_is_named_at_the_next_step(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """``averager.step(...)`` as a bare statement in async code did nothing, and the only
+    sign was Python's warning when the coroutine was collected (an outside trial): training
+    went on without any averaging. The next step says so."""
+    with trio.fail_after(30):
+        async with memnet_swarm(1) as (_, nodes):
+            (member,) = make_members(nodes, 8, fast_config())
+            with pytest.warns(RuntimeWarning, match="never awaited"):
+                member.averager.step(timeout=1.0)  # type: ignore[unused-coroutine]
+                gc.collect()
+            with pytest.raises(RuntimeError, match=r"never awaited.*await averager.step"):
+                await member.averager.step(timeout=1.0)
+            assert (await member.averager.step(timeout=1.0)).group == (member.peer_id,)
+            kept = member.averager.step(timeout=1.0)  # made now, awaited later: fine
+            assert (await kept).group == (member.peer_id,)
+            async with trio.open_nursery() as nursery:  # started as a task: fine too
+                nursery.start_soon(member.averager.step)
+            assert (await member.averager.step(timeout=1.0)).group == (member.peer_id,)

@@ -233,6 +233,8 @@ class Averager:
         )
         self._count = 0
         self._active: _Active | None = None
+        # the coroutine of our last step() in async code until it first runs (see step)
+        self._unstarted: weakref.ref[Any] | None = None
         # (round, group tag) of the groups our last steps left: a late message naming one
         # is not_found even while our next step, in a round of the same number, waits for
         # its own group (a review: a ping was answered alive, a result request held)
@@ -343,8 +345,9 @@ class Averager:
         :class:`AveragingInfo` itself: the same method, no ``await``, as the background
         peer's ``dht.store`` and ``dht.get`` (:meth:`step_blocking` is the same call). In
         a trio task it is always the awaitable (a ``step()`` not awaited does nothing, as
-        for any coroutine); called outside any trio task on an ``open_peer`` averager it
-        raises ``RuntimeError``, as that peer's loop is the only one that can run it.
+        for any coroutine, and the next ``step()`` then raises ``RuntimeError``); called
+        outside any trio task on an ``open_peer`` averager it raises ``RuntimeError``, as
+        that peer's loop is the only one that can run it.
 
         Args:
             weight: this peer's share of the weighted mean (e.g. its sample count).
@@ -360,7 +363,8 @@ class Averager:
                 or other ``numbers.Integral``, 0-d torch integer tensor), a timeout that is
                 not a positive finite number; for a bool (numpy's and torch's too) or an
                 array or tensor with a dimension, even of one element (0-d ones are numbers).
-            RuntimeError: if another step of this averager is running, or it was closed; or
+            RuntimeError: if another step of this averager is running, or it was closed, or
+                the previous ``step()`` in async code was dropped without being awaited; or
                 if a tensor object now holds other memory than when the averager was made
                 (``p.data = ...``, ``model.to(dtype)``): the averager would average the old.
             LayoutMismatchError: the peers of the round average another tensor layout,
@@ -376,7 +380,16 @@ class Averager:
                     "call step from a plain thread"
                 )
             return self._blocking(weight, epoch, timeout)
-        return self._step_async(weight, epoch, timeout)
+        unstarted = self._unstarted
+        if unstarted is not None and unstarted() is None:  # dropped before it ever ran
+            self._unstarted = None
+            raise RuntimeError(
+                "the previous averager.step(...) was never awaited, so it averaged nothing: "
+                "in async code, write info = await averager.step(...)"
+            )
+        coroutine = self._step_async(weight, epoch, timeout)
+        self._unstarted = weakref.ref(coroutine)
+        return coroutine
 
     async def _step_async(
         self,
@@ -388,6 +401,7 @@ class Averager:
         """:meth:`step` in async code (its arguments and errors). ``called_at``: the
         ``time.monotonic()`` of a blocking call, which made the per-tensor checks already;
         the time since counts against ``timeout``."""
+        self._unstarted = None  # (a step() that runs was awaited, or started as a task)
         check_step_arguments(weight, epoch, timeout)
         epoch = int(epoch)
         if timeout is not None:
