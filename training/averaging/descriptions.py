@@ -84,16 +84,16 @@ def stale_note(plan: Plan, max_staleness: int) -> str:
     if plan.weights.get(plan.me, 0.0) is None:
         return (
             f"our epoch {me.epoch} is more than max_staleness ({max_staleness}) behind the "
-            f"group's newest ({plan.max_epoch}): our values were left out as stale and we "
-            f"took on the others' mean; continue from info.epoch ({where})"
+            f"group's newest ({plan.max_epoch}): our values were left out as stale (a stale "
+            f"member receives the others' mean); continue from info.epoch ({where})"
         )
     others = [m for m in plan.members if m.peer_id != plan.me]
     if all(plan.weights.get(m.peer_id, 0.0) is None for m in others):
         newest_other = max(m.epoch for m in others)
         return (
             f"every other member's epoch (at most {newest_other}) is more than max_staleness "
-            f"({max_staleness}) behind ours ({me.epoch}): they were left out as stale and "
-            f"took on our values; is our epoch a local count rather than the swarm's? ({where})"
+            f"({max_staleness}) behind ours ({me.epoch}): they were left out as stale (they "
+            f"receive our values); is our epoch a local count rather than the swarm's? ({where})"
         )
     return ""
 
