@@ -99,6 +99,11 @@ WILDCARD_HOSTS = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
 
 _MAX_REMEMBERED_ADDRESSES = 4096
 """``HOST:PORT -> PeerID`` learnt by dialing, so later calls without a PeerID reuse the pool."""
+_ECHO_WAIT = 1.0
+"""Seconds a dial that met our own PeerID waits for its other end to come in here."""
+_OWN_DIAL_WINDOW = 10.0
+"""Seconds after a dial of ours met our own PeerID during which a connection that comes in
+proving it is taken for that dial's other end, not another process with our key."""
 _EVICT_AFTER = 1.0
 """Seconds an inbound connection must have been idle to be closed for a newcomer when every
 slot is taken (a flood of new connections must not evict each other at once)."""
@@ -200,6 +205,15 @@ class RpcHost:
         """True once the host's context has ended: calls raise PeerStoppedError."""
         self._trio_token = trio.lowlevel.current_trio_token()  # made inside its nursery
         self._twins_warned: set[str] = set()  # addresses that proved our own PeerID
+        self._own_id_dialed = -math.inf  # when a dial of ours last met our own PeerID
+        self._own_id_inbound_at = -math.inf  # when a connection in last proved it
+        self._own_id_inbound = trio.Event()  # set (and replaced) by each such connection
+        self.twin: tuple[str, float] | None = None
+        """The latest sure sign of another process with our key: where (its ``HOST:PORT``,
+        or the host it dialed us from) and when (trio time); None if none was seen. Set
+        when it dialed us, and by the DHT when an address others knew us at proved our
+        PeerID; not by any dial of ours that proves it (``_twin``): an address of this very
+        host under another name (``localhost``) does too."""
         self.announce_host: str | None = None
         """The host others are told to dial us at, when it is not the listen host."""
 
@@ -495,23 +509,41 @@ class RpcHost:
             "another process uses the same identity (a copied key file?), and peers cannot "
             "tell the two apart; give each peer its own identity"
         )
-        if address.hostport not in self._twins_warned:
-            if len(self._twins_warned) < 64:
-                self._twins_warned.add(address.hostport)
-            logger.warning("%s", message)
+        self._warn_twin(address.hostport, message)
         return DuplicateIdentityError(message)
+
+    async def _came_back(self, since: float) -> bool:
+        """Whether a connection came in proving our own PeerID since ``since`` (or does
+        within ``_ECHO_WAIT``): a dial of ours that met our PeerID reached this very host
+        (an address of ours under another name, ``localhost`` for ``127.0.0.1``: taken for
+        another process with our key, it was warned of as one), not a twin. The dialer's
+        handshake ends first; the other end's, in this process, a moment later."""
+        if self._own_id_inbound_at < since:
+            with trio.move_on_after(_ECHO_WAIT):
+                await self._own_id_inbound.wait()
+        return self._own_id_inbound_at >= since
+
+    def _warn_twin(self, where: str, message: str) -> None:
+        if where not in self._twins_warned:
+            if len(self._twins_warned) < 64:
+                self._twins_warned.add(where)
+            logger.warning("%s", message)
 
     async def _dial(self, address: Address, key: tuple[str, PeerID | None], dial: _Dial) -> None:
         try:
+            started = trio.current_time()
             with trio.fail_after(self.config.dial_timeout):
                 raw = await self.network.connect(address.host, address.port)
                 secure = await secure_handshake(
                     raw, self.identity, initiator=True, expected_peer_id=address.peer_id
                 )
             if secure.remote_peer_id == self.peer_id:
+                self._own_id_dialed = trio.current_time()  # (see the inbound side's check)
                 await secure.aclose()
                 if self._is_own(address):
                     raise SelfDialError(f"{address} is this host itself")
+                if await self._came_back(started):
+                    raise SelfDialError(f"{address} is this host itself, under another name")
                 raise self._twin(address)
             if len(self._by_address) >= _MAX_REMEMBERED_ADDRESSES:
                 self._by_address.clear()
@@ -701,7 +733,23 @@ class RpcHost:
                 logger.debug("%r: handshake with %s cut off", self, host)
                 return
             if secure.remote_peer_id == self.peer_id:
+                self._own_id_inbound_at = trio.current_time()
+                self._own_id_inbound.set()
+                self._own_id_inbound = trio.Event()
                 await secure.aclose()
+                # our own dial, to an address of ours we did not know for one (only such
+                # dials may lead here; the dialer finishes its handshake first), or another
+                # process with our key (it dialed us)
+                ours = trio.current_time() - self._own_id_dialed < _OWN_DIAL_WINDOW
+                if not ours and not any(key[1] in (None, self.peer_id) for key in self._dials):
+                    self.twin = (f"{host} (it dialed us)", trio.current_time())
+                    self._warn_twin(
+                        f"{host} (it dialed us)",
+                        f"a process at {host} proved this peer's own PeerID "
+                        f"{self.peer_id.short()}...: another process uses the same identity "
+                        "(a copied key file?), and peers cannot tell the two apart; give each "
+                        "peer its own identity",
+                    )
                 return
             busy = over and not self._make_room(group)
             await self._serve_connection(secure, secure.remote_peer_id, group=group, busy=busy)

@@ -236,6 +236,13 @@ class NetworkClock:
         within ``max_offset``."""
         return max(-self.config.max_offset, min(self.config.max_offset, self._median()))
 
+    @property
+    def uncorrected(self) -> float:
+        """Seconds of the peers' median offset beyond ``max_offset``, which the correction
+        leaves out (positive: our clock is behind); 0.0 when within it."""
+        median = self._median()
+        return median - self.median()
+
     def _follow_median(self) -> None:
         median = self.median()
         if abs(median - self.offset) > self.config.threshold:

@@ -91,9 +91,17 @@ class LookupState:
     """The bookkeeping of one lookup; see the module rules."""
 
     def __init__(
-        self, target: int, k: int, exclude: PeerID | None = None, settle_after: int = 1
+        self,
+        target: int,
+        k: int,
+        exclude: PeerID | None = None,
+        settle_after: int = 1,
+        on_excluded: Callable[[NodeInfo], None] | None = None,
     ) -> None:
+        """``on_excluded(node)``: called for each ``exclude`` node named with an address
+        (our own PeerID: at an address of ours, an old one, or a twin's)."""
         self.target = int(target)
+        self.on_excluded = on_excluded
         self.k = k
         self.settle_after = settle_after  # quiet answers in a row that mean "converged"
         self.exclude = exclude
@@ -109,7 +117,11 @@ class LookupState:
 
     def add(self, node: NodeInfo, hop: int) -> None:
         """Learn of ``node`` (a seed, or named in an answer); duplicates keep the lower hop."""
-        if node.address is None or node.peer_id == self.exclude:
+        if node.address is None:
+            return
+        if node.peer_id == self.exclude:
+            if self.on_excluded is not None:
+                self.on_excluded(node)
             return
         known = self._candidates.get(node.peer_id)
         if known is not None:
@@ -237,6 +249,7 @@ async def iterative_lookup(
     max_in_flight: int | None = None,
     first_hedge: float | None = None,
     silent: Callable[[NodeInfo], bool] | None = None,
+    on_excluded: Callable[[NodeInfo], None] | None = None,
 ) -> LookupResult:
     """Run one lookup of ``target`` from ``seeds``, with ``alpha`` queries in flight.
 
@@ -258,12 +271,13 @@ async def iterative_lookup(
     the silence before any answer instead of ``hedge_after`` (at most that), e.g. from
     the first answers of the caller's recent lookups: frozen nodes among the first asked
     would each cost ``hedge_after`` otherwise. ``silent(node)``: whether ``node`` is
-    asked without being waited for (see the module rules).
+    asked without being waited for (see the module rules). ``on_excluded``: as
+    :class:`LookupState`'s.
 
     Raises:
         Exception: whatever ``query`` raises (a bug there, not a dead peer).
     """
-    state = LookupState(target, k, exclude, settle_after=alpha)
+    state = LookupState(target, k, exclude, settle_after=alpha, on_excluded=on_excluded)
     for node in seeds:
         state.add(node, hop=1)
     send, receive = trio.open_memory_channel[tuple[NodeInfo, Sequence[NodeInfo] | None]](math.inf)

@@ -55,7 +55,7 @@ from protocol.records import (
     validate_entry,
 )
 
-from ..errors import PeerStoppedError
+from ..errors import DuplicateIdentityError, PeerStoppedError
 from ..host import RpcHost
 from .bounded import each_bounded
 from .config import DHTConfig
@@ -72,6 +72,7 @@ logger = logging.getLogger(__name__)
 
 _REPUBLISH_PARALLEL = 4
 _EXPIRE_INTERVAL = 30.0  # seconds between sweeps of expired records
+_TWIN_CHECK_EVERY = 60.0  # seconds between dials of one address named with our PeerID
 _FIRST_ANSWERS_KEPT = 32  # recent lookups' first-answer delays, for the first hedge
 _BACKGROUND_STORES = 32  # stores re-sent after their lookup gave up on them, at once
 _BACKGROUND_REPAIRS = 8  # read repairs in flight at once (a pool of their own: a holder
@@ -175,6 +176,8 @@ class DHT:
         self._stamped: OrderedDict[tuple[DHTID, Subkey], tuple[float, float]] = OrderedDict()
         self._service: trio.Nursery | None = None  # serve()'s nursery, while it runs
         self._in_background = {"resend": 0, "repair": 0}  # background stores in flight
+        self._twin_checks: dict[str, float] = {}  # our PeerID's other addresses: last dial
+        self._checking_twins = 0
         self.table.on_departed = self._upkeep.on_departed
 
     def now(self) -> float:
@@ -325,6 +328,7 @@ class DHT:
             max_in_flight=self.config.max_concurrent_requests,
             first_hedge=self._first_hedge(),
             silent=self._silent_stranger,
+            on_excluded=self._check_twin,
         )
         if result.first_answer_s is not None:
             self._first_answers.append(result.first_answer_s)
@@ -351,6 +355,37 @@ class DHT:
         if not self.protocol.heard_lately(node):
             self.protocol.record_failure(node, timed_out=True)
             self.protocol.mark_silent(node)
+
+    def _check_twin(self, node: NodeInfo) -> None:
+        """A reply named our own PeerID at ``node.address``: ours, an old one of ours (a
+        restart on another port), or another process's with our key (a copied key file:
+        a trial's second process was told nothing, and beside it healthy peers' rounds
+        went partial). Dial it once a minute at most, in the background: a handshake that
+        proves our PeerID there warns (``RpcHost``), and tells the twin too."""
+        where = node.address
+        if where is None or where == self.protocol.sender or self._service is None:
+            return
+        now = trio.current_time()
+        last = self._twin_checks.get(where)
+        if (last is not None and now - last < _TWIN_CHECK_EVERY) or self._checking_twins >= 2:
+            return
+        if len(self._twin_checks) >= 64:
+            self._twin_checks.clear()
+        self._twin_checks[where] = now
+
+        async def check() -> None:
+            try:
+                with trio.move_on_after(self.config.request_timeout):
+                    await self.host.connect(Address.parse(where).with_peer_id(self.peer_id))
+            except DuplicateIdentityError:  # (the host warned) an address others knew us
+                self.host.twin = (where, trio.current_time())  # at: not an alias of ours
+            except (SwarmError, OSError) as exc:
+                logger.debug("our PeerID at %s: %r", where, exc)
+            finally:
+                self._checking_twins -= 1
+
+        self._checking_twins += 1
+        self._service.start_soon(check)
 
     def _silent_stranger(self, node: NodeInfo) -> bool:
         """Whether a lookup asks ``node`` without waiting for it: silent (DHTProtocol's

@@ -48,6 +48,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from operator import itemgetter
 from typing import TypeVar
@@ -87,6 +88,7 @@ _REJOIN_AFTER_JOIN = 60.0
 """Seconds after a contact joined during which its own-id lookup hands nothing over again."""
 _REJOINED_MEMORY = 4096
 """Contacts remembered for the once-per-republish-interval rule of ``_rejoined``."""
+_MOVED_MEMORY = 256  # contacts' last other addresses, for their own lookups (_on_find_node)
 
 # A FIND_VALUE reply carries at most this many value bytes (the frame limit is a few MiB);
 # a key holding more answers in pages (the reply says ``more``; the caller asks again
@@ -165,6 +167,8 @@ class DHTProtocol:
         # known contacts that looked up their own id (a restart with the same identity),
         # by when we last handed keys over to them for it: see _on_find_node
         self._rejoined_at: dict[PeerID, float] = {}
+        # peer -> the address a contact was known at before its latest claim of another
+        self._moved: OrderedDict[PeerID, str] = OrderedDict()
         self._next_unparsable_warning = -math.inf
 
     def register(self) -> None:
@@ -281,7 +285,13 @@ class DHTProtocol:
         known = self.table.get(peer_id)
         if known is not None and known.address == sender:
             self.learn(known)
-        elif address.host == request.remote_host or self.host.dialed(address):
+            return
+        if known is not None and known.address is not None:
+            self._moved[peer_id] = known.address  # (see _on_find_node)
+            self._moved.move_to_end(peer_id)
+            if len(self._moved) > _MOVED_MEMORY:
+                self._moved.popitem(last=False)
+        if address.host == request.remote_host or self.host.dialed(address):
             self.learn(NodeInfo(peer_id, sender))
         else:
             self._queue_proof(NodeInfo(peer_id, sender), host_group(request.remote_host))
@@ -406,9 +416,17 @@ class DHTProtocol:
         message = self._parse(FindNodeRequest, request)
         known = self.table.get(request.peer_id)
         self._learn_sender(request, message.sender)
-        if known is not None and message.target == DHTID.from_peer_id(request.peer_id):
+        own_id = message.target == DHTID.from_peer_id(request.peer_id)
+        if known is not None and own_id:
             self._rejoined(known, message.sender)
         nodes = self.table.nearest(message.target, self.config.k, exclude=request.peer_id)
+        elsewhere = self._moved.get(request.peer_id) if own_id else None
+        if elsewhere is not None and elsewhere != message.sender:
+            # Its own PeerID, lately at another address: one of its own from before (a
+            # restart on another port), or another process with its key (a copied key
+            # file), which nothing else would tell it of. Named beside the k closest, it
+            # dials that address to see (DHT._check_twin).
+            nodes.append(NodeInfo(request.peer_id, elsewhere))
         return Reply(FindNodeResponse(tuple(nodes)).to_body())
 
     def _on_find_value(self, request: Request) -> Reply:

@@ -17,8 +17,10 @@ from test_averaging_support import (
     step_all,
     step_averagers,
     verify_round,
+    virtual_clock,
 )
 
+from peer import open_peer
 from training import Averager, DropReason, Outcome, PartStatus
 
 
@@ -203,6 +205,35 @@ async def test_a_lone_peer_gets_a_clear_answer_and_keeps_its_tensors(
     assert info.note == note
     assert str(info) == f"alone in round {info.round}; {note}"  # was "0% over 1 peers"
     np.testing.assert_array_equal(member.array, member.data)
+
+
+async def test_a_peer_whose_clock_is_off_beyond_correction_is_told_so(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A trial's peer whose clock was 5,000 s behind (network time corrects 3,600 s at
+    most) read "nobody declared in this round" every step; the clock's warning was in the
+    log only. Its rounds are the others' past, so its note now names the clock."""
+    with trio.fail_after(120):
+        async with (
+            memnet_swarm(2) as (net, nodes),
+            open_peer(
+                listen=f"{host_of(2)}:1000",
+                initial_peers=[nodes[0].address],
+                network=net.interface(host_of(2)),
+                clock=lambda: virtual_clock() - 5000.0,
+            ) as behind,
+        ):
+            # (its clock heard the others as it joined)
+            assert behind.clock.uncorrected == pytest.approx(1400.0, abs=1.0)
+            assert nodes[0].clock.uncorrected == 0.0  # its own time counts: median 0
+            members = make_members(nodes, 100, fast_config())
+            late = Averager(behind, "t/x", [np.ones(100, np.float32)], config=fast_config())
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(step_all, members, 10.0)
+                info = await late.step(timeout=10.0)
+    assert info.outcome is Outcome.ALONE
+    assert "differ by 1400 s more than network time corrects" in info.note
+    assert "set the wrong clock" in info.note
 
 
 async def test_a_peer_whose_read_nobody_answered_does_not_say_nobody_declared(

@@ -19,7 +19,7 @@ from protocol.codecs import get_codec
 from protocol.errors import RemoteProtocolError
 from protocol.identity import Identity
 from training import Averager, AveragerConfig, LayoutMismatchError
-from training.averaging.descriptions import describe_settings
+from training.averaging.descriptions import describe_settings, setting_differences
 from training.averaging.grouping import DECLARATION_KEYS, MAX_DETAIL, Declaration
 from training.averaging.layout import TensorLayout
 from training.averaging.matchmaking import _same_words_note
@@ -177,3 +177,50 @@ def test_the_same_words_of_the_same_version_are_not_called_another_version() -> 
     assert "another version of swarm" in _same_words_note(me, [older])
     assert _same_words_note(me, [replace(same, detail="other words, layout v9")]) == ""
     assert _same_words_note(me, [replace(same, layout="aaa")]) == ""  # our own layout
+
+
+async def test_a_newcomer_with_another_group_size_is_told_just_that(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A trial's group_size 8 peer beside group_size 4 ones got two ~250-character
+    descriptions to compare by eye; the setting that differs now comes first."""
+    with trio.fail_after(300):
+        async with memnet_swarm(3) as (_, nodes):
+            members = make_members(nodes[:2], 500, fast_config(group_size=4))
+            newcomer = Averager(
+                nodes[2], "t/x", [np.zeros(500, np.float32)], config=fast_config(group_size=8)
+            )
+            message = await mismatch_beside(newcomer, partial(step_all, members, timeout=20.0))
+    print(message)
+    assert "rule (theirs differ in: group_size 4 (ours: group_size 8); ours: " in message
+    assert "1 tensor (1 float32" in message  # one tensor, not "1 tensors"
+
+
+def test_the_differences_name_each_setting_that_differs() -> None:
+    peer = Identity.from_seed(b"d" * 32).peer_id
+    words = (
+        "2 tensors (1 bfloat16, 1 float16; dtypes float16 bfloat16; shapes 30 4x5), codec "
+        "none, chunk_bytes 4096, max_staleness 2, staleness_decay 0.5, layout v9"
+    )
+    ours = Declaration(peer, None, 1.0, 0, 1.0, "a", 0, 50, 4, words)
+    theirs = replace(
+        ours,
+        layout="b",
+        group_size=8,
+        detail=words.replace("dtypes float16 bfloat16", "dtypes bfloat16 float16")
+        .replace("codec none", "codec int8(block_size=1024)")
+        .replace("max_staleness 2", "max_staleness 3"),
+    )
+    assert setting_differences(ours, theirs) == (
+        "group_size 8 (ours: group_size 4), dtypes bfloat16 float16 (ours: dtypes float16 "
+        "bfloat16), codec int8(block_size=1024) (ours: codec none), max_staleness 3 (ours: "
+        "max_staleness 2)"
+    )
+    more = replace(ours, layout="c", total=51, detail=words.replace("2 tensors", "3 tensors"))
+    assert setting_differences(ours, more) == (
+        f"51 elements (ours: 50 elements), {more.detail.split('), ')[0]}) (ours: "
+        f"{words.split('), ')[0]}))"
+    )
+    assert setting_differences(ours, replace(ours, layout="d")) == ""  # the words agree
+    # an older peer says nothing beyond its size: nothing to name
+    assert setting_differences(ours, replace(ours, layout="e", detail="")) == ""

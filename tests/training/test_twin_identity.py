@@ -12,10 +12,11 @@ import trio.testing
 from test_averaging_support import fast_config
 
 from peer import PeerUnavailableError, open_peer
-from peer.errors import DuplicateIdentityError
+from peer.errors import DuplicateIdentityError, SelfDialError
 from peer.memnet import MemoryNetwork
 from protocol.address import Address
 from protocol.identity import Identity
+from protocol.messages import NodeInfo
 from training import Averager, AveragingInfo, Outcome
 
 SHARED = Identity.from_seed(b"t" * 32)
@@ -87,3 +88,77 @@ async def test_twins_in_one_round_the_loser_stays_out_and_says_why(
     winner_value = 4.0 if out[0] is infos[1] else 2.0
     assert infos[0].averaged_fraction == 1.0 and len(infos[0].group) == 2
     assert np.allclose(tensors[n], (1.0 + winner_value) / 2)
+
+
+async def test_a_twin_that_joins_through_others_is_found_and_both_are_told(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A trial's second process with a copied key file joined through a bootstrap node
+    (not through its twin): neither DHT noticed, the second process's steps said "nobody
+    declared" while three peers averaged, and healthy peers' rounds went partial. Its
+    join's lookup of its own id is answered with our PeerID at the twin's address: it
+    dials that, the handshake proves the twin, and both twins' reports say so."""
+    net = MemoryNetwork(latency=0.005)
+    other = Identity.from_seed(b"o" * 32)
+    with trio.fail_after(60):
+        async with (
+            open_peer("10.0.0.1:4000", identity=other, network=net.interface("10.0.0.1")) as n,
+            open_peer(
+                "10.0.0.2:4000", [n.address], SHARED, network=net.interface("10.0.0.2")
+            ) as t1,
+        ):
+            assert t1.rpc.twin is None and n.rpc.twin is None
+            async with open_peer(
+                "10.0.0.3:4000", [n.address], SHARED, network=net.interface("10.0.0.3")
+            ) as t2:
+                await trio.sleep(3.0)  # the check runs in the background (a second of it
+                # waits for an echo of our own dial: see RpcHost._came_back)
+                assert t2.rpc.twin is not None and t2.rpc.twin[0] == "10.0.0.2:4000"
+                assert t1.rpc.twin is not None and t1.rpc.twin[0] == "10.0.0.3 (it dialed us)"
+                assert n.rpc.twin is None
+                averager = Averager(t2, "twins/x", [np.ones(4, np.float32)], config=fast_config())
+                info = await averager.step(timeout=10.0)
+    assert "another process uses this peer's identity (seen at 10.0.0.2:4000" in info.note
+    assert caplog.text.count("another process uses the same identity") == 2  # once each
+
+
+async def test_our_own_old_address_is_no_twin(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Our PeerID named at an old address of ours (the process before a restart on
+    another port, gone; a node that has not noticed yet still names it) is no other
+    process: the check's dial finds nobody there, and nothing is said."""
+    net = MemoryNetwork(latency=0.005)
+    other = Identity.from_seed(b"o" * 32)
+    with trio.fail_after(60):
+        async with open_peer(
+            "10.0.0.1:4000", identity=other, network=net.interface("10.0.0.1")
+        ) as n:
+            async with open_peer(
+                "10.0.0.2:4000", [n.address], SHARED, network=net.interface("10.0.0.2")
+            ):
+                pass
+            async with open_peer(
+                "10.0.0.2:4001", [n.address], SHARED, network=net.interface("10.0.0.2")
+            ) as again:
+                again.dht._check_twin(NodeInfo(SHARED.peer_id, "10.0.0.2:4000"))
+                again.dht._check_twin(NodeInfo(SHARED.peer_id, "10.0.0.2:4001"))  # ours
+                await trio.sleep(5.0)
+                assert list(again.dht._twin_checks) == ["10.0.0.2:4000"]  # it did look
+                assert again.rpc.twin is None
+    assert "same identity" not in caplog.text
+
+
+async def test_our_own_address_under_another_name_is_no_twin(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """A node dialing itself as ``localhost:PORT`` while it listens on 127.0.0.1 (its
+    own address among the initial peers, under another name) met its own PeerID there and
+    warned of another process with its key; it is this very node, and says nothing."""
+    with trio.fail_after(30):
+        async with open_peer("127.0.0.1:0") as node:
+            port = Address.parse(node.address).port
+            with pytest.raises(SelfDialError, match="under another name"):
+                await node.rpc.connect(Address.parse(f"localhost:{port}"))
+            assert node.rpc.twin is None
+    assert "same identity" not in caplog.text

@@ -46,6 +46,7 @@ from .descriptions import (
     left_note,
     sentences,
     stale_note,
+    twin_note,
 )
 from .feedback import ErrorFeedback
 from .grouping import (
@@ -564,7 +565,8 @@ class Averager:
             outcome = Outcome.ALONE if match.alone else Outcome.UNCONFIRMED
             return AveragingInfo(
                 outcome, match.round, (me.peer_id,), match.leader, (), self.flat.total,
-                epoch=epoch, matchmaking_s=t1 - t0, note=match.note, me=me.peer_id,
+                epoch=epoch, matchmaking_s=t1 - t0, me=me.peer_id,
+                note=sentences(twin_note(self.node), match.note),
             )  # fmt: skip
         conf = match.confirmation
         plan = Plan.of(conf, me.peer_id, self.config)
@@ -627,6 +629,7 @@ class Averager:
             self.flat.total, epoch=plan.max_epoch, matchmaking_s=t1 - t0,
             allreduce_s=allreduce_s, dropped=dropped,
             note=sentences(
+                twin_note(self.node),
                 match.note,
                 stall,
                 stale_note(plan, self.config.max_staleness),

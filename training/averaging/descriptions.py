@@ -10,6 +10,9 @@ from collections import Counter
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
+import trio
+
+from peer import Peer
 from protocol.codecs import Codec
 from protocol.identity import PeerID
 
@@ -19,6 +22,7 @@ from .plan import Liveness, Plan
 from .reducer import DropReason
 
 if TYPE_CHECKING:
+    from .grouping import Declaration
     from .layout import TensorLayout
     from .reducing import ReducerService
 
@@ -118,7 +122,8 @@ def describe_settings(layout: TensorLayout, codec: Codec, config: AveragerConfig
 
     def words(order: str, shapes: str) -> str:
         in_order = f"; dtypes {order}" if order else ""
-        return f"{len(layout.shapes)} tensors ({kinds}{in_order}; shapes {shapes}), {rest}"
+        tensors = f"{len(layout.shapes)} tensor{'s' * (len(layout.shapes) != 1)}"
+        return f"{tensors} ({kinds}{in_order}; shapes {shapes}), {rest}"
 
     # The dtypes in order and the shapes themselves when they fit the declaration's detail
     # (a transposed weight then reads as such), else a hash of the shapes, then of the
@@ -130,6 +135,85 @@ def describe_settings(layout: TensorLayout, codec: Codec, config: AveragerConfig
     if len(text) + len(version) > MAX_DETAIL and order:
         text = words(f"hash {digest(layout.dtypes)}", shapes)
     return text[: MAX_DETAIL - len(version)] + version
+
+
+TWIN_NOTED_FOR = 600.0
+"""Seconds after the last sign of another process with our key that reports still say so."""
+
+
+def twin_note(node: Peer) -> str:
+    """That another process uses this peer's identity, while one was seen lately (the
+    host's warning is logged once; a trial's twin, told nothing else, read "nobody
+    declared" step after step while three peers averaged)."""
+    twin = node.rpc.twin
+    if twin is None or trio.current_time() - twin[1] > TWIN_NOTED_FOR:
+        return ""
+    return (
+        f"another process uses this peer's identity (seen at {twin[0]}: a copied key "
+        "file?): peers cannot tell the two apart, and their rounds suffer; give each peer "
+        "its own identity"
+    )
+
+
+def setting_differences(ours: Declaration, theirs: Declaration) -> str:
+    """The settings in which ``theirs`` differs from ``ours``, as far as their words say:
+    "group_size 8 (ours: group_size 4)", joined by ", "; empty when the words agree (the
+    difference is in what they leave out, or another version of swarm). A mismatch error
+    quoted both whole descriptions, ~250 characters each, and left the user to find the
+    one setting that differed (an outside tester)."""
+    mine, other = _settings(ours), _settings(theirs)
+    changed = []
+    for key, text in other.items():
+        if key not in mine or mine[key] == text:
+            continue  # (a setting only one side names: words cut short, or an old peer)
+        changed += _what_differs(mine[key], text)
+    return ", ".join(changed)
+
+
+def _what_differs(ours: str, theirs: str) -> list[str]:
+    """One setting's difference; for the tensors' words, only the items in parentheses
+    that differ ("dtypes bfloat16 float16 (ours: dtypes float16 bfloat16)")."""
+    head, _, inner = theirs.partition(" (")
+    our_head, _, our_inner = ours.partition(" (")
+    if head != our_head or not inner.endswith(")") or not our_inner.endswith(")"):
+        return [f"{theirs} (ours: {ours})"]
+    our_items, their_items = our_inner[:-1].split("; "), inner[:-1].split("; ")
+    if len(our_items) != len(their_items):
+        return [f"{theirs} (ours: {ours})"]
+    return [f"{t} (ours: {o})" for o, t in zip(our_items, their_items, strict=True) if o != t]
+
+
+def _settings(declaration: Declaration) -> dict[str, str]:
+    """A declaration's described settings by name: "group_size" -> "group_size 4",
+    "tensors" -> "2 tensors (...)" (a number first: named by the word after it)."""
+    parts = [f"{declaration.total} elements"]
+    if declaration.group_size:
+        parts.append(f"group_size {declaration.group_size}")
+    parts += _top_level_parts(declaration.detail)
+    settings = {}
+    for part in parts:
+        words = part.split()
+        if not words:
+            continue
+        # "1 tensor" and "2 tensors" name one setting
+        number_first = words[0][0].isdigit() and len(words) > 1
+        settings[words[1].rstrip("s") if number_first else words[0]] = part
+    return settings
+
+
+def _top_level_parts(text: str) -> list[str]:
+    """``text`` split at the ", " outside parentheses (the tensors' words hold some)."""
+    parts, depth, start = [], 0, 0
+    for index, char in enumerate(text):
+        if char in "([":
+            depth += 1
+        elif char in ")]":
+            depth = max(depth - 1, 0)
+        elif char == "," and depth == 0 and text.startswith(", ", index):
+            parts.append(text[start:index])
+            start = index + 2
+    parts.append(text[start:])
+    return [part for part in parts if part]
 
 
 def digest(value: object) -> str:

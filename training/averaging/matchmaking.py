@@ -31,6 +31,7 @@ from protocol.identity import PeerID
 from .bench import Bench
 from .config import DECLARATION_SLACK, AveragerConfig
 from .confirmation import Confirmation
+from .descriptions import setting_differences
 from .grouping import (
     LAYOUT_VERSION,
     Declaration,
@@ -114,6 +115,29 @@ def _same_words_note(me: Declaration, others: Collection[Declaration]) -> str:
     notes = [_OTHER_VERSION] * any(d.version != me.version for d in alike)
     notes += [_UNSAID] * any(d.version == me.version for d in alike)
     return "; ".join(notes)
+
+
+def _differences(me: Declaration, others: Collection[Declaration]) -> str:
+    """The settings in which each other layout among ``others`` differs from ours, one
+    layout after another ("; " between them)."""
+    strangers = {d.layout: d for d in others if d.layout != me.layout}
+    found = (setting_differences(me, d) for _, d in sorted(strangers.items()))
+    return "; ".join(sorted({text for text in found if text}))
+
+
+def _clock_note(node: Peer) -> str:
+    """Why a peer whose clock is off by more than network time corrects meets nobody:
+    rounds are slots of the clock, and its own are others' past or future (a trial's
+    peer 5,000 s behind read "nobody declared" every step; the clock's warning was in the
+    log only)."""
+    gap = node.clock.uncorrected
+    if not gap:
+        return ""
+    return (
+        f"this machine's clock and its peers' differ by {abs(gap):.0f} s more than network "
+        "time corrects (peer.netclock's warning in the log says by how much in all): rounds "
+        "are cut by the clock, so set the wrong clock"
+    )
 
 
 def _late_note(state: RoundState, window: float) -> str:
@@ -449,6 +473,8 @@ class Matchmaker(Confirmation):
             )
             late = _late_note(state, window)
             foreign = sum(d.layout != state.me.layout for d in others)
+            if not others and (clock := _clock_note(self.node)):
+                note += f" ({clock})"
             if foreign:
                 note += f" of our layout ({foreign} peer(s) of another layout declared)"
             elif not others and state.unheard and len(self.node.dht.table):
@@ -538,6 +564,8 @@ class Matchmaker(Confirmation):
             self._outnumbered += 1
         if kinds and not ours:
             sides = [f"ours: {me.describe_layout()}"] + [f"theirs: {foreign}"] * bool(foreign)
+            if differs := _differences(me, others):
+                sides.insert(0, f"theirs differ in: {differs}")
             if same_words:
                 sides.append(same_words)
             if done_kinds:  # all a marker tells of its peer is the layout fingerprint
@@ -559,12 +587,13 @@ class Matchmaker(Confirmation):
         new = sorted(set(foreign) - self._foreign)[: MAX_FOREIGN_LAYOUTS - len(self._foreign)]
         if new:  # a split swarm averages less: say so, once
             self._foreign.update(new)
+            differs = _differences(me, others)
             logger.warning(
                 "peers under %r declared another tensor layout, codec, group_size or "
                 "staleness rule: they cannot average with us, only among themselves, if "
-                "several (ours: %s; theirs: %s%s)",
-                self.prefix, me.describe_layout(), foreign,
-                f"; {same_words}" if same_words else "",
+                "several (%sours: %s; theirs: %s%s)",
+                self.prefix, f"theirs differ in: {differs}; " if differs else "",
+                me.describe_layout(), foreign, f"; {same_words}" if same_words else "",
             )  # fmt: skip
 
     async def _gather(
