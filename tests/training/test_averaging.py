@@ -236,6 +236,33 @@ async def test_a_peer_whose_clock_is_off_beyond_correction_is_told_so(
     assert "set the wrong clock" in info.note
 
 
+@pytest.mark.parametrize("latency", [0.1, 0.25])
+async def test_a_slow_link_against_the_gather_window_is_named(
+    autojump_clock: trio.testing.MockClock, latency: float
+) -> None:
+    """A trial's 4 peers at 400 ms round trip, whose declarations took 0.7-1.4 s of the
+    2 s window to store, split into pairs that met in alternate rounds, each reporting
+    "averaged 100% over 2 peers", with nothing said. Stores that take a third of the
+    window or more (their median over the last steps) are named now, with the window to
+    set; here one store is one round trip (2 x latency) against a 1 s window."""
+    with trio.fail_after(120):
+        async with memnet_swarm(3, latency=latency) as (_, nodes):
+            members = make_members(nodes, 500, fast_config())
+            for _ in range(3):
+                results = await step_all(members, timeout=30.0)
+    for info, _ in results:
+        assert info is not None and info.outcome is Outcome.AVERAGED, str(info)
+        if latency < 0.15:
+            assert "gather_window" not in info.note, info.note
+        else:
+            assert info.note == (
+                "storing our declaration takes 0.50 s, a third of gather_window (1 s) or "
+                "more: on links this slow, peers a moment apart miss each other's rounds, "
+                "and the swarm may split into groups that average apart, each in full; set "
+                "gather_window to 1.5 s or more on every peer of the prefix"
+            ), info.note
+
+
 async def test_a_peer_whose_read_nobody_answered_does_not_say_nobody_declared(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

@@ -129,6 +129,9 @@ async def test_a_newcomer_of_our_layout_after_an_early_close_is_only_late(
     assert isinstance(result, AveragingInfo), result
     assert result.outcome is Outcome.ALONE
     assert "3 other peer(s) had finished matchmaking" in result.note, result.note
+    # they did declare in this round: "nobody declared in this round" beside it
+    # contradicted it (a trial)
+    assert "nobody declared" not in result.note, result.note
     assert "another layout" not in result.note, result.note
     assert newcomer._matchmaker._own_layout_seen
 
