@@ -552,6 +552,7 @@ async def _status(args: argparse.Namespace, stop: _SignalStop) -> dict[str, Any]
     busy_join = min(DHTConfig().busy_join_timeout, args.timeout / 2)
     config = PeerConfig(dht=DHTConfig(busy_join_timeout=busy_join))
     answered: dict[PeerID, str] = {}  # filled as the walk goes: kept when it is cut short
+    elsewhere: dict[PeerID, set[str]] = {}  # a PeerID's other addresses that answered
     errors: dict[str, str] = {}
     try:
         with trio.CancelScope() as scope, stop.cancelling(scope):
@@ -564,15 +565,22 @@ async def _status(args: argparse.Namespace, stop: _SignalStop) -> dict[str, Any]
                     ensure_bootstrap_success=False,
                 ) as node:
                     errors = dict(node.dht.contact_errors)
-                    await crawl(node, answered=answered)
+                    await crawl(node, answered=answered, elsewhere=elsewhere)
     except (SwarmError, OSError) as exc:
         return str(exc)
-    peers = sorted(answered.items())
+    # a PeerID that answered at several addresses is several processes with one key file:
+    # each is listed (a trial's status hid one of two such twins)
+    peers = sorted(
+        (pid, addr)
+        for pid, first in answered.items()
+        for addr in [first, *sorted(elsewhere.get(pid, ()))]
+    )
     return {
         "num_peers": len(peers),
         "peers": [{"peer_id": str(pid), "address": f"{pid}@{addr}"} for pid, addr in peers],
         "_errors": errors,  # why initial peers did not answer (stderr only)
         "_timed_out": deadline.cancelled_caught,
+        "_twins": {str(pid): sorted([answered[pid], *more]) for pid, more in elsewhere.items()},
     }
 
 
@@ -582,6 +590,13 @@ def _print_status(report: dict[str, Any] | str, args: argparse.Namespace) -> int
         return 1
     errors = report.pop("_errors", {})
     timed_out = report.pop("_timed_out", False)
+    for peer_id, addresses in report.pop("_twins", {}).items():
+        print(
+            f"swarm status: {peer_id} answered at {' and '.join(addresses)}: several "
+            "processes use one identity (a copied key file?), and peers cannot tell them "
+            "apart; give each its own",
+            file=sys.stderr,
+        )
     if sys.stdout is None:  # started with stdout closed (`>&-`): nowhere to report
         return 1
     try:

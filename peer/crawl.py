@@ -32,12 +32,15 @@ async def crawl(
     request_timeout: float = 3.0,
     max_parallel: int = 16,
     answered: dict[PeerID, str] | None = None,
+    elsewhere: dict[PeerID, set[str]] | None = None,
 ) -> list[tuple[PeerID, str]]:
     """Every peer that answered, with its ``HOST:PORT``, sorted by PeerID.
 
     Args:
         answered: filled as peers answer, so a caller whose deadline cuts the walk short
             keeps the peers found so far.
+        elsewhere: filled with the other ``HOST:PORT``s at which a PeerID in ``answered``
+            answered too (each proved it in its handshake): another process with its key.
 
     Raises:
         SwarmError: never for an unreachable peer; those are skipped.
@@ -63,7 +66,9 @@ async def crawl(
             logger.debug("crawl: %s did not answer: %s", address, exc)
             return
         if address.peer_id is not None:
-            answered[address.peer_id] = address.hostport
+            first = answered.setdefault(address.peer_id, address.hostport)
+            if first != address.hostport and elsewhere is not None:
+                elsewhere.setdefault(address.peer_id, set()).add(address.hostport)
         for info in response.nodes:
             if info.address is not None:
                 found.append(Address.parse(info.address).with_peer_id(info.peer_id))

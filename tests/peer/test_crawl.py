@@ -11,6 +11,8 @@ from peer import Reply, Request
 from peer.crawl import crawl
 from peer.memnet import MemoryNetwork
 from peer.node import Peer, open_peer
+from protocol.identity import Identity, PeerID
+from protocol.messages import FindNodeResponse, NodeInfo
 
 REQUEST_TIMEOUT = 3.0
 
@@ -107,3 +109,46 @@ async def test_the_walk_asks_each_peer_its_targets_at_once(
     assert len(found) == 16
     print(f"16 peers at {2 * latency:.1f} s round trip: the walk took {elapsed:.1f} s")
     assert elapsed < 2.0, elapsed  # one after another: 3.6 s (9 round trips a peer)
+
+
+async def test_two_processes_with_one_key_are_both_listed(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A trial's ``swarm status`` counted 4 peers with 5 processes up: two used one key
+    file, and the walk kept one address per PeerID. Both addresses that proved it are
+    kept now (``elsewhere``), for status to list both and say why."""
+    net = MemoryNetwork(latency=0.01)
+    shared = Identity.from_seed(b"k" * 32)
+    with trio.fail_after(120):
+        async with AsyncExitStack() as stack:
+            first = await stack.enter_async_context(
+                open_peer("10.0.3.1:1000", network=net.interface("10.0.3.1"))
+            )
+            twins = [
+                await stack.enter_async_context(
+                    open_peer(
+                        f"10.0.3.{i}:1000", identity=shared, network=net.interface(f"10.0.3.{i}")
+                    )
+                )
+                for i in (2, 3)
+            ]
+
+            def both(request: Request) -> Reply:  # a table of each twin, as nodes may hold
+                nodes = tuple(NodeInfo(shared.peer_id, f"10.0.3.{i}:1000") for i in (2, 3))
+                return Reply(FindNodeResponse(nodes).to_body())
+
+            first.rpc.unregister("dht.find_node")
+            first.rpc.register_quick("dht.find_node", both)
+            client = await stack.enter_async_context(
+                open_peer(
+                    None, [first.address], client_mode=True, network=net.interface("10.0.3.9")
+                )
+            )
+            elsewhere: dict[PeerID, set[str]] = {}
+            found = await crawl(client, request_timeout=REQUEST_TIMEOUT, elsewhere=elsewhere)
+    assert dict(found)[shared.peer_id] in ("10.0.3.2:1000", "10.0.3.3:1000")
+    assert {dict(found)[shared.peer_id], *elsewhere[shared.peer_id]} == {
+        "10.0.3.2:1000",
+        "10.0.3.3:1000",
+    }
+    assert len(twins) == 2

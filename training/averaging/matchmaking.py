@@ -122,8 +122,8 @@ def _differences(me: Declaration, others: Collection[Declaration]) -> str:
     """The settings in which each other layout among ``others`` differs from ours, one
     layout after another ("; " between them)."""
     strangers = {d.layout: d for d in others if d.layout != me.layout}
-    found = (setting_differences(me, d) for _, d in sorted(strangers.items()))
-    return "; ".join(sorted({text for text in found if text}))
+    found = {setting_differences(me, d) for d in strangers.values()}
+    return "; ".join(sorted(text for text in found if text))
 
 
 def _with_slow_link(result: MatchResult, store_times: list[float], window: float) -> MatchResult:
