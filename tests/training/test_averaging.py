@@ -22,6 +22,8 @@ from test_averaging_support import (
 
 from peer import open_peer
 from training import Averager, DropReason, Outcome, PartStatus
+from training.averaging.matchmaking import _with_slow_link
+from training.averaging.round_state import MatchResult
 
 
 @pytest.mark.parametrize(
@@ -242,9 +244,9 @@ async def test_a_slow_link_against_the_gather_window_is_named(
 ) -> None:
     """A trial's 4 peers at 400 ms round trip, whose declarations took 0.7-1.4 s of the
     2 s window to store, split into pairs that met in alternate rounds, each reporting
-    "averaged 100% over 2 peers", with nothing said. Stores that take a third of the
-    window or more (their median over the last steps) are named now, with the window to
-    set; here one store is one round trip (2 x latency) against a 1 s window."""
+    "averaged 100% over 2 peers", with nothing said. Stores that take over a quarter of
+    the window (their median over the last steps, at least 3) are named now, with the
+    window to set; here one store is one round trip (2 x latency) against a 1 s window."""
     with trio.fail_after(120):
         async with memnet_swarm(3, latency=latency) as (_, nodes):
             members = make_members(nodes, 500, fast_config())
@@ -256,11 +258,25 @@ async def test_a_slow_link_against_the_gather_window_is_named(
             assert "gather_window" not in info.note, info.note
         else:
             assert info.note == (
-                "storing our declaration takes 0.50 s, a third of gather_window (1 s) or "
-                "more: on links this slow, peers a moment apart miss each other's rounds, "
-                "and the swarm may split into groups that average apart, each in full; set "
-                "gather_window to 1.5 s or more on every peer of the prefix"
+                "storing our declaration takes 0.50 s, over a quarter of gather_window (1 s): "
+                "on links this slow, peers a moment apart miss each other's rounds, and the "
+                "swarm may split into groups that average apart, each in full; set "
+                "gather_window to 2.5 s or more (5 times that) on every peer of the prefix"
             ), info.note
+
+
+def test_the_slow_link_note_asks_for_the_window_the_trials_needed() -> None:
+    """Two WAN trials (stores 0.8 s median at ~430 ms round trip): a 3 s window, which the
+    first rule (3 x the median store) asked for and then fell silent at, still split
+    half of the steps; 4 s had all four peers in 216 of 220."""
+    alone = MatchResult(1, None, None, 1, note="no partner", alone=True)
+    assert _with_slow_link(alone, [1.56], 2.0) is alone  # one slow store says little
+    for window in (2.0, 3.0):
+        note = _with_slow_link(alone, [0.8, 0.75, 0.9], window).note
+        assert note.startswith("no partner; storing our declaration takes 0.80 s"), note
+        assert "set gather_window to 4 s or more" in note, note
+    assert _with_slow_link(alone, [0.8, 0.75, 0.9], 4.0) is alone
+    assert _with_slow_link(alone, [0.2, 0.23, 0.35], 2.0) is alone  # 50 ms each way
 
 
 async def test_a_peer_whose_read_nobody_answered_does_not_say_nobody_declared(
