@@ -59,7 +59,7 @@ async def crawl(
     # peer takes it for one that restarted in client mode, and drops it from its table
     sender = node.dht.protocol.sender
 
-    async def ask(address: Address, target: DHTID, found: list[Address]) -> None:
+    async def ask(address: Address, target: DHTID, found: list[Address]) -> bool:
         try:
             reply = await node.rpc.call(
                 address, "dht.find_node", FindNodeRequest(sender=sender, target=target).to_body()
@@ -67,7 +67,7 @@ async def crawl(
             response = FindNodeResponse.from_body(reply.body)
         except (SwarmError, OSError) as exc:
             logger.debug("crawl: %s did not answer: %s", address, exc)
-            return
+            return False
         if address.peer_id is not None:
             first = answered.setdefault(address.peer_id, address.hostport)
             if first != address.hostport and elsewhere is not None:
@@ -75,6 +75,7 @@ async def crawl(
         for info in response.nodes:
             if info.address is not None:
                 found.append(Address.parse(info.address).with_peer_id(info.peer_id))
+        return True
 
     async def visit(address: Address, found: list[Address]) -> None:
         # the targets at once: asked one after another, each a round trip, 16 peers took
@@ -83,8 +84,7 @@ async def crawl(
         async with limiter:
             with trio.move_on_after(request_timeout) as scope:
                 # the first (a new connection's handshake) alone: the others reuse it
-                await ask(address, targets[0], found)
-                if address.peer_id in answered:
+                if await ask(address, targets[0], found):
                     async with trio.open_nursery() as nursery:
                         own = DHTID.from_peer_id(address.peer_id or node.peer_id)
                         for target in [*targets[1:], own]:
