@@ -240,7 +240,7 @@ async def test_a_peer_whose_clock_is_off_beyond_correction_is_told_so(
 
 @pytest.mark.parametrize("latency", [0.1, 0.25])
 async def test_a_slow_link_against_the_gather_window_is_named(
-    autojump_clock: trio.testing.MockClock, latency: float
+    autojump_clock: trio.testing.MockClock, latency: float, caplog: pytest.LogCaptureFixture
 ) -> None:
     """A trial's 4 peers at 400 ms round trip, whose declarations took 0.7-1.4 s of the
     2 s window to store, split into pairs that met in alternate rounds, each reporting
@@ -263,6 +263,8 @@ async def test_a_slow_link_against_the_gather_window_is_named(
                 "swarm may split into groups that average apart, each in full; set "
                 "gather_window to 2.5 s or more (5 times that) on every peer of the prefix"
             ), info.note
+    # and logged, once per averager
+    assert caplog.text.count("storing our declaration takes") == (3 if latency > 0.15 else 0)
 
 
 def test_the_slow_link_note_asks_for_the_window_the_trials_needed() -> None:

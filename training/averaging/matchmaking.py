@@ -208,6 +208,7 @@ class Matchmaker(Confirmation):
         self._addresses: dict[PeerID, str] = {}  # of the peers in _views, as they declared
         self._lone_steps = 0  # our steps in a row that ended alone (see _out_of_step)
         self._store_times: list[float] = []  # seconds our last declarations took to store
+        self._slow_warned = False  # whether the slow-link note was logged (once)
         self._step_rounds: list[int] = []  # the rounds our last steps ended in (3 at most)
         # the groups we were confirmed in, by round (the last few): our step's tag there
         # and the members. A member's "done" marker there that saw that tag tells of the
@@ -318,7 +319,12 @@ class Matchmaker(Confirmation):
                 result = _with_refused(
                     _with_missed(_with_strangers(result, strangers), missed), refused
                 )
-                return _with_slow_link(result, self._store_times, window)
+                slow = _with_slow_link(result, self._store_times, window)
+                if slow is not result and not self._slow_warned:  # (reports may go unread)
+                    self._slow_warned = True
+                    added = slow.note[len(result.note) + 2 :] if result.note else slow.note
+                    logger.warning("under %r: %s", self.prefix, added)
+                return slow
             await self.withdraw(number, min(deadline, trio.current_time() + window / 4))
 
     def _note_grouped(self, number: int, step: int, confirmation: GroupConfirmation) -> None:
