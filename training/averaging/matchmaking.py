@@ -132,7 +132,7 @@ def _with_slow_link(result: MatchResult, store_times: list[float], window: float
     quarter of the gather window (the median of the last few, at least 3): peers a moment
     apart then miss each other's rounds. Two trials, 4 peers at ~430 ms round trip (2 %
     loss), stores 0.8 s (median; p95 1.3 s): with the 2 s window they split into pairs
-    that met in alternate rounds, each reporting "averaged 100% over 2 peers", in 72-88 %
+    that met in alternate rounds, each reporting "averaged 100% over 2 peers", in 77-88 %
     of their steps, with nothing said; 3 s still split half of them; 4 s (5 times the
     median store) had all four in 216 of 220 steps. At 50 ms each way stores took 0.2 s,
     and 60 of 60 steps had all four with the 2 s window."""
