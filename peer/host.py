@@ -742,9 +742,10 @@ class RpcHost:
                 # process with our key (it dialed us)
                 ours = trio.current_time() - self._own_id_dialed < _OWN_DIAL_WINDOW
                 if not ours and not any(key[1] in (None, self.peer_id) for key in self._dials):
-                    self.twin = (f"{host} (it dialed us)", trio.current_time())
+                    where = f"{host} (it dialed us)"
+                    self.twin = (where, trio.current_time())
                     self._warn_twin(
-                        f"{host} (it dialed us)",
+                        where,
                         f"a process at {host} proved this peer's own PeerID "
                         f"{self.peer_id.short()}...: another process uses the same identity "
                         "(a copied key file?), and peers cannot tell the two apart; give each "
