@@ -5,11 +5,16 @@
     python benchmarks/slow_links.py --window 4
 
 ``--peers`` peers (4) join one memory network whose every write arrives ``--latency``
-seconds later (one way); a share ``--late`` of the writes (2 %) arrives ``0.2 + 2 x
-latency`` seconds later instead, holding back what follows on its connection, as a lost TCP
-segment does until it is sent again. Each peer steps one Averager (``--window``:
-``gather_window``; 10,000 float32, ``none``) ``--steps`` times, with ``--pause`` seconds of
-"work" between steps, starting 0.37 s apart. Virtual time (trio's MockClock): a run takes
+seconds later (one way), plus ``|normal(0, --jitter)|`` seconds; a share ``--late`` of the
+writes (2 %) arrives ``0.2 + 2 x latency`` seconds later instead, holding back what follows
+on its connection, as a lost TCP segment does until it is sent again (writes stay in order
+on a connection). ``--window-bytes`` bounds the bytes in flight per direction of a
+connection (0: none), so that large parts take round trips to move; ``--bootstrap`` DHT-only
+peers join first and the others through the first of them. Each peer steps one Averager
+(``--window``: ``gather_window``; ``--size`` float32, ``none``) ``--steps`` times, with
+``--pause`` seconds of "work" between steps, starting 0.37 s apart. Closer to the WAN trial
+of docs/averaging.md: ``--latency 0.2 --jitter 0.04 --late 0.02 --size 1000000
+--window-bytes 1048576 --bootstrap 1``. Virtual time (trio's MockClock): a run takes
 seconds of CPU, not minutes, and nothing here is a speed figure. Prints one JSON document:
 for each run, the steps in which all peers averaged together (``full``), the group sizes,
 and the mean matchmaking and step time; then the mean of ``full`` over the runs. Runs differ
@@ -51,18 +56,22 @@ T0 = 1_700_000_000.0  # unix time at virtual time 0
 class LossyNetwork(MemoryNetwork):
     """A memory network where a share of the writes arrive late (seeded)."""
 
-    def __init__(self, latency: float, late: float, seed: int) -> None:
-        super().__init__(latency=latency)
-        self.late = late
+    def __init__(
+        self, latency: float, late: float, jitter: float, window: int | None, seed: int
+    ) -> None:
+        super().__init__(latency=latency, window=window)
+        self.late, self.jitter = late, jitter
         self.rng = random.Random(seed)
 
     def extra_latency(self, a: str, b: str) -> float:
         late = self.rng.random() < self.late
-        return super().extra_latency(a, b) + (0.2 + 2 * self.latency if late else 0.0)
+        extra = abs(self.rng.gauss(0.0, self.jitter)) if self.jitter else 0.0
+        return super().extra_latency(a, b) + extra + (0.2 + 2 * self.latency if late else 0.0)
 
 
 async def one_run(args: argparse.Namespace, seed: int) -> dict[str, object]:
-    net = LossyNetwork(args.latency, args.late, seed)
+    window = None if args.window_bytes == 0 else args.window_bytes
+    net = LossyNetwork(args.latency, args.late, args.jitter, window, seed)
     sizes: collections.Counter[int] = collections.Counter()
     matchmaking: list[float] = []
 
@@ -71,7 +80,7 @@ async def one_run(args: argparse.Namespace, seed: int) -> dict[str, object]:
 
     async with AsyncExitStack() as stack:
         nodes = []
-        for i in range(args.peers):
+        for i in range(args.peers + args.bootstrap):
             host = f"10.0.0.{i + 1}"
             nodes.append(
                 await stack.enter_async_context(
@@ -87,10 +96,12 @@ async def one_run(args: argparse.Namespace, seed: int) -> dict[str, object]:
         await trio.sleep(5)  # routing tables settle
         start = trio.current_time()
 
+        volunteers = nodes[args.bootstrap :]
+
         async def volunteer(i: int) -> None:
-            array = np.full(10_000, float(i), np.float32)
+            array = np.full(args.size, float(i), np.float32)
             config = AveragerConfig(gather_window=args.window, clock=clock)
-            averager = Averager(nodes[i], prefix="bench/slow", tensors=[array], config=config)
+            averager = Averager(volunteers[i], prefix="bench/slow", tensors=[array], config=config)
             await trio.sleep(0.37 * i)
             epoch = 0
             for _ in range(args.steps):
@@ -124,6 +135,10 @@ def main() -> None:
     parser.add_argument("--steps", type=at_least(1), default=30)
     parser.add_argument("--pause", type=positive_seconds, default=3.0)
     parser.add_argument("--runs", type=at_least(1), default=8)
+    parser.add_argument("--size", type=at_least(1), default=10_000, help="float32 per peer")
+    parser.add_argument("--jitter", type=float, default=0.0, help="s, |normal| per write")
+    parser.add_argument("--window-bytes", type=at_least(0), default=0, help="0: no limit")
+    parser.add_argument("--bootstrap", type=at_least(0), default=0, help="DHT-only peers first")
     parser.add_argument("--first-seed", type=at_least(1), default=1)
     args = parser.parse_args()
     # the slow-link warning, once per averager and run: the figures here say it
