@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import math
 from dataclasses import replace
 from typing import Any
 
@@ -23,7 +22,7 @@ from test_averaging_support import (
 
 from peer import open_peer
 from training import Averager, DropReason, Outcome, PartStatus
-from training.averaging.matchmaking import _read_lag, _with_slow_link
+from training.averaging.matchmaking import _with_slow_link
 from training.averaging.round_state import MatchResult
 
 
@@ -280,52 +279,6 @@ def test_the_slow_link_note_asks_for_the_window_the_trials_needed() -> None:
         assert "set gather_window to 4 s or more" in note, note
     assert _with_slow_link(alone, [0.8, 0.75, 0.9], 4.0) is alone
     assert _with_slow_link(alone, [0.2, 0.23, 0.35], 2.0) is alone  # 50 ms each way
-
-
-@pytest.mark.parametrize("before_close", [0.3, 0.5])
-async def test_a_declaration_that_lands_after_the_close_on_a_slow_link_is_grouped(
-    autojump_clock: trio.testing.MockClock, before_close: float
-) -> None:
-    """At 200 ms each way a store takes most of a second. A peer that comes to a round
-    where somebody declared, a moment before its close (as late as an eighth of the
-    window is allowed), used to land its declaration after the first peer had read the
-    round at the close: both were alone, the first one told "nobody declared". Reading as
-    long after the close as our stores take (up to half a window) groups them
-    (``benchmarks/slow_links.py``: 4 peers at 200 ms each way averaged all together in
-    109.9 of 120 steps on average over 32 runs, against 89.2 without the lag)."""
-    window = 2.0
-    with trio.fail_after(60):
-        async with memnet_swarm(2, latency=0.2, first_seed=7) as (_, nodes):
-            await trio.sleep(3)  # the routing tables settle
-            config = fast_config(gather_window=window, join_timeout=1.0)
-            arrays = [np.full(100, float(i), np.float32) for i in range(2)]
-            averagers = [
-                Averager(node, "t/late", [array], config=config)
-                for node, array in zip(nodes, arrays, strict=True)
-            ]
-            close = math.ceil(virtual_clock() / window) * window
-            while close - virtual_clock() < window:
-                close += window
-            infos: dict[int, Any] = {}
-
-            async def step_at(i: int, at: float) -> None:
-                await trio.sleep(at - virtual_clock())
-                infos[i] = await averagers[i].step(timeout=20.0)
-
-            async with trio.open_nursery() as nursery:
-                nursery.start_soon(step_at, 0, close - 1.5)
-                nursery.start_soon(step_at, 1, close - before_close)
-    for i, info in infos.items():
-        assert info.outcome is Outcome.AVERAGED, (i, str(info))
-        assert info.round == round(close / window)
-        assert arrays[i].tolist() == [0.5] * 100
-
-
-def test_the_read_lag_follows_the_slowest_store_up_to_half_a_window() -> None:
-    assert _read_lag([0.01, 0.2], 2.0) == 0.0  # a LAN, or 50 ms each way
-    assert _read_lag([0.2, 0.6, 0.3], 2.0) == 0.6
-    assert _read_lag([0.2, 1.6], 2.0) == 1.0
-    assert _read_lag([], 2.0) == 0.0
 
 
 async def test_a_peer_whose_read_nobody_answered_does_not_say_nobody_declared(

@@ -86,9 +86,9 @@ class Confirmation:
         return expected - {state.me.peer_id} - state.gone
 
     def _after_slot_close(self, state: RoundState, seconds: float) -> float:
-        """``seconds`` after the round's slot closes (put off by ``state.lag`` on a slow
-        link), or after now once that has passed (in trio time)."""
-        close_in = max(state.number * self.config.gather_window + state.lag - self.clock(), 0.0)
+        """``seconds`` after the round's slot closes, or after now once it has closed (in
+        trio time)."""
+        close_in = max(state.number * self.config.gather_window - self.clock(), 0.0)
         return trio.current_time() + close_in + seconds
 
     async def _lead(

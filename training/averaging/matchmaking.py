@@ -151,23 +151,6 @@ def _with_slow_link(result: MatchResult, store_times: list[float], window: float
     return replace(result, note=f"{result.note}; {note}" if result.note else note)
 
 
-def _read_lag(store_times: list[float], window: float) -> float:
-    """How long after the slot's close to read the round: the slowest of our last
-    declaration stores (this one's included), up to half a window, when it exceeds an
-    eighth of a window; else 0. A peer may declare up to an eighth of a window before the
-    close, and its store lands as late as ours do: a read at the close missed such peers on
-    slow links, and the peers that read later grouped them, so the round split into groups
-    that did not agree. A leader waits for its members that much longer too
-    (``RoundState.lag``). ``benchmarks/slow_links.py`` (4 peers on the memory network,
-    2 % of the writes 0.6 s late, 30 steps each, 3 s between), 32 runs: at 200 ms each way
-    all four averaged together in 109.9 of 120 steps on average, against 89.2 without the
-    lag; at 100 ms each way 114.8 against 114.2, and in 40 runs more with other seeds a
-    little less: 107.1 against 113.6. The median store instead of the slowest did no
-    better (109.1 and 110.2 in the 32 runs)."""
-    slowest = max(store_times, default=0.0)
-    return min(slowest, window / 2) if slowest > window / 8 else 0.0
-
-
 def _clock_note(node: Peer) -> str:
     """Why a peer whose clock is off by more than network time corrects meets nobody:
     rounds are slots of the clock, and its own are others' past or future (a trial's
@@ -475,11 +458,9 @@ class Matchmaker(Confirmation):
             await self.node.dht.store(key, state.me.to_wire(), ttl=self._ttl(), subkey=self._subkey)
         state.store_s = trio.current_time() - started
         # A slow store (an unresponsive DHT node) means the others' stores are slow too:
-        # give them a moment to land before reading, and on a slow link read that much
-        # after the close too (_read_lag).
+        # give them a moment to land before reading.
         settle = window / 4
-        state.lag = _read_lag([*self._store_times[-(_STORE_TIMES - 1) :], state.store_s], window)
-        close_at = max(close_at + state.lag, trio.current_time() + settle)
+        close_at = max(close_at, trio.current_time() + settle)
         declared, done = await self._gather(state, key, min(close_at, deadline), deadline)
         # what that read grouped: our marker keeps it for the others' later reads (see
         # grouping.closed_marker)
@@ -675,6 +656,9 @@ class Matchmaker(Confirmation):
         deadline: float,
         pings: trio.Nursery,
     ) -> tuple[list[Declaration], Counter[str | None]]:
+        # at most 0.25 s: the longer window that slow links ask for then costs a steady
+        # swarm nothing (0.35 s of matchmaking per step with 4 s, against 0.59 s with 0.5 s
+        # polls: benchmarks/slow_links.py --window 4 --latency 0.005 --late 0)
         poll = min(max(self.config.gather_window / 8, 0.02), 0.25)
         # Close early once as many peers are back as we saw in any of the last 3 rounds (a
         # peer that left costs us the wait until the close, not a split swarm), and not

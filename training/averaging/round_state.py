@@ -46,9 +46,6 @@ class RoundState:
     # the "done" markers of others (see withdraw) by layout, from the read that found most
     others_done: Counter[str | None] = field(default_factory=Counter)
     store_s: float = 0.0  # how long storing our declaration took
-    # seconds after the slot's close that our read of the round, and a leader's wait for
-    # its members, are put off on a slow link (Matchmaker._read_lag)
-    lag: float = 0.0
     unheard: bool = False  # our last read of the round asked other nodes and none answered
     # peers of our last rounds that this round's pings found gone (Matchmaker._ping_missing)
     departed: set[PeerID] = field(default_factory=set)
