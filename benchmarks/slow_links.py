@@ -22,8 +22,9 @@ by their identities and late writes (seeded) and by trio's scheduling (randomize
 compare means over several runs.
 
 A WAN trial (session 43: 4 processes over an emulated 200 ms link with 2 % loss) split into
-pairs that met in alternate slots; this reproduces that kind of split without root or an
-emulator.
+pairs that met in alternate slots; this models that kind of link without root or an
+emulator. A model only: a change that gained here (session 44's read lag) gained nothing in
+the real-TCP trial (docs/benchmarks.md), so confirm a gain over real links.
 """
 
 from __future__ import annotations
@@ -145,6 +146,8 @@ def main() -> None:
     logging.getLogger("training").setLevel(logging.ERROR)
     if not 0.0 <= args.late < 1.0:
         parser.error(f"--late must be in [0, 1), got {args.late}")
+    if not 0.0 <= args.jitter < 10.0:
+        parser.error(f"--jitter must be seconds in [0, 10), got {args.jitter}")
     runs = []
     for seed in range(args.first_seed, args.first_seed + args.runs):
         clock = trio.testing.MockClock(autojump_threshold=0)

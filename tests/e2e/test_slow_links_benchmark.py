@@ -24,12 +24,18 @@ def test_the_slow_links_benchmark_counts_every_step() -> None:
     assert report["full_mean"] == sum(r["full"] for r in report["runs"]) / 2
 
 
-def test_the_slow_links_benchmark_refuses_a_late_share_of_one_or_more() -> None:
+@pytest.mark.parametrize(
+    ("flag", "value", "said"),
+    [("--late", "1.5", "--late must be in [0, 1)"), ("--jitter", "nan", "--jitter must be")],
+)
+def test_the_slow_links_benchmark_refuses_bad_link_settings(
+    flag: str, value: str, said: str
+) -> None:
     out = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "slow_links.py"), "--late", "1.5"],
+        [sys.executable, str(ROOT / "benchmarks" / "slow_links.py"), flag, value],
         capture_output=True,
         text=True,
         timeout=60,
         env=env_with_root(),
     )
-    assert out.returncode == 2 and "--late must be in [0, 1)" in out.stderr
+    assert out.returncode == 2 and said in out.stderr, out.stderr
