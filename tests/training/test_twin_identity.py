@@ -5,13 +5,15 @@ bootstrap node joined through its twin started a second network without a word (
 
 from __future__ import annotations
 
+from contextlib import AbstractAsyncContextManager
+
 import numpy as np
 import pytest
 import trio
 import trio.testing
 from test_averaging_support import fast_config
 
-from peer import PeerUnavailableError, open_peer
+from peer import Peer, PeerUnavailableError, open_peer
 from peer.errors import DuplicateIdentityError, SelfDialError
 from peer.memnet import MemoryNetwork
 from protocol.address import Address
@@ -20,6 +22,16 @@ from protocol.messages import NodeInfo
 from training import Averager, AveragingInfo, Outcome
 
 SHARED = Identity.from_seed(b"t" * 32)
+OTHER = Identity.from_seed(b"o" * 32)  # a peer of its own identity, the twins' way in
+
+
+def _peer(
+    net: MemoryNetwork, listen: str, identity: Identity, via: Peer | None = None
+) -> AbstractAsyncContextManager[Peer]:
+    """A peer on ``net`` at ``listen`` (``HOST:PORT``), joining through ``via``."""
+    host = listen.split(":")[0]
+    initial = [via.address] if via is not None else []
+    return open_peer(listen, initial, identity, network=net.interface(host))
 
 
 async def test_a_twin_among_the_initial_peers_is_named_as_such(
@@ -49,16 +61,11 @@ async def test_twins_in_one_round_the_loser_stays_out_and_says_why(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     net = MemoryNetwork(latency=0.005)
-    other = Identity.from_seed(b"o" * 32)
     with trio.fail_after(60):
         async with (
-            open_peer("10.0.0.1:4000", identity=other, network=net.interface("10.0.0.1")) as n,
-            open_peer(
-                "10.0.0.2:4000", [n.address], SHARED, network=net.interface("10.0.0.2")
-            ) as t1,
-            open_peer(
-                "10.0.0.3:4000", [n.address], SHARED, network=net.interface("10.0.0.3")
-            ) as t2,
+            _peer(net, "10.0.0.1:4000", OTHER) as n,
+            _peer(net, "10.0.0.2:4000", SHARED, via=n) as t1,
+            _peer(net, "10.0.0.3:4000", SHARED, via=n) as t2,
         ):
             values = {n: 1.0, t1: 2.0, t2: 4.0}
             tensors = {node: np.full(16, v, np.float32) for node, v in values.items()}
@@ -99,18 +106,13 @@ async def test_a_twin_that_joins_through_others_is_found_and_both_are_told(
     join's lookup of its own id is answered with our PeerID at the twin's address: it
     dials that, the handshake proves the twin, and both twins' reports say so."""
     net = MemoryNetwork(latency=0.005)
-    other = Identity.from_seed(b"o" * 32)
     with trio.fail_after(60):
         async with (
-            open_peer("10.0.0.1:4000", identity=other, network=net.interface("10.0.0.1")) as n,
-            open_peer(
-                "10.0.0.2:4000", [n.address], SHARED, network=net.interface("10.0.0.2")
-            ) as t1,
+            _peer(net, "10.0.0.1:4000", OTHER) as n,
+            _peer(net, "10.0.0.2:4000", SHARED, via=n) as t1,
         ):
             assert t1.rpc.twin is None and n.rpc.twin is None
-            async with open_peer(
-                "10.0.0.3:4000", [n.address], SHARED, network=net.interface("10.0.0.3")
-            ) as t2:
+            async with _peer(net, "10.0.0.3:4000", SHARED, via=n) as t2:
                 await trio.sleep(3.0)  # the check runs in the background (a second of it
                 # waits for an echo of our own dial: see RpcHost._came_back)
                 assert t2.rpc.twin is not None and t2.rpc.twin[0] == "10.0.0.2:4000"
@@ -129,18 +131,11 @@ async def test_our_own_old_address_is_no_twin(
     another port, gone; a node that has not noticed yet still names it) is no other
     process: the check's dial finds nobody there, and nothing is said."""
     net = MemoryNetwork(latency=0.005)
-    other = Identity.from_seed(b"o" * 32)
     with trio.fail_after(60):
-        async with open_peer(
-            "10.0.0.1:4000", identity=other, network=net.interface("10.0.0.1")
-        ) as n:
-            async with open_peer(
-                "10.0.0.2:4000", [n.address], SHARED, network=net.interface("10.0.0.2")
-            ):
+        async with _peer(net, "10.0.0.1:4000", OTHER) as n:
+            async with _peer(net, "10.0.0.2:4000", SHARED, via=n):
                 pass
-            async with open_peer(
-                "10.0.0.2:4001", [n.address], SHARED, network=net.interface("10.0.0.2")
-            ) as again:
+            async with _peer(net, "10.0.0.2:4001", SHARED, via=n) as again:
                 again.dht._check_twin(NodeInfo(SHARED.peer_id, "10.0.0.2:4000"))
                 again.dht._check_twin(NodeInfo(SHARED.peer_id, "10.0.0.2:4001"))  # ours
                 await trio.sleep(5.0)
