@@ -41,6 +41,7 @@ from protocol.records import Subkey
 
 from .dht import EntriesRead, LookupStats
 from .dht.lookup import LookupResult
+from .dht.node import address_list
 from .errors import PeerStoppedError
 from .netclock import wall_clock
 from .network import Network
@@ -361,9 +362,7 @@ class BackgroundDHT:
         Raises:
             PeerStoppedError: the peer is no longer running.
         """
-        if isinstance(addresses, str | Address):  # one address: not a list of characters
-            addresses = [addresses]
-        return self._owner.run(self._owner.peer.dht.contact, list(addresses))
+        return self._owner.run(self._owner.peer.dht.contact, address_list(addresses))
 
     @property
     def contact_errors(self) -> dict[str, str]:

@@ -237,7 +237,8 @@ async def open_peer(
 
     Raises:
         AddressError: (a ``ProtocolError`` and a ``ValueError``) if ``listen`` or an initial
-            peer is not a valid address, or an initial peer has port 0.
+            peer is not a valid address, or an initial peer has port 0, or
+            ``announce_host`` carries a port.
         ValueError: if ``listen`` names a PeerID other than this peer's, or
             ``announce_host`` is one no peer dials (``0.0.0.0``, multicast: they skip it),
             or is given to a client-mode peer.
@@ -262,6 +263,7 @@ async def open_peer(
             " and is never dialed: drop client_mode (and give a reachable listen address) to"
             " be dialed, or drop announce_host"
         )
+    _check_announce_host(announce_host)
     if listen_address is not None:  # one spelling for an IPv6 host, as the CLI's
         listen_address = Address(
             canonical_host(listen_address.host), listen_address.port, listen_address.peer_id
@@ -323,3 +325,18 @@ async def open_peer(
                     nursery.cancel_scope.cancel()
         if body_error is not None:  # inside the host's block: it then closes without draining
             raise body_error
+
+
+def _check_announce_host(host: object) -> None:
+    """Refuse a ``HOST:PORT`` given as ``announce_host`` with the advice the CLI gives (the
+    Address check alone read ``'1.2.3.4:5'`` as a malformed IPv6 address)."""
+    if not isinstance(host, str) or ":" not in host:
+        return
+    inner = host[1:-1] if host.startswith("[") and host.endswith("]") else host
+    try:
+        ipaddress.IPv6Address(inner)
+    except ValueError:
+        raise AddressError(
+            f"announce_host {host!r} is not a host: give the host without a port (peers dial"
+            " it at the port this peer listens on)"
+        ) from None

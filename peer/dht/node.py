@@ -233,11 +233,9 @@ class DHT:
 
         Raises:
             AddressError: (a ValueError) a text that is no address.
-            TypeError: an item that is neither.
+            TypeError: an item that is neither, or an argument that is no list.
         """
-        if isinstance(addresses, str | Address):  # one address: not a list of characters
-            addresses = [addresses]
-        return await self._joining.contact([_address(item) for item in addresses])
+        return await self._joining.contact(address_list(addresses))
 
     @property
     def contact_errors(self) -> dict[str, str]:
@@ -816,6 +814,26 @@ class DHT:
         """
         await self.find_nodes(self.node_id)
         return self.routing_table_peers()
+
+
+def address_list(addresses: Sequence[Address | str] | Address | str) -> list[Address]:
+    """``Address`` objects for :meth:`DHT.contact`'s argument: one address (its text is
+    not a list of characters) or a list of them, texts parsed.
+
+    Raises:
+        AddressError: (a ValueError) a text that is no address.
+        TypeError: an item that is neither, or an argument that is no list.
+    """
+    if isinstance(addresses, str | Address):
+        addresses = [addresses]
+    try:
+        items = list(addresses)
+    except TypeError:  # (list() said "'int' object is not iterable")
+        raise TypeError(
+            "addresses must be an address (PEERID@HOST:PORT or HOST:PORT, or an Address)"
+            f" or a list of them, got {type(addresses).__name__}"
+        ) from None
+    return [_address(item) for item in items]
 
 
 def _address(item: Address | str) -> Address:

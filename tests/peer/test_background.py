@@ -74,6 +74,8 @@ def test_the_facade_has_the_dhts_methods_and_they_work() -> None:
         assert second.dht.routing_table_peers() == []
         with pytest.raises(TypeError, match="an address must be an Address or its text"):
             second.dht.contact([42])  # type: ignore[list-item]
+        with pytest.raises(TypeError, match="or a list of them, got int"):
+            second.dht.contact(42)  # type: ignore[arg-type]  (was "'int' object is not iterable")
         # its text too, as every other API takes it (was an AttributeError, a trial)
         assert second.dht.contact([first.address]) == [Address.parse(first.address)]
         assert second.dht.contact(first.address) == []  # one text, not its characters (known)

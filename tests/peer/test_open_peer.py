@@ -28,6 +28,9 @@ OTHER = Identity.from_seed(bytes([9]) * 32)
         ({"config": DHTConfig()}, TypeError, "config must be a PeerConfig"),
         ({"announce_host": "0.0.0.0"}, ValueError, "not an address peers can dial"),
         ({"announce_host": "224.0.0.1"}, ValueError, "not an address peers can dial"),
+        # an outside tester: "'1.2.3.4:5' is no IPv6 address" (the CLI names the port)
+        ({"announce_host": "203.0.113.7:5"}, AddressError, "give the host without a port"),
+        ({"announce_host": "[::1]:5"}, AddressError, "give the host without a port"),
         # a client-mode trial: both were ignored without a word
         ({"client_mode": True, "announce_host": "203.0.113.7"}, ValueError, "client-mode"),
         ({"client_mode": True, "listen": "garbage"}, ProtocolError, "no port"),
