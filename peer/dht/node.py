@@ -57,6 +57,7 @@ from protocol.records import (
 
 from ..errors import DuplicateIdentityError, PeerStoppedError
 from ..host import RpcHost
+from ..interrupts import plain_interrupt
 from .bounded import each_bounded
 from .config import DHTConfig
 from .handover import Handover
@@ -226,6 +227,7 @@ class DHT:
         we are alone). See :meth:`Joining.bootstrap`."""
         return await self._joining.bootstrap(initial_peers, warn=warn)
 
+    @plain_interrupt
     async def contact(self, addresses: Sequence[Address | str]) -> list[Address]:
         """Dial and ping contacts known from before (``Address`` objects, or their text
         ``PEERID@HOST:PORT`` / ``HOST:PORT``); those that answered. See
@@ -242,11 +244,13 @@ class DHT:
         """Initial peers that did not answer at the last contact -> why."""
         return self._joining.contact_errors
 
+    @plain_interrupt
     async def refresh(self) -> None:
         """One maintenance round (the service runs one every ``refresh_interval``). See
         :meth:`Upkeep.refresh`."""
         await self._upkeep.refresh()
 
+    @plain_interrupt
     async def drop_silent_contacts(self) -> int:
         """Ping the contacts quiet for ``ping_after`` and remove those that do not answer;
         how many were removed. See :meth:`Upkeep.drop_silent_contacts`."""
@@ -257,6 +261,7 @@ class DHT:
         :meth:`Handover.hand_over`."""
         return await self._handover.hand_over(node)
 
+    @plain_interrupt
     async def republish(self) -> int:
         """Re-store the live records this node stored, to the nodes closest now.
 
@@ -286,6 +291,7 @@ class DHT:
 
     # ---- lookups ---------------------------------------------------------------------
 
+    @plain_interrupt
     async def find_nodes(self, target: DHTID) -> LookupResult:
         """Iterative FIND_NODE: the (at most k) closest nodes to ``target`` that answered.
 
@@ -400,6 +406,7 @@ class DHT:
 
     # ---- store and get ---------------------------------------------------------------
 
+    @plain_interrupt
     async def store(self, key: str, value: Any, ttl: float = 60.0, subkey: Subkey = None) -> bool:
         """Store ``value`` under ``key`` (and ``subkey``) for ``ttl`` seconds.
 
@@ -570,6 +577,7 @@ class DHT:
         self._service.start_soon(send)
         return True
 
+    @plain_interrupt
     async def get_entries(
         self, key: str, *, latest: bool = True
     ) -> dict[Subkey, tuple[Any, float]]:
@@ -577,6 +585,7 @@ class DHT:
         see :meth:`read_entries`."""
         return (await self.read_entries(key, latest=latest)).entries
 
+    @plain_interrupt
     async def read_entries(self, key: str, *, latest: bool = True) -> EntriesRead:
         """Every live ``subkey -> (value, expiration)`` under ``key`` (empty when none),
         and how many other nodes were asked and answered: a read that asked others and
@@ -783,6 +792,7 @@ class DHT:
             return False
         return True
 
+    @plain_interrupt
     async def get(self, key: str, *, latest: bool = True) -> Any:
         """The value under ``key``: a plain value, ``{subkey: value}`` for a dictionary
         key (a plain value stored beside subkeys is the ``None`` entry there), or None when
@@ -806,6 +816,7 @@ class DHT:
         """``(peer_id, "HOST:PORT")`` of every routing-table contact, far buckets first."""
         return [(n.peer_id, n.address) for n in self.table.nodes() if n.address is not None]
 
+    @plain_interrupt
     async def find_peers(self) -> list[tuple[PeerID, str]]:
         """Look up our own neighbourhood, then list the routing table.
 

@@ -30,6 +30,7 @@ import torch
 import trio
 
 from peer import BackgroundPeer, Peer, PeerStoppedError, RemoteError, Reply, Request
+from peer.interrupts import interrupt_in
 from protocol.codecs import NonFiniteError, get_codec
 from protocol.errors import RemoteProtocolError
 from protocol.identity import PeerID
@@ -439,6 +440,9 @@ class Averager:
         try:
             return await self._step(float(weight), epoch, deadline)
         except BaseExceptionGroup as group:
+            interrupt = interrupt_in(group)  # Ctrl-C, wrapped by a nursery of the step's
+            if interrupt is not None:  # (peer/interrupts.py)
+                raise interrupt from None
             # The open_peer block ended under the all-reduce: its tasks fail together (dials
             # refused, the host stopped, trio's shutdown); say that, as before the butterfly.
             if self.node.rpc.stopped or group.subgroup(PeerStoppedError) is not None:
