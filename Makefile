@@ -43,8 +43,10 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
+# One pytest process per core, at most 4 (each imports torch): on 2 cores the suite takes
+# two thirds of the time it takes in one (557 s against 827 s on a slow VM).
 test: $(STAMP)
-	$(BIN)/python -m pytest -q
+	$(BIN)/python -m pytest -q -n auto --maxprocesses=4
 
 check: lint typecheck test
 
