@@ -39,4 +39,4 @@ def oversized_sends(monkeypatch: pytest.MonkeyPatch) -> None:
     hostile peer may: ours send at most ``MIN_PEER_FRAME_SIZE``, which every peer accepts."""
     from protocol.framing import DEFAULT_MAX_FRAME_SIZE
 
-    monkeypatch.setattr("peer.rpc.MIN_PEER_FRAME_SIZE", DEFAULT_MAX_FRAME_SIZE)
+    monkeypatch.setattr("peer.rpc_link.MIN_PEER_FRAME_SIZE", DEFAULT_MAX_FRAME_SIZE)

@@ -117,7 +117,7 @@ async def test_background_stores_to_made_up_nodes_stay_bounded(
                 assert await peers[1].dht.get(f"key{i}") == i
 
 
-# -- the silence rule (peer/rpc.py RpcConnection._note_unanswered) ---------------------------
+# -- the silence rule (peer/rpc_calling.py, Calling._note_unanswered) -----------------------
 
 
 async def count(request: Request) -> AsyncIterator[Reply]:
