@@ -169,7 +169,8 @@ class PendingStream:
 
 AnswerWait = Callable[[Callable[[], Awaitable[Reply]], float], Awaitable[Reply]]
 """How a caller waits for an answer: ``wait(receive, since)`` awaits ``receive()`` while the
-connection watches for the peer's silence since ``since`` (``Calling._await_answer`` in ``rpc_calling.py``)."""
+connection watches for the peer's silence since ``since`` (``Calling._await_answer``, in
+``rpc_calling.py``)."""
 
 
 class ReplyStream:

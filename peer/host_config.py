@@ -19,7 +19,7 @@ class HostConfig:
     """Connections in all; beyond, a new inbound one takes the slot of the oldest inbound
     handshake stalled for a second, else of the inbound connection idle the longest (once
     its own handshake completes), else of the oldest handshake not answered yet, or is told
-    busy (``peer.host`` has the whole order)."""
+    busy (``peer.admission`` has the whole order)."""
     max_connections_per_ip: int = 128
     """Inbound connections from one remote host (one /64 for IPv6); generous, since NATs
     share addresses. Beyond, a new one from that host takes the slot of the host's own
