@@ -21,12 +21,11 @@ re-store what they stored while it lives (see ``republish``).
 from __future__ import annotations
 
 import logging
-import math
 import numbers
 import random
 import statistics
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -40,10 +39,7 @@ from protocol.errors import SwarmError
 from protocol.identity import Identity, PeerID
 from protocol.messages import Entry, NodeInfo
 from protocol.records import (
-    MAX_ENTRIES_PER_STORE,
-    MAX_SUBKEYS_PER_KEY,
     MAX_TTL,
-    RecordError,
     Subkey,
     check_key,
     check_subkey,
@@ -51,50 +47,29 @@ from protocol.records import (
     key_owner,
     owner_of,
     sign_entry,
-    subkey_order,
     validate_entry,
 )
 
 from ..errors import DuplicateIdentityError, PeerStoppedError
 from ..host import RpcHost
 from ..interrupts import plain_interrupt
-from .bounded import each_bounded
 from .config import DHTConfig
 from .handover import Handover
 from .joining import Joining
 from .lookup import MIN_HEDGE_DELAY, LookupResult, Query, iterative_lookup
 from .protocol import DHTProtocol
-from .reading import Holders, live_entries
+from .publishing import Publishing
+from .reading import EntriesRead as EntriesRead
+from .reading import Reading
 from .routing import RoutingTable
-from .storage import DHTStorage, Record, merge_entry, supersedes
+from .storage import DHTStorage
 from .upkeep import Upkeep
 
 logger = logging.getLogger(__name__)
 
-_REPUBLISH_PARALLEL = 4
 _EXPIRE_INTERVAL = 30.0  # seconds between sweeps of expired records
 _TWIN_CHECK_EVERY = 60.0  # seconds between dials of one address named with our PeerID
 _FIRST_ANSWERS_KEPT = 32  # recent lookups' first-answer delays, for the first hedge
-_BACKGROUND_STORES = 32  # stores re-sent after their lookup gave up on them, at once
-_BACKGROUND_REPAIRS = 8  # read repairs in flight at once (a pool of their own: a holder
-# that keeps answering with old versions and never replies must not hold the one above)
-# A key holds at most 1024 subkeys of 16 KiB: 17 replies of 1 MiB; a node that keeps
-# saying "more" gets no further than this.
-_MAX_VALUE_PAGES = 32
-_READ_SUBKEYS = 4 * MAX_SUBKEYS_PER_KEY
-"""Subkeys a read's merge of its holders' copies takes before trimming them to the best
-supported MAX_SUBKEYS_PER_KEY (room for a few holders' differing full copies; bounded)."""
-_LATER = 1e-6  # seconds one of our stores must outlast our last one by (float noise aside)
-
-
-@dataclass(frozen=True, slots=True)
-class EntriesRead:
-    """What a read of a key found (:meth:`DHT.read_entries`)."""
-
-    entries: dict[Subkey, tuple[Any, float]]  # as get_entries returns them
-    asked: int  # other nodes asked (0: this node's own copy was enough)
-    answered: int  # of them, those whose whole copy came (asked but none answered: the
-    # entries are only what this node stores itself, nothing for a client)
 
 
 @dataclass(slots=True)
@@ -160,6 +135,8 @@ class DHT:
         self._joining = Joining(self)
         self._upkeep = Upkeep(self)
         self._handover = Handover(self)
+        self._publishing = Publishing(self)
+        self._reading = Reading(self)
         if self.storage is not None:
             self.protocol.on_new_contact = self._handover.on_new_contact
         host.on_connection_lost = self.protocol.check_alive
@@ -170,13 +147,7 @@ class DHT:
         self._first_answers: deque[float] = deque(maxlen=_FIRST_ANSWERS_KEPT)
         self._clock = clock
         self._rng = random.Random(self.peer_id.raw)
-        # (key id, subkey) -> (key text, entry) of what this node stored, to republish
-        self._published: OrderedDict[tuple[DHTID, Subkey], tuple[str, Entry]] = OrderedDict()
-        # (key id, subkey) -> (expiration, the same on trio's clock) of our latest store
-        # there (see _carry_over)
-        self._stamped: OrderedDict[tuple[DHTID, Subkey], tuple[float, float]] = OrderedDict()
         self._service: trio.Nursery | None = None  # serve()'s nursery, while it runs
-        self._in_background = {"resend": 0, "repair": 0}  # background stores in flight
         self._twin_checks: dict[str, float] = {}  # our PeerID's other addresses: last dial
         self._checking_twins = 0
         self.table.on_departed = self._upkeep.on_departed
@@ -263,31 +234,13 @@ class DHT:
 
     @plain_interrupt
     async def republish(self) -> int:
-        """Re-store the live records this node stored, to the nodes closest now.
-
-        Returns:
-            How many keys were republished.
+        """Re-store the live records this node stored, to the nodes closest now; how many
+        keys were republished. See :meth:`Publishing.republish`.
 
         Raises:
             Nothing for unreachable peers: a record no node accepts waits for the next round.
         """
-        now = self._clock()
-        by_key: dict[str, list[Entry]] = {}
-        for (key_id, subkey), (key, entry) in list(self._published.items()):
-            if entry.expiration <= now + self.config.republish_margin:
-                if entry.expiration <= now:
-                    del self._published[key_id, subkey]
-                continue
-            by_key.setdefault(key, []).append(entry)
-
-        async def one(job: tuple[str, list[Entry]]) -> None:
-            key, entries = job
-            for start in range(0, len(entries), MAX_ENTRIES_PER_STORE):
-                chunk = tuple(entries[start : start + MAX_ENTRIES_PER_STORE])
-                await self._store_entries(key, chunk)
-
-        await each_bounded(by_key.items(), one, _REPUBLISH_PARALLEL)
-        return len(by_key)
+        return await self._publishing.republish()
 
     # ---- lookups ---------------------------------------------------------------------
 
@@ -456,7 +409,7 @@ class DHT:
         expiration = now + ttl
         if expiration <= now:  # a unix time has ~0.2 us steps: a smaller ttl adds nothing
             raise ValueError(f"ttl of {ttl} s is below the clock's resolution")
-        expiration = self._carry_over((key_id, subkey), now, expiration)
+        expiration = self._publishing.carry_over((key_id, subkey), now, expiration)
         owner = key_owner(key)
         if owner is not None or owner_of(subkey) is not None:
             entry = sign_entry(self.identity, key_id, subkey, data, expiration, key_owner=owner)
@@ -464,118 +417,8 @@ class DHT:
             entry = Entry(subkey, data, expiration)
         validate_entry(key_id, entry, now=now, key_owner=owner)
         self._check_running()  # before it joins the republish list
-        self._note_published(key, key_id, entry, ttl)
-        return await self._store_entries(key, (entry,))
-
-    def _carry_over(self, slot: tuple[DHTID, Subkey], now: float, expiration: float) -> float:
-        """The expiration to store under ``slot``: ``expiration``, unless our time moved
-        back (network time following peers whose clocks are behind ours) since one of our
-        earlier stores there. Counted on trio's monotonic clock, which no correction moves,
-        this store expires later than that one; by our time it expires earlier, and every
-        node would keep the old value until the old expiration (up to the size of the
-        correction: a trial's peer, corrected 15 s back, had its averaging declarations
-        refused for three rounds). Such a store goes out just after the old expiration: it
-        replaces the old value, and lives at most the correction longer than its ttl. So
-        do our next stores there, until their own expirations are the later ones (a
-        recheck found the next store after the first refused again)."""
-        lasts_until = trio.current_time() + (expiration - now)  # on the monotonic clock
-        last = self._stamped.get(slot)
-        if last is not None:
-            old_expiration, old_lasts_until = last
-            if expiration <= old_expiration and lasts_until > old_lasts_until + _LATER:
-                later = math.nextafter(old_expiration, math.inf)
-                if later - now <= MAX_TTL:
-                    expiration = later
-        if last is None or expiration > last[0]:  # else refused: the old one stays live
-            self._stamped[slot] = (expiration, lasts_until)
-            self._stamped.move_to_end(slot)
-        stamped = self._stamped  # oldest first: drop the expired and beyond the bound
-        while stamped and (
-            len(stamped) > self.config.max_republished_records
-            or next(iter(stamped.values()))[0] < now
-        ):
-            stamped.popitem(last=False)
-        return expiration
-
-    def _note_published(self, key: str, key_id: DHTID, entry: Entry, ttl: float) -> None:
-        """Republish ``entry`` from now on, unless the record we republish outlives it: a
-        store every node refuses (an older version) must not end the republishing of the
-        live one (the owner's record was lost once its first holders left)."""
-        slot = (key_id, entry.subkey)
-        published = self._published.get(slot)
-        if published is not None and not supersedes(entry, published[1]):
-            return
-        if ttl > self.config.republish_interval:
-            self._published[slot] = (key, entry)
-            self._published.move_to_end(slot)
-            while len(self._published) > self.config.max_republished_records:
-                self._published.popitem(last=False)
-        else:  # gone, or nearly, by the next pass (e.g. an averaging round's declaration)
-            self._published.pop(slot, None)
-
-    async def _store_entries(self, key: str, entries: tuple[Entry, ...]) -> bool:
-        """Store while looking up: each STORE reply names the callee's closest contacts,
-        so the lookup of the k closest nodes and the stores to them are the same RPCs
-        (a node asked early that turns out not to be among the k closest keeps a copy
-        too, until it expires). The last round's replies name contacts too: in a large
-        network a round that found nothing closer does not prove the k closest are known
-        (skipping them there lost 8 of 1,000 keys among 500 peers)."""
-        key_id, owner = DHTID.from_key(key), key_owner(key)
-        stored = False
-
-        async def query(node: NodeInfo) -> Sequence[NodeInfo] | None:
-            nonlocal stored
-            response = await self.protocol.store(node, key_id, key, entries)
-            if response is None:
-                return None
-            stored = stored or any(response.accepted)
-            return response.nodes
-
-        def given_up(node: NodeInfo) -> None:
-            # sent again: its outcome counts for or against the node, not the give-up
-            if not self._store_in_background(node, key_id, key, entries):
-                self._given_up(node)
-
-        result = await self._lookup(key_id, query, on_given_up=given_up)
-        if self.storage is not None and self._among_closest(key_id, result.closest):
-            for entry in entries:
-                try:
-                    stored = self.storage.store(key_id, entry, owner, key) or stored
-                except RecordError as exc:
-                    logger.debug("local store refused: %s", exc)
-        return stored
-
-    def _store_in_background(
-        self,
-        node: NodeInfo,
-        key_id: DHTID,
-        key: str,
-        entries: tuple[Entry, ...],
-        pool: str = "resend",
-    ) -> bool:
-        """Send again, in the service nursery and within the request timeout, a STORE that
-        its lookup gave up on (too slow, then cancelled when the lookup ended): a slow node
-        among the k closest, whose connection had idled out, missed most stores (its dial
-        outlasted the lookup); or (``pool="repair"``) a read repair.
-        Outside the request slots (they bound this node's CPU, and these mostly wait on
-        the network), at most _BACKGROUND_STORES (_BACKGROUND_REPAIRS) at once; beyond,
-        republish (a later read) covers it. At most MAX_ENTRIES_PER_STORE ``entries``.
-
-        Returns:
-            Whether it was sent (its outcome then counts for or against the node)."""
-        limit = _BACKGROUND_REPAIRS if pool == "repair" else _BACKGROUND_STORES
-        if self._service is None or self._in_background[pool] >= limit:
-            return False
-
-        async def send() -> None:
-            try:
-                await self.protocol.store(node, key_id, key, entries, take_slot=False)
-            finally:
-                self._in_background[pool] -= 1
-
-        self._in_background[pool] += 1
-        self._service.start_soon(send)
-        return True
+        self._publishing.note_published(key, key_id, entry, ttl)
+        return await self._publishing.store_entries(key, (entry,))
 
     @plain_interrupt
     async def get_entries(
@@ -610,187 +453,7 @@ class DHT:
             RecordError: the key is not a str.
             PeerStoppedError: this peer's ``open_peer`` context has ended.
         """
-        key_id, owner = check_key(key), key_owner(key)
-        self._check_running()  # also when this node's own copy would answer alone
-        record: Record = {}
-        values: dict[Subkey, Any] = {}
-        # how many holders sent a valid entry for each subkey: when the copies together
-        # hold more subkeys than a key may, those most holders agree on are kept (one
-        # holder's 1024 long-lived entries, a liar's or a flooder's, pushed every honest
-        # subkey out of the merge: a review)
-        support: dict[Subkey, int] = {}
-        # each holder's older versions, not checked yet (see the trim below)
-        unchecked: list[tuple[set[Subkey], list[Entry]]] = []
-        local = self.storage.get(key_id) if self.storage is not None else {}
-        for entry in local.values():
-            self._merge(key_id, owner, record, values, entry, verified=True)
-            support[entry.subkey] = 1
-        quorum = min(self.config.value_quorum, self.config.k) if latest else 1
-        holders = Holders(key_id, self.config.k, quorum, closest_first=latest)
-        if self.storage is not None:  # a client is no node of the key's k closest
-            holders.answered(self.peer_id, self.node_id, bool(local))
-        holders.learn(self.table.nearest(key_id, 2 * self.config.k))  # the lookup's seeds
-
-        asked = answered = 0
-        copies: list[tuple[NodeInfo, list[Entry]]] = []  # each holder's whole copy
-
-        async def query(node: NodeInfo) -> Sequence[NodeInfo] | None:
-            nonlocal asked, answered
-            asked += 1
-            response = await self.protocol.find_value(node, key_id)
-            if response is None:
-                holders.failed(node)
-                return None
-            nodes = response.nodes
-            budget = MAX_SUBKEYS_PER_KEY  # entries one holder may make us check
-            cursor: bytes | None = None
-            received: list[Entry] = []
-            for page in range(1, _MAX_VALUE_PAGES + 1):
-                entries = (response.entries or ())[:budget]
-                budget -= len(entries)
-                received += entries
-                if not (response.more and entries and budget):
-                    break
-                # the rest of a key too large for one reply, page by page, in subkey order;
-                # a holder whose pages do not move forward, or that names more entries
-                # than a key holds, is done (each signed entry costs a signature check)
-                after = subkey_order(entries[-1].subkey)
-                if cursor is not None and after <= cursor:
-                    break
-                cursor = after
-                response = await self.protocol.find_value(node, key_id, after=after)
-                if response is None:
-                    # It failed partway (died during the read): part of a key must not pass
-                    # for all of it, nor count toward the quorum. Others are asked instead.
-                    logger.debug("%s failed after %d pages of %s", node.peer_id.short(), page, key)
-                    holders.failed(node)
-                    return None
-            answered += 1  # a whole copy (a node that fails partway did not answer)
-            valid: set[Subkey] = set()
-            older: list[Entry] = []  # lost to a version held: not checked yet
-            for entry in received:
-                checked = self._merge(key_id, owner, record, values, entry, verified=False)
-                if checked:
-                    valid.add(entry.subkey)
-                elif checked is None:
-                    older.append(entry)
-            for subkey in valid:
-                support[subkey] = support.get(subkey, 0) + 1
-            # a holder is one that sent a valid entry (invalid ones counted toward the
-            # quorum, and a few nodes near a key hid an owner's signed value: a review)
-            holds = bool(valid) or any(self._valid(key_id, owner, e) for e in older)
-            if older:  # their support counts too, checked only if the read must trim
-                unchecked.append((valid, older))
-            if received and latest:
-                copies.append((node, received))
-            holders.learn(nodes)
-            holders.answered(node.peer_id, DHTID.from_peer_id(node.peer_id), holds)
-            return nodes
-
-        if not holders.enough():
-            # Once some node holds the key, at most as many requests in flight as holders
-            # are still missing: the closest nodes are asked first and normally hold it, so
-            # a get costs ~quorum RPCs. Before that, a plain lookup (a miss fans out).
-            def wanted() -> int:
-                return holders.missing() if holders.any else self.config.k
-
-            await self._lookup(key_id, query, stop=holders.enough, wanted=wanted)
-        if len(record) > MAX_SUBKEYS_PER_KEY:
-            # a holder with an older version of a subkey supports it as much as one with
-            # the newest (counting only those merged first made the support depend on the
-            # order copies came in, and a liar's junk outranked them: a review)
-            for counted, entries in unchecked:
-                for entry in entries:
-                    subkey = entry.subkey
-                    if (
-                        subkey in record
-                        and subkey not in counted
-                        and self._valid(key_id, owner, entry)
-                    ):
-                        counted.add(subkey)
-                        support[subkey] = support.get(subkey, 0) + 1
-            ranked = sorted(record, key=lambda s: (support.get(s, 0), record[s].expiration))
-            for subkey in ranked[: len(record) - MAX_SUBKEYS_PER_KEY]:
-                del record[subkey]
-                values.pop(subkey, None)
-        if latest:
-            self._repair(key, key_id, record, copies)
-        return EntriesRead(live_entries(record, values, self._clock()), asked, answered)
-
-    def _repair(
-        self,
-        key: str,
-        key_id: DHTID,
-        record: Record,
-        copies: Sequence[tuple[NodeInfo, Sequence[Entry]]],
-    ) -> None:
-        """Read repair: a holder that answered with an older version of a subkey than the
-        read's winner is sent the winner (in the background, one STORE of at most
-        MAX_ENTRIES_PER_STORE entries: a later read sends the rest). After a healed
-        partition the two sides' holders of a key written on both held different versions
-        until the owners republished (up to ``republish_interval``); readers whose holders
-        all held the losing one read it. Only versions a holder has replaced, not subkeys
-        it lacks: a matchmaking key's holders each miss some declarations, and filling them
-        in on every read would be a store per get. Not this node's own copy: its storage
-        charges what it holds to the host that sent it, and a remote reader's repair does
-        that."""
-        now = self._clock()
-        winners = {s: e for s, e in record.items() if e.expiration > now}
-        for node, entries in copies:
-            if node.peer_id == self.peer_id:
-                continue
-            newer: dict[Subkey, Entry] = {}  # by subkey: a reply may list one twice
-            for old in entries:
-                new = winners.get(old.subkey)
-                if new is not None and new != old and supersedes(new, old):
-                    newer[old.subkey] = new
-                    if len(newer) == MAX_ENTRIES_PER_STORE:
-                        break
-            if newer and self._store_in_background(
-                node, key_id, key, tuple(newer.values()), pool="repair"
-            ):
-                self.stats.repairs += 1
-
-    def _merge(
-        self,
-        key_id: DHTID,
-        owner: PeerID | None,
-        record: Record,
-        values: dict[Subkey, Any],
-        entry: Entry,
-        *,
-        verified: bool,
-    ) -> bool | None:
-        """Merge ``entry`` into a read's ``record``: whether it is valid (None: not
-        checked, it loses to the version held anyway). The record takes up to
-        ``_READ_SUBKEYS`` subkeys, then only newer versions of those it holds (the read
-        keeps the best supported ``MAX_SUBKEYS_PER_KEY`` of them at its end)."""
-        old = record.get(entry.subkey)
-        if old is not None and old == entry:
-            return True  # the same one, checked when it came
-        if old is not None and not supersedes(entry, old):
-            return None  # loses anyway: no need to verify it
-        if old is None and len(record) >= _READ_SUBKEYS:
-            return None
-        if not verified and not self._valid(key_id, owner, entry):
-            return False
-        try:
-            value = decode_value(entry.value)
-        except (RecordError, ValueError, TypeError) as exc:
-            logger.debug("dropped an undecodable entry from a lookup: %r", exc)
-            return False
-        if merge_entry(record, entry, _READ_SUBKEYS):
-            values[entry.subkey] = value
-        return True
-
-    def _valid(self, key_id: DHTID, owner: PeerID | None, entry: Entry) -> bool:
-        """Whether ``entry``, from a lookup, passes ``validate_entry`` for ``key_id``."""
-        try:
-            validate_entry(key_id, entry, now=self._clock(), key_owner=owner)
-        except (RecordError, ValueError, TypeError) as exc:
-            logger.debug("dropped an invalid entry from a lookup: %r", exc)
-            return False
-        return True
+        return await self._reading.read(key, latest=latest)
 
     @plain_interrupt
     async def get(self, key: str, *, latest: bool = True) -> Any:

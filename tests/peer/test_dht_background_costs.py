@@ -111,7 +111,7 @@ async def test_background_stores_to_made_up_nodes_stay_bounded(
                     await trio.sleep(0.05)
             assert most[0] <= 32, most
             await trio.sleep(victim.dht.config.request_timeout + 1)
-            assert running[0] == 0 and victim.dht._in_background["resend"] == 0
+            assert running[0] == 0 and victim.dht._publishing.in_background["resend"] == 0
             assert sent["background"] <= sent["lookup"], sent
             for i in range(24):
                 assert await peers[1].dht.get(f"key{i}") == i

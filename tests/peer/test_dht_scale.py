@@ -906,7 +906,7 @@ async def test_slow_peers_among_the_k_closest_get_the_store(
     the k closest must still get its turn'. A quarter of the peers sit behind a 0.5 s
     link, and the join's connections have idled out (the normal state of a network a
     minute later). The lookup ends before a slow node's STORE (still dialling) is
-    answered; the STORE is sent again in the background (DHT._store_in_background). Over
+    answered; the STORE is sent again in the background (Publishing.store_in_background). Over
     runs (trio's scheduling order varies them): 31 to 51 of 117 slow holders without it,
     88 to 117 with it (18 runs, mean ~100; 12 more runs 85 to 117, and one fresh-clone CI
     run 69, which failed the bar of 0.6 this test had: the bar is now 0.5, still above
