@@ -22,7 +22,7 @@ from test_averaging_support import (
 
 from peer import open_peer
 from training import Averager, DropReason, Outcome, PartStatus
-from training.averaging.matchmaking import _with_slow_link
+from training.averaging.match_notes import _with_slow_link
 from training.averaging.round_state import MatchResult
 
 

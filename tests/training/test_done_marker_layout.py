@@ -26,7 +26,8 @@ from test_averaging_support import (
 from peer import Peer
 from training import Averager, AveragingInfo, LayoutMismatchError, Outcome
 from training.averaging.grouping import Declaration, done_marker, parse_done
-from training.averaging.matchmaking import OUTNUMBERED_ROUNDS, Matchmaker
+from training.averaging.layout_check import OUTNUMBERED_ROUNDS
+from training.averaging.matchmaking import Matchmaker
 
 WINDOW = 1.0  # fast_config's gather_window
 Marker = Callable[[dict[str, Any]], dict[str, Any]]

@@ -31,7 +31,8 @@ from protocol.address import Address
 from training import Averager, AveragerConfig, AveragingInfo, LayoutMismatchError, Outcome
 from training.averaging.arguments import check_prefix, check_step_arguments
 from training.averaging.grouping import Declaration, rank_key, round_closing_after, round_key
-from training.averaging.matchmaking import MAX_FOREIGN_LAYOUTS, _with_refused
+from training.averaging.layout_check import MAX_FOREIGN_LAYOUTS
+from training.averaging.match_notes import _with_refused
 from training.averaging.messages import method_prefix
 from training.averaging.round_state import MatchResult
 

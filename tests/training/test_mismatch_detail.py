@@ -22,7 +22,7 @@ from training import Averager, AveragerConfig, LayoutMismatchError
 from training.averaging.descriptions import describe_settings, setting_differences
 from training.averaging.grouping import DECLARATION_KEYS, MAX_DETAIL, Declaration
 from training.averaging.layout import TensorLayout
-from training.averaging.matchmaking import _same_words_note
+from training.averaging.layout_check import _same_words_note
 
 
 async def mismatch_beside(newcomer: Averager, *others: Callable[[], Awaitable[object]]) -> str:

@@ -19,27 +19,26 @@ import secrets
 import time
 import warnings
 import weakref
-from collections import Counter, deque
-from collections.abc import AsyncIterator, Callable, Iterator, Sequence
-from contextlib import aclosing
-from dataclasses import dataclass, field, replace
+from collections import deque
+from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
 import torch
 import trio
 
-from peer import BackgroundPeer, Peer, PeerStoppedError, RemoteError, Reply, Request
+from peer import BackgroundPeer, Peer, PeerStoppedError
 from peer.interrupts import interrupt_in
 from protocol.codecs import NonFiniteError, get_codec
-from protocol.errors import RemoteProtocolError
 from protocol.identity import PeerID
 
 from .arguments import check_chunk_fits, check_node, check_prefix, check_step_arguments
+from .benching import Benching
 from .buffers import BufferPool, SharedBuffer
 from .butterfly import Butterfly
 from .casts import TORCH_CASTS
-from .config import AveragerConfig, default_retain_budget
+from .config import AveragerConfig
 from .descriptions import (
     cut_here,
     deadline_note,
@@ -51,43 +50,26 @@ from .descriptions import (
 )
 from .feedback import ErrorFeedback
 from .grouping import (
-    DECLARATION_KEYS,
     LAYOUT_VERSION,
     MAX_EPOCH,
     MAX_STEP_TAG,
     Declaration,
     phase_of,
 )
+from .handlers import Handlers, _Active
 from .layout import FlatVector, Float32Array
 from .loopwatch import LoopWatch
 from .matchmaking import Matchmaker
-from .messages import ChunkHeader, method_prefix, parse_ping, parse_result_request
+from .messages import method_prefix
 from .pieces import RangeCodec
 from .plan import Liveness, Plan
-from .reducer import DropReason
 from .reducing import ReducerService
-from .report import AveragingInfo, Outcome, PartReport, merge_dropped, outcome_of
+from .report import AveragingInfo, Outcome, merge_dropped, outcome_of
 from .round_state import MatchResult
 
 logger = logging.getLogger(__name__)
 
-_CHUNK_SLACK = 1 << 16  # bytes of codec header a chunk's blob may carry beyond its values
-_JOIN_KEYS = frozenset({"round", "decl", "skipped"})
-_RESULT_KEYS = frozenset({"round", "group", "part"})
 _LEFT_GROUPS = 8  # groups our last steps left, remembered (see Averager._left)
-
-
-def _check_small(request: Request, keys: frozenset[str]) -> None:
-    """Refuse a request that carries a payload or body keys beyond ``keys``: join and
-    result requests wait (for the round to close, the group to form) while holding the
-    request, so one padded to the frame limit (4 MiB) would be held that long, 128 at
-    once per connection.
-
-    Raises:
-        RemoteError: ``bad_request``.
-    """
-    if len(request.payload) or not request.body.keys() <= keys:
-        raise RemoteError("bad_request", "unexpected payload or keys in the request")
 
 
 MARGIN_SHARE, MIN_MARGIN, MAX_MARGIN = 0.1, 0.05, 1.0
@@ -124,25 +106,11 @@ def _shorten(indices: Sequence[int], most: int = 8) -> str:
     return str(indices[:most])[:-1] + (", ...]" if len(indices) > most else "]")
 
 
-@dataclass
-class _Active:
-    """The round this averager is in, as the RPC handlers see it."""
-
-    round: int
-    ready: trio.Event = field(default_factory=trio.Event)
-    service: ReducerService | None = None
-    group_id: bytes | None = None  # the confirmed group's tag (None: no group, or not yet)
-    # chunks that came before our group was confirmed wait, payload and all, until it is:
-    # per sender and in bytes, bounded (anyone who read our round from the DHT can send)
-    parked: Counter[PeerID] = field(default_factory=Counter)
-    parked_bytes: int = 0
-
-
 _CLOSING: weakref.WeakSet[Averager] = weakref.WeakSet()
 """Averagers closed during a step: they keep their prefix until it ends (see ``close``)."""
 
 
-class Averager:
+class Averager(Handlers, Benching):
     """Averages ``tensors`` (in place) with peers that step under the same ``prefix``.
 
     Args:
@@ -645,59 +613,6 @@ class Averager:
             group_id=int.from_bytes(plan.group_id[:8], "big"),  # (the report's: a number)
         )  # fmt: skip
 
-    def _bench_garbage(
-        self,
-        round_no: int,
-        leader: PeerID | None,
-        parts: Sequence[PartReport],
-        liveness: Liveness,
-    ) -> None:
-        """Bench the peers we saw send garbage ourselves this round (see bench.py): senders
-        our own reducer dropped as such, and reducers whose result we found to be garbage.
-        Not what other reducers' headers say: that is hearsay.
-
-        Whoever led the round: sizes, epochs and weights are checked against the
-        confirmation, and a lying leader that told members different things (each join
-        gets its own answer) could make honest peers' data look like garbage to each
-        other, but such members carry different group tags (``plan.group_tag``, a digest
-        of the confirmation each received) and never take each other's chunks or results.
-        Garbage under our own tag came from a member told exactly what we were told.
-        (Before the tags were digests, only the leader and the culprit's own round's
-        members benched, and a persistent culprit was in up to half of the next rounds.)
-
-        A sender our part dropped as ``nonfinite`` is not benched (it receives the others'
-        mean, which heals a NaN), unless our part drops it so again in our next step with a
-        group: then nothing healed (random bytes under ``none`` read as non-finite values:
-        an outside trial's junk sender kept every round at 25 % partial, never benched)."""
-        me = self.node.peer_id
-        if leader is None:
-            return
-        mine = [part for part in parts if part.reducer == me]
-        seen = {p: f"garbage chunks in round {round_no}" for part in mine
-                for p, reason in part.dropped.items() if reason is DropReason.GARBAGE}  # fmt: skip
-        seen.update(
-            (p, f"garbage a result in round {round_no}")
-            for p, reason in liveness.bad.items()
-            if reason is DropReason.GARBAGE
-        )
-        nonfinite = {
-            p for part in mine for p, reason in part.dropped.items()
-            if reason is DropReason.NONFINITE
-        }  # fmt: skip
-        before, self._nonfinite = self._nonfinite, (round_no, nonfinite)
-        # (two steps can share a round number: a step retried in its slot)
-        rounds = f"rounds {before[0]} and {round_no}"
-        if before[0] == round_no:
-            rounds = f"round {round_no}"
-        for peer_id in nonfinite & before[1]:
-            seen.setdefault(
-                peer_id, f"non-finite values in two steps in a row ({rounds}; not healed)"
-            )
-        for peer_id, what in seen.items():
-            if peer_id != me:
-                self._matchmaker.bench.record(peer_id, f"it sent us {what}")
-                logger.info("round %d: benched %s (it sent us %s)", round_no, peer_id.short(), what)
-
     async def _find_group(self, me: Declaration, deadline: float) -> MatchResult:
         """The matchmaker's answer, its note telling when this process stood still during
         matchmaking (a suspended laptop read "unconfirmed: the timeout ended the gather
@@ -724,125 +639,3 @@ class Averager:
         if self._active is not None:
             self._active.ready.set()
         self._active = _Active(number)
-
-    # -- RPC handlers --------------------------------------------------------------------
-
-    async def _on_ping(self, request: Request) -> Reply:
-        """``{}``: alive. ``{round}``: alive *and* in that round, else ``not_found``: a peer
-        whose step ended (or was cancelled) answers pings, but will not send or serve.
-        ``{round, group}``: in that round and, once our group is confirmed, in that group
-        (a slot holds consecutive steps: our next step in the same round is not the one
-        the caller waits on)."""
-        round_no, group_id = parse_ping(request.body)
-        if round_no is not None:
-            active = self._active
-            if active is None or active.round != round_no:
-                raise RemoteError("not_found", f"not in round {round_no}")
-            if group_id is not None and (
-                (round_no, group_id) in self._left
-                or (active.ready.is_set() and active.group_id != group_id)
-            ):
-                raise RemoteError("not_found", f"not in that group of round {round_no}")
-        return Reply({})
-
-    async def _on_join(self, request: Request) -> Reply:
-        _check_small(request, _JOIN_KEYS)
-        decl = request.body.get("decl")
-        if isinstance(decl, dict) and not decl.keys() <= DECLARATION_KEYS:
-            raise RemoteError("bad_request", "unknown keys in the declaration")
-        return await self._matchmaker.on_join(request)
-
-    async def _service(
-        self, round_no: int, group_id: bytes, chunk: Request | None = None
-    ) -> ReducerService:
-        """Our reducer for ``round_no`` once the group is confirmed (a ``chunk`` that comes
-        before waits for it, within the bounds of :meth:`_park`), if that group is
-        ``group_id``.
-
-        Raises:
-            RemoteError: ``not_found`` when we are not in that round and group (a message
-                of the caller's step before, in a round of the same number, lands here);
-                ``bad_request`` when we reduce no part.
-        """
-        active = self._active
-        if active is None or active.round != round_no:
-            raise RemoteError("not_found", f"not in round {round_no}")
-        if (round_no, group_id) in self._left:
-            raise RemoteError("not_found", f"not in that group of round {round_no}: it left")
-        if chunk is not None and not active.ready.is_set():
-            with self._park(active, chunk):
-                await active.ready.wait()
-        else:
-            await active.ready.wait()
-        if active.group_id != group_id:
-            raise RemoteError("not_found", f"not in that group of round {round_no}")
-        if active.service is None:
-            raise RemoteError("bad_request", "no part is reduced here")
-        return active.service
-
-    async def _on_chunk(self, request: Request) -> Reply:
-        try:
-            header = ChunkHeader.from_body(request.body)
-        except RemoteProtocolError:
-            await self._drop_for_garbage(request)
-            raise
-        service = await self._service(header.round, header.group_id, request)
-        return await service.on_chunk(request.peer_id, header, request.payload)
-
-    @contextlib.contextmanager
-    def _park(self, active: _Active, chunk: Request) -> Iterator[None]:
-        """Hold ``chunk`` until our group is confirmed: at most ``2 * max_inflight`` chunks
-        per sender (an honest one has ``max_inflight`` uploads in flight), each no larger
-        than a chunk's largest blob, and the reducer's default ``retain_budget`` in all. A hostile
-        peer that read our round from the DHT sent 240 calls of 4 MiB before our group
-        formed: 590 MB held until then, to be refused as a non-member afterwards.
-
-        Raises:
-            RemoteError: ``busy`` beyond those bounds.
-        """
-        size = len(chunk.payload)
-        config = self.config
-        # the reducer's default retain_budget (a smaller one still admits a sender at a
-        # time once ready: every early chunk of one sender must fit)
-        budget = max(
-            default_retain_budget(self.flat.array.nbytes),
-            4 * config.max_inflight * config.chunk_bytes,
-        )
-        if (
-            size > 2 * config.chunk_bytes + _CHUNK_SLACK  # (topk near 1: indices too)
-            or active.parked[chunk.peer_id] >= 2 * config.max_inflight
-            or active.parked_bytes + size > budget
-        ):
-            raise RemoteError("busy", "too many chunks before the group was confirmed")
-        active.parked[chunk.peer_id] += 1
-        active.parked_bytes += size
-        try:
-            yield
-        finally:
-            active.parked[chunk.peer_id] -= 1
-            active.parked_bytes -= size
-
-    async def _drop_for_garbage(self, request: Request) -> None:
-        """A malformed chunk header that names our round, group and part drops its sender
-        from the part at once (``garbage``): left pending, it would hold the others to the
-        cutoff."""
-        body = request.body
-        round_no, group_id, part = body.get("round"), body.get("group"), body.get("part")
-        if type(round_no) is not int or type(group_id) is not bytes or type(part) is not int:
-            return
-        try:
-            service = await self._service(round_no, group_id)  # (as a chunk would wait)
-        except RemoteError:
-            return
-        if service.part == part:
-            service.drop_sender(request.peer_id, DropReason.GARBAGE)
-
-    async def _on_result(self, request: Request) -> AsyncIterator[Reply]:
-        _check_small(request, _RESULT_KEYS)
-        round_no, group_id, part = parse_result_request(request.body)
-        service = await self._service(round_no, group_id)
-        if part != service.part or service.plan.member(request.peer_id) is None:
-            raise RemoteError("bad_request", f"part {part} is not reduced here for you")
-        async with aclosing(service.results(request.peer_id)) as items:
-            async for item in items:
-                yield item

@@ -67,7 +67,7 @@ class _Failed:
 
 
 class Confirmation:
-    """The confirmation half of :class:`~.matchmaking.Matchmaker`, its base class (the
+    """The confirmation of :class:`~.matchmaking.Matchmaker`, one of its base classes (the
     attributes below are the matchmaker's)."""
 
     node: Peer

@@ -2,12 +2,14 @@
 
     decl -> choose round r (see grouping) -> store {prefix}/round/{r}[my id] = decl
          -> poll until r closes (or early: everybody seen last round is back)
+            (gathering.py, a base class of the Matchmaker)
          -> make_groups(declared) -> my group and its leader
-         -> confirmation (confirmation.py, the Matchmaker's base class): the leader
+         -> confirmation (confirmation.py, a base class of the Matchmaker): the leader
             answers its members' joins with the final member list; a member joins the
             leader, or the next-ranked member when the leader is a ghost
 
-Everything is bounded by the step's deadline.
+Everything is bounded by the step's deadline. Peers of another layout are checked for in
+layout_check.py (a base class too); the notes its results carry, in match_notes.py.
 """
 
 from __future__ import annotations
@@ -15,175 +17,50 @@ from __future__ import annotations
 import hashlib
 import itertools
 import logging
-import math
-import statistics
-from collections import Counter
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
 import trio
 
-from peer import Peer, PeerUnavailableError, RemoteError
-from peer.errors import PeerBusyError
-from protocol.address import Address
-from protocol.errors import ProtocolError
+from peer import Peer
 from protocol.identity import PeerID
 
 from .bench import Bench
 from .config import DECLARATION_SLACK, AveragerConfig
 from .confirmation import Confirmation
-from .descriptions import setting_differences
+from .gathering import Gathering, _same_layout
 from .grouping import (
-    LAYOUT_VERSION,
     Declaration,
     closed_marker,
     done_marker,
     find_group,
     leader_of,
     make_groups,
-    parse_closed,
     parse_declarations,
-    parse_done,
     peers_of_layout,
-    phase_of,
     round_closing_after,
     round_key,
     saw_tag,
 )
+from .layout_check import LayoutCheck
+from .match_notes import (
+    _clock_note,
+    _late_note,
+    _left_alone_note,
+    _out_of_step_note,
+    _with_missed,
+    _with_refused,
+    _with_slow_link,
+    _with_strangers,
+)
 from .messages import GroupConfirmation
-from .round_state import LayoutMismatchError, MatchResult, RoundState
+from .round_state import MatchResult, RoundState
 
 logger = logging.getLogger(__name__)
 
-MAX_FOREIGN_LAYOUTS = 16
-"""Other layouts an averager remembers (and warns about, once each): a peer declaring a new
-one every round costs neither memory nor a warning per round."""
 
-
-OUTNUMBERED_ROUNDS = 3
-"""Rounds in a row where only peers of other layouts came (declared, or left their "done"
-markers), two or more of one layout, after which a peer that has met its own layout before
-gets ``LayoutMismatchError`` too: it is the one left behind (the swarm changed its model),
-not a correct peer beside a misconfigured newcomer."""
-
-
-def _left_alone_note(
-    me: Declaration, others: list[Declaration], group_size: int, known_peers: int
-) -> str:
-    """Why no group took us, when the round closed: nobody else came, or the grouping left
-    us out (two client-mode peers cannot average: neither can reduce a part; an odd peer
-    sits out with ``group_size=2``). ``known_peers``: our DHT routing table's size (none:
-    say so, a newcomer that joined through a freshly restarted bootstrap node sees nobody)."""
-    ours = [d for d in others if d.layout == me.layout]
-    if not ours and not known_peers:
-        # (a slow link saturated by a round's transfers can fail every ping, too: a
-        # 10 Mbit/s peer among 1 Gbit/s ones lost all its contacts for 20 s in a trial)
-        return (
-            "no partner (this node knows no other peer in the DHT: none joined yet, all "
-            "left, or our link was too busy to answer their pings)"
-        )
-    if not ours:
-        return "no partner"
-    note = f"no partner: {len(ours)} other peer(s) declared, "
-    if me.client_mode and all(d.client_mode for d in ours):
-        return note + "all client-mode like us (a group needs a peer that accepts connections)"
-    note += f"and the groups (at most {group_size}) left us out this round"
-    if me.client_mode:  # see grouping._most_full: why no full peer was spared for us
-        note += (
-            " (every group was full; a full peer is spared for clients only from a group of"
-            " 3 or more full peers, one per round)"
-        )
-    return note
-
-
-_OTHER_VERSION = (
-    "the settings read the same on both sides: peers of another version of swarm (ours"
-    f" averages with layout {LAYOUT_VERSION}); update the older side"
-)
-_UNSAID = (
-    f"the settings read the same on both sides, both of layout {LAYOUT_VERSION}: the tensors"
-    " differ in what these words leave out (the order of their dtypes or shapes, or a codec"
-    " parameter); list the same tensors in the same order on every peer"
-)
-
-
-def _same_words_note(me: Declaration, others: Collection[Declaration]) -> str:
-    """Why peers whose settings read as ours (``reads_like``) have another layout: another
-    version of swarm only when their declared version is not ours (a tester's peers, all
-    of v9, listed a float32 and a float16 tensor in opposite orders and were told to update
-    "the older side"); else something the words leave out. Empty if none reads as ours."""
-    alike = [d for d in others if d.layout != me.layout and me.reads_like(d)]
-    notes = [_OTHER_VERSION] * any(d.version != me.version for d in alike)
-    notes += [_UNSAID] * any(d.version == me.version for d in alike)
-    return "; ".join(notes)
-
-
-def _differences(me: Declaration, others: Collection[Declaration]) -> str:
-    """The settings in which each other layout among ``others`` differs from ours, one
-    layout after another ("; " between them)."""
-    strangers = {d.layout: d for d in others if d.layout != me.layout}
-    found = {setting_differences(me, d) for d in strangers.values()}
-    return "; ".join(sorted(text for text in found if text))
-
-
-def _with_slow_link(result: MatchResult, store_times: list[float], window: float) -> MatchResult:
-    """``result``, its note saying so when storing our declarations takes more than a
-    quarter of the gather window (the median of the last few, at least 3): peers a moment
-    apart then miss each other's rounds. Two trials, 4 peers at ~430 ms round trip (2 %
-    loss), stores 0.8 s (median; p95 1.3 s): with the 2 s window they split into pairs
-    that met in alternate rounds, each reporting "averaged 100% over 2 peers", in 77-88 %
-    of their steps, with nothing said; 3 s still split half of them; 4 s (5 times the
-    median store) had all four in 216 of 220 steps. At 50 ms each way stores took 0.2 s,
-    and 60 of 60 steps had all four with the 2 s window."""
-    if len(store_times) < 3:
-        return result
-    typical = statistics.median(store_times)
-    if typical <= window / 4:
-        return result
-    wanted = math.ceil(round(10 * typical, 3)) / 2  # 5 x, up to half a second
-    note = (
-        f"storing our declaration takes {typical:.2f} s, over a quarter of gather_window "
-        f"({window:g} s): on links this slow, peers a moment apart miss each other's rounds, "
-        "and the swarm may split into groups that average apart, each in full; set "
-        f"gather_window to {wanted:g} s or more (5 times that) on every peer of the prefix"
-    )
-    return replace(result, note=f"{result.note}; {note}" if result.note else note)
-
-
-def _clock_note(node: Peer) -> str:
-    """Why a peer whose clock is off by more than network time corrects meets nobody:
-    rounds are slots of the clock, and its own are others' past or future (a trial's
-    peer 5,000 s behind read "nobody declared" every step; the clock's warning was in the
-    log only)."""
-    gap = node.clock.uncorrected
-    if not gap:
-        return ""
-    return (
-        f"this machine's clock and its peers' differ by {abs(gap):.0f} s more than network "
-        "time corrects (peer.netclock's warning in the log says by how much in all): rounds "
-        "are cut by the clock, so set the wrong clock"
-    )
-
-
-def _late_note(state: RoundState, window: float) -> str:
-    """When peers of the round had their groups already as we read it (their "done"
-    markers): they did not wait for us, so say so, and how slow our own store was (a
-    peer whose DHT store or read takes a good part of the window never meets anyone, and
-    "no partner" alone sent its owner looking for a missing swarm)."""
-    done = state.others_done
-    if not done:
-        return ""
-    note = f"{done.total()} other peer(s) had finished matchmaking in this round when we read it"
-    foreign = sum(n for layout, n in done.items() if layout not in (None, state.me.layout))
-    if foreign:  # not a peer that was too slow for the swarm: one of another swarm's kind
-        note += f" ({foreign} of another layout)"
-    if state.store_s > window / 4:
-        note += f" (storing our declaration took {state.store_s:.2f} s: a slow link or DHT?)"
-    return note
-
-
-class Matchmaker(Confirmation):
+class Matchmaker(Gathering, LayoutCheck, Confirmation):
     """Finds a group for each step of one averager."""
 
     def __init__(
@@ -561,305 +438,6 @@ class Matchmaker(Confirmation):
             note += f"; {state.others_seen} other peer(s) had declared"
         return MatchResult(state.number, None, None, state.others_seen + 1, note)
 
-    def _check_layouts(
-        self, me: Declaration, others: list[Declaration], done: Counter[str | None]
-    ) -> None:
-        """Peers of another layout (shapes, dtypes, codec, group size, staleness rule) group
-        apart. A peer that has met its own layout before (under this averager) is not the
-        odd one out at once: a round where only peers of other layouts came is theirs to fail
-        (it is alone there), so that one misconfigured peer cannot raise in correct ones. But
-        when, for ``OUTNUMBERED_ROUNDS`` rounds in a row, only strangers came and some of them
-        had company, they are the swarm (its owner changed the layout, and we were left
-        behind): we are told, not ``alone`` forever.
-
-        ``done`` counts the others' "done" markers by layout: peers whose round was decided
-        before we read it (a swarm that closed early). They count like declared peers of
-        their layout, so a newcomer that comes after the groups closed is told too; markers
-        of unknown layout (older peers) count for nothing.
-
-        Raises: LayoutMismatchError: every other peer (declared or done) has another
-            layout, and no peer of ours ever came beside us (declared or done), or none did
-            for ``OUTNUMBERED_ROUNDS`` rounds in which strangers had company."""
-        foreign = sorted({d.describe_layout() for d in others if d.layout != me.layout})
-        same_words = _same_words_note(me, others)
-        kinds = Counter(d.layout for d in others if d.layout != me.layout)
-        # Done strangers count toward OUTNUMBERED_ROUNDS too: two markers of one layout are
-        # a group of it that averaged in our round, as much evidence as two declarations;
-        # else a peer left behind by a swarm that closes early (before it declares) would
-        # read only their markers and sit out every round, never told.
-        done_kinds = Counter(
-            {layout: n for layout, n in done.items() if layout not in (None, me.layout)}
-        )
-        kinds.update(done_kinds)
-        ours = bool(done[me.layout]) or any(d.layout == me.layout for d in others)
-        if ours:
-            self._own_layout_seen = True
-            self._outnumbered = 0
-        elif max(kinds.values(), default=0) >= 2:
-            self._outnumbered += 1
-        if kinds and not ours:
-            sides = [f"ours: {me.describe_layout()}"] + [f"theirs: {foreign}"] * bool(foreign)
-            if differs := _differences(me, others):
-                sides.insert(0, f"theirs differ in: {differs}")
-            if same_words:
-                sides.append(same_words)
-            if done_kinds:  # all a marker tells of its peer is the layout fingerprint
-                sides.append(
-                    f"{done_kinds.total()} peer(s) that had finished matchmaking before we read "
-                    f"the round: layout {sorted(done_kinds)}"
-                )
-            if not self._own_layout_seen:
-                raise LayoutMismatchError(
-                    f"every other peer under {self.prefix!r} has another tensor layout, codec, "
-                    f"group_size or staleness rule ({'; '.join(sides)})"
-                )
-            if self._outnumbered >= OUTNUMBERED_ROUNDS:
-                raise LayoutMismatchError(
-                    f"for {self._outnumbered} rounds only peers of another tensor layout, "
-                    f"codec, group_size or staleness rule averaged under {self.prefix!r} "
-                    f"({'; '.join(sides)}), none of ours"
-                )
-        new = sorted(set(foreign) - self._foreign)[: MAX_FOREIGN_LAYOUTS - len(self._foreign)]
-        if new:  # a split swarm averages less: say so, once
-            self._foreign.update(new)
-            differs = _differences(me, others)
-            logger.warning(
-                "peers under %r declared another tensor layout, codec, group_size or "
-                "staleness rule: they cannot average with us, only among themselves, if "
-                "several (%sours: %s; theirs: %s%s)",
-                self.prefix, f"theirs differ in: {differs}; " if differs else "",
-                me.describe_layout(), foreign, f"; {same_words}" if same_words else "",
-            )  # fmt: skip
-
-    async def _gather(
-        self, state: RoundState, key: str, close_at: float, deadline: float
-    ) -> tuple[list[Declaration], Counter[str | None]]:
-        """Read the round when it closes, or when a joiner wakes us; poll meanwhile and
-        close early once as many peers as before are back (see below). Returns the last
-        read's declarations and the others' "done" markers counted by layout.
-
-        A key is reused by consecutive steps within its slot: peers replace their
-        declaration by a "done" marker once their round is decided (``withdraw``), so what
-        is left is the peers waiting now (and peers that crashed mid-round, until their
-        declaration expires; a round they would lead fails and is retried).
-        """
-        async with trio.open_nursery() as pings:
-            result = await self._poll(state, key, close_at, deadline, pings)
-            pings.cancel_scope.cancel()
-        return result
-
-    async def _poll(
-        self,
-        state: RoundState,
-        key: str,
-        close_at: float,
-        deadline: float,
-        pings: trio.Nursery,
-    ) -> tuple[list[Declaration], Counter[str | None]]:
-        # at most 0.25 s: the longer window that slow links ask for then costs a steady
-        # swarm nothing (0.35 s of matchmaking per step with 4 s, against 0.59 s with 0.5 s
-        # polls: benchmarks/slow_links.py --window 4 --latency 0.005 --late 0)
-        poll = min(max(self.config.gather_window / 8, 0.02), 0.25)
-        # Close early once as many peers are back as we saw in any of the last 3 rounds (a
-        # peer that left costs us the wait until the close, not a split swarm), and not
-        # before one poll interval: peers a moment behind us get a chance to show up. Those
-        # of them that a ping finds without an averager here, or without a process, are
-        # not waited for (``_ping_missing``).
-        departed = _Departures(state.departed)
-        pinged: set[PeerID] = set()
-        views = self._views
-        not_before = trio.current_time() + poll
-        while True:
-            now = trio.current_time()
-            population = max((len(v - departed.peers) for v in views), default=0)
-            early = population >= 2 and not state.wake.is_set() and now < close_at
-            if early and now < not_before:
-                with trio.move_on_at(min(close_at, not_before)):
-                    await state.wake.wait()
-                continue
-            if not early:
-                with trio.move_on_at(close_at):
-                    await state.wake.wait()
-            declared: list[Declaration] = []
-            done: Counter[str | None] = Counter()
-            with trio.move_on_at(close_at if early else deadline):
-                read = await self.node.dht.read_entries(key)
-                state.unheard = read.asked > 0 and not read.answered
-                values = {s: v for s, (v, _) in read.entries.items()}
-                declared = parse_declarations(values)
-                # peers whose read of the round had our declaration, and that withdrew
-                # since: we group the set they grouped
-                named = {d.peer_id for d in declared}  # a value that reads as both: once
-                kept = [
-                    d for d in parse_closed(values, self._subkey, state.me.step)
-                    if d.peer_id not in named
-                ]  # fmt: skip
-                declared += kept
-                for d in kept:
-                    del values[str(d.peer_id)]  # counted as declared, not as done
-                others = [d for d in declared if d.peer_id != state.me.peer_id]
-                company = [d for d in others if d.layout == state.me.layout]
-                if company:
-                    self.seen_phase = phase_of([state.me, *company])
-                state.others_seen = max(state.others_seen, len(others))
-                done = parse_done(self._without_us(state.number, values), self._subkey)
-                if done.total() > state.others_done.total():
-                    state.others_done = done
-            # Exactly the peers of our layout we expect: close (peers of other layouts group
-            # apart). More (a newcomer, who does not know it could close early), or a lone
-            # peer of another layout (a misconfigured newcomer must learn of the mismatch: our
-            # "done" marker names our layout, but a stranger of an older version reads no
-            # layout in it): wait for the close, so that everybody reads the same set.
-            present = _same_layout(declared, state.me, self._ghosts)
-            if not early or _may_close_early(declared, state.me, population, self._ghosts):
-                return declared, done
-            bound = min(close_at, trio.current_time() + self.config.stall_timeout / 2)
-            departed.news = trio.Event()  # a ping finds one gone: look again at once
-            self._ping_missing(pings, present, pinged, departed, bound)
-            with trio.move_on_at(min(close_at, trio.current_time() + poll)):
-                await _either(state.wake, departed.news)
-
-    def _ping_missing(
-        self,
-        pings: trio.Nursery,
-        present: frozenset[PeerID],
-        pinged: set[PeerID],
-        departed: _Departures,
-        bound: float,
-    ) -> None:
-        """Ping, once a round, the peers of our remembered rounds that have not declared in
-        this one (at most ``_MAX_MISSING_PINGS`` of them; more: we wait for the close). One
-        that has no averager under our prefix now, or whose address refuses us, is not
-        waited for in this round: its volunteer stopped, or its process is gone (a
-        volunteer that stopped cost the others the slot's close in each round that
-        remembered it, the last 3). One that answers, or says nothing, is waited for as
-        before: a peer whose event loop is busy computing is merely late (a review: taking
-        silence for departure left such a peer alone in every round, and for good once the
-        rounds that had it aged out). Forgetting members that failed a group instead (two
-        versions, both reverted) locked live peers out too (reviews;
-        ``tests/training/test_population_counts.py``, ``test_departures.py``)."""
-        missing = frozenset().union(*self._views) - present - {self.node.peer_id}
-        if not missing or len(missing) > _MAX_MISSING_PINGS:
-            return
-        for peer_id in missing - pinged:
-            address = self._addresses.get(peer_id)
-            if address is not None:
-                pinged.add(peer_id)
-                pings.start_soon(self._left_us, peer_id, address, departed, bound)
-
-    async def _left_us(
-        self, peer_id: PeerID, address: str, departed: _Departures, bound: float
-    ) -> None:
-        """``peer_id`` departed (this round) if a ping before ``bound`` is answered
-        ``unknown_method`` or refused; an answer, or none, keeps it expected."""
-        with trio.move_on_at(bound):
-            try:
-                try:
-                    await self.node.rpc.call(Address.parse(address), self._method("ping"), {})
-                except PeerUnavailableError as exc:
-                    if isinstance(exc, PeerBusyError):
-                        raise
-                    # the pooled connection may have broken under a live peer (a NAT that
-                    # dropped it): ask again, which dials afresh
-                    await self.node.rpc.call(Address.parse(address), self._method("ping"), {})
-            except RemoteError as exc:
-                if exc.code == "unknown_method":  # no averager under our prefix now
-                    departed.add(peer_id)
-            except PeerBusyError:
-                pass  # up, and busy
-            except PeerUnavailableError:  # refused, broken, or another PeerID answers there
-                departed.add(peer_id)
-            except ProtocolError:
-                pass
-
-
-class _Departures:
-    """The peers that a round's pings found gone (``Matchmaker._left_us``), and an event
-    the poll loop renews each time it waits, set when one is found."""
-
-    def __init__(self, peers: set[PeerID]) -> None:
-        self.peers = peers  # the round's own set (RoundState.departed), filled in place
-        self.news = trio.Event()
-
-    def add(self, peer_id: PeerID) -> None:
-        self.peers.add(peer_id)
-        self.news.set()
-
-
-async def _either(first: trio.Event, second: trio.Event) -> None:
-    """Wait until either event is set."""
-    async with trio.open_nursery() as nursery:
-
-        async def wait(event: trio.Event) -> None:
-            await event.wait()
-            nursery.cancel_scope.cancel()
-
-        nursery.start_soon(wait, first)
-        nursery.start_soon(wait, second)
-
-
-def _with_strangers(result: MatchResult, strangers: MatchResult | None) -> MatchResult:
-    """A step that followed a lone round into the next one still says, when alone, that
-    peers of another layout came in the first (the user's clue to a mismatch)."""
-    if strangers is None or not result.alone or result.strangers >= strangers.strangers:
-        return result
-    note = f"{result.note}; round {strangers.round}: {strangers.note}"
-    return replace(result, note=note, strangers=strangers.strangers)
-
-
-def _with_missed(result: MatchResult, missed: MatchResult | None) -> MatchResult:
-    """A step that followed a lone round into the next one, alone again, still says that
-    the others of the first had finished matchmaking before our read got through."""
-    if missed is None or missed is result or not result.alone:
-        return result
-    return replace(result, note=f"{result.note}; round {missed.round}: {missed.late}")
-
-
-def _with_refused(result: MatchResult, refused: MatchResult | None) -> MatchResult:
-    """A step that tried the next round after a group left it out (its leader benched us,
-    or had no room), and found none there either, still says why the first did not take
-    it: "alone ...; nobody declared in this round" alone sent a benched peer looking for a
-    prefix or gather_window mismatch (an outside tester)."""
-    if refused is None or refused is result or result.confirmation is not None:
-        return result
-    return replace(
-        result, note=f"{result.note}; before that, round {refused.round}: {refused.note}"
-    )
-
-
-def _same_layout(
-    declared: list[Declaration], me: Declaration, ghosts: Collection[tuple[PeerID, int]] = ()
-) -> frozenset[PeerID]:
-    """The peers declared with our layout, but ``ghosts`` (``(peer, step tag)`` pairs)."""
-    return frozenset(
-        d.peer_id for d in declared if d.layout == me.layout and (d.peer_id, d.step) not in ghosts
-    )
-
-
-def _may_close_early(
-    declared: list[Declaration],
-    me: Declaration,
-    population: int,
-    ghosts: Collection[tuple[PeerID, int]],
-) -> bool:
-    """Exactly ``population`` peers of our layout, and no peer of another layout alone with
-    it: a sub-swarm of another layout (two or more) groups apart and needs nothing from us,
-    so two correct kinds under one prefix both close early (a lone stranger may be a
-    misconfigured newcomer, which must see us). Nor when every peer of our layout is in
-    client mode: they cannot form a group, and a peer that can may still come before the
-    close (closing then would leave a "done" marker that tells the others we had a group)."""
-    if len(_same_layout(declared, me, ghosts)) != population:
-        return False
-    ours = [d for d in declared if d.layout == me.layout and d.peer_id != me.peer_id]
-    if all(d.client_mode for d in [me, *ours]):
-        return False
-    foreign = Counter(d.layout for d in declared if d.layout != me.layout)
-    return all(count >= 2 for count in foreign.values())
-
-
-_MAX_MISSING_PINGS = 4
-"""The most peers of our remembered rounds, missing from a round, that a peer pings to
-close it early without them (``Matchmaker._ping_missing``)."""
 
 _LONE_STEPS = 2
 """Steps of a prefix in a row that ended alone before a lone one may follow a peer seen in
@@ -876,17 +454,6 @@ when our own steps of the prefix are further apart, up to ``_MAX_LOOK_BACK``."""
 
 _MAX_LOOK_BACK = 16
 """The most rounds a lone step reads back (one DHT get each, concurrently)."""
-
-
-def _out_of_step_note(number: int) -> str:
-    """What a step that followed out of lone round ``number`` and was alone again says."""
-    return (
-        f"; alone in round {number} too, where a peer of our layout had stepped in the rounds"
-        " just before without us: it steps this prefix in other slots than we do (work"
-        " between steps that keeps the peers a slot or more apart, or several Averagers"
-        " stepped one after another); lone steps move one of them a round at a time until"
-        " they share a slot (docs/averaging.md, rounds)"
-    )
 
 
 def _heads(peer_id: PeerID, prefix: str, number: int) -> bool:
