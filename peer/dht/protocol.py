@@ -1,4 +1,6 @@
 """The DHT's four RPCs over the RPC host: handlers for others' requests, calls to others.
+The handlers are in :mod:`.serving`, the contact bookkeeping in :mod:`.learning` (base
+classes of :class:`DHTProtocol`); the rules below hold for all three.
 
 Learning rules (the routing table's only inputs):
 - A request teaches us its sender: the handshake-verified ``request.peer_id`` with the
@@ -49,15 +51,14 @@ from __future__ import annotations
 import logging
 import math
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
-from operator import itemgetter
+from collections.abc import Callable
 from typing import TypeVar
 
 import trio
 
 from protocol.address import Address
 from protocol.dhtid import DHTID
-from protocol.errors import ProtocolError, SwarmError
+from protocol.errors import SwarmError
 from protocol.identity import PeerID
 from protocol.messages import (
     Entry,
@@ -72,48 +73,29 @@ from protocol.messages import (
     StoreRequest,
     StoreResponse,
 )
-from protocol.records import RecordError, key_owner, subkey_order
 
 from ..errors import PeerBusyError, PeerUnavailableError, RemoteError
 from ..host import RpcHost
-from ..remote_hosts import host_group, is_loopback_host
-from ..rpc import Reply, Request
 from .config import DHTConfig
+from .learning import CLIENT_RECHECK as CLIENT_RECHECK
+from .learning import Learning
 from .routing import RoutingTable
+from .serving import Serving
 from .storage import DHTStorage
 
 logger = logging.getLogger(__name__)
 
-_REJOIN_AFTER_JOIN = 60.0
-"""Seconds after a contact joined during which its own-id lookup hands nothing over again."""
-_REJOINED_MEMORY = 4096
-"""Contacts remembered for the once-per-republish-interval rule of ``_rejoined``."""
-_MOVED_MEMORY = 256  # contacts' last other addresses, for their own lookups (_on_find_node)
-
-# A FIND_VALUE reply carries at most this many value bytes (the frame limit is a few MiB);
-# a key holding more answers in pages (the reply says ``more``; the caller asks again
-# ``after`` the last subkey it got). A key may hold 1024 subkeys of 16 KiB.
-_MAX_REPLY_VALUE_BYTES = 1 << 20
-_ENTRY_OVERHEAD = 200  # subkey, expiration, signature and msgpack headers, generously
 _PING_QUEUE = 256
 _PROOF_QUEUE = 64  # claimed sender addresses waiting to be dialed; a full queue drops more
-_PROVERS = 4  # claimed addresses dialed at once (a dial to a silent host lasts dial_timeout)
 SILENT_FOR = 60.0
 """Seconds a node that went silent is asked without being waited for (see the module's
 rules); then a lookup waits its hedge delay for it again, once."""
 _MAX_SILENT = 4096
-CLIENT_RECHECK = 60.0
-"""Seconds between dials of the old address of a peer that asked us as a client, tried
-when it answers a call there (see the module's rules): it may listen there again."""
-_CLIENTS_REMEMBERED = 4096
-_RECHECK_SOURCE = "(a client's old address)"  # proofs of those wait for each other
 
 _M = TypeVar("_M", bound=Message)
-_UNPARSABLE_REMEMBERED = 1024  # senders of unparsable requests, each named once
-_UNPARSABLE_WARNING_INTERVAL = 60.0
 
 
-class DHTProtocol:
+class DHTProtocol(Learning, Serving):
     """Serves and sends ``dht.ping``, ``dht.find_node``, ``dht.find_value``, ``dht.store``."""
 
     def __init__(
@@ -170,316 +152,6 @@ class DHTProtocol:
         # peer -> the address a contact was known at before its latest claim of another
         self._moved: OrderedDict[PeerID, str] = OrderedDict()
         self._next_unparsable_warning = -math.inf
-
-    def register(self) -> None:
-        """Install the four handlers on the host."""
-        self.host.register_quick(PingRequest.METHOD, self._on_ping)
-        self.host.register_quick(FindNodeRequest.METHOD, self._on_find_node)
-        self.host.register_quick(FindValueRequest.METHOD, self._on_find_value)
-        self.host.register_quick(StoreRequest.METHOD, self._on_store)
-
-    # ---- learning --------------------------------------------------------------------
-
-    def learn(self, node: NodeInfo) -> None:
-        """``node`` proved its id to us and is reachable at its address."""
-        if node.address is None:
-            return
-        if self._clients:
-            self._clients.pop(node.peer_id, None)  # it listens again
-        previous = self.table.get(node.peer_id)
-        to_ping = self.table.update(node, self._now())
-        if node.peer_id in self.table:
-            if previous is None:
-                self._joined(node)
-            elif previous.address != node.address:  # back elsewhere: perhaps restarted
-                self._rejoined(node, node.address)
-        if to_ping is not None:
-            try:
-                self._ping_send.send_nowait(to_ping)
-            except trio.WouldBlock:
-                self.table.ping_result(to_ping.peer_id, alive=True, now=self._now())
-
-    def _emptied(self, last: NodeInfo) -> None:
-        """The last contact left the routing table: say so, at WARNING for a peer that
-        joined through initial peers (a peer left alone answered every get with None and
-        every store with False, or True from its own storage, and logged only "peer left":
-        an outside tester)."""
-        self._deserted = True
-        self._alone_after = last  # said after its "peer left" line (note_left)
-
-    def note_left(self, node: NodeInfo, why: str) -> None:
-        """Log that ``node`` left the routing table, and then, when it was the last
-        contact, that this peer is alone (see :meth:`_emptied`)."""
-        logger.info("peer left: %s (%s)", node.peer_id.short(), why)
-        last, self._alone_after = self._alone_after, None
-        if last is not None:
-            logger.log(
-                self.alone_level,
-                "this peer knows no other peer now (its last contact, %s, left): its stores "
-                "reach no other node and its gets find nothing until one answers again; it "
-                "pings the departed contacts, and its initial peers at each refresh",
-                last.peer_id.short(),
-            )
-
-    def _joined(self, node: NodeInfo) -> None:
-        """``node`` entered the routing table (learned, or promoted from a bucket's
-        replacement cache when a contact left)."""
-        logger.info("peer joined: %s at %s", node.peer_id.short(), node.address)
-        if self._deserted:
-            self._deserted = False
-            logger.info("in touch with the network again, through %s", node.peer_id.short())
-        if self.on_new_contact is not None:
-            # its own-id lookup follows the join: no second handover for it (one that
-            # restarts after a minute still gets one; see _rejoined)
-            window = self.config.republish_interval
-            self._rejoined_at[node.peer_id] = self._now() - window + _REJOIN_AFTER_JOIN
-            self.on_new_contact(node, False)
-
-    def _rejoined(self, known: NodeInfo, sender: str | None) -> None:
-        """A contact we knew looks up its own id, as a node does when it joins (and at each
-        refresh): perhaps it restarted with the same identity (a bootstrap host's key
-        file), its storage empty. Being known, it got no handover (a rolling restart of
-        every holder lost the records whose owners had left: a review). So the handover
-        first asks it for one key it should hold, and hands them all over only when it
-        has none of that key (a refresh of a node that did not restart costs that one
-        request); at most once per ``republish_interval`` for each contact."""
-        if self.on_new_contact is None or known.address != sender:
-            return  # (at another address: learn() hands over once that one is proven)
-        now = self._now()
-        last = self._rejoined_at.get(known.peer_id)
-        if last is not None and now - last < self.config.republish_interval:
-            return
-        if len(self._rejoined_at) >= _REJOINED_MEMORY:
-            self._rejoined_at = {
-                p: t
-                for p, t in self._rejoined_at.items()
-                if now - t < self.config.republish_interval
-            }
-            if len(self._rejoined_at) >= _REJOINED_MEMORY:
-                return
-        self._rejoined_at[known.peer_id] = now
-        logger.debug("%s looked up its own id: checking its storage", known.peer_id.short())
-        self.on_new_contact(known, True)
-
-    def check_alive(self, peer_id: PeerID) -> None:
-        """``peer_id``'s side ended our connection, or a call could not reach it: ping it
-        (if it is a contact), so that a peer that left leaves the table now, and one whose
-        connection was merely reset stays."""
-        node = self.table.get(peer_id)
-        if node is None or peer_id in self._checking:
-            return  # (one ping at a time: one reset fails every call in flight at once)
-        try:
-            self._ping_send.send_nowait(node)
-        except trio.WouldBlock:  # full: the next failed request asks again
-            return
-        self._checking.add(peer_id)
-
-    def _learn_sender(self, request: Request, sender: str | None) -> None:
-        peer_id = request.peer_id
-        if sender is None:
-            self._note_client(peer_id)
-            return
-        address = self._address_of(sender, peer_id)
-        if not address.dialable:
-            return
-        known = self.table.get(peer_id)
-        if known is not None and known.address == sender:
-            self.learn(known)
-            return
-        if known is not None and known.address is not None:
-            self._moved[peer_id] = known.address  # (see _on_find_node)
-            self._moved.move_to_end(peer_id)
-            if len(self._moved) > _MOVED_MEMORY:
-                self._moved.popitem(last=False)
-        if address.host == request.remote_host or self.host.dialed(address):
-            self.learn(NodeInfo(peer_id, sender))
-        else:
-            self._queue_proof(NodeInfo(peer_id, sender), host_group(request.remote_host))
-
-    def _queue_proof(self, node: NodeInfo, source: str) -> None:
-        """Have a prover dial ``node`` at its address and learn it if the handshake there
-        proves its id; one claim at a time per ``source`` (a requesting host's group)."""
-        if node.peer_id in self._proving or source in self._proving_from:
-            return  # that claim, or that source's, waits first: it will come again
-        try:
-            self._proof_send.send_nowait((node, source))
-        except trio.WouldBlock:
-            return  # busy: it will ask again, or be named by others and answer
-        self._proving.add(node.peer_id)
-        self._proving_from.add(source)
-
-    def _note_client(self, peer_id: PeerID) -> None:
-        """``peer_id`` asked us something as a client (see the module's rules): it leaves
-        the table, and replies do not bring it back."""
-        if peer_id not in self._clients:
-            if len(self._clients) >= _CLIENTS_REMEMBERED:
-                self._clients.clear()
-            node = self.table.get(peer_id)
-            self.table.remove(peer_id)  # (a replacement too)
-            if node is not None:
-                self.note_left(node, "it asks as a client now")
-        self._clients[peer_id] = self._now()
-
-    def _recheck_client(self, node: NodeInfo) -> None:
-        """``node``, a peer that asked us as a client, answered a call at its address
-        (over its client's connection, most likely): dial that address on a connection of
-        its own, at most once a ``CLIENT_RECHECK``, in case it listens there again."""
-        now = self._now()
-        if now - self._clients[node.peer_id] < CLIENT_RECHECK:
-            return
-        self._clients[node.peer_id] = now
-        self._queue_proof(node, _RECHECK_SOURCE)
-
-    async def _prove_senders(
-        self, receive: trio.MemoryReceiveChannel[tuple[NodeInfo, str]]
-    ) -> None:
-        async for node, source in receive:
-            assert node.address is not None
-            try:
-                address = self._address_of(node.address, node.peer_id)
-                if await self.host.prove_address(address):
-                    self.learn(node)
-            finally:
-                self._proving.discard(node.peer_id)
-                self._proving_from.discard(source)
-
-    async def run_pings(self) -> None:
-        """Ping least-recently-seen contacts of full buckets, and dial the claimed addresses
-        of senders that need checking, forever (a maintenance task)."""
-
-        async def worker(receive: trio.MemoryReceiveChannel[NodeInfo]) -> None:
-            async for queued in receive:
-                # at the address the table holds now: a contact learnt at a new address
-                # while its ping waited was evicted by the ping to its old one (a review)
-                node = self.table.get(queued.peer_id)
-                if node is None:
-                    self._checking.discard(queued.peer_id)
-                    continue  # it left meanwhile (a ping queued per failed call, before)
-                try:
-                    ping = PingRequest(self.sender)
-                    response, busy = await self._request(node, ping, PingResponse)
-                finally:
-                    self._checking.discard(node.peer_id)
-                now_held = self.table.get(node.peer_id)
-                known = now_held is not None  # a failed ping may have evicted it already
-                if now_held is not None and now_held.address != node.address:
-                    continue  # it moved while the ping was under way: says nothing of it
-                if busy:  # kept, but not refreshed: it has not answered
-                    self.table.ping_result(node.peer_id, alive=None, now=self._now())
-                    continue
-                self.table.ping_result(node.peer_id, alive=response is not None, now=self._now())
-                if known and node.peer_id not in self.table:
-                    self.note_left(node, self.ping_failure(node))
-
-        async with trio.open_nursery() as nursery:
-            for _ in range(self.config.max_parallel_pings):
-                nursery.start_soon(worker, self._ping_receive.clone())
-            for _ in range(_PROVERS):
-                nursery.start_soon(self._prove_senders, self._proof_receive.clone())
-
-    # ---- handlers --------------------------------------------------------------------
-
-    def _parse(self, kind: type[_M], request: Request) -> _M:
-        """``request``'s body as a ``kind``; one that does not parse is ``bad_request``,
-        and said once at WARNING: its sender runs another version of swarm, most likely (a
-        mixed-versions trial: a peer of two days before joined, was listed, and had every
-        store and get refused, which only DEBUG showed on either side)."""
-        try:
-            return kind.from_body(request.body)
-        except ProtocolError as exc:
-            self._warn_unparsable(request, exc)
-            raise
-
-    def _warn_unparsable(self, request: Request, exc: ProtocolError) -> None:
-        now = self._now()
-        if request.peer_id in self._unparsable or now < self._next_unparsable_warning:
-            return  # once per peer, and at most once a minute (garbage from a crowd)
-        if len(self._unparsable) >= _UNPARSABLE_REMEMBERED:
-            self._unparsable.clear()
-        self._unparsable.add(request.peer_id)
-        self._next_unparsable_warning = now + _UNPARSABLE_WARNING_INTERVAL
-        logger.warning(
-            "peer %s at %s sent a %s this node cannot parse (%s): another version of swarm"
-            " (then it should update), or a faulty peer? Its DHT requests are refused",
-            request.peer_id.short(),
-            request.remote_host,
-            request.method,
-            exc,
-        )
-
-    def _on_ping(self, request: Request) -> Reply:
-        message = self._parse(PingRequest, request)
-        self._learn_sender(request, message.sender)
-        return Reply(PingResponse().to_body())
-
-    def _on_find_node(self, request: Request) -> Reply:
-        message = self._parse(FindNodeRequest, request)
-        known = self.table.get(request.peer_id)
-        self._learn_sender(request, message.sender)
-        own_id = message.target == DHTID.from_peer_id(request.peer_id)
-        if known is not None and own_id:
-            self._rejoined(known, message.sender)
-        nodes = self.table.nearest(message.target, self.config.k, exclude=request.peer_id)
-        elsewhere = self._moved.get(request.peer_id) if own_id else None
-        if elsewhere is not None and elsewhere != message.sender:
-            # Its own PeerID, lately at another address: one of its own from before (a
-            # restart on another port), or another process with its key (a copied key
-            # file), which nothing else would tell it of. Named beside the k closest, it
-            # dials that address to see (DHT._check_twin).
-            nodes.append(NodeInfo(request.peer_id, elsewhere))
-        return Reply(FindNodeResponse(tuple(nodes)).to_body())
-
-    def _on_find_value(self, request: Request) -> Reply:
-        message = self._parse(FindValueRequest, request)
-        self._learn_sender(request, message.sender)
-        entries: tuple[Entry, ...] | None = None
-        more = False
-        if self.storage is not None:
-            record = self.storage.get(message.key)
-            if record:
-                entries, more = _page(record.values(), message.after)
-        # Unlike the paper, a holder names its closest contacts beside the value (on a first
-        # page): a node a store passed on its way holds a partial copy (that one store), and
-        # a reader must learn of the closer nodes that hold every writer's subkeys. Later
-        # pages of a paged read need none.
-        nodes = (
-            self.table.nearest(message.key, self.config.k, request.peer_id)
-            if message.after is None
-            else ()
-        )
-        return Reply(FindValueResponse(entries or None, tuple(nodes), more).to_body())
-
-    def _on_store(self, request: Request) -> Reply:
-        message = self._parse(StoreRequest, request)
-        self._learn_sender(request, message.sender)
-        owner = key_owner(message.name)
-        source = self._quota_source(request.remote_host)
-        accepted = []
-        for entry in message.entries:
-            if self.storage is None:
-                accepted.append(False)
-                continue
-            try:
-                accepted.append(self.storage.store(message.key, entry, owner, message.name, source))
-            except RecordError as exc:
-                logger.debug("refused a record from %s: %s", request.peer_id.short(), exc)
-                accepted.append(False)
-        nodes = (
-            self.table.nearest(message.key, self.config.k, exclude=request.peer_id)
-            if message.want_nodes
-            else ()
-        )
-        return Reply(StoreResponse(tuple(accepted), tuple(nodes)).to_body())
-
-    def _quota_source(self, remote_host: str) -> str | None:
-        """Whom a STORE from ``remote_host`` is charged to in our storage's per-source
-        quota: its host group, as the host's per-IP limits count (an IPv6 /64); None (not
-        counted) for an unknown host, and for loopback unless ``storage_quota_loopback``."""
-        if remote_host == "?":
-            return None
-        if not self.config.storage_quota_loopback and is_loopback_host(remote_host):
-            return None
-        return host_group(remote_host)
 
     # ---- calls -----------------------------------------------------------------------
 
@@ -666,19 +338,3 @@ class DHTProtocol:
                 self._addresses.clear()
             address = self._addresses[key] = Address.parse(hostport).with_peer_id(peer_id)
         return address
-
-
-def _page(entries: Iterable[Entry], after: bytes | None) -> tuple[tuple[Entry, ...], bool]:
-    """The entries for one FIND_VALUE reply, in subkey order, from the first after the
-    cursor ``after`` until the value budget is spent, and whether any are left over."""
-    ordered = sorted(((subkey_order(e.subkey), e) for e in entries), key=itemgetter(0))
-    chosen: list[Entry] = []
-    spent = 0
-    for cursor, entry in ordered:
-        if after is not None and cursor <= after:
-            continue
-        spent += len(entry.value) + _ENTRY_OVERHEAD
-        if chosen and spent > _MAX_REPLY_VALUE_BYTES:
-            return tuple(chosen), True
-        chosen.append(entry)
-    return tuple(chosen), False
