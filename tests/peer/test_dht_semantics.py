@@ -403,7 +403,7 @@ async def test_every_getter_sees_every_writer_of_a_shared_key(
     that a store's lookup asked on the way hold a copy of that one subkey; getters far
     from the key met three of those first and stopped there, seeing 25 of 40. The get
     now counts only holders with fewer than k nodes known closer (reading.py ``Holders``),
-    which needs holders' replies to name their closest contacts (protocol.py)."""
+    which needs holders' replies to name their closest contacts (serving.py)."""
     net = MemoryNetwork(latency=0.01)
     config = PeerConfig(dht=peer.DHTConfig(k=5))
     with trio.fail_after(600):

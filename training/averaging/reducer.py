@@ -36,17 +36,15 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterable, Iterator, Mapping
-from dataclasses import dataclass
-from enum import StrEnum
-from fractions import Fraction
 
 import numpy as np
 import torch
 
-from protocol.codecs import Codec, NoneCodec
-from protocol.errors import ProtocolError, RemoteProtocolError
+from protocol.codecs import Codec
 from protocol.identity import PeerID
 
+from .chunk_checks import ChunkChecks
+from .chunk_checks import decode_raw as decode_raw
 from .layout import Float32Array, chunk_count, chunk_span
 from .pieces import RangeCodec
 from .scans import (
@@ -58,6 +56,9 @@ from .scans import (
     result_limit,
     scale_magnitude,
 )
+from .senders import ChunkRejected, DropReason, Member, PartOutcome, _Sender
+from .weights import _wide_shares, effective_weights
+from .weights import wide_sum_wanted as wide_sum_wanted
 
 SUBTRACT_FACTOR = 4.0
 """A pending sender's chunk is added as it arrives only if its scaled values are at most
@@ -70,78 +71,7 @@ MIN_SHARE = 2.0**-64
 scaled back up in float32 (a sender that outweighed them by 2**64 was dropped)."""
 
 
-class DropReason(StrEnum):
-    """Why a member's contribution is missing from a part."""
-
-    DEAD = "dead"  # its host refused connections or the connection broke
-    FROZEN = "frozen"  # it stopped delivering and did not answer a ping
-    TIMEOUT = "timeout"  # still delivering at the cutoff; a reducer: no result by the deadline
-    GARBAGE = "garbage"  # malformed chunk, wrong size, repeated chunk, lying header
-    NONFINITE = "nonfinite"  # NaN or infinity in its values
-    STALE = "stale"  # epoch more than max_staleness behind the group
-
-
-@dataclass(frozen=True, slots=True)
-class Member:
-    """A group member as the reducer sees it (from the leader's confirmed list)."""
-
-    peer_id: PeerID
-    weight: float
-    epoch: int
-
-
-class _Sender:
-    __slots__ = (
-        "done", "epoch", "largest", "reason", "received", "retained", "retained_bytes", "share",
-        "waiting", "weight",
-    )  # fmt: skip
-
-    def __init__(self, weight: float, epoch: int, n_chunks: int) -> None:
-        self.weight = weight  # effective (staleness-decayed)
-        self.share = 0.0  # see scans.convex_shares: a float32 factor in [0, 1]
-        self.epoch = epoch
-        self.received = bytearray(n_chunks)
-        # (chunk, blob, raw, added): kept until complete; ``added`` once in the sum
-        self.retained: list[tuple[int, bytes | memoryview, bool, bool]] = []
-        self.retained_bytes = 0
-        self.largest = 0.0  # largest share * |value| among its chunks so far
-        self.waiting: set[int] = set()  # chunks whose calls wait for admission (reducing)
-        self.done = False
-        self.reason: DropReason | None = None
-
-
-class ChunkRejected(Exception):
-    """A chunk was refused; ``reason`` says why (the sender is dropped for the part)."""
-
-    def __init__(self, reason: DropReason, message: str) -> None:
-        super().__init__(f"{reason}: {message}")
-        self.reason = reason
-
-
-@dataclass(frozen=True, slots=True)
-class PartOutcome:
-    """What a finalized part was averaged over."""
-
-    contributors: tuple[PeerID, ...]
-    dropped: tuple[tuple[PeerID, DropReason], ...]
-    weight: float  # total effective weight of the contributors (0: no result)
-    note: str = ""  # why there is no result although some sent everything (overflow)
-
-
-def effective_weights(
-    members: Iterable[Member], max_staleness: int, decay: float
-) -> dict[PeerID, float | None]:
-    """Each member's staleness-decayed weight, or None when it is too stale to count."""
-    members = list(members)
-    newest = max(m.epoch for m in members)
-    out: dict[PeerID, float | None] = {}
-    for m in members:
-        staleness = newest - m.epoch
-        out[m.peer_id] = None if staleness > max_staleness else m.weight * decay**staleness
-    return out
-
-
-class PartReducer:
+class PartReducer(ChunkChecks):
     """Accumulates one part into ``acc`` (caller-owned: the reducer's own span of its flat
     vector, holding ``local``'s values on entry and the mean after :meth:`finalize`);
     ``scratch`` is a reused chunk buffer."""
@@ -332,91 +262,6 @@ class PartReducer:
             return True
         return False
 
-    def is_resend(
-        self, peer_id: PeerID, index: int, blob: bytes | memoryview, raw: bool = False
-    ) -> bool:
-        """Whether a pending sender's chunk ``index`` already arrived with exactly these
-        bytes. For a call the sender marks as retried (its connection broke before the
-        answer came back) that chunk is acknowledged again and changes nothing; any other
-        repeat of a chunk is garbage."""
-        sender = self.senders.get(peer_id)
-        if sender is None or sender.done or sender.reason is not None or self.finalized:
-            return False
-        if not 0 <= index < self.n_chunks or not sender.received[index]:
-            return False
-        for kept_index, kept, kept_raw, _added in sender.retained:
-            if kept_index == index:
-                return kept_raw == raw and memoryview(kept).cast("B") == memoryview(blob).cast("B")
-        return False
-
-    def check_chunk(
-        self,
-        peer_id: PeerID,
-        index: int,
-        epoch: int,
-        weight: float,
-        blob: bytes | memoryview,
-        raw: bool = False,
-    ) -> None:
-        """What :meth:`add_chunk` checks before decoding (a cheap look at the header and the
-        payload's size), e.g. before a call waits for admission; drops the sender on failure.
-        The chunk is then expected (a second one with the same index is refused) until
-        :meth:`add_chunk` or :meth:`forget_chunk`.
-
-        Raises:
-            ChunkRejected: as :meth:`add_chunk` (the sender was dropped for this part).
-            KeyError: ``peer_id`` is not an expected, pending sender (nothing changes).
-        """
-        sender = self._expect(peer_id)
-        try:
-            if index in sender.waiting:
-                raise ChunkRejected(DropReason.GARBAGE, f"chunk {index} sent twice")
-            self._check_header(peer_id, sender, index, epoch, weight, blob, raw)
-        except ChunkRejected as exc:
-            self.drop(peer_id, exc.reason)
-            raise
-        sender.waiting.add(index)
-
-    def forget_chunk(self, peer_id: PeerID, index: int) -> None:
-        """The call that :meth:`check_chunk` let wait is over."""
-        sender = self.senders.get(peer_id)
-        if sender is not None:
-            sender.waiting.discard(index)
-
-    def _check_header(
-        self,
-        peer_id: PeerID,
-        sender: _Sender,
-        index: int,
-        epoch: int,
-        weight: float,
-        blob: bytes | memoryview,
-        raw: bool,
-    ) -> None:
-        member = self.members[peer_id]
-        if epoch != member.epoch or weight != member.weight:
-            raise ChunkRejected(DropReason.GARBAGE, "epoch or weight differ from declared")
-        if not 0 <= index < self.n_chunks:
-            raise ChunkRejected(DropReason.GARBAGE, f"chunk {index} out of range")
-        if sender.received[index]:  # (the same bytes again are a retry: see is_resend)
-            raise ChunkRejected(DropReason.GARBAGE, f"chunk {index} sent twice")
-        start, stop = chunk_span(self.length, self.chunk_elements, index)
-        expected = 4 * (stop - start) if raw else self._blob_size(start, stop)
-        size = memoryview(blob).nbytes
-        if size != expected:  # (the kept bytes stay what admission counted)
-            raise ChunkRejected(
-                DropReason.GARBAGE, f"chunk {index} of {size} bytes, not {expected}"
-            )
-
-    def _blob_size(self, start: int, stop: int) -> int:
-        """Bytes of the round codec's payload of the part's ``[start, stop)``."""
-        if self.ranges.cuts:  # the size depends on where the chunk lies
-            return self.ranges.encoded_size(self.base + start, self.base + stop)
-        size = self._blob_sizes.get(stop - start)
-        if size is None:
-            size = self._blob_sizes[stop - start] = self.codec.encoded_size(stop - start)
-        return size
-
     def _complete(self, sender: _Sender) -> None:
         """The sender's part is all in: add what was kept aside, forget the blobs."""
         for index, blob, raw, added in sender.retained:
@@ -548,87 +393,3 @@ class PartReducer:
             product.copy_(piece)
             product.mul_(share)
             target[i : i + len(piece)].add_(product)
-
-    def _expect(self, peer_id: PeerID) -> _Sender:
-        sender = self.senders.get(peer_id)
-        if sender is None or sender.done or sender.reason is not None or self.finalized:
-            raise KeyError(peer_id)
-        return sender
-
-    def _decode(
-        self, blob: bytes | memoryview, start: int, stop: int, raw: bool = False
-    ) -> Float32Array:
-        """The values of the part's chunk ``[start, stop)`` from its payload.
-
-        Raises:
-            ChunkRejected: (garbage) undecodable, or not the chunk's size.
-        """
-        count = stop - start
-        try:
-            if raw and self.codec.name != "none":
-                raise ChunkRejected(DropReason.GARBAGE, "raw values need the none codec")
-            if raw or isinstance(self.codec, NoneCodec):
-                values = decode_raw(blob, count) if raw else self.codec.decode(blob).reshape(-1)
-                if values.size != count:
-                    raise ChunkRejected(DropReason.GARBAGE, f"{values.size} values, not {count}")
-                return values
-            return self.ranges.decode_into(blob, self._scratch[:count], self.base + start)
-        except ProtocolError as exc:
-            raise ChunkRejected(DropReason.GARBAGE, str(exc)) from None
-
-
-def wide_sum_wanted(
-    codec: Codec, weights: Mapping[PeerID, float | None], own: PeerID | None
-) -> bool:
-    """Whether a part's sum is kept in float64 (``weights``: the part's senders' effective
-    weights, None for the stale; ``own``: the reducing peer).
-
-    Only with the ``none`` codec (the lossy codecs' own error dwarfs float32's), and only
-    where the float32 sum would round more than twice: with three senders or more (each
-    addition rounds, by up to 2**-24 of the partial sums, which is large beside a mean where
-    the contributions cancel), or with two whose float32 shares are not exact ratios of
-    their weights with ours a power of two (then our values, scaled in place, round too).
-    Two senders with equal weights, or weights 1 and 2, keep the float32 sum: one fused
-    multiply-add and at most one division. Costs 8 bytes per element of the part."""
-    if not isinstance(codec, NoneCodec):
-        return False
-    counted = {p: w for p, w in weights.items() if w is not None}
-    if len(counted) < 2:
-        return False
-    if len(counted) > 2 or own is None or own not in counted:
-        return True
-    shares = convex_shares(counted, own=own)
-    ours = shares[own]
-    if ours <= 0 or math.frexp(ours)[0] != 0.5:  # not a power of two
-        return True
-    base = Fraction(counted[own]) / Fraction(ours)
-    return any(Fraction(w) != Fraction(shares[p]) * base for p, w in counted.items())
-
-
-def _wide_shares(weights: Mapping[PeerID, float]) -> dict[PeerID, float]:
-    """Each weight over the smallest power of two at least their total, in float64: exact
-    (but for weights 2**1000 times smaller than the largest, which underflow), so that
-    equal weights give equal shares and opposite contributions cancel exactly."""
-    top = max(weights.values(), default=0.0)
-    if top <= 0:
-        return dict.fromkeys(weights, 0.0)
-    _, shift = math.frexp(top)
-    scaled = {p: math.ldexp(w, -shift) for p, w in weights.items()}  # < 1 each, exact
-    mantissa, exponent = math.frexp(math.fsum(scaled.values()))
-    if mantissa == 0.5:  # the total is a power of two: that one
-        exponent -= 1
-    return {p: math.ldexp(w, -exponent) for p, w in scaled.items()}
-
-
-def decode_raw(payload: bytes | memoryview, count: int) -> Float32Array:
-    """A read-only float32 view of a raw payload (``count`` values, little-endian).
-
-    Raises:
-        RemoteProtocolError: if the payload is not exactly ``4 * count`` bytes.
-    """
-    if memoryview(payload).nbytes != 4 * count:
-        raise RemoteProtocolError(
-            f"raw payload of {memoryview(payload).nbytes} bytes, not {count} values"
-        )
-    values: Float32Array = np.frombuffer(payload, dtype="<f4", count=count)
-    return values
