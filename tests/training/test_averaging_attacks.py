@@ -34,8 +34,8 @@ from protocol.address import Address
 from protocol.codecs import get_codec
 from protocol.identity import Identity, PeerID
 from training import AveragingInfo, DropReason, Outcome, PartStatus
-from training.averaging import averager as averager_module
 from training.averaging import butterfly
+from training.averaging import stepping as stepping_module
 from training.averaging.config import AveragerConfig
 from training.averaging.grouping import Declaration
 from training.averaging.layout import FlatVector, chunk_count, chunk_span
@@ -517,7 +517,7 @@ async def test_a_declaration_out_of_range_never_reaches_the_honest_members(
     epoch: int,
 ) -> None:
     """Its step skips the argument checks: the others skip its declaration and average."""
-    monkeypatch.setattr(averager_module, "check_step_arguments", lambda *args: None)
+    monkeypatch.setattr(stepping_module, "check_step_arguments", lambda *args: None)
     with trio.fail_after(120):
         async with memnet_swarm(4) as (_, nodes):
             members = make_members(nodes, SIZE, fast_config())
