@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Sequence
+from functools import partial
 from typing import TYPE_CHECKING, Any
 
 from protocol.address import Address
@@ -48,12 +49,7 @@ class BackgroundDHT:
             RecordError: the key is not a str.
             PeerStoppedError: the peer is no longer running.
         """
-        dht = self._owner.peer.dht
-
-        async def get() -> Any:
-            return await dht.get(key, latest=latest)
-
-        return self._owner.run(get)
+        return self._owner.run(partial(self._owner.peer.dht.get, key, latest=latest))
 
     def get_entries(self, key: str, *, latest: bool = True) -> dict[Subkey, tuple[Any, float]]:
         """See :meth:`peer.dht.DHT.get_entries`.
@@ -63,12 +59,7 @@ class BackgroundDHT:
             RecordError: the key is not a str.
             PeerStoppedError: the peer is no longer running.
         """
-        dht = self._owner.peer.dht
-
-        async def get_entries() -> dict[Subkey, tuple[Any, float]]:
-            return await dht.get_entries(key, latest=latest)
-
-        return self._owner.run(get_entries)
+        return self._owner.run(partial(self._owner.peer.dht.get_entries, key, latest=latest))
 
     def read_entries(self, key: str, *, latest: bool = True) -> EntriesRead:
         """See :meth:`peer.dht.DHT.read_entries`.
@@ -78,12 +69,7 @@ class BackgroundDHT:
             RecordError: the key is not a str.
             PeerStoppedError: the peer is no longer running.
         """
-        dht = self._owner.peer.dht
-
-        async def read_entries() -> EntriesRead:
-            return await dht.read_entries(key, latest=latest)
-
-        return self._owner.run(read_entries)
+        return self._owner.run(partial(self._owner.peer.dht.read_entries, key, latest=latest))
 
     def find_peers(self) -> list[tuple[PeerID, str]]:
         """See :meth:`peer.dht.DHT.find_peers`.
