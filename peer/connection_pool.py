@@ -11,6 +11,7 @@ address).
 from __future__ import annotations
 
 import logging
+from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
@@ -45,6 +46,8 @@ WILDCARD_HOSTS = {"0.0.0.0": "127.0.0.1", "::": "::1", "": "127.0.0.1"}
 
 _MAX_REMEMBERED_ADDRESSES = 4096
 """``HOST:PORT -> PeerID`` learnt by dialing, so later calls without a PeerID reuse the pool."""
+LOST_REMEMBERED = 1024
+"""Peers whose connections their side ended that ``RpcHost.lost_at`` remembers, newest."""
 _ECHO_WAIT = 1.0
 """Seconds a dial that met our own PeerID waits for its other end to come in here."""
 _STOPPED = "this peer has stopped: its open_peer context has ended"  # (the DHT's words too)
@@ -78,6 +81,7 @@ class ConnectionPool:
     _handlers: HandlerRegistry
     _receive_budget: ReceiveBudget
     _send_budget: SendBudget
+    _lost_at: OrderedDict[PeerID, float]
     _connections: dict[RpcConnection, PeerID]
     _by_peer: dict[PeerID, RpcConnection]
     _by_address: dict[str, PeerID]
@@ -279,8 +283,13 @@ class ConnectionPool:
                 del self._by_peer[peer_id]
                 self._promote(peer_id)
             logger.debug("%r: disconnected from %s", self, peer_id.short())
-            if connection.lost and peer_id not in self._by_peer and self.on_connection_lost:
-                self.on_connection_lost(peer_id)
+            if connection.lost and peer_id not in self._by_peer:
+                self._lost_at[peer_id] = trio.current_time()
+                self._lost_at.move_to_end(peer_id)
+                if len(self._lost_at) > LOST_REMEMBERED:
+                    self._lost_at.popitem(last=False)
+                if self.on_connection_lost:
+                    self.on_connection_lost(peer_id)
             self.disconnected.set()
             self.disconnected = trio.Event()
 

@@ -26,7 +26,7 @@ import contextlib
 import inspect
 import logging
 import math
-from collections import Counter
+from collections import Counter, OrderedDict
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AbstractAsyncContextManager, asynccontextmanager
 from functools import partial
@@ -93,6 +93,8 @@ class RpcHost(ConnectionPool, InboundAdmission):
         # Called with a peer whose last connection the peer's side ended (closed, reset):
         # it may have left (the DHT pings it).
         self.on_connection_lost: Callable[[PeerID], None] | None = None
+        # -> trio time that happened last (see lost_at), for the LOST_REMEMBERED latest
+        self._lost_at: OrderedDict[PeerID, float] = OrderedDict()
         # set, and replaced by a fresh one, each time a connection ends: wait on the
         # current one to learn of the next (a peer that cannot be dialed, gone)
         self.disconnected = trio.Event()
@@ -185,6 +187,13 @@ class RpcHost(ConnectionPool, InboundAdmission):
     def connected_peers(self) -> list[PeerID]:
         """Peers with an open connection."""
         return [peer for peer, conn in self._by_peer.items() if not conn.closed]
+
+    def lost_at(self, peer_id: PeerID) -> float:
+        """trio time the last connection with ``peer_id`` was ended by its side (closed,
+        reset, broken) with none left open (-inf: not among the latest ``LOST_REMEMBERED``). A
+        peer that cannot be dialed (client mode) and lost its connections since a moment
+        has perhaps died since: the averager cannot ping it to find out."""
+        return self._lost_at.get(peer_id, -math.inf)
 
     def last_heard(self, peer_id: PeerID) -> float:
         """trio time bytes from ``peer_id`` last arrived, on any open connection (-inf:

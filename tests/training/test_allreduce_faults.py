@@ -194,6 +194,50 @@ async def test_client_mode_member_lost_mid_round(
             await next_round_without(members, victim)
 
 
+async def test_client_killed_before_its_first_chunk_arrived(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A client-mode sender killed while its first chunk calls were on their way (connected
+    to every reducer, nothing delivered) is dead to the reducers once its connections have
+    been gone for half a stall timeout: it cannot be pinged, and waiting for it to stall
+    cost the others a whole stall timeout and more (docs/averaging.md, Limitations)."""
+    with trio.fail_after(300):
+        async with memnet_swarm(4) as (net, nodes):
+            members = make_members(nodes[:3], SIZE, fast_config(max_inflight=3))
+            members += make_members(nodes[3:], SIZE, fast_config(max_inflight=3, client_mode=True))
+            victim = 3
+            rpc = members[victim].averager.node.rpc
+            call = rpc.call
+            killed_at: list[float] = []
+
+            async def connect_then_die(
+                address: Any, method: str, body: Any = None, payload: Any = b""
+            ) -> Any:
+                if not method.endswith(".chunk"):
+                    return await call(address, method, body, payload)
+                if not killed_at:
+                    for node in nodes[:3]:  # every reducer, before any chunk is written
+                        await rpc.connect(Address.parse(node.address))
+                    assert len(rpc.connected_peers()) >= 3
+                    killed_at.append(trio.current_time())
+                    net.kill_host(host_of(victim))
+                await trio.sleep_forever()
+
+            rpc.call = connect_then_die  # type: ignore[method-assign]
+            results = await step_all(members, timeout=TIMEOUT)
+            assert killed_at
+            victim_id = members[victim].peer_id
+            stall = members[0].averager.config.stall_timeout
+            for info, _ in results[:victim]:
+                assert info is not None and info.outcome is Outcome.PARTIAL
+                assert {part.dropped[victim_id] for part in info.parts} == {DropReason.DEAD}
+                assert not any(victim_id in part.contributors for part in info.parts)
+                assert info.allreduce_s <= 0.75 * stall, info.allreduce_s
+            infos = [info for info, _ in results[:victim]]
+            verify_round(members[:victim], infos, without_report=[members[victim]])  # type: ignore[arg-type]
+            await next_round_without(members, victim)
+
+
 class Watched:
     """A result stream that calls ``on_item`` after each item it hands over."""
 

@@ -3,6 +3,7 @@ checks a round's tensors against its reports (what every test calls after a roun
 
 from __future__ import annotations
 
+import math
 from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
 from contextlib import AsyncExitStack, asynccontextmanager
 from dataclasses import dataclass
@@ -237,7 +238,11 @@ def no_node(plan: Plan) -> SimpleNamespace:
     every member of ``plan`` stays connected, no connection ever ends."""
     members = [m.peer_id for m in plan.members]
     return SimpleNamespace(
-        rpc=SimpleNamespace(disconnected=trio.Event(), connected_peers=lambda: list(members))
+        rpc=SimpleNamespace(
+            disconnected=trio.Event(),
+            connected_peers=lambda: list(members),
+            lost_at=lambda peer_id: -math.inf,
+        )
     )
 
 

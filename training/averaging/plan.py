@@ -149,7 +149,8 @@ class Liveness:
 
     def mark_gone_clients(self, peers: Iterable[PeerID]) -> float:
         """Mark dead each client-mode peer among ``peers`` that has had no connection to us
-        for ``timeout / 2``. Only for peers that did connect to us this round: a client
+        for ``timeout / 2``. Only for peers that did connect to us this round (their chunks
+        came, or their side ended a connection: ``ReducerService._heard_from``): a client
         cannot be dialed, so a dead one's connections are gone (what :meth:`probe` finds,
         a stall timeout later); the grace lets a live one whose connection broke (a write
         cut off midway tears it) dial us again.

@@ -216,9 +216,9 @@ class ReducerService(Admission, Publishing):
         extensions = len(self.plan.reducers)
         while True:
             fetching = expected - self.downloaded
-            due = self.liveness.mark_gone_clients(p for p in fetching if p in self.progress)
+            due = self.liveness.mark_gone_clients(p for p in fetching if self._heard_from(p))
             unconnected = self.liveness.unconnected_servers(
-                p for p in fetching if p in self.progress
+                p for p in fetching if self._heard_from(p)
             )
             if unconnected:  # perhaps killed: a dead one's dial is refused
                 async with trio.open_nursery() as nursery:
@@ -264,8 +264,8 @@ class ReducerService(Admission, Publishing):
                 self._drop(peer_id, DropReason.TIMEOUT)
             return
         pending = self.reducer.pending()
-        due = self.liveness.mark_gone_clients(p for p in pending if p in self.progress)
-        unconnected = self.liveness.unconnected_servers(p for p in pending if p in self.progress)
+        due = self.liveness.mark_gone_clients(p for p in pending if self._heard_from(p))
+        unconnected = self.liveness.unconnected_servers(p for p in pending if self._heard_from(p))
         if unconnected:  # perhaps killed (see serve)
             async with trio.open_nursery() as nursery:
                 for peer_id in unconnected:
@@ -286,10 +286,17 @@ class ReducerService(Admission, Publishing):
         with trio.move_on_at(next_check):
             await self._wait_for_news()
 
+    def _heard_from(self, peer_id: PeerID) -> bool:
+        """Whether ``peer_id`` sent us chunks this round, or had a connection to us that its
+        side ended since the round began: a client killed while its first chunk calls were
+        on their way (it cannot be pinged) is then found gone after the grace of
+        ``Liveness.mark_gone_clients``, not when it has been quiet for a stall timeout."""
+        return peer_id in self.progress or self.liveness.node.rpc.lost_at(peer_id) >= self.start
+
     async def _wait_for_news(self) -> None:
         """Until a chunk or a download came, a member was found bad, or a connection ended
-        (a client-mode sender that sent us chunks and has no connection left is dead soon
-        after: it cannot be probed sooner, see ``Liveness.mark_gone_clients``)."""
+        (a client-mode sender we heard from, see :meth:`_heard_from`, with no connection left
+        is dead soon after: it cannot be probed sooner, see ``Liveness.mark_gone_clients``)."""
         events = (self._changed, self.liveness.changed, self.liveness.node.rpc.disconnected)
         async with trio.open_nursery() as nursery:
             for event in events:
