@@ -5,12 +5,14 @@ its first calls on their way is found gone without waiting for it to stall."""
 from __future__ import annotations
 
 import math
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import pytest
 import trio
 import trio.testing
 
-from peer.host import HostConfig, open_rpc_host
+from peer.host import HostConfig, RpcHost, open_rpc_host
 from peer.memnet import MemoryNetwork
 from peer.rpc import Reply, Request
 from protocol.address import Address
@@ -25,14 +27,20 @@ async def echo(request: Request) -> Reply:
     return Reply(request.body, request.payload)
 
 
+@asynccontextmanager
+async def echo_server(net: MemoryNetwork) -> AsyncIterator[tuple[RpcHost, Address]]:
+    """A host at ``s:1`` that answers ``echo``, and its address."""
+    async with open_rpc_host(SERVER, listen=Address("s", 1), network=net.interface("s")) as server:
+        server.register("echo", echo)
+        assert server.listen_address is not None
+        yield server, server.listen_address
+
+
 async def test_a_killed_peer_is_lost_when_its_connection_broke(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     net = MemoryNetwork()
-    async with open_rpc_host(SERVER, listen=Address("s", 1), network=net.interface("s")) as server:
-        server.register("echo", echo)
-        address = server.listen_address
-        assert address is not None
+    async with echo_server(net) as (server, address):
         with trio.fail_after(30):
             async with open_rpc_host(CLIENTS[0], listen=None, network=net.interface("a")) as a:
                 assert server.lost_at(a.peer_id) == -math.inf
@@ -49,10 +57,7 @@ async def test_our_own_close_and_the_peers_idle_close_are_no_loss(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     net = MemoryNetwork()
-    async with open_rpc_host(SERVER, listen=Address("s", 1), network=net.interface("s")) as server:
-        server.register("echo", echo)
-        address = server.listen_address
-        assert address is not None
+    async with echo_server(net) as (server, address):
         with trio.fail_after(60):
             idle = HostConfig(idle_timeout=10.0)
             async with (
@@ -75,10 +80,7 @@ async def test_only_the_latest_losses_are_remembered(
 ) -> None:
     monkeypatch.setattr("peer.connection_pool.LOST_REMEMBERED", 2)
     net = MemoryNetwork()
-    async with open_rpc_host(SERVER, listen=Address("s", 1), network=net.interface("s")) as server:
-        server.register("echo", echo)
-        address = server.listen_address
-        assert address is not None
+    async with echo_server(net) as (server, address):
         with trio.fail_after(30):
             async with (
                 open_rpc_host(CLIENTS[0], listen=None, network=net.interface("a")) as a,
