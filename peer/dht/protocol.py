@@ -247,6 +247,8 @@ class DHTProtocol(Learning, Serving):
             if take_slot:
                 self._limiter.release()
         self.calls_failed += 1
+        if self.host.stopped:  # our own shutdown broke the call: no news of the contact
+            return None, False
         if deadline.cancelled_caught and self.heard_lately(node):
             logger.debug("%s to %s timed out; its bytes keep coming", method, node.peer_id.short())
             return None, True

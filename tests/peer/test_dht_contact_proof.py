@@ -219,6 +219,7 @@ class _MovedHost:
     def __init__(self, dead_after: float = 0.01) -> None:
         self.calls: list[str] = []
         self.dead_after = dead_after  # how long a call to 10.0.0.1 takes to fail
+        self.stopped = False  # (RpcHost's: a failure during our own shutdown is no news)
 
     async def call(self, address: Address, method: str, body: Any) -> Reply:
         self.calls.append(address.hostport)
