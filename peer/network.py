@@ -191,6 +191,8 @@ class TcpNetwork:
             where = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
             raise OSError(exc.errno, exc.strerror or str(exc), where) from exc
         bound_port: int = listeners[0].socket.getsockname()[1]
+        if port == 0 and len(listeners) > 1:
+            listeners = await _on_one_port(listeners, bound_port)
 
         async def accepted(stream: trio.SocketStream) -> None:
             _set_nodelay(stream)
@@ -205,6 +207,30 @@ class TcpNetwork:
         finally:
             for listener in listeners:
                 listener.socket.close()
+
+
+async def _on_one_port(
+    listeners: list[trio.SocketListener], port: int
+) -> list[trio.SocketListener]:
+    """``listeners`` (a host that resolved to several addresses, e.g. ``::1`` and
+    ``127.0.0.1``, bound with port 0) all on ``port``, the first one's: with port 0 each
+    address got a port of its own, and the one address announced named only the first (an
+    outside tester: IPv4 dialers were refused at the printed address). An address where
+    ``port`` is taken is left out, with a warning."""
+    kept = [listeners[0]]
+    for listener in listeners[1:]:
+        address = listener.socket.getsockname()
+        if address[1] == port:
+            kept.append(listener)
+            continue
+        listener.socket.close()
+        try:
+            kept += await trio.open_tcp_listeners(port, host=address[0])
+        except OSError as exc:
+            logger.warning(
+                "not listening on %s: port %d is taken there (%s)", address[0], port, exc
+            )
+    return kept
 
 
 _ACCEPT_RETRY = {errno.ECONNABORTED, errno.EPROTO, errno.EPERM}
