@@ -100,6 +100,15 @@ def _check_host_name(text: str, host: str) -> None:
         )
 
 
+def _listen_host(text: str) -> str:
+    """A host to listen on, checked as ``--announce-host`` is: a malformed name is a usage
+    error (exit code 2) too, not a failed start (1; an outside tester)."""
+    host = _host(text)
+    if ":" not in host:
+        _check_host_name(text, host)
+    return host
+
+
 def _announce_host(text: str) -> str:
     """A host other peers can dial (not ``0.0.0.0``, ``::``, broadcast or multicast)."""
     from protocol.address import Address  # lazily, as the rest: --help stays instant
@@ -145,7 +154,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     boot.add_argument(
         "--host",
-        type=_host,
+        type=_listen_host,
         default="0.0.0.0",
         help="interface to listen on (default: 0.0.0.0, all IPv4 ones; :: for all IPv6 ones)",
     )

@@ -9,6 +9,8 @@ from dataclasses import dataclass
 from protocol.framing import DEFAULT_MAX_FRAME_SIZE
 from protocol.rpc import MAX_INFLIGHT_REQUESTS
 
+from .config_types import check_field_types
+
 
 @dataclass(frozen=True)
 class HostConfig:
@@ -92,6 +94,7 @@ class HostConfig:
     queued (a result stream's last chunks) before they are closed."""
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         for name in (
             "max_frame_size",
             "max_connections",

@@ -43,6 +43,7 @@ from protocol.identity import PeerID
 from protocol.messages import ClockRequest, ClockResponse
 
 from .calls import Reply, Request
+from .config_types import check_field_types
 from .host import RpcHost
 from .remote_hosts import host_group, is_loopback_host, over_its_connection
 
@@ -111,6 +112,7 @@ class ClockConfig:
     max_offset: float = 3600.0  # the correction never exceeds this, whatever peers say
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         for name in ("interval", "timeout", "max_round_trip", "max_offset"):
             if not getattr(self, name) > 0:
                 raise ValueError(f"ClockConfig.{name} must be positive")

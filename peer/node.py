@@ -29,8 +29,10 @@ from protocol.framing import MIN_PEER_FRAME_SIZE
 from protocol.identity import Identity, PeerID
 
 from .dht import DHT, DHTConfig
+from .dht.node import address_list
 from .errors import PeerUnavailableError
 from .host import WILDCARD_HOSTS, HostConfig, RpcHost, open_rpc_host
+from .interrupts import interrupt_in
 from .netclock import ClockConfig, ClockService, NetworkClock, wall_clock
 from .network import Network
 
@@ -49,6 +51,12 @@ class PeerConfig:
     clock: ClockConfig = field(default_factory=ClockConfig)
 
     def __post_init__(self) -> None:
+        for name, kind in (("host", HostConfig), ("dht", DHTConfig), ("clock", ClockConfig)):
+            value = getattr(self, name)
+            if not isinstance(value, kind):
+                raise TypeError(
+                    f"PeerConfig.{name} must be a {kind.__name__}, got {type(value).__name__}"
+                )
         # Other peers send frames this large whatever our limit (it is a receiver's only):
         # a node that refused them would drop its healthy peers' connections, each of its
         # gets of a large key would come back empty, and its averagers could not send a chunk.
@@ -151,6 +159,11 @@ def as_list(initial_peers: Iterable[str | Address] | None) -> list[str | Address
         return []
     if isinstance(initial_peers, str | Address):
         return [initial_peers]
+    if isinstance(initial_peers, bytes | bytearray | memoryview):  # not a list of ints
+        raise TypeError(
+            "initial_peers: give addresses as text ('PEERID@HOST:PORT'), not"
+            f" {type(initial_peers).__name__} (decode it first)"
+        )
     try:
         return list(initial_peers)
     except TypeError:
@@ -272,7 +285,7 @@ async def open_peer(
         raise ValueError(
             f"listen={listen!r} names another peer: give HOST:PORT (the PeerID is the identity's)"
         )
-    peers = [p if isinstance(p, Address) else Address.parse(p) for p in as_list(initial_peers)]
+    peers = address_list(as_list(initial_peers))
     if client and not peers:
         logger.warning(
             "a client-mode peer without initial peers knows nobody, and nobody can dial it:"
@@ -306,23 +319,31 @@ async def open_peer(
         network_clock = NetworkClock(clock, config.clock, count_own=not client)
         dht = DHT(host, me, dht_config, sender=sender, clock=network_clock.now)
         clock_service = ClockService(host, network_clock, dht.routing_table_peers)
-        async with trio.open_nursery() as nursery:
-            await nursery.start(dht.serve)
-            await nursery.start(clock_service.serve)
-            # raised below instead: a plain script would print the same text twice
-            reached = await dht.bootstrap(peers, warn=not ensure_bootstrap_success)
-            if peers and not reached and ensure_bootstrap_success:
-                tried = "; ".join(f"{p}: {dht.contact_errors.get(str(p), '?')}" for p in peers)
-                body_error = PeerUnavailableError(f"no initial peer answered (tried {tried})")
-                nursery.cancel_scope.cancel()
-            else:
-                await clock_service.sync()  # before the first round is cut by the clock
-                try:
-                    yield Peer(me, host, dht, address, network_clock, nursery)
-                except BaseException as exc:  # re-raised below, outside the nursery (no group)
-                    body_error = exc
-                finally:
+        try:
+            async with trio.open_nursery() as nursery:
+                await nursery.start(dht.serve)
+                await nursery.start(clock_service.serve)
+                # raised below instead: a plain script would print the same text twice
+                reached = await dht.bootstrap(peers, warn=not ensure_bootstrap_success)
+                if peers and not reached and ensure_bootstrap_success:
+                    tried = "; ".join(f"{p}: {dht.contact_errors.get(str(p), '?')}" for p in peers)
+                    body_error = PeerUnavailableError(f"no initial peer answered (tried {tried})")
                     nursery.cancel_scope.cancel()
+                else:
+                    await clock_service.sync()  # before the first round is cut by the clock
+                    try:
+                        yield Peer(me, host, dht, address, network_clock, nursery)
+                    except BaseException as exc:  # re-raised below, outside the nursery
+                        body_error = exc
+                    finally:
+                        nursery.cancel_scope.cancel()
+        except BaseExceptionGroup as group:
+            # Ctrl-C while joining (the bootstrap's lookups run in nurseries): a plain
+            # KeyboardInterrupt, as from the body or any public call (peer/interrupts.py)
+            interrupt = interrupt_in(group)
+            if interrupt is None:
+                raise
+            body_error = interrupt
         if body_error is not None:  # inside the host's block: it then closes without draining
             raise body_error
 
@@ -330,7 +351,9 @@ async def open_peer(
 def _check_announce_host(host: object) -> None:
     """Refuse a ``HOST:PORT`` given as ``announce_host`` with the advice the CLI gives (the
     Address check alone read ``'1.2.3.4:5'`` as a malformed IPv6 address)."""
-    if not isinstance(host, str) or ":" not in host:
+    if host is not None and not isinstance(host, str):  # (5 read "empty or oversized host")
+        raise TypeError(f"announce_host must be a host name or IP (str), not {type(host).__name__}")
+    if host is None or ":" not in host:
         return
     inner = host[1:-1] if host.startswith("[") and host.endswith("]") else host
     try:

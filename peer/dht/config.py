@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from protocol.messages import MAX_NODES
 from protocol.records import MAX_VALUE_BYTES
 
+from ..config_types import check_field_types
 from .storage import ENTRY_OVERHEAD
 
 
@@ -76,6 +77,7 @@ class DHTConfig:
     max_parallel_pings: int = 8
 
     def __post_init__(self) -> None:
+        check_field_types(self)
         for name in (
             "k",
             "alpha",

@@ -401,9 +401,12 @@ class DHT:
             # back as a list, which no dict can hold; extension types are refused
             decode_value(data)
         except (TypeError, ValueError, OverflowError) as exc:
+            why = str(exc)
+            if isinstance(exc, msgpack.exceptions.StackError):  # (it says nothing)
+                why = "nested deeper than a reader unpacks (1024 levels)"
             raise TypeError(
                 f"DHT values must be msgpack-serializable (None, bool, int, float, str, bytes,"
-                f" and lists and dicts of them); {type(value).__name__}: {exc}"
+                f" and lists and dicts of them); {type(value).__name__}: {why}"
             ) from exc
         now = self._clock()
         expiration = now + ttl
@@ -500,6 +503,11 @@ def address_list(addresses: Sequence[Address | str] | Address | str) -> list[Add
     """
     if isinstance(addresses, str | Address):
         addresses = [addresses]
+    if isinstance(addresses, bytes | bytearray | memoryview):  # not a list of ints
+        raise TypeError(
+            "give addresses as text ('PEERID@HOST:PORT'), not"
+            f" {type(addresses).__name__} (decode it first)"
+        )
     try:
         items = list(addresses)
     except TypeError:  # (list() said "'int' object is not iterable")

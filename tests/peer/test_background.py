@@ -76,6 +76,8 @@ def test_the_facade_has_the_dhts_methods_and_they_work() -> None:
             second.dht.contact([42])  # type: ignore[list-item]
         with pytest.raises(TypeError, match="or a list of them, got int"):
             second.dht.contact(42)  # type: ignore[arg-type]  (was "'int' object is not iterable")
+        with pytest.raises(TypeError, match="not bytes"):  # was "..., not int" (its bytes)
+            second.dht.contact(first.address.encode())  # type: ignore[arg-type]
         # its text too, as every other API takes it (was an AttributeError, a trial)
         assert second.dht.contact([first.address]) == [Address.parse(first.address)]
         assert second.dht.contact(first.address) == []  # one text, not its characters (known)

@@ -342,17 +342,19 @@ def test_an_unknown_flag_shows_its_commands_usage(
 
 
 @pytest.mark.parametrize("given", ["x..y", "a/b", "a" * 64, "-foo", "foo-.org", "a!b"])
-def test_bootstrap_refuses_an_announce_host_with_a_bad_name_in_one_line(
-    given: str, capsys: pytest.CaptureFixture[str]
+@pytest.mark.parametrize("flag", ["--host", "--announce-host"])
+def test_bootstrap_refuses_a_host_with_a_bad_name_in_one_line(
+    flag: str, given: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """Was "invalid _announce_host value" (the parser's function name), and ``x..y`` was
-    announced, which other nodes then failed to dial."""
+    announced, which other nodes then failed to dial; ``--host x..y`` failed the start
+    (exit code 1) where ``--announce-host x..y`` was a usage error (2: an outside tester)."""
     with pytest.raises(SystemExit) as exit_:
-        _parser().parse_args(["bootstrap", f"--announce-host={given}"])
+        _parser().parse_args(["bootstrap", f"{flag}={given}"])
     assert exit_.value.code == 2
     last = capsys.readouterr().err.splitlines()[-1]
-    assert last.startswith("swarm bootstrap: error: argument --announce-host: host ")
-    assert "_announce_host" not in last
+    assert last.startswith(f"swarm bootstrap: error: argument {flag}: host ")
+    assert "_host" not in last
 
 
 def test_bootstrap_refuses_to_announce_an_ip_with_a_final_dot(

@@ -9,6 +9,7 @@ interrupt goes to the main task, which pytest-trio's test task is not.
 from __future__ import annotations
 
 import signal
+import socket
 
 import pytest
 import trio
@@ -45,3 +46,21 @@ def test_interrupt_in_finds_it_at_any_depth() -> None:
     nested = BaseExceptionGroup("outer", [ValueError(), BaseExceptionGroup("inner", [interrupt])])
     assert interrupt_in(nested) is interrupt
     assert interrupt_in(BaseExceptionGroup("none", [ValueError(), trio.TooSlowError()])) is None
+
+
+async def _join_until_interrupted(silent_port: int) -> None:
+    with trio.fail_after(30):
+        trio.lowlevel.spawn_system_task(_interrupt_after, 0.3)
+        # the initial peer accepts and never answers: the join waits in the bootstrap's
+        # nurseries when the interrupt comes
+        async with open_peer("127.0.0.1:0", [f"127.0.0.1:{silent_port}"]):
+            raise AssertionError("joined a peer that never answers")
+
+
+def test_ctrl_c_while_open_peer_joins_is_a_plain_keyboard_interrupt() -> None:
+    # an outside tester: BaseExceptionGroup('Exceptions from Trio nursery', [KeyboardInterrupt()])
+    with socket.socket() as silent:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(8)
+        with pytest.raises(KeyboardInterrupt):
+            trio.run(_join_until_interrupted, silent.getsockname()[1])

@@ -36,6 +36,11 @@ OTHER = Identity.from_seed(bytes([9]) * 32)
         ({"client_mode": True, "listen": "garbage"}, ProtocolError, "no port"),
         # an outside tester: "identity path  names a folder" (the CLI says the name is empty)
         ({"identity": ""}, IdentityFileError, "^identity path is empty"),
+        # an outside tester: bytes were read as a list of ints ("malformed address 53")
+        ({"initial_peers": b"x@10.0.0.2:4000"}, TypeError, "not bytes"),
+        ({"initial_peers": bytearray(b"10.0.0.2:4000")}, TypeError, "not bytearray"),
+        ({"initial_peers": [4000]}, TypeError, "not int"),
+        ({"announce_host": 5}, TypeError, "announce_host must be a host name or IP"),
     ],
 )
 async def test_wrong_arguments_are_named(

@@ -332,6 +332,9 @@ def test_our_own_store_takes_room_from_a_host_beyond_its_share() -> None:
         ({"republish_margin": -1.0}, "DHTConfig.republish_margin must be seconds >= 0"),
         ({"max_stored_bytes": 100_000}, "must hold one largest entry"),
         ({"max_stored_bytes": 1 << 20, "max_stored_share_per_host": 0.01}, "largest entry"),
+        # an outside tester: "'>' not supported between instances of 'str' and 'int'"
+        ({"request_timeout": "3"}, "DHTConfig.request_timeout must be a number, got '3'"),
+        ({"client_mode": "yes"}, "DHTConfig.client_mode must be True or False"),
     ],
 )
 def test_dht_settings_that_cannot_work_are_refused(changes: dict[str, int], message: str) -> None:
