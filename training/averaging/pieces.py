@@ -21,6 +21,7 @@ import bisect
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import numpy.typing as npt
 
 from protocol.codecs import Int8Codec
@@ -94,10 +95,13 @@ class RangeCodec:
 
     def most_cuts(self, window: int) -> int:
         """The most tensor boundaries any range of ``window`` elements has inside it."""
-        cuts, most = self.cuts, 0
-        for i, cut in enumerate(cuts):  # a range starting just before this cut
-            most = max(most, bisect.bisect_left(cuts, cut + window - 1) - i)
-        return most
+        if not self.cuts:
+            return 0
+        # a range starting just before each cut: the cuts before its end, less those before
+        # it (one numpy pass: a loop over 80,000 tensors' cuts took 70 ms a call)
+        cuts = np.asarray(self.cuts, dtype=np.int64)
+        inside = np.searchsorted(cuts, cuts + (window - 1), side="left") - np.arange(cuts.size)
+        return int(inside.max())
 
     def piece_overhead(self) -> int:
         """The most bytes a tensor boundary inside a range adds to its payload: a second
