@@ -25,7 +25,7 @@ from test_averaging_support import (
     virtual_clock,
 )
 
-from peer import Peer
+from peer import Peer, open_peer
 from peer.netclock import wall_clock
 from protocol.address import Address
 from training import Averager, AveragerConfig, AveragingInfo, LayoutMismatchError, Outcome
@@ -297,6 +297,26 @@ async def test_a_prefix_is_free_again_after_close(autojump_clock: trio.testing.M
     infos = [info for info, _ in results]
     verify_round(members, infos)  # type: ignore[arg-type]
     assert all(info is not None and info.outcome is Outcome.AVERAGED for info in infos)
+
+
+async def test_a_dropped_averager_is_found_by_prefix_and_closed() -> None:
+    """Its node serves it until it is closed, so dropping the last reference does not
+    free the prefix (a notebook cell run again after ``del``: refused for good, an outside
+    tester); ``Averager.opened`` reaches it."""
+    with trio.fail_after(30):
+        async with open_peer() as node:
+            Averager(node, "t/dropped", [np.zeros(8, dtype=np.float32)])
+            gc.collect()
+            with pytest.raises(ValueError, match=r"Averager\.opened\(node, prefix\)"):
+                Averager(node, "t/dropped", [np.zeros(8, dtype=np.float32)])
+            dropped = Averager.opened(node, "t/dropped")
+            assert dropped is not None and dropped.prefix == "t/dropped"
+            assert Averager.opened(node, "t/other") is None
+            dropped.close()
+            assert Averager.opened(node, "t/dropped") is None
+            again = Averager(node, "t/dropped", [np.zeros(8, dtype=np.float32)])
+            assert Averager.opened(node, "t/dropped") is again
+            again.close()
 
 
 async def test_close_during_a_step_lets_the_step_serve_its_group(

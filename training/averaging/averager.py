@@ -89,6 +89,8 @@ def network_time(node: Peer, local: Callable[[], float]) -> Callable[[], float]:
 
 _CLOSING: weakref.WeakSet[Averager] = weakref.WeakSet()
 """Averagers closed during a step: they keep their prefix until it ends (see ``close``)."""
+_OPEN: weakref.WeakSet[Averager] = weakref.WeakSet()
+"""Averagers whose methods their node serves (``Averager.opened`` finds them)."""
 
 
 # step() and step_blocking() are Stepping's (stepping.py), the RPC handlers Handlers'
@@ -235,12 +237,23 @@ class Averager(Handlers, Benching, Stepping, TensorWarnings):
                 ) from None
             raise ValueError(
                 f"an Averager for prefix {self.prefix!r} is already open on this node: "
-                "close() it first, or use another prefix"
+                "close() it first (one no longer referenced too: its node serves it until "
+                "closed; Averager.opened(node, prefix) gives it), or use another prefix"
             ) from None
         rpc.register(f"{self._methods}.join", self._on_join)
         rpc.register(f"{self._methods}.chunk", self._on_chunk)
         rpc.register_stream(f"{self._methods}.result", self._on_result)
         self._registered = True
+        _OPEN.add(self)
+
+    @staticmethod
+    def opened(node: Peer | BackgroundPeer, prefix: str) -> Averager | None:
+        """The Averager open for ``prefix`` on ``node`` (not closed, or closed during a
+        step that still runs), or None. A dropped averager stays open, as its node serves
+        its methods: this reaches it to ``close()`` it (a notebook cell that made one, run
+        again after ``del``, was refused the prefix for good: an outside tester)."""
+        peer = node.peer if isinstance(node, BackgroundPeer) else node
+        return next((a for a in list(_OPEN) if a.node is peer and a.prefix == prefix), None)
 
     def __repr__(self) -> str:
         return f"<Averager {self.prefix!r}: {self.layout.describe()}, codec {self.codec.name}>"
@@ -284,6 +297,7 @@ class Averager(Handlers, Benching, Stepping, TensorWarnings):
         _CLOSING.discard(self)
         if self._registered:
             self._registered = False
+            _OPEN.discard(self)
             for name in ("ping", "join", "chunk", "result"):
                 self.node.rpc.unregister(f"{self._methods}.{name}")
 
