@@ -10,17 +10,9 @@ from typing import Any
 import pytest
 import trio
 import trio.abc
+from ipv6_loopback import ipv6_loopback
 
 from peer import open_peer
-
-
-def _ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6) as probe:
-            probe.bind(("::1", 0))
-    except OSError:
-        return False
-    return True
 
 
 class _DualHost(trio.abc.HostnameResolver):
@@ -47,7 +39,7 @@ def _accepts(family: socket.AddressFamily, host: str, port: int) -> bool:
         return probe.connect_ex((host, port)) == 0
 
 
-@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback here")
+@pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback here")
 async def test_every_address_of_the_listen_host_takes_the_announced_port() -> None:
     trio.socket.set_custom_hostname_resolver(_DualHost())
     try:

@@ -15,6 +15,7 @@ from functools import partial
 import pytest
 import trio
 import trio.testing
+from ipv6_loopback import ipv6_loopback
 
 from peer import DHTConfig, open_peer
 from peer.errors import PeerUnavailableError
@@ -35,17 +36,8 @@ WINDOW = 1 << 16
 # -- the per-host rate limit on inbound connections -------------------------------------
 
 
-def _ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6) as probe:
-            probe.bind(("::1", 0))
-    except OSError:
-        return False
-    return True
-
-
 needs_ipv6_loopback = pytest.mark.skipif(
-    not _ipv6_loopback(), reason="no IPv6 loopback (::1) on this machine (e.g. a container)"
+    not ipv6_loopback(), reason="no IPv6 loopback (::1) on this machine (e.g. a container)"
 )
 
 
