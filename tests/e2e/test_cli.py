@@ -21,6 +21,7 @@ from tests_support_paths import env_with_root
 
 from peer import open_peer
 from protocol import Identity
+from tests.peer.ipv6_loopback import ipv6_loopback
 
 pytestmark = pytest.mark.slow
 
@@ -327,16 +328,7 @@ def _run_bootstrap(*args: str, **kwargs: Any) -> subprocess.CompletedProcess[str
     )
 
 
-def _ipv6_loopback() -> bool:
-    try:
-        with socket.socket(socket.AF_INET6) as probe:
-            probe.bind(("::1", 0))
-    except OSError:
-        return False
-    return True
-
-
-@pytest.mark.skipif(not _ipv6_loopback(), reason="no IPv6 loopback (::1) on this machine")
+@pytest.mark.skipif(not ipv6_loopback(), reason="no IPv6 loopback (::1) on this machine")
 @pytest.mark.parametrize("host", ["::1", "[::1]"])
 def test_bootstrap_listens_on_ipv6_and_status_reaches_it(
     bootstraps: list[Bootstrap], host: str

@@ -166,6 +166,8 @@ def _inference_tensor() -> torch.Tensor:
         # a scale format and a packed one: a copy of the second failed only mid-step
         (lambda: torch.ones(3).to(torch.float8_e8m0fnu), TypeError, "e8m0fnu, which does not"),
         (lambda: torch.zeros(3, dtype=torch.uint8).view(torch.float4_e2m1fn_x2), TypeError, "x2,"),
+        # its masked elements were averaged like the others, the mask ignored
+        (lambda: np.ma.masked_array(np.zeros(3), mask=[0, 1, 0]), TypeError, "masked array"),
     ],
     ids=[
         "inference",
@@ -177,6 +179,7 @@ def _inference_tensor() -> torch.Tensor:
         "np-int32",
         "float8-e8m0",
         "float4",
+        "masked",
     ],
 )
 async def test_tensors_that_cannot_be_averaged_in_place_are_refused_naming_them(

@@ -68,9 +68,9 @@ def as_tensors(tensors: Iterable[Any]) -> list[torch.Tensor]:
     Raises:
         TypeError: if ``tensors`` is one tensor or a mapping (a ``state_dict()``) rather than a
             list, or an item is None (a ``.grad`` before the first backward), neither a torch
-            tensor nor a numpy array (or one torch cannot view), or not floating, or of
-            a float dtype that does not average (not in ``AVERAGED_DTYPES``:
-            float8_e8m0fnu, float4_e2m1fn_x2).
+            tensor nor a numpy array (or one torch cannot view), a numpy masked array, or
+            not floating, or of a float dtype that does not average (not in
+            ``AVERAGED_DTYPES``: float8_e8m0fnu, float4_e2m1fn_x2).
         ValueError: if a tensor is not on the CPU, sparse, not contiguous, read-only, an
             inference tensor or a negative view, if two tensors share memory, or if the list
             is empty.
@@ -84,6 +84,11 @@ def as_tensors(tensors: Iterable[Any]) -> list[torch.Tensor]:
                 f"tensor {i} is None (a parameter's .grad before the first backward?): run a "
                 "backward first, or give each parameter a gradient to average into, e.g. "
                 "p.grad = torch.zeros_like(p)"
+            )
+        if isinstance(item, np.ma.MaskedArray):  # its mask would be silently ignored
+            raise TypeError(
+                f"tensor {i} is a numpy masked array: averaging ignores masks and would "
+                "average the masked elements too; pass its .data to average every element"
             )
         if isinstance(item, np.ndarray):
             if not item.flags.writeable:  # averaged in place: writing would be an error (or,
