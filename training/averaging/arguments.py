@@ -20,6 +20,15 @@ from .grouping import MAX_EPOCH, MAX_WEIGHT, round_key
 from .pieces import RangeCodec
 
 
+def declared_epoch(epoch: int) -> int:
+    """The epoch a step declares: ``epoch``, or the largest a declaration carries
+    (``2**62 - 1``) when it is beyond. A loop's ``epoch = max(epoch, info.epoch) + 1`` takes
+    2**62 after a round with a peer that declared the largest one (a hostile peer's trial:
+    every honest loop of the swarm then raised at its next step); saturated, the loop goes
+    on, and its peers, at the same epoch as that one, are not stale against it."""
+    return min(int(epoch), MAX_EPOCH - 1)
+
+
 def check_step_arguments(weight: float, epoch: int, timeout: float | None) -> None:
     """Numbers may be Python's, numpy scalars, or 0-d numpy arrays and torch tensors; a bool
     (numpy's and torch's too) is refused, as is an array or tensor with a dimension, even of
@@ -36,8 +45,6 @@ def check_step_arguments(weight: float, epoch: int, timeout: float | None) -> No
     integer = _item(epoch, "epoch")
     if not isinstance(integer, numbers.Integral) or isinstance(integer, bool) or integer < 0:
         raise ValueError(f"epoch must be a non-negative integer, got {brief(epoch)}")
-    if int(integer) >= MAX_EPOCH:  # what a declaration can carry
-        raise ValueError(f"epoch must be below 2**62 (the wire limit), got {brief(epoch)}")
     if timeout is None:
         return
     # not NaN, not infinite, and (an int) within float's range, as the step counts in floats

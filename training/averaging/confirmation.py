@@ -211,8 +211,17 @@ class Confirmation:
                 if status == "ok":
                     try:
                         conf = GroupConfirmation.from_body(answer.body, self.total)
+                        problem = _misstated(conf, state.me, self.config.group_size)
                     except ProtocolError as exc:
-                        note = f"the leader's confirmation is malformed: {exc}"
+                        problem = f"malformed: {exc}"
+                    if problem is not None:
+                        # No honest leader sends one, and unbenched it would lead this
+                        # group's every round: an unconfirmed round leaves the grid phase,
+                        # and so the ranking, as it was (a hostile peer's trial, 12 of 12).
+                        self.bench.record(
+                            target, f"a bad confirmation in round {state.number}: {problem}"
+                        )
+                        note = f"the leader's confirmation is {problem} (we benched it)"
                         break
                     if conf.round == state.number and any(
                         m.peer_id == state.me.peer_id for m in conf.members
@@ -438,6 +447,27 @@ class Confirmation:
 
     def _method(self, name: str) -> str:
         return f"{method_prefix(self.prefix)}.{name}"
+
+
+def _misstated(conf: GroupConfirmation, me: Declaration, group_size: int) -> str | None:
+    """What makes a well-formed confirmation one that no honest leader sends (None: nothing):
+    more members than ``group_size`` (a leader takes at most that many joiners), a member of
+    another layout (a join of another layout is refused), or our own declaration other than
+    we sent it (a leader that forged our weight or epoch had the others average with a
+    weight, or drop themselves as stale against an epoch, that we never declared)."""
+    if len(conf.members) > group_size:
+        return f"listing {len(conf.members)} members, more than our group_size {group_size}"
+    for member in conf.members:
+        if member.layout != me.layout:
+            return f"listing {member.peer_id.short()} with another layout"
+    sent = Declaration.from_wire(me.peer_id, me.to_wire(tagged=False))  # as the leader read it
+    for member in conf.members:
+        if member.peer_id == me.peer_id and member != sent:
+            return (
+                f"misstating our declaration (weight {member.weight:g}, epoch {member.epoch}; "
+                f"we declared weight {sent.weight:g}, epoch {sent.epoch})"
+            )
+    return None
 
 
 def _passed_note(passed: list[str]) -> str:

@@ -18,7 +18,7 @@ import trio
 from peer import BackgroundPeer, Peer, PeerStoppedError
 from peer.interrupts import interrupt_in
 
-from .arguments import check_step_arguments
+from .arguments import check_step_arguments, declared_epoch
 from .config import AveragerConfig
 from .handlers import _Active
 from .layout import FlatVector
@@ -78,7 +78,10 @@ class Stepping:
 
         Args:
             weight: this peer's share of the weighted mean (e.g. its sample count).
-            epoch: this peer's training epoch (staleness is measured against the group's).
+            epoch: this peer's training epoch (staleness is measured against the group's);
+                one beyond ``2**62 - 1``, the largest a declaration carries, is declared as
+                that (``info.epoch`` is never more, so ``max(epoch, info.epoch) + 1`` never
+                fails).
             timeout: seconds for the whole step. Default: a margin before the caller's
                 cancel-scope deadline when it has one (10 % of the time left, 50 ms to 1 s;
                 ``MARGIN_SHARE``), so that the report comes back before the scope fires;
@@ -86,8 +89,8 @@ class Stepping:
 
         Raises:
             ValueError: for a weight that is not a positive finite number up to 1e300,
-                an epoch that is not an integer in ``[0, 2**62)`` (``int``, numpy integer
-                or other ``numbers.Integral``, 0-d torch integer tensor), a timeout that is
+                an epoch that is not a non-negative integer (``int``, numpy integer or
+                other ``numbers.Integral``, 0-d torch integer tensor), a timeout that is
                 not a positive finite number; for a bool (numpy's and torch's too) or an
                 array or tensor with a dimension, even of one element (0-d ones are numbers).
             RuntimeError: if another step of this averager is running, or it was closed, or
@@ -130,7 +133,7 @@ class Stepping:
         the time since counts against ``timeout``."""
         self._unstarted = None  # (a step() that runs was awaited, or started as a task)
         check_step_arguments(weight, epoch, timeout)
-        epoch = int(epoch)
+        epoch = declared_epoch(epoch)
         if timeout is not None:
             timeout = float(timeout)
         else:
