@@ -106,6 +106,14 @@ def _listen_host(text: str) -> str:
     host = _host(text)
     if ":" not in host:
         _check_host_name(text, host)
+        if all(c in "0123456789abcdefABCDEFxX." for c in host):
+            # what resolvers read as an IPv4 address (inet_aton's forms: `0` is 0.0.0.0,
+            # `127.1` 127.0.0.1), as a dotted quad: announced as given, it was refused as
+            # undialable, a failed start (exit 1) blaming --announce-host (an outside tester)
+            import socket  # (lazily: the signals are taken over after this module loads)
+
+            with contextlib.suppress(OSError):  # not one: a name (`cafe`)
+                host = socket.inet_ntoa(socket.inet_aton(host))
     return host
 
 

@@ -54,26 +54,21 @@ async def _bootstrap(args: argparse.Namespace, stop: _SignalStop) -> int:
     )
     try:
         listen = Address(args.host, args.port).hostport  # brackets an IPv6 host
-        initial_peers = _unique_peers(args.initial_peers or [])  # each once, however often given
+        # each once, however often given; a blank one is none (a quoted empty variable,
+        # `--initial-peers "$PEERS"`, as an unquoted one gives no word at all)
+        given = [a for a in args.initial_peers or [] if a.strip()]
+        initial_peers = _unique_peers(given)
         identity = None if args.identity is None else Identity.load_or_create(args.identity)
     except SwarmError as exc:  # a bad host or port; a key file that holds no key
         return _fail("bootstrap", str(exc))
     except OSError as exc:  # the key file cannot be read or created (it names the file)
         return _fail("bootstrap", f"identity file {args.identity}: {exc.strerror or exc}")
-    if args.initial_peers == []:  # `--initial-peers $PEERS` with PEERS empty, say
+    if args.initial_peers is not None and not given:  # `--initial-peers $PEERS`, PEERS empty
         logger.warning("--initial-peers was given without an address: starting a new network alone")
     contacts = None if args.identity is None else contacts_file(args.identity)
     if args.identity is not None:
         _warn_if_others_can_use(args.identity)
     announce = args.announce_host or _WILDCARD_HOSTS.get(args.host, args.host)
-    if args.announce_host is None and args.host in _WILDCARD_HOSTS:
-        # the default --host: the printed address only works on this machine
-        logger.warning(
-            "listening on %s, announcing %s: peers on other machines cannot use this "
-            "address; give --announce-host with this machine's public IP or DNS name",
-            args.host,
-            announce,
-        )
     up = False
     try:
         # a signal while starting cancels the start; once up, it ends only the wait, so
@@ -88,6 +83,16 @@ async def _bootstrap(args: argparse.Namespace, stop: _SignalStop) -> int:
                 ensure_bootstrap_success=False,  # a backup of bootstrap nodes that are down
             ) as node:
                 up = True
+                if args.announce_host is None and args.host in _WILDCARD_HOSTS:
+                    # the default --host: the printed address only works on this machine
+                    # (said once listening: a start that fails says one line, its error)
+                    logger.warning(
+                        "listening on %s, announcing %s: peers on other machines cannot use "
+                        "this address; give --announce-host with this machine's public IP "
+                        "or DNS name",
+                        args.host,
+                        announce,
+                    )
                 # serving from before the address is out: a signal sent as soon as it is
                 # read ends the wait, not the node's own shutdown
                 with trio.CancelScope() as serving, stop.cancelling(serving):
@@ -191,6 +196,7 @@ async def _status(args: argparse.Namespace, stop: _SignalStop) -> dict[str, Any]
 
     from .crawl import crawl
     from .dht import DHTConfig
+    from .endpoints import distinct_endpoints
     from .node import PeerConfig, open_peer
 
     # Busy initial peers are dialed again for at most half the timeout (not the default
@@ -215,7 +221,14 @@ async def _status(args: argparse.Namespace, stop: _SignalStop) -> dict[str, Any]
     except (SwarmError, OSError) as exc:
         return str(exc)
     # a PeerID that answered at several addresses is several processes with one key file:
-    # each is listed (a trial's status hid one of two such twins)
+    # each is listed (a trial's status hid one of two such twins); but one node reached
+    # under two names (`localhost` and `127.0.0.1`) is listed once, and is no twin
+    for pid, more in list(elsewhere.items()):
+        kept = await distinct_endpoints([answered[pid], *sorted(more)])
+        if len(kept) > 1:
+            elsewhere[pid] = set(kept[1:])
+        else:
+            del elsewhere[pid]
     peers = sorted(
         (pid, addr)
         for pid, first in answered.items()

@@ -14,6 +14,7 @@ node killed while writing leaves the previous version.
 
 from __future__ import annotations
 
+import glob
 import json
 import logging
 import math
@@ -28,6 +29,7 @@ import trio
 
 from protocol.address import Address
 from protocol.errors import ProtocolError
+from protocol.identity import temp_stem
 
 from .dht import DHT
 
@@ -137,7 +139,7 @@ def _read_small_regular_file(path: Path) -> bytes:
 
 
 def _temporary_glob(path: Path) -> str:
-    return f".{path.name}.*.tmp"
+    return f".{glob.escape(temp_stem(path))}.*.tmp"
 
 
 def _remove_stale_temporaries(path: Path) -> None:
@@ -163,7 +165,7 @@ def save_contacts(path: str | os.PathLike[str], contacts: Sequence[Address]) -> 
     data = json.dumps({"format": FORMAT, "contacts": entries}, indent=1).encode() + b"\n"
     # A name of this process's own, made anew each time: what a killed write of ours left
     # is removed first, and a link found there is removed, never written through.
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    temporary = path.with_name(f".{temp_stem(path)}.{os.getpid()}.tmp")
     temporary.unlink(missing_ok=True)
     fd = os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
     try:

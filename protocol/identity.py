@@ -240,7 +240,7 @@ class Identity:
             OSError: naming ``path``, e.g. when its directory is missing or read-only.
         """
         for _ in range(100):
-            tmp = path.with_name(f".{path.name}.{os.urandom(6).hex()}.tmp")
+            tmp = path.with_name(f".{temp_stem(path)}.{os.urandom(6).hex()}.tmp")
             try:
                 fd = os.open(tmp, _CREATE_NEW, 0o600)
             except FileExistsError:
@@ -264,6 +264,13 @@ class Identity:
         return f"Identity({self.peer_id})"
 
 
+def temp_stem(path: Path) -> str:
+    """The part of ``path``'s name that its temp files' names carry: at most 200
+    characters, so that ``.STEM.<12 hex digits>.tmp`` fits the 255 a file name may have (a
+    key file named with 238 to 255 characters could not be created: an outside tester)."""
+    return path.name[:200]
+
+
 STALE_TEMP_AGE = 60.0
 """Seconds after which a temp key file next to ``path`` is a leftover: a writer keeps its
 own for the milliseconds between writing it and linking or renaming it."""
@@ -272,7 +279,7 @@ own for the milliseconds between writing it and linking or renaming it."""
 def _remove_stale_temps(path: Path) -> None:
     """Remove the temp files (copies of a private key) that a process killed while creating
     or saving ``path`` left behind; older than STALE_TEMP_AGE, so never another writer's."""
-    pattern = re.compile(rf"\.{re.escape(path.name)}\.[0-9a-f]{{12}}\.tmp")
+    pattern = re.compile(rf"\.{re.escape(temp_stem(path))}\.[0-9a-f]{{12}}\.tmp")
     try:
         names = os.listdir(path.parent)
     except OSError:

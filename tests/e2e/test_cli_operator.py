@@ -72,6 +72,22 @@ def test_status_with_an_initial_peer_given_twice(node: BackgroundPeer) -> None:
     ]
 
 
+def test_status_counts_a_node_reached_under_two_names_once() -> None:
+    """A node announcing `localhost`, asked at 127.0.0.1: listed at both, counted twice, and
+    stderr warned of a copied key file (an outside tester, with the docs' systemd unit's
+    announced DNS name checked through the IP)."""
+    with (
+        run_in_background(listen="127.0.0.1:0", announce_host="localhost") as first,
+        run_in_background(listen="127.0.0.1:0", initial_peers=[first.address]) as second,
+    ):
+        out = _status(first.address.replace("@localhost:", "@127.0.0.1:"))
+        assert out.returncode == 0, out.stderr
+        report = json.loads(out.stdout)
+        assert report["num_peers"] == 2, report
+        assert {p["peer_id"] for p in report["peers"]} == {str(first.peer_id), str(second.peer_id)}
+        assert "identity" not in out.stderr, out.stderr
+
+
 def test_bootstrap_with_an_initial_peer_given_twice(node: BackgroundPeer) -> None:
     """Was a KeyError traceback and exit code 1: the same list given to every bootstrap
     host is easily pasted with a repeat."""

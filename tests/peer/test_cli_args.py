@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import errno
+import io
 import logging
 import stat
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import pytest
@@ -184,16 +186,28 @@ def test_bootstrap_refuses_an_empty_identity_file_name(capsys: pytest.CaptureFix
     )
 
 
-def _bootstrap_until_open_peer(argv: list[str], monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
-    """Run `swarm bootstrap` in process up to open_peer, which fails; its arguments."""
+class _FullStdout(io.StringIO):
+    def write(self, text: str) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+
+def _bootstrap_until_open_peer(
+    argv: list[str], monkeypatch: pytest.MonkeyPatch, *, up: bool = False
+) -> dict[str, Any]:
+    """Run `swarm bootstrap` in process up to open_peer, which fails (with ``up``: starts,
+    and the address then cannot be printed); its arguments."""
     seen: dict[str, Any] = {}
 
     @asynccontextmanager
-    async def fake_open_peer(**kwargs: Any) -> AsyncIterator[None]:
+    async def fake_open_peer(**kwargs: Any) -> AsyncIterator[SimpleNamespace]:
         seen.update(kwargs)
-        raise OSError(errno.EADDRINUSE, "Address already in use")
-        yield
+        if not up:
+            raise OSError(errno.EADDRINUSE, "Address already in use")
+        yield SimpleNamespace(address=f"{'1' * 44}@{kwargs['announce_host']}:1")
 
+    if up:
+        monkeypatch.setattr("sys.stdout", _FullStdout())
+        monkeypatch.setattr("peer.cli_commands._silence_stdout", lambda: None)
     monkeypatch.setattr("peer.node.open_peer", fake_open_peer)
     monkeypatch.setattr("peer.cli._configure_logging", lambda *args: None)  # other tests' levels
     monkeypatch.setattr(FRAME_POOL, "limit", FRAME_POOL.limit)  # restored afterwards
@@ -207,13 +221,35 @@ def test_bootstrap_warns_that_a_wildcard_host_prints_a_loopback_address(
     """The default --host 0.0.0.0 prints PEERID@127.0.0.1:PORT, which no other machine can
     use: said nowhere at run time before."""
     with caplog.at_level(logging.WARNING, logger="peer.cli"):
-        seen = _bootstrap_until_open_peer([], monkeypatch)
+        seen = _bootstrap_until_open_peer([], monkeypatch, up=True)
     assert seen["announce_host"] == "127.0.0.1"
     warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
     assert warnings == [
         "listening on 0.0.0.0, announcing 127.0.0.1: peers on other machines cannot use this "
         "address; give --announce-host with this machine's public IP or DNS name"
     ]
+
+
+@pytest.mark.parametrize("host", ["0", "127.1", "0x7f.1"])
+def test_bootstrap_listens_on_an_ipv4_in_any_form_resolvers_read(
+    host: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`--host 0` (or `127.1`) was announced as given, refused as undialable: exit 1 with
+    an error about announce_host, a flag never given (an outside tester)."""
+    seen = _bootstrap_until_open_peer(["--host", host], monkeypatch, up=True)
+    dotted = "0.0.0.0" if host == "0" else "127.0.0.1"
+    assert seen["listen"] == f"{dotted}:0"
+    assert seen["announce_host"] == "127.0.0.1"
+
+
+def test_a_failed_start_on_the_default_host_says_one_line(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The warning about the loopback address came before the error of a port in use: two
+    lines where the docs promise one (an outside tester)."""
+    with caplog.at_level(logging.WARNING, logger="peer.cli"):
+        _bootstrap_until_open_peer(["--port", "4000"], monkeypatch)
+    assert [r for r in caplog.records if r.levelno >= logging.WARNING] == []
 
 
 @pytest.mark.parametrize(
@@ -263,12 +299,16 @@ def test_bootstrap_warns_about_initial_peers_given_without_an_address(
 ) -> None:
     """`--initial-peers $PEERS` with PEERS empty started a lone network in silence (an
     evaluator's script); a node given no --initial-peers at all starts alone unwarned."""
-    with caplog.at_level(logging.WARNING, logger="peer.cli"):
-        seen = _bootstrap_until_open_peer(["--host", "127.0.0.1", "--initial-peers"], monkeypatch)
-    assert seen["initial_peers"] == []
-    assert [r.getMessage() for r in caplog.records] == [
-        "--initial-peers was given without an address: starting a new network alone"
-    ]
+    for blank in ([], [""], ["  "]):  # `$PEERS` unquoted, quoted (a quoting habit)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="peer.cli"):
+            seen = _bootstrap_until_open_peer(
+                ["--host", "127.0.0.1", "--initial-peers", *blank], monkeypatch
+            )
+        assert seen["initial_peers"] == []
+        assert [r.getMessage() for r in caplog.records] == [
+            "--initial-peers was given without an address: starting a new network alone"
+        ]
 
 
 def test_bootstrap_contacts_each_initial_peer_once(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -490,3 +490,12 @@ async def _serve_at(
     async with open_peer(listen, [initial], identity, network=interface) as node:
         task_status.started(node)
         await trio.sleep_forever()
+
+
+def test_the_contacts_of_a_key_file_with_a_long_name_are_kept(tmp_path: Path) -> None:
+    """`KEY.contacts` of a 240-character key name: its temporary file's name went past the
+    255 characters a file name may have, and the contacts were never written."""
+    path = tmp_path / ("k" * 240 + ".contacts")
+    save_contacts(path, [_address(A)])
+    assert load_contacts(path) == [_address(A)]
+    assert [p.name for p in tmp_path.iterdir()] == [path.name]

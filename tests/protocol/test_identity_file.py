@@ -280,3 +280,21 @@ def test_an_empty_path_is_refused_as_empty(tmp_path: Path, monkeypatch: pytest.M
     with pytest.raises(IdentityFileError, match=r"^identity path is empty: .*e\.g\. swarm\.key$"):
         Identity.load_or_create("")
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("length", [238, 255])
+def test_a_key_file_with_the_longest_names_a_folder_takes_is_created(
+    tmp_path: Path, length: int
+) -> None:
+    """Its temp file, `.NAME.<12 hex>.tmp`, went past the 255 characters of a file name:
+    names of 238 to 255 characters failed with "File name too long" (an outside tester).
+    The temp name carries the first 200 characters; leftovers are still found."""
+    path = tmp_path / ("k" * length)
+    identity = Identity.load_or_create(path)
+    assert Identity.load_or_create(path).peer_id == identity.peer_id
+    leftover = tmp_path / f".{'k' * 200}.{'ab' * 6}.tmp"
+    leftover.write_bytes(b"k" * 32)
+    stale = time.time() - 2 * STALE_TEMP_AGE
+    os.utime(leftover, (stale, stale))
+    identity.save(path)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [path.name]
