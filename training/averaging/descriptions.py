@@ -54,7 +54,8 @@ def deadline_note(parts: int) -> str:
         return ""
     return (
         f"this step's timeout came before {parts} part(s) were done: their reducers are "
-        "reported as timeout (allow the step more time)"
+        "reported as timeout (allow the step more time if they were slow; a reducer that "
+        "stays alive and serves no result holds every step to its timeout)"
     )
 
 
