@@ -95,7 +95,7 @@ class Serving:
         self._next_unparsable_warning = now + _UNPARSABLE_WARNING_INTERVAL
         logger.warning(
             "peer %s at %s sent a %s this node cannot parse (%s): another version of swarm"
-            " (then it should update), or a faulty peer? Its DHT requests are refused",
+            " (then it should update), or a faulty peer? Such requests are refused",
             request.peer_id.short(),
             request.remote_host,
             request.method,
