@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import queue
 import signal
 import subprocess
@@ -25,6 +26,26 @@ from pathlib import Path
 
 NUM_CLASSES = 4
 DIM = 16
+MAX_PEERS = 64  # each volunteer is a process that imports torch
+SILENCE = 600.0  # seconds without a line from any volunteer before the demo gives up
+
+
+class Terminated(Exception):
+    """SIGTERM to the demo (`kill PID`, a process manager): unwinds to the clean-up, which
+    stops the volunteers and the bootstrap node (left running before: an outside tester)."""
+
+
+def _terminated(signum: int, frame: object) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the clean-up must finish
+    raise Terminated
+
+
+def _silence_stdout() -> None:
+    """Whoever read our stdout is gone (`| head`, the parent demo died): write the rest to
+    /dev/null, so that neither a print nor the exit's flush fails."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
 
 
 def make_data(seed: int, n: int, bias: int | None):
@@ -176,32 +197,35 @@ def main() -> int:
     ):
         if value < 1:
             parser.error(f"{flag} must be at least 1, got {value}")
+    if args.peers > MAX_PEERS:  # a million started processes until the machine gave in
+        parser.error(f"--peers must be at most {MAX_PEERS}, got {args.peers}")
     if args.volunteer:
-        import trio
+        return _volunteer_main(args)
 
-        interrupted = False
-        try:
-            trio.run(volunteer, args)
-        except* KeyboardInterrupt:  # Ctrl-C reaches every process of the terminal's group
-            signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second one: no atexit traceback
-            interrupted = True
-        return 130 if interrupted else 0
-
-    swarm = Path(sys.executable).with_name("swarm")
-    boot = subprocess.Popen(
-        [str(swarm), "bootstrap", "--host", "127.0.0.1"],
-        stdout=subprocess.PIPE,
-        text=True,
-    )
-    workers: list[subprocess.Popen[str]] = []
+    signal.signal(signal.SIGTERM, _terminated)
+    processes: list[subprocess.Popen[str]] = []  # the bootstrap node first, then volunteers
     try:
-        return _run(args, boot, workers)
+        swarm = Path(sys.executable).with_name("swarm")
+        processes.append(
+            subprocess.Popen(
+                [str(swarm), "bootstrap", "--host", "127.0.0.1"], stdout=subprocess.PIPE, text=True
+            )
+        )
+        return _run(args, processes[0], processes)
     except KeyboardInterrupt:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C: let the clean-up end
         print("demo interrupted", file=sys.stderr)
         return 130
+    except Terminated:
+        print("demo terminated", file=sys.stderr)
+        return 128 + signal.SIGTERM
+    except BrokenPipeError:  # `| head -3`: nobody reads the rest
+        _silence_stdout()
+        return 1
     finally:
-        for proc in [*workers, boot]:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the clean-up runs to its end
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        for proc in reversed(processes):  # the volunteers, then the bootstrap node
             if proc.poll() is None:
                 proc.terminate()
                 proc.wait(timeout=10)
@@ -209,13 +233,40 @@ def main() -> int:
                 proc.stdout.close()
 
 
+def _volunteer_main(args: argparse.Namespace) -> int:
+    """One volunteer process; every way it ends is one line at most, never a traceback."""
+    code = 0
+    try:
+        import trio  # (Ctrl-C in the first second lands here: within the try)
+
+        from protocol.errors import SwarmError
+
+        try:
+            trio.run(volunteer, args)
+        except* SwarmError as group:  # e.g. the bootstrap node died before we joined
+            print(f"volunteer {args.index}: {group.exceptions[0]}", file=sys.stderr)
+            code = 1
+        except* BrokenPipeError:  # the demo that reads our lines is gone: so are we
+            _silence_stdout()
+            code = 1
+    except* KeyboardInterrupt:  # Ctrl-C reaches every process of the terminal's group
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second one: no atexit traceback
+        code = 130
+    return code
+
+
 def _run(
-    args: argparse.Namespace, boot: subprocess.Popen[str], workers: list[subprocess.Popen[str]]
+    args: argparse.Namespace, boot: subprocess.Popen[str], processes: list[subprocess.Popen[str]]
 ) -> int:
-    """Start the volunteers (into ``workers``), print their lines, then the summary."""
+    """Start the volunteers (appended to ``processes``), print their lines, then the
+    summary."""
     assert boot.stdout is not None
     address = boot.stdout.readline().strip()
+    if not address:
+        print("demo: the bootstrap node printed no address", file=sys.stderr)
+        return 1
     print(f"bootstrap node: {address}", flush=True)
+    workers: list[subprocess.Popen[str]] = []
     for i in range(args.peers):
         workers.append(
             subprocess.Popen(
@@ -233,13 +284,18 @@ def _run(
                 text=True,
             )
         )
+        processes.append(workers[-1])
     lines: queue.Queue[str | None] = queue.Queue()
     for worker in workers:
         threading.Thread(target=_pump, args=(worker, lines), daemon=True).start()
     final: dict[int, dict[str, float]] = {}
     running = len(workers)
     while running:
-        line = lines.get(timeout=600)
+        try:
+            line = lines.get(timeout=SILENCE)
+        except queue.Empty:  # a volunteer stopped for good (SIGSTOP), say
+            print(f"demo: no volunteer printed for {SILENCE:.0f} s; stopping", file=sys.stderr)
+            return 1
         if line is None:
             running -= 1
             continue

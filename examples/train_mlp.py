@@ -122,7 +122,10 @@ def main() -> None:
     parser.add_argument("--peers", type=int, default=3, help="worker processes (default 3)")
     parser.add_argument("--steps", type=int, default=40, help="training steps (default 40)")
     parser.add_argument(
-        "--codec", default="none", choices=["none", "float16", "int8"], help="all-reduce codec"
+        "--codec",
+        default="none",
+        choices=["none", "float16", "int8"],
+        help="all-reduce codec (default none)",
     )
     parser.add_argument("--index", type=int, help=argparse.SUPPRESS)  # set for workers
     parser.add_argument("--bootstrap", help=argparse.SUPPRESS)

@@ -4,6 +4,7 @@ anything: `demo_swarm.py --rounds -1` crashed its volunteers with tracebacks, an
 
 from __future__ import annotations
 
+import signal
 import subprocess
 import sys
 
@@ -29,6 +30,65 @@ def test_a_count_below_one_is_a_usage_error(script: str, flag: str, value: str) 
     assert out.returncode == 2, out.stderr
     assert f"error: {flag} must be at least 1, got {value}" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_more_volunteers_than_the_demo_starts_is_a_usage_error() -> None:
+    """`--peers 1000000` started processes (each importing torch) until the machine gave in
+    (an outside tester: a load of 83 on 2 cores)."""
+    out = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "demo_swarm.py"), "--peers", "65"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        env=env_with_root(),
+    )
+    assert out.returncode == 2, out.stderr
+    assert "error: --peers must be at most 64, got 65" in out.stderr
+
+
+def _children(pid: int) -> list[int]:
+    """The child processes of ``pid`` (Linux's /proc)."""
+    with open(f"/proc/{pid}/task/{pid}/children") as listing:
+        return [int(child) for child in listing.read().split()]
+
+
+def _running(pid: int) -> bool:
+    """Whether ``pid`` is a live process (not gone, not a zombie nobody reaped)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_sigterm_to_the_demo_alone_stops_its_bootstrap_node_and_volunteers() -> None:
+    """`kill PID` of the demo (a process manager, `timeout --foreground`) left its `swarm
+    bootstrap` running for good and printed its volunteers' BrokenPipeError tracebacks
+    (an outside tester)."""
+    demo = subprocess.Popen(
+        [sys.executable, str(ROOT / "examples" / "demo_swarm.py"), "--peers", "1"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env_with_root(),
+    )
+    try:
+        assert demo.stdout is not None
+        assert demo.stdout.readline().startswith("bootstrap node: ")
+        assert demo.stdout.readline().startswith("volunteer 0 round   0")
+        children = _children(demo.pid)
+        assert len(children) == 2  # the bootstrap node and the volunteer
+        demo.send_signal(signal.SIGTERM)
+        _, err = demo.communicate(timeout=60)
+    finally:
+        if demo.poll() is None:
+            demo.kill()
+            demo.communicate(timeout=30)
+    assert demo.returncode == 128 + signal.SIGTERM, err
+    assert "demo terminated" in err and "Traceback" not in err, err
+    assert not [pid for pid in children if _running(pid)]
 
 
 @pytest.mark.parametrize(
