@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import signal
 import subprocess
 import sys
 import time
@@ -117,6 +118,15 @@ def solo(peers: int, steps: int) -> float:
     return test_loss(model)
 
 
+class _Terminated(KeyboardInterrupt):
+    """SIGTERM, raised where Ctrl-C's KeyboardInterrupt would be (and unwound the same)."""
+
+
+def _terminated(signum: int, frame: object) -> None:
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)  # once: the clean-up must finish
+    raise _Terminated
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--peers", type=int, default=3, help="worker processes (default 3)")
@@ -138,6 +148,9 @@ def main() -> None:
 
     import peer
 
+    # `kill PID` of this process: unwind as Ctrl-C does, so that the workers are stopped
+    # (they printed BrokenPipeError tracebacks once this process was gone: a tester)
+    signal.signal(signal.SIGTERM, _terminated)
     print(f"test loss before training: {test_loss(make_model()):.4f}", flush=True)
     with peer.run_in_background() as bootstrap:
         common = ["--bootstrap", bootstrap.address, "--peers", str(args.peers)]
@@ -176,5 +189,7 @@ def main() -> None:
 if __name__ == "__main__":
     try:
         main()
+    except _Terminated:
+        sys.exit(128 + signal.SIGTERM)
     except KeyboardInterrupt:  # Ctrl-C reaches every worker too; each stops its own peer
         sys.exit(130)
