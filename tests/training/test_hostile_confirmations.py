@@ -36,9 +36,8 @@ def _bad_spans(body: dict[str, Any], me: PeerID) -> dict[str, Any]:
 
 def _a_fifth_member(body: dict[str, Any], me: PeerID) -> dict[str, Any]:
     """One more (client-mode, so that the spans stay right) member than group_size 4."""
-    layout = body["members"][0][1]["layout"]
     extra = Identity.from_seed(b"\x07" * 32).peer_id
-    wire = {**body["members"][0][1], "address": None, "client_mode": True, "layout": layout}
+    wire = {**body["members"][0][1], "address": None, "client_mode": True}
     return {**body, "members": [*body["members"], [str(extra), wire]]}
 
 

@@ -457,11 +457,10 @@ def _misstated(conf: GroupConfirmation, me: Declaration, group_size: int) -> str
     weight, or drop themselves as stale against an epoch, that we never declared)."""
     if len(conf.members) > group_size:
         return f"listing {len(conf.members)} members, more than our group_size {group_size}"
+    sent = Declaration.from_wire(me.peer_id, me.to_wire(tagged=False))  # as the leader read it
     for member in conf.members:
         if member.layout != me.layout:
             return f"listing {member.peer_id.short()} with another layout"
-    sent = Declaration.from_wire(me.peer_id, me.to_wire(tagged=False))  # as the leader read it
-    for member in conf.members:
         if member.peer_id == me.peer_id and member != sent:
             return (
                 f"misstating our declaration (weight {member.weight:g}, epoch {member.epoch}; "
