@@ -26,8 +26,8 @@ async def test_recontact_pings_under_churn_of_hundreds_stay_bounded(
 ) -> None:
     """300 contacts leave the table at once (a crash of a third of a large swarm), at a
     host that swallows every packet (each ping costs a full request timeout). The
-    re-contact pings (docs: 2, 10 and 42 s after leaving, then every minute for half an
-    hour, 8 at once) stay 8 at once, at most 32 per contact, for at most DEPARTED_MEMORY
+    re-contact pings (docs: 2, 5, 9.5 s ... after leaving, then every minute for half an
+    hour, 8 at once) stay 8 at once, at most 36 per contact, for at most DEPARTED_MEMORY
     contacts, and end."""
     net = MemoryNetwork(latency=0.01)
     with trio.fail_after(2400):
@@ -66,7 +66,7 @@ async def test_recontact_pings_under_churn_of_hundreds_stay_bounded(
             assert len(dht._upkeep._recontacts) <= DEPARTED_MEMORY
             await trio.sleep(1900)
             assert most[0] <= 8, most
-            assert per_node and max(per_node.values()) <= 32, per_node
+            assert per_node and max(per_node.values()) <= 36, per_node
             assert len(per_node) <= DEPARTED_MEMORY
             assert not dht._upkeep._recontacts
 

@@ -235,6 +235,41 @@ async def test_partition_then_heal_merges_into_one_network(
     assert found_after == len(from_both)
 
 
+@pytest.mark.parametrize("outage", [8.0, 20.0, 35.0])
+async def test_a_peer_cut_off_for_seconds_is_back_soon_after_its_link_is(
+    autojump_clock: trio.testing.MockClock, outage: float
+) -> None:
+    """A peer whose link goes down (every connection reset, nothing gets through) drops
+    its contacts within seconds, as they drop it, and both sides ping the departed again.
+    Pinged 2, 10 and 42 s after they left, a peer cut off for 20 s stayed out of the DHT
+    for 25 s after its link came back (an outside tester's proxy); the pings now come
+    closer, and it is back within about two thirds of the outage."""
+    net = MemoryNetwork(latency=LATENCY)
+    with trio.fail_after(600):
+        async with trio.open_nursery() as nursery:
+            swarm = await start_swarm(nursery, net, 4, PeerConfig())
+            cut = swarm[3]
+            # a store reaches every node of 4: a connection to each, which the cut resets
+            assert await cut.peer.dht.store("before", 1, ttl=60.0)
+            net.partition([cut.host], [sim.host for sim in swarm[:3]])
+            await trio.sleep(outage)
+            assert len(cut.peer.dht.table) == 0  # (else the outage tested nothing)
+            net.heal()
+            healed = trio.current_time()
+            while (
+                len(cut.peer.dht.table) < 3
+                or any(  # noqa: ASYNC110 - no event to wait on
+                    cut.peer.peer_id not in sim.peer.dht.table for sim in swarm[:3]
+                )
+            ):
+                await trio.sleep(0.1)
+            back_after = trio.current_time() - healed
+            assert back_after <= 0.7 * outage + 1.0, back_after
+            assert await cut.peer.dht.store("after", 1, ttl=60.0)
+            assert await swarm[0].peer.dht.get("after") == 1
+            nursery.cancel_scope.cancel()
+
+
 # ---- semantics on a small swarm (fast) ----
 
 
