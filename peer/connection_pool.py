@@ -50,7 +50,8 @@ LOST_REMEMBERED = 1024
 """Peers whose connections their side ended that ``RpcHost.lost_at`` remembers, newest."""
 _ECHO_WAIT = 1.0
 """Seconds a dial that met our own PeerID waits for its other end to come in here."""
-_STOPPED = "this peer has stopped: its open_peer context has ended"  # (the DHT's words too)
+# (the DHT's words too)
+_STOPPED = "this peer has stopped: its open_peer (or run_in_background) block has ended"
 
 
 class _Dial:

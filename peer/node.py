@@ -213,6 +213,19 @@ def _is_loopback(host: str) -> bool:
         return False  # a DNS name: it may be anything
 
 
+def _check_in_trio() -> None:
+    """Refuse to start outside a trio run: under asyncio the peer failed deep inside trio
+    with an ``AttributeError`` that named neither (an outside tester)."""
+    try:
+        trio.lowlevel.current_task()
+    except RuntimeError:
+        raise RuntimeError(
+            "open_peer runs under trio (trio.run(main)), not asyncio or another event loop: "
+            "from asyncio or plain code use peer.run_in_background(...), whose methods block "
+            "(in asyncio, call them through asyncio.to_thread to keep the loop running)"
+        ) from None
+
+
 @asynccontextmanager
 async def open_peer(
     listen: str | None = "127.0.0.1:0",
@@ -259,10 +272,12 @@ async def open_peer(
         IdentityFileError: if the identity file exists but is not a key file.
         OSError: if the listen address cannot be bound, or the identity file cannot be
             read or created (a missing directory: FileNotFoundError).
+        RuntimeError: outside a trio run (under asyncio: use ``run_in_background``).
         PeerUnavailableError: if no initial peer answered (see ``ensure_bootstrap_success``);
             initial peers that turned us away as busy are dialed again first, for up to
             ``DHTConfig.busy_join_timeout``.
     """
+    _check_in_trio()
     _check_arguments(listen, identity, client_mode, config)
     config = config or PeerConfig()
     client = client_mode or listen is None or config.dht.client_mode

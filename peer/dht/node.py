@@ -303,7 +303,9 @@ class DHT:
     def _check_running(self) -> None:
         self.host.check_loop()
         if self.host.stopped:  # the nursery is gone: no lookup could run, none may lie
-            raise PeerStoppedError("this peer has stopped: its open_peer context has ended")
+            raise PeerStoppedError(
+                "this peer has stopped: its open_peer (or run_in_background) block has ended"
+            )
 
     def _given_up(self, node: NodeInfo) -> None:
         # A request outlasted a lookup's hedging: as a timeout (it counts toward

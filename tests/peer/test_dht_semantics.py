@@ -396,6 +396,19 @@ def test_blocking_calls_from_threads_and_from_inside_asyncio() -> None:
             first.run(first.peer.dht.get("threads/3"))  # type: ignore[arg-type]
 
 
+def test_open_peer_under_asyncio_says_to_use_the_background_peer() -> None:
+    """Under asyncio, ``async with open_peer()`` failed inside trio with an AttributeError
+    that named neither (an outside tester)."""
+    import asyncio
+
+    async def main() -> None:
+        async with peer.open_peer():
+            raise AssertionError("started outside trio")
+
+    with pytest.raises(RuntimeError, match=r"runs under trio.*run_in_background"):
+        asyncio.run(main())
+
+
 @pytest.mark.slow
 async def test_every_getter_sees_every_writer_of_a_shared_key(
     autojump_clock: trio.testing.MockClock,

@@ -64,6 +64,27 @@ def test_awaiting_it_from_another_trio_loop_is_still_refused() -> None:
         averager.close()
 
 
+def test_a_background_step_dropped_in_a_trio_task_is_named_by_the_next_blocking_step() -> None:
+    """A background averager's ``step()`` without ``await`` in a trio task of the script's
+    only warned when collected; the next step, from a plain thread, ran as if nothing had
+    been lost (an outside tester). It says so now, as a next step in async code does."""
+    with run_in_background("127.0.0.1:0") as node:
+        tensor = torch.zeros(4)
+        averager = Averager(node, "blocking/dropped", [tensor])
+
+        async def main() -> None:
+            averager.step(timeout=1.0)  # type: ignore[unused-coroutine]
+            gc.collect()
+
+        for blocking in (averager.step, averager.step_blocking):
+            with pytest.warns(RuntimeWarning, match="never awaited"):
+                trio.run(main)
+            with pytest.raises(RuntimeError, match=r"never awaited.*await averager.step"):
+                blocking(timeout=0.5)
+        assert averager.step(timeout=0.5).group == (node.peer_id,)  # said once
+        averager.close()
+
+
 async def test_an_open_peer_averagers_step_from_a_plain_thread_says_so() -> None:
     """Its coroutine could only run in the peer's own loop: from a worker thread ``step()``
     returned one that nothing ever ran (a helper's trial), where ``step_blocking`` said why."""

@@ -102,6 +102,7 @@ class Stepping:
                 has met a peer of its own layout, such a round is ``alone`` instead).
             PeerStoppedError: the node's ``open_peer`` context has ended.
         """
+        self._check_awaited()
         if not _in_trio_task():
             if self._background is None:  # the coroutine could never run in this thread
                 raise RuntimeError(
@@ -110,13 +111,6 @@ class Stepping:
                     "call step from a plain thread"
                 )
             return self._blocking(weight, epoch, timeout)
-        unstarted = self._unstarted
-        if unstarted is not None and unstarted() is None:  # dropped before it ever ran
-            self._unstarted = None
-            raise RuntimeError(
-                "the previous averager.step(...) was never awaited, so it averaged nothing: "
-                "in async code, write info = await averager.step(...)"
-            )
         coroutine = self._step_async(weight, epoch, timeout)
         self._unstarted = weakref.ref(coroutine)
         return coroutine
@@ -193,6 +187,18 @@ class Stepping:
             if self._closed:  # closed during the step
                 self._unregister()
 
+    def _check_awaited(self) -> None:
+        """Raise if our last ``step()`` in async code was dropped before it ever ran; before a
+        blocking step too (a background averager's ``step()`` dropped in a trio task of the
+        caller's went unsaid when the next came from a plain thread: an outside tester)."""
+        unstarted = self._unstarted
+        if unstarted is not None and unstarted() is None:
+            self._unstarted = None
+            raise RuntimeError(
+                "the previous averager.step(...) was never awaited, so it averaged nothing: "
+                "in async code, write info = await averager.step(...)"
+            )
+
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"the averager {self.prefix!r} is closed: make a new one")
@@ -213,6 +219,7 @@ class Stepping:
     def _blocking(self, weight: float, epoch: int, timeout: float | None) -> AveragingInfo:
         """:meth:`step_blocking` (or :meth:`step` outside a trio task) itself."""
         called_at = time.monotonic()
+        self._check_awaited()
         if self._background is None:
             raise RuntimeError(
                 "step_blocking needs a peer from peer.run_in_background; on open_peer()'s "
