@@ -256,12 +256,14 @@ async def test_a_peer_cut_off_for_seconds_is_back_soon_after_its_link_is(
             assert len(cut.peer.dht.table) == 0  # (else the outage tested nothing)
             net.heal()
             healed = trio.current_time()
-            while (
-                len(cut.peer.dht.table) < 3
-                or any(  # noqa: ASYNC110 - no event to wait on
-                    cut.peer.peer_id not in sim.peer.dht.table for sim in swarm[:3]
+
+            def rejoined() -> bool:
+                others = swarm[:3]
+                return len(cut.peer.dht.table) == 3 and all(
+                    cut.peer.peer_id in sim.peer.dht.table for sim in others
                 )
-            ):
+
+            while not rejoined():  # noqa: ASYNC110 - no event to wait on
                 await trio.sleep(0.1)
             back_after = trio.current_time() - healed
             assert back_after <= 0.7 * outage + 1.0, back_after

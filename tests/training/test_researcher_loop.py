@@ -4,6 +4,7 @@ gradients (or parameters) are averaged every step, on the memory network (virtua
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -136,6 +137,47 @@ async def test_what_a_user_may_pass_instead_of_a_list_is_a_clear_error(
         async with memnet_swarm(1) as (_, nodes):
             with pytest.raises(TypeError, match=message):
                 await _one_averager(nodes[0], tensors)
+
+
+def _frozen_bias_grads() -> list[torch.Tensor | None]:
+    model = torch.nn.Linear(4, 3)
+    model.bias.requires_grad_(False)
+    model(torch.ones(2, 4)).sum().backward()
+    return [p.grad for p in model.parameters()]
+
+
+def _sparse_embedding_grad() -> list[torch.Tensor | None]:
+    embedding = torch.nn.Embedding(10, 4, sparse=True)
+    embedding(torch.tensor([1, 2])).sum().backward()
+    return [embedding.weight.grad]
+
+
+@pytest.mark.parametrize(
+    ("tensors", "error", "message"),
+    [
+        (_frozen_bias_grads, TypeError, r"frozen parameter .*if p\.requires_grad"),
+        (
+            lambda: list(torch.nn.Linear(4, 3, device="meta").parameters()),
+            ValueError,
+            r"on meta .*to_empty\(device='cpu'\)",
+        ),
+        (_sparse_embedding_grad, ValueError, r"sparse_coo.*sparse=False"),
+    ],
+    ids=["frozen-parameter-grad", "meta-parameters", "sparse-grad"],
+)
+async def test_what_a_real_model_may_hand_over_is_refused_with_the_way_out(
+    autojump_clock: trio.testing.MockClock,
+    tensors: Callable[[], list[torch.Tensor | None]],
+    error: type[Exception],
+    message: str,
+) -> None:
+    """A frozen layer's ``.grad`` stays None through every backward, so "run a backward
+    first" was no way out; ``.to("cpu")`` fails on meta parameters; a sparse gradient
+    named no fix (an outside tester, a DDP user)."""
+    with trio.fail_after(30):
+        async with memnet_swarm(1) as (_, nodes):
+            with pytest.raises(error, match=message):
+                await _one_averager(nodes[0], tensors())
 
 
 async def test_a_transposed_weight_is_refused_with_what_to_pass_instead(

@@ -83,7 +83,9 @@ def as_tensors(tensors: Iterable[Any]) -> list[torch.Tensor]:
             raise TypeError(
                 f"tensor {i} is None (a parameter's .grad before the first backward?): run a "
                 "backward first, or give each parameter a gradient to average into, e.g. "
-                "p.grad = torch.zeros_like(p)"
+                "p.grad = torch.zeros_like(p); a frozen parameter (requires_grad=False) never "
+                "gets one: leave it out ([p.grad for p in model.parameters() if "
+                "p.requires_grad])"
             )
         if isinstance(item, np.ma.MaskedArray):  # its mask would be silently ignored
             raise TypeError(
@@ -119,10 +121,21 @@ def as_tensors(tensors: Iterable[Any]) -> list[torch.Tensor]:
                 "cannot be written in place outside inference mode; make it under "
                 "torch.no_grad() instead, or pass a clone()"
             )
+        if tensor.device.type == "meta":  # no data: .to("cpu") fails, to_empty does not
+            raise ValueError(
+                f"tensor {i} is on meta (a shape without data): materialize the model first, "
+                "e.g. model.to_empty(device='cpu') then initialize or load its weights"
+            )
         if tensor.device.type != "cpu":
             raise ValueError(f"tensor {i} is on {tensor.device}: move it to the CPU")
         if tensor.layout != torch.strided:
-            raise ValueError(f"tensor {i} is {tensor.layout}: only dense tensors average")
+            hint = ""
+            if tensor.layout == torch.sparse_coo:  # nn.Embedding(sparse=True)'s .grad
+                hint = (
+                    " (a sparse gradient, e.g. nn.Embedding(sparse=True)'s: make the layer "
+                    "with sparse=False, whose .grad is dense, to average it)"
+                )
+            raise ValueError(f"tensor {i} is {tensor.layout}: only dense tensors average{hint}")
         if not tensor.is_contiguous() and isinstance(item, np.ndarray):
             order = "Fortran order" if item.flags.f_contiguous else "a strided view"
             raise ValueError(
