@@ -357,6 +357,8 @@ def test_a_prefix_that_no_step_could_use_is_refused_at_once() -> None:
     with pytest.raises(ValueError, match="prefix too long"):
         check_prefix("p" * 500)
     assert check_prefix("p" * 400) == "p" * 400
+    with pytest.raises(ValueError, match=r"prefix not usable: .*no lone surrogates"):
+        check_prefix("runs/\udc80/grads")  # (os.fsdecode of an undecodable name)
 
 
 def test_the_wall_clock_follows_each_run_and_keeps_nothing_after_it() -> None:

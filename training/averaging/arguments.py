@@ -13,7 +13,7 @@ from peer import BackgroundPeer, Peer
 from peer.node import MIN_PEER_FRAME_SIZE
 from protocol.codecs import Codec
 from protocol.errors import brief
-from protocol.records import RecordError, check_key
+from protocol.records import RecordError, RecordTooLargeError, check_key
 
 from .config import AveragerConfig
 from .grouping import MAX_EPOCH, MAX_WEIGHT, round_key
@@ -69,11 +69,13 @@ def check_prefix(prefix: object) -> str:
         raise TypeError(f"prefix must be a str, got {type(prefix).__name__}")
     if not prefix:
         raise ValueError("prefix must not be empty (e.g. 'my-run/grads')")
-    longest = round_key(prefix, 2**64)  # round numbers are unix times over the window
     try:
-        check_key(longest)
+        check_key(prefix)  # (its own words for what is not length: lone surrogates)
+        check_key(round_key(prefix, 2**64))  # round numbers are unix times over the window
     except RecordError as exc:
-        raise ValueError(f"prefix too long: its round keys cannot be DHT keys ({exc})") from None
+        # (a prefix with a lone surrogate was "too long": an outside tester)
+        what = "too long" if isinstance(exc, RecordTooLargeError) else "not usable"
+        raise ValueError(f"prefix {what}: its round keys cannot be DHT keys ({exc})") from None
     return prefix
 
 
