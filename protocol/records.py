@@ -154,6 +154,22 @@ class Entry:
             raise RemoteProtocolError(f"malformed entry: {exc}") from exc
 
 
+def _plain_value_hint(item: object) -> str:
+    """For a subclass of str, int or bytes (an enum member: it would read back as the plain
+    value, msgpack knowing no enums), the plain value to pass instead; else empty."""
+    if isinstance(item, bool):
+        return ""
+    if isinstance(item, str):
+        plain: object = str.__str__(item)
+    elif isinstance(item, int):
+        plain = int(item)
+    elif isinstance(item, bytes):
+        plain = bytes(item)
+    else:
+        return ""
+    return f" (a subclass of {type(plain).__name__}: pass the plain value, {plain!r})"
+
+
 def check_subkey(subkey: object) -> None:
     """Raises: RecordError for a subkey that is not None, str, int or bytes (a bool, a
     float, a list...) or a str with lone surrogates; RecordTooLargeError (a RecordError
@@ -172,7 +188,10 @@ def check_subkey(subkey: object) -> None:
     elif type(subkey) is bytes:
         size = len(subkey)
     else:
-        raise RecordError(f"a subkey is None, str, int or bytes, not {type(subkey).__name__}")
+        raise RecordError(
+            f"a subkey is None, str, int or bytes, not {type(subkey).__name__}"
+            + _plain_value_hint(subkey)
+        )
     if size > MAX_SUBKEY_BYTES:
         raise RecordTooLargeError(
             f"subkey of {size} bytes exceeds MAX_SUBKEY_BYTES={MAX_SUBKEY_BYTES}"
@@ -370,7 +389,7 @@ def check_key(key: str) -> DHTID:
         RecordError: if the key is not a valid Unicode ``str``.
     """
     if type(key) is not str:
-        raise RecordError(f"a DHT key is a str, not {type(key).__name__}")
+        raise RecordError(f"a DHT key is a str, not {type(key).__name__}{_plain_value_hint(key)}")
     try:
         size = len(key.encode("utf-8"))
     except UnicodeEncodeError as exc:

@@ -55,6 +55,29 @@ def test_errors_are_protocol_errors() -> None:
     assert issubclass(RecordTooLargeError, ValueError)
 
 
+def test_an_enum_key_or_subkey_is_refused_with_the_plain_value_to_pass() -> None:
+    """A key or subkey of a str or int subclass would read back as the plain value (msgpack
+    knows no enums): it is refused, and the error now names the value to pass."""
+    import enum
+
+    from protocol.records import check_subkey
+
+    class Key(enum.StrEnum):
+        LR = "lr"
+
+    class Rank(enum.IntEnum):
+        FIRST = 3
+
+    with pytest.raises(
+        RecordError, match=r"not Key \(a subclass of str: pass the plain value, 'lr'\)"
+    ):
+        check_key(Key.LR)  # type: ignore[arg-type]
+    with pytest.raises(RecordError, match=r"not Rank \(a subclass of int: .*value, 3\)"):
+        check_subkey(Rank.FIRST)
+    with pytest.raises(RecordError, match=r"not bool$"):  # (no hint: True is no int here)
+        check_subkey(True)
+
+
 # --- owner-bound subkeys ---
 
 
