@@ -59,8 +59,10 @@ _SLOW_ROUND_TRIP = 0.2
 and its fastest answer counts: a busy answerer (its loop computing) is seldom busy at
 every try, and the estimate errs by up to half the round trip."""
 _AGAIN = 2
-_WIDEN_AT = 1.0  # seconds of correction (what warns) after which contacts not yet asked are
-_WIDEN_AFTER = 30.0  # asked this long after, up to _WIDENINGS times (see ClockService.serve)
+# While the correction is _WIDEN_AT seconds or more (what warns), contacts not asked yet are
+# asked every _WIDEN_AFTER seconds, _WIDENINGS times (see ClockService.serve)
+_WIDEN_AT = 1.0
+_WIDEN_AFTER = 30.0
 _WIDENINGS = 3
 
 
