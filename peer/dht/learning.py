@@ -120,8 +120,25 @@ class Learning:
             # its own-id lookup follows the join: no second handover for it (one that
             # restarts after a minute still gets one; see _rejoined)
             window = self.config.republish_interval
-            self._rejoined_at[node.peer_id] = self._now() - window + _REJOIN_AFTER_JOIN
+            self._remember_rejoin(node.peer_id, self._now() - window + _REJOIN_AFTER_JOIN)
             self.on_new_contact(node, False)
+
+    def _remember_rejoin(self, peer_id: PeerID, at: float) -> bool:
+        """Note ``peer_id``'s handover ``at``; False when ``_REJOINED_MEMORY`` contacts had
+        one within ``republish_interval``. Older notes go first: each peer ever joined was
+        kept for good (an outside tester's bootstrap node, 7,000 distinct visitors: 7,000
+        notes, one per fresh key)."""
+        if len(self._rejoined_at) >= _REJOINED_MEMORY:
+            now = self._now()
+            self._rejoined_at = {
+                p: t
+                for p, t in self._rejoined_at.items()
+                if now - t < self.config.republish_interval
+            }
+            if len(self._rejoined_at) >= _REJOINED_MEMORY:
+                return False
+        self._rejoined_at[peer_id] = at
+        return True
 
     def _rejoined(self, known: NodeInfo, sender: str | None) -> None:
         """A contact we knew looks up its own id, as a node does when it joins (and at each
@@ -137,15 +154,8 @@ class Learning:
         last = self._rejoined_at.get(known.peer_id)
         if last is not None and now - last < self.config.republish_interval:
             return
-        if len(self._rejoined_at) >= _REJOINED_MEMORY:
-            self._rejoined_at = {
-                p: t
-                for p, t in self._rejoined_at.items()
-                if now - t < self.config.republish_interval
-            }
-            if len(self._rejoined_at) >= _REJOINED_MEMORY:
-                return
-        self._rejoined_at[known.peer_id] = now
+        if not self._remember_rejoin(known.peer_id, now):
+            return
         logger.debug("%s looked up its own id: checking its storage", known.peer_id.short())
         self.on_new_contact(known, True)
 

@@ -71,6 +71,29 @@ async def test_recontact_pings_under_churn_of_hundreds_stay_bounded(
             assert not dht._upkeep._recontacts
 
 
+async def test_what_a_node_keeps_per_peer_that_joined_stays_bounded(
+    autojump_clock: trio.testing.MockClock, monkeypatch: Any
+) -> None:
+    """A bootstrap node meets a new PeerID at every volunteer's start (fresh keys): its
+    note of each one's join (for the handover rule) was kept for good, 7,000 notes after
+    7,000 visitors (an outside tester's soak, then a churn of distinct peers). Notes older
+    than a republish interval now go once there are ``_REJOINED_MEMORY`` of them."""
+    from peer.dht import learning
+
+    monkeypatch.setattr(learning, "_REJOINED_MEMORY", 64)
+    net = MemoryNetwork(latency=0.01)
+    with trio.fail_after(3600):
+        async with open_peer("10.0.0.1:0", network=net.interface("10.0.0.1")) as node:
+            protocol = node.dht.protocol
+            protocol.on_new_contact = lambda node, rejoined: None  # (no handovers to fakes)
+            for i in range(1000):
+                peer_id = Identity.from_seed(i.to_bytes(32, "big")).peer_id
+                protocol._joined(NodeInfo(peer_id, "10.0.0.9:1000"))
+                if i % 50 == 49:
+                    await trio.sleep(61.0)  # joins spread over time, as churn comes
+            assert len(protocol._rejoined_at) <= 64
+
+
 async def test_background_stores_to_made_up_nodes_stay_bounded(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
