@@ -62,6 +62,7 @@ async def _churn(address: str, pid: int, args: argparse.Namespace) -> dict[str, 
         done += 1
         if done % args.every == 0:
             samples.append({"visitors": done, **_memory(pid)})
+            print(json.dumps(samples[-1]), file=sys.stderr, flush=True)  # (a long run's progress)
 
     async with trio.open_nursery() as nursery:
         for index in range(args.peers):
