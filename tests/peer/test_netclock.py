@@ -40,19 +40,30 @@ async def swarm(
     async with AsyncExitStack() as stack:
         nodes: list[Peer] = []
         for i, skew in enumerate(skews):
-            host = f"10.0.0.{i + 1}"
-            initial = [nodes[0].address] if nodes else []
-            node = await stack.enter_async_context(
-                open_peer(
-                    f"{host}:1000",
-                    initial,
-                    network=net.interface(host),
-                    clock=virtual(skew),
-                    config=config,
-                )
-            )
-            nodes.append(node)
+            nodes.append(await start_peer(stack, net, i, skew, nodes[:1], config))
         yield nodes
+
+
+async def start_peer(
+    stack: AsyncExitStack,
+    net: MemoryNetwork,
+    index: int,
+    skew: float,
+    initial: Sequence[Peer],
+    config: PeerConfig | None = None,
+) -> Peer:
+    """Peer ``index`` on host 10.0.0.<index + 1>, its clock ``skew`` seconds off, joined
+    through ``initial``, open until ``stack`` closes."""
+    host = f"10.0.0.{index + 1}"
+    return await stack.enter_async_context(
+        open_peer(
+            f"{host}:1000",
+            [node.address for node in initial],
+            network=net.interface(host),
+            clock=virtual(skew),
+            config=config,
+        )
+    )
 
 
 # -- the estimate ----------------------------------------------------------------------
@@ -399,28 +410,14 @@ async def test_a_newcomer_whose_first_contacts_lie_follows_the_swarm_once_it_kno
     honest = PeerConfig(clock=ClockConfig(peers=0))
     with trio.fail_after(600):
         async with AsyncExitStack() as stack:
-
-            async def start(i: int, skew: float, config: PeerConfig | None = None) -> Peer:
-                host = f"10.0.0.{i + 1}"
-                initial = [liars[0].address] if i else []
-                return await stack.enter_async_context(
-                    open_peer(
-                        f"{host}:1000",
-                        initial,
-                        network=net.interface(host),
-                        clock=virtual(skew),
-                        config=config,
-                    )
-                )
-
             liars: list[Peer] = []
             for i in range(5):
-                liars.append(await start(i, 3600.0))
-            newcomer = await start(5, 0.0)
+                liars.append(await start_peer(stack, net, i, 3600.0, liars[:1]))
+            newcomer = await start_peer(stack, net, 5, 0.0, liars[:1])
             assert newcomer.clock.offset == 3600.0  # all it knows
             joined = trio.current_time()
             for i in range(6, 12):
-                await start(i, 0.0, honest)
+                await start_peer(stack, net, i, 0.0, liars[:1], honest)
             await trio.sleep(joined + 120.0 - trio.current_time())
             assert newcomer.clock.offset == 0.0, newcomer.clock.offset
 
