@@ -52,13 +52,15 @@ async def _visit(address: str, index: int) -> None:
 async def _churn(address: str, pid: int, args: argparse.Namespace) -> dict[str, object]:
     samples = [{"visitors": 0, **_memory(pid)}]
     started = time.perf_counter()
-    limiter = trio.CapacityLimiter(args.at_once)
+    slots = trio.Semaphore(args.at_once)
     done = 0
 
     async def one(index: int) -> None:
         nonlocal done
-        async with limiter:
+        try:
             await _visit(address, index)
+        finally:
+            slots.release()
         done += 1
         if done % args.every == 0:
             samples.append({"visitors": done, **_memory(pid)})
@@ -66,8 +68,7 @@ async def _churn(address: str, pid: int, args: argparse.Namespace) -> dict[str, 
 
     async with trio.open_nursery() as nursery:
         for index in range(args.peers):
-            await limiter.acquire()  # start a task only for a free slot
-            limiter.release()
+            await slots.acquire()  # a task only for a free slot, which it releases
             nursery.start_soon(one, index)
     wall = time.perf_counter() - started
     await trio.sleep(args.settle)  # the node notices the last ones gone

@@ -23,6 +23,7 @@ from protocol.noise import IdentityMismatchError
 
 from .admission import _CONNECTION_ERRORS
 from .errors import (
+    STOPPED,
     DuplicateIdentityError,
     PeerBusyError,
     PeerStoppedError,
@@ -50,8 +51,6 @@ LOST_REMEMBERED = 1024
 """Peers whose connections their side ended that ``RpcHost.lost_at`` remembers, newest."""
 _ECHO_WAIT = 1.0
 """Seconds a dial that met our own PeerID waits for its other end to come in here."""
-# (the DHT's words too)
-_STOPPED = "this peer has stopped: its open_peer (or run_in_background) block has ended"
 
 
 class _Dial:
@@ -107,7 +106,7 @@ class ConnectionPool:
     async def _connection(self, address: Address) -> RpcConnection:
         self.check_loop()
         if self.stopped:
-            raise PeerStoppedError(_STOPPED)
+            raise PeerStoppedError(STOPPED)
         if address.peer_id == self.peer_id and self._is_own(address):
             raise SelfDialError(f"{address} is this host itself")
         if (connection := self._pooled(address)) is not None:

@@ -68,3 +68,7 @@ class LimitExceededError(SwarmError):
 class PeerStoppedError(SwarmError):
     """This peer is no longer running: its ``open_peer`` context (or background thread)
     has ended, or its loop crashed."""
+
+
+STOPPED = "this peer has stopped: its open_peer (or run_in_background) block has ended"
+"""What a call on a stopped peer raises :class:`PeerStoppedError` with (host and DHT alike)."""

@@ -39,9 +39,9 @@ from protocol.identity import Identity, PeerID
 from protocol.rpc import MAX_INFLIGHT_REQUESTS
 
 from .admission import _CONNECTION_ERRORS, InboundAdmission
-from .connection_pool import _MAX_REMEMBERED_ADDRESSES, _STOPPED, ConnectionPool, _Dial
+from .connection_pool import _MAX_REMEMBERED_ADDRESSES, ConnectionPool, _Dial
 from .connection_pool import WILDCARD_HOSTS as WILDCARD_HOSTS
-from .errors import PeerStoppedError
+from .errors import STOPPED, PeerStoppedError
 from .host_config import HostConfig
 from .network import Network, TcpNetwork, open_files_limit
 from .ratelimit import HostRateLimiter
@@ -262,7 +262,7 @@ class RpcHost(ConnectionPool, InboundAdmission):
         address = _as_address(address)
         self.check_loop()
         if self.stopped:
-            raise PeerStoppedError(_STOPPED)
+            raise PeerStoppedError(STOPPED)
         # A pooled connection is used without a scheduler pass: the call checkpoints.
         connection = self._pooled(address) if address.peer_id != self.peer_id else None
         if connection is None:

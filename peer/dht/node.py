@@ -50,7 +50,7 @@ from protocol.records import (
     validate_entry,
 )
 
-from ..errors import DuplicateIdentityError, PeerStoppedError
+from ..errors import STOPPED, DuplicateIdentityError, PeerStoppedError
 from ..host import RpcHost
 from ..interrupts import plain_interrupt
 from .config import DHTConfig
@@ -303,9 +303,7 @@ class DHT:
     def _check_running(self) -> None:
         self.host.check_loop()
         if self.host.stopped:  # the nursery is gone: no lookup could run, none may lie
-            raise PeerStoppedError(
-                "this peer has stopped: its open_peer (or run_in_background) block has ended"
-            )
+            raise PeerStoppedError(STOPPED)
 
     def _given_up(self, node: NodeInfo) -> None:
         # A request outlasted a lookup's hedging: as a timeout (it counts toward

@@ -102,7 +102,6 @@ class Stepping:
                 has met a peer of its own layout, such a round is ``alone`` instead).
             PeerStoppedError: the node's ``open_peer`` context has ended.
         """
-        self._check_awaited()
         if not _in_trio_task():
             if self._background is None:  # the coroutine could never run in this thread
                 raise RuntimeError(
@@ -110,7 +109,8 @@ class Stepping:
                     "that peer's trio loop, or build it on peer.run_in_background(...) to "
                     "call step from a plain thread"
                 )
-            return self._blocking(weight, epoch, timeout)
+            return self._blocking(weight, epoch, timeout)  # (which checks _check_awaited)
+        self._check_awaited()
         coroutine = self._step_async(weight, epoch, timeout)
         self._unstarted = weakref.ref(coroutine)
         return coroutine
