@@ -59,11 +59,6 @@ _SLOW_ROUND_TRIP = 0.2
 and its fastest answer counts: a busy answerer (its loop computing) is seldom busy at
 every try, and the estimate errs by up to half the round trip."""
 _AGAIN = 2
-# While the correction is _WIDEN_AT seconds or more (what warns), contacts not asked yet are
-# asked every _WIDEN_AFTER seconds, _WIDENINGS times (see ClockService.serve)
-_WIDEN_AT = 1.0
-_WIDEN_AFTER = 30.0
-_WIDENINGS = 3
 
 
 _WALL_ANCHOR: trio.lowlevel.RunVar[tuple[float, float]] = trio.lowlevel.RunVar("swarm_wall")
@@ -175,10 +170,6 @@ class NetworkClock:
     def picked(self) -> int:
         """How many hosts we chose to ask answered (their latest answers count)."""
         return len(self._picked)
-
-    def has_picked(self, host: str, peer_id: PeerID) -> bool:
-        """Whether an answer of ``peer_id`` at ``host`` counts among the picked ones now."""
-        return _voice(host, peer_id) in self._picked
 
     @property
     def samples(self) -> int:
@@ -404,22 +395,15 @@ class ClockService:
             return self.clock.record(host, answer.time, sent, received, peer_id, picked=picked)
         return False
 
-    async def sync(self, *, dial: bool = True, unpicked: bool = False) -> int:
+    async def sync(self, *, dial: bool = True) -> int:
         """Ask up to ``peers`` routing-table contacts at once (``dial=False``: only those
-        connected to us now; ``unpicked``: only those whose answers do not count yet); how
-        many answers counted."""
+        connected to us now); how many answers counted."""
         if not self.config.enabled:
             return 0
         contacts = self._peers()
         if not dial:
             connected = set(self.host.connected_peers())
             contacts = [contact for contact in contacts if contact[0] in connected]
-        if unpicked:
-            contacts = [
-                (peer_id, hostport)
-                for peer_id, hostport in contacts
-                if not self.clock.has_picked(Address.parse(hostport).host, peer_id)
-            ]
         chosen = self._rng.sample(contacts, min(self.config.peers, len(contacts)))
         counted = 0
 
@@ -440,24 +424,8 @@ class ClockService:
             nursery.start_soon(self._serve_asks_back)
             nursery.start_soon(self._ask_slow_ones_again)
             task_status.started()
-            widenings = 0
-            next_sync = trio.current_time() + self.config.interval * self._rng.uniform(0.9, 1.1)
             while self.config.enabled:
-                # A correction of a second or more (our clock off, or the contacts we
-                # asked): every 30 s, up to 3 times, ask contacts not asked yet. A newcomer
-                # whose first contacts were mostly liars (36 % of a swarm, +3600 s, joined
-                # first) followed them by up to the whole max_offset for ~10 minutes (an
-                # outside tester): the median counts a sample, not the swarm.
-                tick = _WIDEN_AFTER * self._rng.uniform(0.9, 1.1)
-                await trio.sleep(max(0.0, min(tick, next_sync - trio.current_time())))
-                if abs(self.clock.offset) < _WIDEN_AT:
-                    widenings = 0  # (moved again later: widen again)
-                elif widenings < _WIDENINGS:
-                    widenings += 1
-                    await self.sync(unpicked=True)
-                if trio.current_time() < next_sync:
-                    continue
-                next_sync = trio.current_time() + self.config.interval * self._rng.uniform(0.9, 1.1)
+                await trio.sleep(self.config.interval * self._rng.uniform(0.9, 1.1))
                 # Over connections that are up for other reasons (a clock drifts by ppm):
                 # no dial, nothing that keeps an idle connection open; unless we picked
                 # too few so far (the first node of a swarm picked none at its start).

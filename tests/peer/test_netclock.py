@@ -398,30 +398,6 @@ async def test_a_crowd_of_lying_hosts_that_call_us_moves_nobody(
                 assert node.clock.offset == 0.0
 
 
-async def test_a_newcomer_whose_first_contacts_lie_follows_the_swarm_once_it_knows_more(
-    autojump_clock: trio.testing.MockClock,
-) -> None:
-    """Five liars (+3600 s) are all a newcomer knows when it joins: it follows them. Six
-    honest peers join after it (asking nobody themselves, so no ask back brings it home):
-    it followed the liars until its re-ask 5 minutes on, over the connections it had then
-    (an outside tester: up to ~10 minutes, honest peers split off in their averaging). A
-    correction of a second or more now has it ask contacts it has not asked yet 30 s on."""
-    net = MemoryNetwork(latency=0.01)
-    honest = PeerConfig(clock=ClockConfig(peers=0))
-    with trio.fail_after(600):
-        async with AsyncExitStack() as stack:
-            liars: list[Peer] = []
-            for i in range(5):
-                liars.append(await start_peer(stack, net, i, 3600.0, liars[:1]))
-            newcomer = await start_peer(stack, net, 5, 0.0, liars[:1])
-            assert newcomer.clock.offset == 3600.0  # all it knows
-            joined = trio.current_time()
-            for i in range(6, 12):
-                await start_peer(stack, net, i, 0.0, liars[:1], honest)
-            await trio.sleep(joined + 120.0 - trio.current_time())
-            assert newcomer.clock.offset == 0.0, newcomer.clock.offset
-
-
 async def test_one_listening_node_and_client_mode_peers_agree(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
