@@ -14,7 +14,8 @@ see :attr:`Address.dialable`) are dropped on decoding, and the rest of the reply
 
 Other layers add their own messages with :func:`register_message` and their own
 methods in their own tables; :data:`METHODS` lists the four DHT methods. ``clock.now``
-(:class:`ClockRequest`) is the peer's network-time method (``peer.netclock``).
+(:class:`ClockRequest`) and ``clock.peek`` (:class:`ClockPeekRequest`) are the peer's
+network-time methods (``peer.netclock``).
 """
 
 from __future__ import annotations
@@ -487,6 +488,17 @@ class ClockRequest(Message):
 
     TAG: ClassVar[str] = "clock.now.req"
     METHOD: ClassVar[str] = "clock.now"
+
+
+@register_message
+@dataclass(frozen=True, slots=True)
+class ClockPeekRequest(Message):
+    """``clock.peek``: as ``clock.now`` (the reply is a :class:`ClockResponse`), but the
+    callee does not ask the caller back: a peer checking its correction against more
+    contacts must not make them count its own clock."""
+
+    TAG: ClassVar[str] = "clock.peek.req"
+    METHOD: ClassVar[str] = "clock.peek"
 
 
 @register_message

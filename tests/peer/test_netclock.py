@@ -390,12 +390,55 @@ async def test_a_crowd_of_lying_hosts_that_call_us_moves_nobody(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
     """Ten hosts 100 s ahead join six honest peers and call them (they are asked back):
-    each honest peer counts them only as many times as the contacts it picked."""
-    with trio.fail_after(120):
+    each honest peer counts them only as many times as the contacts it picked. The liars,
+    off by 100 s from those they asked, ask more contacts 30, 60 and 90 s on: with
+    clock.peek, never asked back (with clock.now, their re-asks moved honest peers in 6
+    of 30 runs of this test)."""
+    with trio.fail_after(300):
         async with swarm([0.0] * 6 + [100.0] * 10) as nodes:
-            await trio.sleep(30.0)
-            for node in nodes[:6]:
-                assert node.clock.offset == 0.0
+            for _ in range(40):  # through the liars' three re-asks
+                await trio.sleep(5.0)
+                assert [node.clock.offset for node in nodes[:6]] == [0.0] * 6
+
+
+async def test_a_newcomer_whose_first_contacts_lie_follows_the_swarm_once_it_knows_more(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Five liars (+3600 s) are all a newcomer knows when it joins: it follows them. Six
+    honest peers join after it (asking nobody themselves, so no ask back brings it home):
+    it followed the liars until its re-ask 5 minutes on, over the connections it had then
+    (an outside tester: up to ~10 minutes, honest peers split off in their averaging). A
+    correction of a second or more now has it ask contacts it has not asked yet 30 s on."""
+    net = MemoryNetwork(latency=0.01)
+    honest = PeerConfig(clock=ClockConfig(peers=0))
+    with trio.fail_after(600):
+        async with AsyncExitStack() as stack:
+
+            async def start(i: int, skew: float, config: PeerConfig | None = None) -> Peer:
+                host = f"10.0.0.{i + 1}"
+                initial = [liars[0].address] if i else []
+                return await stack.enter_async_context(
+                    open_peer(
+                        f"{host}:1000",
+                        initial,
+                        network=net.interface(host),
+                        clock=virtual(skew),
+                        config=config,
+                    )
+                )
+
+            liars: list[Peer] = []
+            for i in range(5):
+                liars.append(await start(i, 3600.0))
+            newcomer = await start(5, 0.0)
+            assert newcomer.clock.offset == 3600.0  # all it knows
+            joined = trio.current_time()
+            for i in range(6, 12):
+                await start(i, 0.0, honest)
+            await trio.sleep(joined + 120.0 - trio.current_time())
+            assert newcomer.clock.offset == 0.0, newcomer.clock.offset
+            # the liars it asked with clock.peek did not ask it back: none of them moved
+            assert [liar.clock.offset for liar in liars] == [0.0] * 5
 
 
 async def test_one_listening_node_and_client_mode_peers_agree(
@@ -450,6 +493,39 @@ async def test_the_round_trip_timed_is_the_call_not_the_dial(
             target = Address("10.0.0.1", 1000, ids[0].peer_id)
             assert await asker.ask(target, "10.0.0.1")
             assert ours.offset == pytest.approx(-5.0, abs=1e-6)
+
+
+@pytest.mark.parametrize("peek", [False, True])
+async def test_clock_peek_is_answered_and_never_asked_back(
+    autojump_clock: trio.testing.MockClock, peek: bool
+) -> None:
+    """A peer in our routing table that asks ``clock.now`` is asked back (its clock then
+    counts in ours); one that asks ``clock.peek`` (widening, see ClockService.serve) gets
+    the same answer and is not asked back."""
+    net = MemoryNetwork(latency=0.01)
+    ids = [Identity.from_seed(bytes([50 + i]) * 32) for i in range(2)]
+    with trio.fail_after(60):
+        async with (
+            open_rpc_host(
+                ids[0], listen=Address.parse("10.0.0.1:1000"), network=net.interface("10.0.0.1")
+            ) as there,
+            open_rpc_host(
+                ids[1], listen=Address.parse("10.0.0.2:1000"), network=net.interface("10.0.0.2")
+            ) as here,
+            trio.open_nursery() as nursery,
+        ):
+            theirs = NetworkClock(virtual())
+            answerer = ClockService(there, theirs, lambda: [(ids[1].peer_id, "10.0.0.2:1000")])
+            await nursery.start(answerer.serve)
+            ours = NetworkClock(virtual(10.0))
+            asker = ClockService(here, ours, list)
+            await nursery.start(asker.serve)
+            assert await asker.ask(Address("10.0.0.1", 1000, ids[0].peer_id), "10.0.0.1", peek=peek)
+            assert ours.offset == pytest.approx(-5.0, abs=0.02)  # halfway: our own voice
+            await trio.sleep(5.0)
+            assert theirs.samples == (0 if peek else 1)
+            assert theirs.offset == (0.0 if peek else pytest.approx(5.0, abs=0.02))
+            nursery.cancel_scope.cancel()
 
 
 @pytest.mark.parametrize("owned", [False, True])
