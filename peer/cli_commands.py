@@ -206,6 +206,7 @@ async def _status(args: argparse.Namespace, stop: _SignalStop) -> dict[str, Any]
     answered: dict[PeerID, str] = {}  # filled as the walk goes: kept when it is cut short
     elsewhere: dict[PeerID, set[str]] = {}  # a PeerID's other addresses that answered
     errors: dict[str, str] = {}
+    short_of_files: set[str] = set()  # peers not asked: this process had no file left
     try:
         with trio.CancelScope() as scope, stop.cancelling(scope):
             with trio.move_on_after(args.timeout) as deadline:
@@ -217,7 +218,9 @@ async def _status(args: argparse.Namespace, stop: _SignalStop) -> dict[str, Any]
                     ensure_bootstrap_success=False,
                 ) as node:
                     errors = dict(node.dht.contact_errors)
-                    await crawl(node, answered=answered, elsewhere=elsewhere)
+                    await crawl(
+                        node, answered=answered, elsewhere=elsewhere, short_of_files=short_of_files
+                    )
     except (SwarmError, OSError) as exc:
         return str(exc)
     # a PeerID that answered at several addresses is several processes with one key file:
@@ -239,6 +242,7 @@ async def _status(args: argparse.Namespace, stop: _SignalStop) -> dict[str, Any]
         "peers": [{"peer_id": str(pid), "address": f"{pid}@{addr}"} for pid, addr in peers],
         "_errors": errors,  # why initial peers did not answer (stderr only)
         "_timed_out": deadline.cancelled_caught,
+        "_short_of_files": len(short_of_files - {addr for _, addr in peers}),
         "_twins": {str(pid): sorted([answered[pid], *more]) for pid, more in elsewhere.items()},
     }
 
@@ -249,6 +253,7 @@ def _print_status(report: dict[str, Any] | str, args: argparse.Namespace) -> int
         return 1
     errors = report.pop("_errors", {})
     timed_out = report.pop("_timed_out", False)
+    short_of_files = report.pop("_short_of_files", 0)
     for peer_id, addresses in report.pop("_twins", {}).items():
         print(
             f"swarm status: {peer_id} answered at {' and '.join(addresses)}: several "
@@ -280,6 +285,15 @@ def _print_status(report: dict[str, Any] | str, args: argparse.Namespace) -> int
         )
         print(
             f"swarm status: no complete answer within {args.timeout} s ({found})", file=sys.stderr
+        )
+        return 1
+    if short_of_files:  # as for a timeout: what was found, said incomplete
+        from .network import open_files_limit
+
+        print(
+            f"swarm status: this process ran out of file descriptors ({open_files_limit()}):"
+            f" {short_of_files} peer(s) not asked, the list is incomplete; raise the limit",
+            file=sys.stderr,
         )
         return 1
     if not report["peers"]:  # not even an initial peer: the swarm was not reached

@@ -18,6 +18,7 @@ from protocol.errors import SwarmError
 from protocol.identity import PeerID
 from protocol.messages import FindNodeRequest, FindNodeResponse
 
+from .network import out_of_files
 from .node import Peer
 
 logger = logging.getLogger(__name__)
@@ -33,6 +34,7 @@ async def crawl(
     max_parallel: int = 16,
     answered: dict[PeerID, str] | None = None,
     elsewhere: dict[PeerID, set[str]] | None = None,
+    short_of_files: set[str] | None = None,
 ) -> list[tuple[PeerID, str]]:
     """Every peer that answered, with its ``HOST:PORT``, sorted by PeerID.
 
@@ -44,6 +46,15 @@ async def crawl(
             a trial), and then for the rest of its answers.
         elsewhere: filled with the other ``HOST:PORT``s at which a PeerID in ``answered``
             answered too (each proved it in its handshake): another process with its key.
+        short_of_files: filled with the ``HOST:PORT``s not asked because this process had no
+            file descriptor left to dial them with (the walk is then incomplete).
+
+    Each peer's connection is closed once it answered every target (the node's own
+    contacts' too: its join held one each; it dials again when it needs one), and a
+    peer not dialed for want of a file descriptor is visited again later (3 times at
+    most) with half as many visits at once: a walk that kept every connection and gave
+    up on those peers listed at most the file limit less 9 peers (an outside tester,
+    under ``ulimit -n 24``: 15 of 30).
 
     Raises:
         SwarmError: never for an unreachable peer; those are skipped.
@@ -52,6 +63,11 @@ async def crawl(
     targets = [DHTID(rng.getrandbits(ID_BITS)) for _ in range(_TARGETS_PER_PEER)]
     if answered is None:
         answered = {}
+    if short_of_files is None:
+        short_of_files = set()
+    short = short_of_files
+    retried: dict[str, int] = {}
+    again: list[Address] = []
     seen: set[str] = set()
     frontier: list[Address] = [addr for _, addr in _known(node)]
     limiter = trio.CapacityLimiter(max_parallel)
@@ -66,6 +82,8 @@ async def crawl(
             )
             response = FindNodeResponse.from_body(reply.body)
         except (SwarmError, OSError) as exc:
+            if out_of_files(exc):
+                short.add(address.hostport)
             logger.debug("crawl: %s did not answer: %s", address, exc)
             return False
         if address.peer_id is not None:
@@ -82,6 +100,8 @@ async def crawl(
         # 12-14 s at 400 ms round trip (a trial), against status's 20 s timeout; a frozen
         # or stalling peer still costs one request_timeout
         async with limiter:
+            if address.peer_id is not None:
+                visiting[address.peer_id] = visiting.get(address.peer_id, 0) + 1
             with trio.move_on_after(request_timeout) as scope:
                 # the first (a new connection's handshake) alone: the others reuse it
                 if await ask(address, targets[0], found):
@@ -89,9 +109,21 @@ async def crawl(
                         own = DHTID.from_peer_id(address.peer_id or node.peer_id)
                         for target in [*targets[1:], own]:
                             nursery.start_soon(ask, address, target, found)
+            if address.peer_id is not None:
+                visiting[address.peer_id] -= 1
+                # (not while its twin at another address is asked: one key, two processes)
+                if not visiting[address.peer_id]:
+                    await node.rpc.disconnect(address.peer_id)
             if scope.cancelled_caught:
                 logger.debug("crawl: %s did not answer within %s s", address, request_timeout)
+            key = str(address)
+            if address.hostport in short and retried.get(key, 0) < 3:
+                retried[key] = retried.get(key, 0) + 1
+                short.discard(address.hostport)
+                limiter.total_tokens = max(1, limiter.total_tokens // 2)
+                again.append(address)
 
+    visiting: dict[PeerID, int] = {}
     while frontier:
         found: list[Address] = []
         async with trio.open_nursery() as nursery:
@@ -102,6 +134,10 @@ async def crawl(
                 seen.add(key)
                 nursery.start_soon(visit, address, found)
         frontier = [a for a in found if str(a) not in seen]
+        for address in again:  # visited anew (out of file descriptors)
+            seen.discard(str(address))
+        frontier += again
+        again = []
     return sorted(answered.items())
 
 

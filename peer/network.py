@@ -126,15 +126,16 @@ def open_files_limit() -> str:
     return "no limit (or unknown)" if soft is None else f"ulimit -n {soft}"
 
 
-def _out_of_files(exc: BaseException | None, depth: int = 0) -> bool:
-    """Whether ``exc`` (or what caused it, or one of a group's) is EMFILE or ENFILE."""
+def out_of_files(exc: BaseException | None, depth: int = 0) -> bool:
+    """Whether ``exc`` (or what caused it, or one of a group's) is EMFILE or ENFILE: this
+    process's (or machine's) want of file descriptors, no sign of the remote peer."""
     if exc is None or depth > 8:
         return False
     if isinstance(exc, OSError) and exc.errno in _OUT_OF_FILES:
         return True
     if isinstance(exc, BaseExceptionGroup):
-        return any(_out_of_files(e, depth + 1) for e in exc.exceptions)
-    return _out_of_files(exc.__cause__ or exc.__context__, depth + 1)
+        return any(out_of_files(e, depth + 1) for e in exc.exceptions)
+    return out_of_files(exc.__cause__ or exc.__context__, depth + 1)
 
 
 class TcpNetwork:
@@ -158,7 +159,7 @@ class TcpNetwork:
         try:
             stream = await trio.open_tcp_stream(host, port)
         except OSError as exc:
-            if not _out_of_files(exc):
+            if not out_of_files(exc):
                 raise
             _OUT_OF_FILES_LOG.warn(f"dial {host}:{port}")
             raise OSError(

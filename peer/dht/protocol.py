@@ -76,6 +76,7 @@ from protocol.messages import (
 
 from ..errors import PeerBusyError, PeerUnavailableError, RemoteError
 from ..host import RpcHost
+from ..network import out_of_files
 from .config import DHTConfig
 from .learning import CLIENT_RECHECK as CLIENT_RECHECK
 from .learning import Learning
@@ -221,6 +222,7 @@ class DHTProtocol(Learning, Serving):
             maybe_alive = True  # a timeout, or an error answer: slow or busy, not dead
             turned_away = False
             unreachable = False
+            ours = False
             with trio.move_on_after(self.config.request_timeout) as deadline:
                 try:
                     reply = await self.host.call(address, method, request.to_body())
@@ -228,6 +230,10 @@ class DHTProtocol(Learning, Serving):
                 except (SwarmError, OSError) as exc:
                     logger.debug("%s to %s failed: %r", method, node.peer_id.short(), exc)
                     maybe_alive = isinstance(exc, RemoteError)
+                    # this process out of file descriptors: no news of the contact (each
+                    # contact was evicted as "a request failed" and the table emptied within
+                    # 0.1 s of a tester's process running out, its peers all well)
+                    ours = out_of_files(exc)
                     if method == PingRequest.METHOD and isinstance(exc, PeerUnavailableError):
                         if len(self._unreachable) > 1024:  # (each is read once, or never)
                             self._unreachable.clear()
@@ -247,7 +253,7 @@ class DHTProtocol(Learning, Serving):
             if take_slot:
                 self._limiter.release()
         self.calls_failed += 1
-        if self.host.stopped:  # our own shutdown broke the call: no news of the contact
+        if self.host.stopped or ours:  # our shutdown or our limits: no news of the contact
             return None, False
         if deadline.cancelled_caught and self.heard_lately(node):
             logger.debug("%s to %s timed out; its bytes keep coming", method, node.peer_id.short())

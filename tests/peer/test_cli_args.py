@@ -410,3 +410,28 @@ def test_bootstrap_refuses_to_announce_an_ip_with_a_final_dot(
 @pytest.mark.parametrize("given", ["a_b.example.org", "example.org.", "bücher.de", "x-1.y"])
 def test_bootstrap_announces_the_host_names_resolvers_take(given: str) -> None:
     assert _parser().parse_args(["bootstrap", "--announce-host", given]).announce_host == given
+
+
+def test_status_short_of_files_prints_what_it_found_and_exits_1(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """Peers the walk could not dial for want of a file descriptor make the list
+    incomplete: it is printed, stderr says why, and the exit code is 1 (an outside
+    tester's walk under ``ulimit -n 24`` listed 15 of 30 peers and exited 0)."""
+    from peer.cli_commands import _print_status
+
+    peer_id = str(Identity.from_seed(b"p" * 32).peer_id)
+    report: dict[str, Any] = {
+        "num_peers": 1,
+        "peers": [{"peer_id": peer_id, "address": f"{peer_id}@127.0.0.1:4000"}],
+        "_errors": {},
+        "_timed_out": False,
+        "_twins": {},
+        "_short_of_files": 3,
+    }
+    args = SimpleNamespace(json=True, timeout=20.0, initial_peers=[])
+    assert _print_status(report, args) == 1  # type: ignore[arg-type]
+    out, err = capsys.readouterr()
+    assert '"num_peers": 1' in out
+    assert "ran out of file descriptors (ulimit -n" in err
+    assert "3 peer(s) not asked, the list is incomplete; raise the limit" in err

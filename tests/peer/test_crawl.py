@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 from contextlib import AsyncExitStack
 
 import trio
@@ -9,7 +10,7 @@ import trio.testing
 
 from peer import Reply, Request
 from peer.crawl import crawl
-from peer.memnet import MemoryNetwork
+from peer.memnet import MemoryInterface, MemoryNetwork, MemoryStream
 from peer.node import Peer, open_peer
 from protocol.identity import Identity, PeerID
 from protocol.messages import FindNodeResponse, NodeInfo
@@ -149,3 +150,51 @@ async def test_two_processes_with_one_key_are_both_listed(
         "10.0.3.2:1000",
         "10.0.3.3:1000",
     }
+
+
+class FewFiles(MemoryInterface):
+    """A memory network interface in a process with ``budget`` file descriptors for
+    connections: a dial beyond them fails as a socket would (EMFILE)."""
+
+    budget = 6
+    streams: list[MemoryStream]
+
+    async def connect(self, host: str, port: int) -> trio.abc.Stream:
+        self.streams = [s for s in getattr(self, "streams", []) if not s._closed]
+        if len(self.streams) >= self.budget:
+            raise OSError(errno.EMFILE, "this process is out of file descriptors: a trial")
+        stream = await super().connect(host, port)
+        assert isinstance(stream, MemoryStream)
+        self.streams.append(stream)
+        return stream
+
+
+async def test_a_walk_short_of_files_still_lists_every_peer(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """An outside tester's ``swarm status`` under ``ulimit -n 24`` listed 15 of 30 peers
+    and exited 0: the walk kept a connection per peer (its join's too) and took a dial
+    that failed for want of a file descriptor for a peer that did not answer. Each
+    connection now closes once its peer answered, and such a peer is visited again."""
+    net = MemoryNetwork(latency=0.01)
+    interface = net.interface("10.0.2.1")
+    interface.__class__ = FewFiles
+    with trio.fail_after(600):
+        async with AsyncExitStack() as stack:
+            peers: list[Peer] = []
+            for i in range(20):
+                peers.append(
+                    await stack.enter_async_context(
+                        open_peer(
+                            f"10.0.1.{i + 1}:1000",
+                            [peers[0].address] if peers else [],
+                            network=net.interface(f"10.0.1.{i + 1}"),
+                        )
+                    )
+                )
+            client = await stack.enter_async_context(
+                open_peer(None, [peers[0].address], client_mode=True, network=interface)
+            )
+            short: set[str] = set()
+            found = await crawl(client, request_timeout=REQUEST_TIMEOUT, short_of_files=short)
+    assert len(found) == 20 and not short

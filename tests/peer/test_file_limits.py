@@ -6,12 +6,14 @@ and its gets came back empty with nothing said."""
 
 from __future__ import annotations
 
+import errno
 import logging
 import socket
 import subprocess
 import sys
 import textwrap
 import time
+from contextlib import AsyncExitStack
 from pathlib import Path
 
 import pytest
@@ -21,6 +23,7 @@ import trio.testing
 from peer.host import HostConfig, open_rpc_host
 from peer.memnet import MemoryInterface, MemoryNetwork
 from peer.network import TcpNetwork
+from peer.node import Peer, PeerConfig, open_peer
 from peer.rpc import Reply, Request
 from protocol.address import Address
 from protocol.identity import Identity
@@ -193,3 +196,54 @@ def test_a_listener_without_file_descriptors_warns_once_not_every_accept() -> No
     lines = [line for line in err.splitlines() if line.startswith(("WARNING", "ERROR"))]
     assert lines == [lines[0]] and lines[0].startswith("WARNING"), err  # was an ERROR each time
     assert "out of file descriptors (ulimit -n 64): cannot accept a connection" in lines[0]
+
+
+class OutOfFiles(MemoryInterface):
+    """A memory network interface whose process has no file descriptor left to dial with
+    while ``empty`` is set (its peers are all well)."""
+
+    empty = False
+
+    async def connect(self, host: str, port: int) -> trio.abc.Stream:
+        if self.empty:
+            raise OSError(errno.EMFILE, "this process is out of file descriptors: a trial")
+        return await super().connect(host, port)
+
+
+async def test_a_node_out_of_files_keeps_its_contacts(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """An outside tester's node whose own process ran out of files (its 10 peers, in another
+    process, all well) logged "peer left: X (a request failed)" for every contact within
+    0.1 s and emptied its table; its dials failing is no news of them."""
+    net = MemoryNetwork(latency=0.01)
+    interface = net.interface("10.0.0.1")
+    interface.__class__ = OutOfFiles
+    assert isinstance(interface, OutOfFiles)
+    short = PeerConfig(host=HostConfig(idle_timeout=2.0))
+    with trio.fail_after(300), caplog.at_level(logging.INFO, logger="peer.dht"):
+        async with AsyncExitStack() as stack:
+            others: list[Peer] = []
+            for i in range(6):
+                initial = [others[0].address] if others else []
+                others.append(
+                    await stack.enter_async_context(
+                        open_peer(f"10.0.1.{i}:1000", initial, network=net.interface(f"10.0.1.{i}"))
+                    )
+                )
+            node = await stack.enter_async_context(
+                open_peer("10.0.0.1:1000", [others[0].address], network=interface, config=short)
+            )
+            await trio.sleep(10.0)  # its connections close idle
+            before = set(node.dht.routing_table_peers())
+            assert len(before) == 6
+            interface.empty = True
+            for i in range(5):
+                await node.dht.store(f"key{i}", i, ttl=300)
+                await node.dht.get(f"other{i}")
+            await trio.sleep(120.0)  # pings of suspects, refreshes
+            assert set(node.dht.routing_table_peers()) == before
+            assert "peer left" not in caplog.text
+            interface.empty = False
+            assert await node.dht.store("after", 1, ttl=300)
+            assert await others[3].dht.get("after") is not None
