@@ -11,6 +11,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
+import trio
 from torch.utils.data import DataLoader, Dataset
 
 import peer
@@ -25,6 +26,23 @@ def test_the_context_manager_instead_of_the_peer_is_a_type_error_that_says_so() 
         Averager(peer.run_in_background(), "mistake/p", [torch.zeros(4)])  # type: ignore[arg-type]
     with pytest.raises(TypeError, match="node must be a running peer, got NoneType"):
         Averager(None, "mistake/p", [torch.zeros(4)])  # type: ignore[arg-type]
+
+
+def test_an_averager_on_a_stopped_peer_is_refused_when_made() -> None:
+    """An outside tester made an Averager on a peer whose block had ended: no error until
+    its first step. Both kinds of peer now refuse at once."""
+    with peer.run_in_background() as node:
+        pass
+    with pytest.raises(peer.PeerStoppedError, match="this peer has stopped"):
+        Averager(node, "mistake/p", [torch.zeros(4)])
+
+    async def main() -> peer.Peer:
+        async with peer.open_peer() as node:
+            return node
+
+    stopped = trio.run(main)
+    with pytest.raises(peer.PeerStoppedError, match="this peer has stopped"):
+        Averager(stopped, "mistake/p", [torch.zeros(4)])
 
 
 class _SocketsInWorker(Dataset[torch.Tensor]):

@@ -10,6 +10,7 @@ import numbers
 import sys
 
 from peer import BackgroundPeer, Peer
+from peer.errors import STOPPED, PeerStoppedError
 from peer.node import MIN_PEER_FRAME_SIZE
 from protocol.codecs import Codec
 from protocol.errors import brief
@@ -81,8 +82,12 @@ def check_prefix(prefix: object) -> str:
 
 def check_node(node: object) -> None:
     """Raises: TypeError for a node that is not a running peer (the usual one: the context
-    manager of ``run_in_background``, the ``with`` forgotten)."""
+    manager of ``run_in_background``, the ``with`` forgotten); PeerStoppedError for one
+    whose block has ended (an outside tester's averager was made so, only its step
+    failing)."""
     if isinstance(node, Peer | BackgroundPeer):
+        if (node.peer if isinstance(node, BackgroundPeer) else node).rpc.stopped:
+            raise PeerStoppedError(STOPPED)
         return
     hint = ""
     if hasattr(type(node), "__enter__") or hasattr(type(node), "__aenter__"):
