@@ -42,7 +42,7 @@ from .background_dht import BackgroundDHT
 from .background_peer import BackgroundClock, BackgroundPeer, PeerThreadError, _InterruptibleCall
 from .errors import PeerStoppedError
 from .netclock import wall_clock
-from .network import Network
+from .network import Network, open_files_limit, out_of_files
 from .node import PeerConfig, as_list, open_peer
 
 __all__ = [
@@ -137,7 +137,18 @@ class BackgroundContext:
                 "this run_in_background() block has already run: call"
                 " peer.run_in_background(...) again for a new peer"
             )
-        node, self._stop = self._start()
+        try:
+            node, self._stop = self._start()
+        except OSError as exc:
+            if not out_of_files(exc) or exc.strerror != os.strerror(exc.errno or 0):
+                raise  # (an open_peer message of ours, which says what failed, goes as it is)
+            # trio's own files for the loop (a bare "[Errno 24] Too many open files" named
+            # neither what failed nor the limit: an outside tester)
+            raise OSError(
+                exc.errno,
+                f"this process is out of file descriptors ({open_files_limit()}): cannot start"
+                " the background peer; raise the limit (ulimit -n)",
+            ) from exc
         self._entered = True
         return node
 

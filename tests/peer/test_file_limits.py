@@ -247,3 +247,43 @@ async def test_a_node_out_of_files_keeps_its_contacts(
             interface.empty = False
             assert await node.dht.store("after", 1, ttl=300)
             assert await others[3].dht.get("after") is not None
+
+
+BACKGROUND_SHORT_OF_FILES = textwrap.dedent(
+    """
+    import resource, socket, sys
+    sys.path.insert(0, sys.argv[1])
+    from peer import run_in_background
+    hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+    resource.setrlimit(resource.RLIMIT_NOFILE, (64, hard))
+    held = []
+    try:
+        while True:
+            held.append(socket.socket())
+    except OSError:
+        pass
+    try:
+        with run_in_background():
+            pass
+    except OSError as exc:
+        print(exc.errno, exc.strerror, flush=True)
+    """
+)
+
+
+@pytest.mark.skipif(sys.platform == "win32", reason="no RLIMIT_NOFILE")
+def test_a_background_peer_without_files_to_start_says_so() -> None:
+    """trio's loop needs files of its own: an outside tester's ``run_in_background`` got a
+    bare ``[Errno 24] Too many open files``, naming neither what failed nor the limit."""
+    root = str(Path(__file__).resolve().parents[2])
+    out = subprocess.run(
+        [sys.executable, "-c", BACKGROUND_SHORT_OF_FILES, root],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.startswith(
+        "24 this process is out of file descriptors (ulimit -n 64): cannot start the background"
+        " peer; raise the limit"
+    ), out.stdout
