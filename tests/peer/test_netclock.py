@@ -104,6 +104,23 @@ def test_on_loopback_each_peer_counts() -> None:
     assert clock.samples == 3 and clock.offset == pytest.approx(3.0)  # [0, 1, 5, 5]
 
 
+def test_identities_on_one_remote_host_count_once() -> None:
+    """Only loopback counts peer by peer: distinct identities answering from one remote
+    IPv4 host, or from one global IPv6 /64, are one sample, so that a machine running a
+    crowd of peers cannot outvote the other hosts."""
+    clock = NetworkClock(lambda: 0.0)
+    ids = [Identity.from_seed(bytes([i]) * 32).peer_id for i in range(4)]
+    for peer_id in ids:
+        clock.record("10.0.0.9", 50.0, 0.0, 0.0, peer_id)
+    assert clock.samples == 1
+    for i, peer_id in enumerate(ids):
+        clock.record(f"2001:db8::{i + 1}", 50.0, 0.0, 0.0, peer_id)
+    assert clock.samples == 2
+    clock.record("10.0.0.2", 0.0, 0.0, 0.0, ids[0])
+    clock.record("10.0.0.3", 0.0, 0.0, 0.0, ids[1])
+    assert clock.samples == 4 and clock.offset == 0.0  # [0, 0, 0, 50, 50]: median 0
+
+
 def test_asked_back_answers_count_no_more_than_picked_ones() -> None:
     """Anyone may call us and be asked back: a crowd of hosts doing so to move our clock
     gets as many voices as the contacts we picked, never a majority."""

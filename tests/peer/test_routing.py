@@ -51,6 +51,24 @@ def test_nearest_matches_brute_force() -> None:
     )
 
 
+def test_nearest_with_the_excluded_contact_in_a_bucket_of_exactly_count() -> None:
+    """The target's bucket holds exactly ``count`` contacts, one of them excluded: the one
+    missing comes from the buckets below it (closer to the target than any above), not
+    from a farther bucket above; the result is the brute-force nearest of the rest."""
+    table = RoutingTable(LOCAL, k=20)
+    inside = [in_bucket(10, i) for i in range(3)]
+    below = [in_bucket(3, i) for i in range(4)] + [in_bucket(6, 1)]
+    above = [in_bucket(12, i) for i in range(4)]
+    for n in inside + below + above:
+        table.update(n, now=0.0)
+    target = (1 << 10) + 5
+    excluded = inside[0]
+    rest = [n for n in inside + below + above if n != excluded]
+    expected = sorted(rest, key=lambda n: DHTID.from_peer_id(n.peer_id) ^ target)[:3]
+    assert expected[2] in below
+    assert table.nearest(target, 3, exclude=excluded.peer_id) == expected
+
+
 def test_bucket_orders_by_last_seen_and_refreshes_address() -> None:
     table = RoutingTable(LOCAL, k=3)
     a, b, c = (in_bucket(10, i) for i in range(3))
@@ -163,6 +181,20 @@ def test_an_unreachable_contact_is_pinged_before_a_replacement_takes_its_place()
     assert a.peer_id in table and table.replacement_nodes(7) == [b]
     table.ping_result(a.peer_id, alive=False, now=1.0)
     assert table.bucket_nodes(7) == [b]
+
+
+def test_an_unreachable_contact_is_pinged_at_max_failures_without_a_replacement() -> None:
+    """With no replacement waiting, unreachable failures count toward ``max_failures``,
+    and the one that reaches it (not one more) hands the contact back to be pinged."""
+    table = RoutingTable(LOCAL, k=1, max_failures=3)
+    a = in_bucket(7, 0)
+    table.update(a, now=0.0)
+    assert table.record_failure(a.peer_id, unreachable=True) is False
+    assert table.record_failure(a.peer_id, unreachable=True) is False
+    assert table.record_failure(a.peer_id, unreachable=True) is True
+    assert table.bucket_nodes(7) == [a]  # the ping decides, not the count
+    table.ping_result(a.peer_id, alive=False, now=1.0)
+    assert a.peer_id not in table
 
 
 def test_client_mode_and_self_never_enter() -> None:

@@ -88,6 +88,41 @@ def test_full_dictionary_drops_soonest_expiring_for_a_longer_lived_newcomer(cloc
     assert set(storage.get(KEY)) == {1, 2, 9}
 
 
+def test_a_full_dictionary_keeps_its_entries_against_a_newcomer_that_expires_with_them(
+    clock: Clock,
+) -> None:
+    """A full dictionary makes room only for a newcomer that outlives its soonest-expiring
+    entry (docs/dht.md, "What a node stores for others"): one that expires at the same time
+    is refused, in a lookup's merge of answers as in the store."""
+    record: dict = {}
+    for i in range(3):
+        assert merge_entry(record, Entry(i, b"x", clock.now + 10 + i), max_subkeys=3)
+    assert not merge_entry(record, Entry(9, b"x", clock.now + 10), max_subkeys=3)
+    assert set(record) == {0, 1, 2}
+    assert merge_entry(record, Entry(9, b"x", clock.now + 10.5), max_subkeys=3)
+    assert set(record) == {1, 2, 9}
+    storage = DHTStorage(clock=clock, max_subkeys_per_key=3)
+    for i in range(3):
+        assert storage.store(KEY, Entry(i, b"x", clock.now + 10 + i))
+    assert not storage.store(KEY, Entry(9, b"x", clock.now + 10))
+    assert set(storage.get(KEY)) == {0, 1, 2}
+
+
+def test_expired_keys_leave_no_name_behind(storage: DHTStorage, clock: Clock) -> None:
+    """The key texts kept for handover go with their keys: a node that sees many
+    short-lived keys (a round key per averaging slot) must not grow without bound.
+    ``name_of`` hides a leftover name (it asks whether the key lives), so this looks at
+    the private map itself."""
+    for i in range(50):
+        name = f"run/round/{i}"
+        assert storage.store(DHTID.from_key(name), Entry(None, b"x", clock.now + 5), name=name)
+    assert storage.name_of(DHTID.from_key("run/round/7")) == "run/round/7"
+    clock.now += 5
+    assert storage.expire() == 50 and len(storage) == 0
+    assert storage.name_of(DHTID.from_key("run/round/7")) is None
+    assert len(storage._names) == 0
+
+
 def test_storage_refuses_new_keys_when_full(clock: Clock) -> None:
     storage = DHTStorage(clock=clock, max_keys=2)
     for name in ("a", "b"):

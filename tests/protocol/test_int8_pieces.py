@@ -9,8 +9,8 @@ import pytest
 
 from protocol.codecs import NonFiniteError, get_codec
 from protocol.codecs.base import read_header
-from protocol.codecs.int8 import Int8Codec
-from protocol.errors import ProtocolError, RemoteProtocolError
+from protocol.codecs.int8 import MAX_SCALE, Int8Codec
+from protocol.errors import LocalProtocolError, ProtocolError, RemoteProtocolError
 
 
 def one_by_one(codec: Int8Codec, values: np.ndarray, lengths: list[int]) -> bytes:
@@ -119,3 +119,73 @@ def test_what_the_passes_refuse() -> None:
     assert len(forged) == len(one_by_one(codec, eight, [4, 4]))
     with pytest.raises(RemoteProtocolError, match="block_size 3, not 2"):
         codec.decode_pieces_into(forged, [4, 4], np.empty(8, np.float32))
+
+
+def test_pieces_longer_than_max_elements_are_not_encoded() -> None:
+    """``max_elements`` bounds each blob as :meth:`encode_into` does: a piece longer than it
+    is refused before any byte is written (the receiver would refuse the blob anyway)."""
+    codec = Int8Codec(block_size=2, max_elements=4)
+    values = np.arange(8, dtype=np.float32)
+    out = bytearray(200)
+    with pytest.raises(LocalProtocolError):
+        codec.encode_pieces_into(values, [3, 5], out)
+    assert out == bytearray(200)
+    assert codec.encode_pieces_into(values, [4, 4], bytearray(200)) == len(
+        one_by_one(codec, values, [4, 4])
+    )
+
+
+def test_the_largest_floats_are_encoded_with_a_capped_scale() -> None:
+    """Values near ``FLT_MAX`` make a scale of ``FLT_MAX / 127``, above ``MAX_SCALE``: the
+    passes cap it as a call per piece does, so the blobs are the same bytes and decode (in
+    passes or per piece) to finite values within the error bound, not a refused scale."""
+    codec = get_codec("int8", block_size=4)
+    assert isinstance(codec, Int8Codec)
+    fmax = np.finfo(np.float32).max
+    values = np.array([fmax, -fmax, 1, 0, 5, -fmax, 3], np.float32)
+    lengths = [4, 3]
+    expected = one_by_one(codec, values, lengths)
+    out = bytearray(len(expected))
+    assert codec.encode_pieces_into(values, lengths, out) == len(expected)
+    assert bytes(out) == expected
+    back = np.empty(values.size, np.float32)
+    codec.decode_pieces_into(bytes(out), lengths, back)
+    assert np.isfinite(back).all()
+    np.testing.assert_array_equal(back, read_one_by_one(codec, expected, lengths))
+    for start, length in ((0, 4), (4, 3)):
+        absmax = np.abs(values[start : start + length].astype(np.float64)).max()
+        error = np.abs(
+            values[start : start + length].astype(np.float64) - back[start : start + length]
+        )
+        assert error.max() <= absmax / 254 + 1e-6 * absmax
+
+
+@pytest.mark.parametrize(
+    "scale", [np.inf, np.nextafter(MAX_SCALE, np.float32(np.inf))], ids=["inf", "above_max"]
+)
+def test_an_infinite_or_overlarge_scale_is_refused(scale: float) -> None:
+    """A scale above ``MAX_SCALE`` (infinite, or just above it with the value 127) would
+    decode to infinity: refused as each blob on its own refuses it, so that a decoded array
+    is always finite."""
+    codec = get_codec("int8", block_size=2)
+    assert isinstance(codec, Int8Codec)
+    values = np.array([1, -1, 2, 0], np.float32)
+    payload = bytearray(one_by_one(codec, values, [4]))
+    offset = read_header(payload).payload_offset
+    payload[offset : offset + 4] = np.array([scale], "<f4").tobytes()  # block 0: [127, -127]
+    with pytest.raises(RemoteProtocolError, match="scales"):
+        codec.decode_into(bytes(payload), np.empty(4, np.float32))
+    with pytest.raises(RemoteProtocolError, match="scales"):
+        codec.decode_pieces_into(bytes(payload), [4], np.empty(4, np.float32))
+
+
+def test_bytes_after_the_blobs_are_refused() -> None:
+    """A payload longer than its blobs is the sender's error: a protocol error, which
+    callers handle, not an IndexError from the byte masks."""
+    codec = get_codec("int8", block_size=2)
+    assert isinstance(codec, Int8Codec)
+    values = np.arange(6, dtype=np.float32)
+    payload = one_by_one(codec, values, [3, 3])
+    for extra in (b"\0", bytes(50)):
+        with pytest.raises(RemoteProtocolError, match="bytes, not the"):
+            codec.decode_pieces_into(payload + extra, [3, 3], np.empty(6, np.float32))

@@ -99,6 +99,8 @@ def test_owned_keys() -> None:
     assert key_owner(key) == ALICE.peer_id
     assert key_owner("run1/state") is None
     assert key_owner(f"run1/state[owner:{ALICE.peer_id}] ") is None  # must end the key
+    assert key_owner(f"run1/state[owner:{ALICE.peer_id}") is None  # not closed
+    assert key_owner(f"run1/state[owner:{ALICE.peer_id})") is None  # closed by another char
     assert key_owner(f"run1/state[owner:{str(ALICE.peer_id)[:-1]}]") is None
     assert key_owner("[owner:]") is None
     assert key_owner(f"[owner:x][owner:{BOB.peer_id}]") == BOB.peer_id  # the last mark
@@ -359,6 +361,8 @@ def test_check_key() -> None:
         msgpack.packb(msgpack.ExtType(3, b"x")),
         msgpack.packb({"at": [msgpack.Timestamp(1, 0)]}),
         msgpack.packb({"at": msgpack.Timestamp(1, 0)}),
+        msgpack.packb({msgpack.Timestamp(1, 0): "at"}),  # a timestamp as a map key
+        msgpack.packb([{"a": {msgpack.Timestamp(1, 0): 1}}]),
         b"\x92\x01",  # truncated
         b"\x01\x02",  # two objects
         b"\x81\x91\x01\x02",  # a list as a map key

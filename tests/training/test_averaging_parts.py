@@ -32,6 +32,15 @@ from training.averaging.reducer import (
     PartReducer,
     effective_weights,
 )
+from training.averaging.report import (
+    Outcome,
+    PartReport,
+    PartStatus,
+    _fraction,
+    merge_dropped,
+    outcome_of,
+    part_status,
+)
 
 
 def peer(i: int) -> PeerID:
@@ -399,6 +408,24 @@ def test_reducer_excludes_a_failed_sender_exactly(fault: str) -> None:
     np.testing.assert_allclose(reducer.mean()[:30], expected, rtol=1e-5, atol=1e-6)
 
 
+@pytest.mark.parametrize(("codec", "raw"), [("none", False), ("int8", False), ("none", True)])
+def test_a_chunk_of_the_wrong_size_is_refused_at_admission(codec: str, raw: bool) -> None:
+    """``check_chunk`` looks at the payload's size before a call waits for admission: a
+    chunk one byte short (or long) of the codec's blob (or of raw float32) is garbage
+    there, before its bytes are held or decoded, and its sender is dropped."""
+    members = [Member(peer(i), 1.0, 0) for i in range(3)]
+    reducer = make_reducer(codec, members, 20)
+    values = np.arange(8, dtype=np.float32)
+    blob = values.tobytes() if raw else get_codec(codec).encode(values)
+    short, long = members[1].peer_id, members[2].peer_id
+    with pytest.raises(ChunkRejected, match="bytes, not"):
+        reducer.check_chunk(short, 0, 0, 1.0, blob[:-1], raw=raw)
+    with pytest.raises(ChunkRejected, match="bytes, not"):
+        reducer.check_chunk(long, 0, 0, 1.0, blob + b"\0", raw=raw)
+    assert reducer.reason(short) is reducer.reason(long) is DropReason.GARBAGE
+    assert reducer.pending() == [members[0].peer_id]
+
+
 def test_reducer_finalize_drops_pending_with_reasons_and_int8() -> None:
     rng = np.random.default_rng(2)
     members = [Member(peer(i), 1.0, 3) for i in range(3)]
@@ -454,6 +481,91 @@ def test_messages_round_trip() -> None:
     assert ResultHeader.from_body(res.to_body()) == res
     with pytest.raises(RemoteProtocolError):
         ResultHeader.from_body({"contributors": [], "dropped": [["x", "dead"]], "weight": 1})
+
+
+# -- report -----------------------------------------------------------------------------
+
+
+def part(
+    start: int,
+    stop: int,
+    status: PartStatus,
+    dropped: dict[PeerID, DropReason] | None = None,
+) -> PartReport:
+    """A part of ``[start, stop)`` with ``status`` (reducer and contributors do not matter
+    to the report's sums)."""
+    return PartReport(
+        0, peer(0), (start, stop), status, (), dropped or {}, status is not PartStatus.NONE
+    )
+
+
+ALL, SOME, NONE = PartStatus.ALL, PartStatus.SOME, PartStatus.NONE
+
+
+@pytest.mark.parametrize(
+    ("statuses", "total", "outcome"),
+    [
+        ([(0, 1000, ALL)], 1000, Outcome.AVERAGED),
+        ([(0, 995, ALL), (995, 1000, SOME)], 1000, Outcome.PARTIAL),  # 99.5 %: not full
+        ([(0, 995, ALL), (995, 1000, NONE)], 1000, Outcome.PARTIAL),
+        ([(0, 500, NONE), (500, 1000, SOME)], 1000, Outcome.PARTIAL),
+        ([(0, 500, NONE), (500, 1000, NONE)], 1000, Outcome.FAILED),
+        ([(0, 0, ALL), (0, 0, ALL)], 0, Outcome.AVERAGED),  # an empty vector
+        ([(0, 0, ALL), (0, 0, SOME)], 0, Outcome.PARTIAL),
+        ([(0, 0, NONE), (0, 0, NONE)], 0, Outcome.FAILED),
+        ([], 1000, Outcome.FAILED),
+    ],
+)
+def test_the_outcome_is_averaged_only_when_every_element_is(
+    statuses: list[tuple[int, int, PartStatus]], total: int, outcome: Outcome
+) -> None:
+    """``averaged`` promises the whole vector is the group's mean: a partial result is
+    never reported as full, not even 99.5 % of it, nor an empty vector none of whose parts
+    received a result (its share counts as the parts' statuses say)."""
+    assert outcome_of([part(*s) for s in statuses], total) is outcome
+
+
+def test_the_fractions_of_an_empty_vector_follow_its_parts() -> None:
+    """With no element to count, a share is whole when every part has the status, and
+    nothing otherwise: parts that all kept their local values do not read as averaged."""
+    none = [part(0, 0, NONE), part(0, 0, NONE)]
+    assert _fraction(none, 0, (ALL,)) == 0.0
+    assert _fraction(none, 0, (ALL, SOME)) == 0.0
+    assert _fraction([part(0, 0, ALL), part(0, 0, SOME)], 0, (ALL,)) == 0.0
+    assert _fraction([part(0, 0, ALL), part(0, 0, SOME)], 0, (ALL, SOME)) == 1.0
+    assert _fraction([], 0, (ALL,)) == 0.0
+
+
+def test_merged_drops_keep_the_first_reason_seen() -> None:
+    """A member dropped by several parts' reducers for different reasons is reported with
+    the first part's reason (docs/averaging.md, "The report"); each part keeps its own."""
+    parts = [
+        part(0, 10, SOME, {peer(1): DropReason.FROZEN}),
+        part(10, 20, SOME, {peer(1): DropReason.TIMEOUT, peer(2): DropReason.DEAD}),
+        part(20, 30, SOME, {peer(2): DropReason.GARBAGE}),
+    ]
+    assert merge_dropped(parts) == {peer(1): DropReason.FROZEN, peer(2): DropReason.DEAD}
+    assert list(merge_dropped(parts)) == [peer(1), peer(2)]
+    assert merge_dropped([]) == {}
+
+
+@pytest.mark.parametrize(
+    ("contributors", "received", "status"),
+    [
+        ([0, 1, 2], True, ALL),
+        ([2, 0, 1, 3], True, ALL),  # a superset still holds every member's values
+        ([0, 1], True, SOME),
+        ([0, 1, 3], True, SOME),  # as many as the group, but one is not a member
+        ([], True, NONE),  # a result over nobody: our values are kept, not "some"
+        ([0, 1, 2], False, NONE),
+        ([], False, NONE),
+    ],
+)
+def test_part_status(contributors: list[int], received: bool, status: PartStatus) -> None:
+    """``all`` only when every member's values are in the received mean, ``some`` when a
+    received mean is over fewer of them, ``none`` when nothing usable was received."""
+    group = [peer(i) for i in range(3)]
+    assert part_status(group, [peer(i) for i in contributors], received) is status
 
 
 def test_public_surface() -> None:
