@@ -92,9 +92,36 @@ class PeerID:
         return self.to_base58()[:8]
 
 
+_P_MINUS_1 = bytes([0xEC]) + b"\xff" * 30 + bytes([0x7F])
+SMALL_ORDER_POINTS = frozenset(
+    {
+        bytes(32),  # y = 0 (order 4)
+        b"\x01" + bytes(31),  # the identity, y = 1
+        bytes.fromhex("26e8958fc2b227b045c3f489f2ef98f0d5dfac05d3c63339b13802886d53fc05"),
+        bytes.fromhex("c7176a703d4dd84fba3c0b760d10670f2a2053fa2c39ccc64ec7fd7792ac037a"),
+        _P_MINUS_1,  # y = -1 (order 2)
+        bytes([0xED]) + _P_MINUS_1[1:],  # y = p, read as 0
+        bytes([0xEE]) + _P_MINUS_1[1:],  # y = p + 1, read as 1
+    }
+)
+"""Encodings of the Ed25519 points of order 1, 2, 4 and 8 (sign bit cleared), as
+libsodium refuses them: with such a key, or such an R, a signature verifies without any
+private key (the identity as the key, R the identity and S = 0 verify for every message:
+anyone could claim that key's PeerID and write its owned records; a security review)."""
+
+
+def has_small_order(encoding: bytes) -> bool:
+    """Whether a 32-byte point encoding is one of :data:`SMALL_ORDER_POINTS`, either sign."""
+    return encoding[:31] + bytes([encoding[31] & 0x7F]) in SMALL_ORDER_POINTS
+
+
 def verify_signature(public_key: bytes, signature: bytes, data: bytes) -> bool:
-    """True when ``signature`` is a valid Ed25519 signature of ``data`` by ``public_key``."""
+    """True when ``signature`` is a valid Ed25519 signature of ``data`` by ``public_key``.
+    A key or an R (the signature's first half) of small order is refused, whatever the
+    rest (see :data:`SMALL_ORDER_POINTS`)."""
     if len(public_key) != PUBLIC_KEY_LENGTH or len(signature) != SIGNATURE_LENGTH:
+        return False
+    if has_small_order(bytes(public_key)) or has_small_order(bytes(signature[:32])):
         return False
     try:
         Ed25519PublicKey.from_public_bytes(bytes(public_key)).verify(bytes(signature), bytes(data))

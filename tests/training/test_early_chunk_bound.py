@@ -68,6 +68,45 @@ async def test_early_chunks_are_bounded_per_sender_and_in_size(
     assert len(outcomes) == 21 and outcomes.count("busy") == 13
 
 
+async def test_early_chunks_with_a_malformed_header_are_bounded_too(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A chunk whose header does not parse but names our round and group waits for the
+    group too (to drop its sender as garbage): a security review's 128 such calls of 4 MiB
+    were all held, payload and all, until the group formed (+515 MB, one connection). They
+    are parked within the same bounds now; the rest are answered bad_request at once."""
+    config = fast_config(gather_window=10.0, max_inflight=4)
+    with trio.fail_after(120):
+        async with memnet_swarm(2) as (_, nodes):
+            victim, attacker = nodes
+            [member] = make_members([victim], 4096, config)
+            outcomes: list[str] = []
+
+            async def flood(round_no: int, payload: bytes) -> None:
+                body = {"round": round_no, "group": (1).to_bytes(16, "big"), "part": 0}
+                method = f"{method_prefix('t/x')}.chunk"
+                try:
+                    await attacker.rpc.call(Address.parse(victim.address), method, body, payload)
+                    outcomes.append("answered")
+                except RemoteError as exc:
+                    outcomes.append(exc.code)
+
+            entered = _on_entering_a_round(member.averager)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(member.averager.step)
+                await entered.wait()
+                assert member.averager._active is not None
+                round_no = member.averager._active.round
+                for _ in range(20):
+                    nursery.start_soon(flood, round_no, bytes(1024))
+                nursery.start_soon(flood, round_no, bytes(1 << 20))
+                await trio.sleep(1.0)
+                at_once = list(outcomes)
+                assert member.averager._active.parked_bytes == 8 * 1024
+    assert at_once == ["bad_request"] * 13, at_once
+    assert outcomes == ["bad_request"] * 21
+
+
 async def test_join_and_result_requests_carry_nothing_extra(
     autojump_clock: trio.testing.MockClock,
 ) -> None:

@@ -165,13 +165,15 @@ class Handlers:
     async def _drop_for_garbage(self, request: Request) -> None:
         """A malformed chunk header that names our round, group and part drops its sender
         from the part at once (``garbage``): left pending, it would hold the others to the
-        cutoff."""
+        cutoff. One that comes before the group is confirmed waits for it as a chunk does,
+        within :meth:`_park`'s bounds (it holds its payload: a security review's 128 calls
+        of 4 MiB were all held, +515 MB); beyond them it is answered at once."""
         body = request.body
         round_no, group_id, part = body.get("round"), body.get("group"), body.get("part")
         if type(round_no) is not int or type(group_id) is not bytes or type(part) is not int:
             return
         try:
-            service = await self._service(round_no, group_id)  # (as a chunk would wait)
+            service = await self._service(round_no, group_id, request)  # (as a chunk waits)
         except RemoteError:
             return
         if service.part == part:
