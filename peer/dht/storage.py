@@ -196,7 +196,13 @@ class DHTStorage:
             RecordError: the entry is invalid (oversized, expired, bad or missing signature).
         """
         now = self._clock()
-        validate_entry(key, entry, now=now, key_owner=key_owner)
+        record = self._records.get(key)
+        held = None if record is None else record.get(entry.subkey)
+        # The same entry again (a republish, or a replay: a security review's peer sent one
+        # signed store of 64 entries 128 times at once, 1.7 s of signature checks on our
+        # loop) was checked when stored, and is valid as long as it lives.
+        if held is None or held.expiration <= now or held != entry:
+            validate_entry(key, entry, now=now, key_owner=key_owner)
         self.expire()
         record = self._records.get(key)
         if record is None and len(self._records) >= self.max_keys:

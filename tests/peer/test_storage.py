@@ -231,3 +231,36 @@ def test_a_full_store_takes_a_newer_version_of_an_entry_it_holds() -> None:
     assert not storage.store(key, bigger)
     assert storage.store(key, newer)  # the same entry again (a republish) is held
     assert not storage.store(DHTID.from_key("new"), Entry(None, value, now[0] + 1000))
+
+
+def test_the_same_entry_again_is_not_checked_again(
+    clock: Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A security review's peer sent one signed store of 64 entries 128 times at once:
+    each time every signature was checked again (1.7 s of a node's loop) before storage
+    found that it changed nothing. An entry held, not expired, and identical (signature
+    included) was checked when stored and is valid while it lives."""
+    import peer.dht.storage as storage_module
+    from protocol.records import validate_entry
+
+    checks = 0
+
+    def counting(*args: object, **kwargs: object) -> None:
+        nonlocal checks
+        checks += 1
+        validate_entry(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(storage_module, "validate_entry", counting)
+    storage = DHTStorage(clock=clock)
+    owner = Identity.from_seed(b"o" * 32)
+    signed = sign_entry(owner, KEY, str(owner.peer_id), b"\x01", clock.now + 30)
+    assert storage.store(KEY, signed)
+    for _ in range(5):
+        assert storage.store(KEY, signed)
+    assert checks == 1
+    other = sign_entry(owner, KEY, str(owner.peer_id), b"\x02", clock.now + 31)
+    assert storage.store(KEY, other) and checks == 2  # a new version: checked
+    forged = Entry(other.subkey, other.value, other.expiration, other.owner_key, bytes(64))
+    with pytest.raises(RecordError):  # the same but its signature: checked, refused
+        storage.store(KEY, forged)
+    assert checks == 3
