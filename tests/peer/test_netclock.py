@@ -81,6 +81,22 @@ def test_the_offset_is_the_median_of_the_hosts_and_our_own_zero() -> None:
     assert clock.samples == 3
 
 
+def test_two_camps_far_apart_move_nobody_halfway() -> None:
+    """The median of an even count is halfway between the two middle offsets, unless they
+    are a minute or more apart: then whichever value between them is nearest the offset
+    we run on. A node with as many lying voices (+3600 s) as honest ones went 1800 s off,
+    nobody's time (an outside tester: settled peers, for up to a minute)."""
+    clock = NetworkClock(lambda: 0.0)
+    clock.record("10.0.0.2", 0.0, 0.0, 0.0)
+    clock.record("10.0.0.3", 3600.0, 0.0, 0.0)
+    clock.record("10.0.0.4", 3600.0, 0.0, 0.0)
+    assert clock.offset == 0.0  # [0, 0, 3600, 3600]: was 1800
+    clock.record("10.0.0.5", 3600.0, 0.0, 0.0)
+    assert clock.offset == 3600.0  # a majority
+    clock.record("10.0.0.6", 0.0, 0.0, 0.0)
+    assert clock.offset == 3600.0  # [0, 0, 0, 3600, 3600, 3600]: stays where it runs
+
+
 def test_one_sample_per_host_the_latest() -> None:
     clock = NetworkClock(lambda: 0.0)
     for _ in range(5):  # a crowd of identities on one machine: one voice
@@ -121,18 +137,24 @@ def test_identities_on_one_remote_host_count_once() -> None:
     assert clock.samples == 4 and clock.offset == 0.0  # [0, 0, 0, 50, 50]: median 0
 
 
-def test_asked_back_answers_count_no_more_than_picked_ones() -> None:
+def test_asked_back_answers_count_only_while_few_were_picked() -> None:
     """Anyone may call us and be asked back: a crowd of hosts doing so to move our clock
-    gets as many voices as the contacts we picked, never a majority."""
+    gets as many voices as the contacts we picked (one while we picked none: the first
+    node of a swarm), and none once we picked 3. Beside 8 picked, 3 of them liars, 5 liars
+    asked back had moved us (an outside tester: 7 honest voices against 8)."""
     clock = NetworkClock(lambda: 0.0)
     for i in range(10):
         clock.record(f"10.0.1.{i}", 100.0, 0.0, 0.0, picked=False)
     assert clock.offset == pytest.approx(50.0)  # nothing picked yet: one voice, halfway
-    for i in range(5):
+    for i in range(2):
         clock.record(f"10.0.0.{i}", 0.0, 0.0, 0.0)
-    assert clock.samples == 10 and clock.offset == 0.0  # [0, 0 x5, 100 x5]
+    assert clock.samples == 4  # [0, 0, 0, 100, 100]: 2 asked back beside 2 picked
+    assert clock.offset == 0.0
     clock.record("10.0.0.1", 0.0, 0.0, 0.0, picked=False)  # picked already: stays picked
-    assert clock.picked == 5
+    assert clock.picked == 2
+    for i in range(2, 8):  # 8 picked, 3 of them lying
+        clock.record(f"10.0.0.{i}", 100.0 if i < 5 else 0.0, 0.0, 0.0)
+    assert clock.samples == 8 and clock.offset == 0.0  # [0, 0 x5, 100 x3]: none asked back
 
 
 def test_beyond_max_offset_says_so(caplog: pytest.LogCaptureFixture) -> None:
@@ -252,8 +274,8 @@ def test_small_moves_are_ignored_and_the_correction_is_capped() -> None:
     assert clock.offset == 0.0  # [0, 0.05, 0.3]: 0.05
     clock.record("10.0.0.4", 0.4, 0.0, 0.0)
     assert clock.offset == pytest.approx(0.175)  # [0, 0.05, 0.3, 0.4]: moved by more
-    clock.record("10.0.0.2", 1e6, 0.0, 0.0)
-    clock.record("10.0.0.3", 1e6, 0.0, 0.0)
+    for host in ("10.0.0.2", "10.0.0.3", "10.0.0.4"):
+        clock.record(host, 1e6, 0.0, 0.0)
     assert clock.offset == 60.0
 
 
