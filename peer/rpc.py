@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import logging
 import math
+import time
 
 import trio
 
@@ -79,6 +80,7 @@ logger = logging.getLogger(__name__)
 _BYE_GRACE = 5.0
 """Seconds a connection closed for idleness keeps its end open after its ``bye``, for the
 peer to close first (and the most its watchdog waits for that, the bye's write included)."""
+_HOLD_LOOP_AT_MOST = 0.005  # seconds of frames handled in a row before other tasks run
 
 
 class RpcConnection(Calling, Serving):
@@ -148,7 +150,14 @@ class RpcConnection(Calling, Serving):
             keepalive=self._keepalive,
             keepalive_every=min(self.silence_timeout, PEER_SILENCE) / 4,
         )
+        ran_since = time.perf_counter()
         while (data := await reader.next_frame()) is not None:
+            # Frames already read and deciphered come without a scheduler pass, and quick
+            # handlers run inline: a security review's 128 pipelined stores of 64 signed
+            # entries held every other task of the node for 1.7 s. Let them run every 5 ms.
+            if time.perf_counter() - ran_since > _HOLD_LOOP_AT_MOST:
+                await trio.lowlevel.checkpoint()
+                ran_since = time.perf_counter()
             self.last_activity = self._frame_received = trio.current_time()
             frame = decode_rpc_frame(data)
             del data  # hold no frame buffer while waiting: the reader reuses free ones
