@@ -63,9 +63,7 @@ async def crawl(
     targets = [DHTID(rng.getrandbits(ID_BITS)) for _ in range(_TARGETS_PER_PEER)]
     if answered is None:
         answered = {}
-    if short_of_files is None:
-        short_of_files = set()
-    short = short_of_files
+    short = set() if short_of_files is None else short_of_files
     retried: dict[str, int] = {}
     again: list[Address] = []
     seen: set[str] = set()
