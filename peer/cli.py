@@ -269,6 +269,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     stop = _SignalStop()  # first: a signal during the imports below must end cleanly too
     command = None
     try:
+        if stop.signum is not None:  # came while the handlers went in
+            raise _Interrupted
         _guard_closed_stdio()  # (inside: a signal may come as soon as the handlers are in)
         args, unknown = _parser().parse_known_args(argv)
         if unknown:  # (parse_args would print the top-level usage, not the command's)

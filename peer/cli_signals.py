@@ -45,7 +45,13 @@ class _SignalStop:
         # kept ignoring it never stopped there (an outside tester; the contract is "stops
         # cleanly on SIGINT/SIGTERM").
         self.signals = _STOP_SIGNALS
+        # No raise while they go in: a SIGTERM that came once its handler was in ran it
+        # inside the next one's signal.signal(), and the _Interrupted came out of this
+        # constructor, before main() could catch it (a traceback, exit code 1, in a CI
+        # run). main() looks at ``signum`` first thing instead.
+        self._raise = False
         self._previous = {s: signal.signal(s, self._handle) for s in self.signals}
+        self._raise = True
         # The _Interrupted a handler raises where Python cannot propagate it (a weakref
         # callback during an import) is printed as "Exception ignored"; start-up then goes
         # on and stops where it next looks at ``signum``. No traceback for that.

@@ -435,3 +435,35 @@ def test_status_short_of_files_prints_what_it_found_and_exits_1(
     assert '"num_peers": 1' in out
     assert "ran out of file descriptors (ulimit -n" in err
     assert "3 peer(s) not asked, the list is incomplete; raise the limit" in err
+
+
+def test_a_signal_while_the_handlers_go_in_is_a_clean_stop(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """SIGINT's handler goes in, then SIGTERM's: a signal that came once the first was in
+    ran it inside the second ``signal.signal`` call, and its _Interrupted came out of the
+    constructor, before main() could catch it (a traceback and exit code 1 in a CI run of
+    `test_a_signal_as_soon_as_the_command_owns_the_signals`). Simulated here: the first
+    handler runs during the second install."""
+    import signal
+
+    from peer import cli_signals
+
+    real = signal.signal
+    installed: list[Any] = []
+
+    def install(signum: int, handler: Any) -> Any:
+        if installed:  # the signal arrives now, between the two installs
+            installed[0](signal.SIGINT, None)
+        installed.append(handler)
+        return real(signum, handler)
+
+    monkeypatch.setattr(cli_signals.signal, "signal", install)
+    stop = cli_signals._SignalStop()
+    monkeypatch.setattr(cli_signals.signal, "signal", real)
+    try:
+        assert stop.signum == signal.SIGINT
+    finally:
+        stop.restore()
+        for signum, previous in stop._previous.items():
+            real(signum, previous)
