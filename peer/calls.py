@@ -119,28 +119,23 @@ class HandlerRegistry:
 class PendingCall:
     """The caller's side of a plain call: the reader sets ``reply`` or ``error``, then ``done``."""
 
-    __slots__ = ("done", "error", "reply", "sent_quiet")
+    __slots__ = ("done", "error", "reply")
 
     def __init__(self) -> None:
         self.done = trio.Event()
         self.reply: Reply | None = None
         self.error: BaseException | None = None
-        self.sent_quiet: float | None = None
-        """trio time the request went out on a connection quiet for half the idle timeout
-        (the other side's idle timer may close it before reading it); None otherwise."""
 
 
 class PendingStream:
     """The caller's side of a streaming call: items arrive on ``send``; ``finish`` ends it."""
 
-    __slots__ = ("error", "finished", "held", "receive", "send", "sent_quiet", "taken")
+    __slots__ = ("error", "finished", "held", "receive", "send", "taken")
 
     def __init__(self) -> None:
         self.send, self.receive = trio.open_memory_channel[Reply](STREAM_BUFFER_ITEMS)
         self.error: BaseException | None = None
         self.finished = False
-        self.sent_quiet: float | None = None
-        """As :attr:`PendingCall.sent_quiet`."""
         self.held = 0
         """Payload bytes of the items buffered for the consumer."""
         self.taken = trio.Event()

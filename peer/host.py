@@ -190,9 +190,10 @@ class RpcHost(ConnectionPool, InboundAdmission):
 
     def lost_at(self, peer_id: PeerID) -> float:
         """trio time the last connection with ``peer_id`` was ended by its side (closed,
-        reset, broken; not by its idle timer) with none left open (-inf: not among the
-        latest ``LOST_REMEMBERED``). The averager reads it for client-mode peers, which it
-        cannot ping: one whose connection ended so during a round may have died."""
+        reset, broken; not after a ``bye``: its idle timer, or room for another peer) with
+        none left open (-inf: not among the latest ``LOST_REMEMBERED``). The averager
+        reads it for client-mode peers, which it cannot ping: one whose connection ended
+        so during a round may have died."""
         return self._lost_at.get(peer_id, -math.inf)
 
     def last_heard(self, peer_id: PeerID) -> float:

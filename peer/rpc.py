@@ -200,17 +200,14 @@ class RpcConnection(Calling, Serving):
             else:
                 await self._deliver(frame)
             del frame
-        # A connection quiet for half the idle timeout was most likely closed by the
-        # peer's idle timer (it is alive); one in use was closed by a peer that left. The
-        # idle timer's work too: a connection whose only news since it went quiet is calls
-        # of ours, unanswered. The peer never read them: they fail as never sent, and the
-        # host retries them on a fresh connection.
-        if self._bye_cause is not None:  # the peer closed on reading our bye
-            self._fail_unread()
+        # The peer closed on reading our bye: no departure. Otherwise it closed without a
+        # bye of its own (its idle timer says one first: _peer_said_bye), a departure;
+        # our calls still waiting may have been read and served: they fail (sent again,
+        # a handler could run twice; a review)
+        if self._bye_cause is not None:
             self._shutdown(self._bye_cause)
             return
-        quiet = trio.current_time() - self.last_activity >= self.idle_timeout / 2
-        if not self._fail_unread() and not self.closed and not quiet:
+        if not self.closed:
             self.lost = True
         self._shutdown(PeerUnavailableError("the peer closed the connection"))
 

@@ -127,9 +127,6 @@ class Calling(RpcLink):
         )
         pieces, size = self._encode(frame)
         self._pending[request_id] = pending
-        now = trio.current_time()
-        if now - self.last_activity >= self.idle_timeout / 2:
-            pending.sent_quiet = now
         try:
             await self._send(pieces, size, urgent=True, request_id=request_id)
         except trio.ClosedResourceError:

@@ -214,11 +214,11 @@ class RpcLink:
                 # the peer closed on reading our bye, perhaps cutting off a frame it was
                 # writing (or resetting): no departure, as for a clean end (_read_loop; a
                 # review found such a peer pinged back, what the bye is there to spare)
-                self._fail_unread()
                 self._shutdown(self._bye_cause)
                 return
-            unread = not isinstance(exc, trio.ClosedResourceError) and self._fail_unread()
-            if not self.closed and not unread:
+            # No bye came: the peer may have read and served our calls still waiting
+            # (they fail, never sent again: a handler must not run twice, a review)
+            if not self.closed:
                 self.lost = True
             self._shutdown(_without_frames(exc))
         except ProtocolError as exc:
@@ -323,8 +323,6 @@ class RpcLink:
         except BaseException as exc:
             cause = exc if isinstance(exc, _WRITE_ERRORS) else None
             logger.debug("%r: write interrupted: %r", self, exc)
-            if isinstance(exc, trio.BrokenResourceError | OSError):
-                self._fail_unread()
             self._shutdown(cause or PeerUnavailableError("a write was interrupted midway"))
             if cause is not None:
                 raise PeerUnavailableError(f"connection lost: {exc}") from exc
@@ -344,23 +342,6 @@ class RpcLink:
             request_id -= 1
         frame = RpcFrame(FrameKind.CANCEL, request_id)
         self._outbox.put_nowait(self._encode(frame)[0], urgent=True)
-
-    def _fail_unread(self) -> bool:
-        """The peer closed or broke the connection: fail as never sent (the host retries
-        them) the calls sent after it went quiet for half the idle timeout with nothing
-        heard since, which its idle timer most likely closed before reading them. Whether
-        there were any."""
-        if self.closed:
-            return False
-        unread = [
-            p
-            for p in self._pending.values()
-            if p.sent_quiet is not None
-            and self._frame_received < p.sent_quiet  # nothing came: no reply, no item
-            and not call_finished(p)
-        ]
-        self._fail_as_unread(unread)
-        return bool(unread)
 
     def _fail_as_unread(self, calls: Iterable[PendingCall | PendingStream]) -> None:
         """Fail ``calls`` as never read by the peer (``ConnectionClosedError``: the host

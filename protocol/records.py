@@ -156,8 +156,9 @@ class Entry:
 
 def _plain_value_hint(item: object) -> str:
     """For a subclass of str, int or bytes (an enum member: it would read back as the plain
-    value, msgpack knowing no enums), the plain value to pass instead; else empty."""
-    if isinstance(item, bool):
+    value, msgpack knowing no enums), the plain value to pass instead; else empty (the
+    plain types themselves too: ``b"k"`` for a key is wrong as bytes, not as a subclass)."""
+    if isinstance(item, bool) or type(item) in (str, int, bytes):
         return ""
     if isinstance(item, str):
         plain: object = str.__str__(item)
@@ -188,10 +189,10 @@ def check_subkey(subkey: object) -> None:
     elif type(subkey) is bytes:
         size = len(subkey)
     else:
-        raise RecordError(
-            f"a subkey is None, str, int or bytes, not {type(subkey).__name__}"
-            + _plain_value_hint(subkey)
-        )
+        hint = _plain_value_hint(subkey)
+        if isinstance(subkey, PeerID):  # an owner-bound subkey is the PeerID's text
+            hint = f" (an owner-bound subkey is a PeerID's text: pass {str(subkey)!r})"
+        raise RecordError(f"a subkey is None, str, int or bytes, not {type(subkey).__name__}{hint}")
     if size > MAX_SUBKEY_BYTES:
         raise RecordTooLargeError(
             f"subkey of {size} bytes exceeds MAX_SUBKEY_BYTES={MAX_SUBKEY_BYTES}"
@@ -389,7 +390,8 @@ def check_key(key: str) -> DHTID:
         RecordError: if the key is not a valid Unicode ``str``.
     """
     if type(key) is not str:
-        raise RecordError(f"a DHT key is a str, not {type(key).__name__}{_plain_value_hint(key)}")
+        hint = _plain_value_hint(key) if isinstance(key, str) else ""  # (an int is no key)
+        raise RecordError(f"a DHT key is a str, not {type(key).__name__}{hint}")
     try:
         size = len(key.encode("utf-8"))
     except UnicodeEncodeError as exc:

@@ -78,6 +78,27 @@ def test_an_enum_key_or_subkey_is_refused_with_the_plain_value_to_pass() -> None
         check_subkey(True)
 
 
+def test_a_peer_id_as_a_subkey_is_refused_with_its_text_to_pass() -> None:
+    from protocol.records import check_subkey
+
+    with pytest.raises(RecordError, match=rf"not PeerID \(.*pass '{ALICE.peer_id}'\)$"):
+        check_subkey(ALICE.peer_id)  # type: ignore[arg-type]
+
+
+@pytest.mark.parametrize("key", [b"run1/config", 42, 1.5, None])
+def test_a_key_of_another_type_is_refused_without_a_subclass_hint(key: object) -> None:
+    """``b"k"`` and ``42`` are wrong as bytes and int: the error once called them
+    subclasses and told the user to pass the value they had passed (a tester)."""
+    import enum
+
+    class Rank(enum.IntEnum):
+        FIRST = 3
+
+    for wrong in (key, Rank.FIRST):
+        with pytest.raises(RecordError, match=rf"^a DHT key is a str, not {type(wrong).__name__}$"):
+            check_key(wrong)  # type: ignore[arg-type]
+
+
 # --- owner-bound subkeys ---
 
 
