@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import math
+import time
 from collections.abc import Callable, Sequence
 
 import trio
@@ -54,6 +55,13 @@ send borrows one from the process's pool and gives it back after (see ``send_pie
 _HANDSHAKE_READ = 4096
 _MAX_SEALED_WRITE = sealed_size(SEAL_SLICE)
 _OVERHEAD = sealed_size(1) - 1  # a transport message's length prefix and tag
+# Seconds of deciphering after which a receive lets the other tasks run: a megabyte read at
+# once may hold 58,000 one-byte messages (a security review's peer sent them: the node's
+# loop stood still 0.7-1 s per connection so used, averaging stopped). Checked every
+# _CLOCK_EVERY messages; large messages take ~20-40 us each, so honest transfers pass it
+# about once per 5 ms of deciphering, as the RPC reader does with frames.
+_OPEN_AT_MOST = 0.005
+_CLOCK_EVERY = 32
 
 Buffer = bytes | bytearray | memoryview
 
@@ -89,6 +97,7 @@ class SecureStream(trio.abc.Stream):
         self.last_received = -math.inf
         """trio time ciphertext last arrived (-inf: none yet), whole messages or not."""
         self._plaintext_received = 0  # bytes decrypted so far
+        self._opening = 0.0  # seconds spent deciphering since the last scheduler pass
         self.write_started: float | None = None
         """trio time the raw write in progress (at most ``SEAL_SLICE`` bytes of data) began;
         None between writes. The host cuts off a peer that lets one stall (see ``HostConfig``):
@@ -277,6 +286,9 @@ class SecureStream(trio.abc.Stream):
             while True:
                 if self._pending is not None:
                     return self._take_pending(target)
+                if self._opening > _OPEN_AT_MOST:
+                    self._opening = 0.0
+                    await trio.lowlevel.checkpoint()  # (cancelled here: nothing taken)
                 n = self._open_into(target)
                 if n is not None:
                     return n
@@ -329,9 +341,15 @@ class SecureStream(trio.abc.Stream):
         """Decrypt every whole message that fits into ``target`` (a larger first one goes
         aside); None if no whole message is buffered yet."""
         transport = self._transport
-        filled = 0
+        filled = opened = 0
+        started = time.perf_counter()
         try:
             while filled < len(target):
+                opened += 1
+                if opened % _CLOCK_EVERY == 0 and (
+                    time.perf_counter() - started + self._opening > _OPEN_AT_MOST
+                ):
+                    break  # (filled: a message before this one had a plaintext)
                 try:
                     n = transport.next_plaintext_into(target[filled:] if filled else target)
                 except LocalProtocolError:  # the next message does not fit in what is left
@@ -352,12 +370,15 @@ class SecureStream(trio.abc.Stream):
         except ProtocolError as exc:
             self._fail(exc)
             raise trio.BrokenResourceError(f"secure channel failed: {exc}") from exc
+        finally:
+            self._opening += time.perf_counter() - started
         return filled or None
 
     async def _fill(self) -> bool:
         """Read more ciphertext; False at a clean end of stream."""
         size = self._receive_size
         data = await self.transport_stream.receive_some(size)
+        self._opening = 0.0  # (a scheduler pass: trio's streams checkpoint)
         if len(data) >= size:
             self._receive_size = min(2 * size, RECEIVE_SIZE)
         elif len(data) < size // 4:

@@ -29,6 +29,7 @@ from protocol.noise import (
 )
 from protocol.noise.cipher import MAX_NONCE, ChaChaPoly
 from protocol.noise.payload import encode_payload, signed_static_key, verify_payload
+from protocol.noise.transport import MAX_EMPTY_IN_A_ROW
 
 CIPHERS = ["AESGCM", "ChaChaPoly"]
 
@@ -265,6 +266,33 @@ def test_empty_messages_are_skipped() -> None:
     empty = frame(ti._seal_aead.encrypt(ti._seal_nonce(0), b"", None))
     ti._seal_n = 1
     assert tr.receive_and_open(empty + ti.seal(b"x")) == [b"x"]
+
+
+def _empties(ti: NoiseTransport, count: int) -> bytes:
+    out = b""
+    for _ in range(count):
+        out += frame(ti._seal_aead.encrypt(ti._seal_nonce(ti._seal_n), b"", None))
+        ti._seal_n += 1
+    return out
+
+
+@pytest.mark.parametrize("into", [False, True])
+def test_more_than_a_few_empty_messages_in_a_row_are_a_violation(into: bool) -> None:
+    """Each costs a decryption and carries nothing: a peer that sent a megabyte of them at a
+    time held the receiving node's loop 0.25 s per megabyte (a security review)."""
+    ti, tr = session()
+    for data in (b"x", b"y"):  # up to the limit: fine
+        tr.receive_data(_empties(ti, MAX_EMPTY_IN_A_ROW) + ti.seal(data))
+    out = bytearray(MAX_PLAINTEXT_PER_MESSAGE)
+    for expected in (b"x", b"y"):
+        if into:
+            n = tr.next_plaintext_into(out)
+            assert isinstance(n, int) and out[:n] == expected
+        else:
+            assert tr.next_plaintext() == expected
+    tr.receive_data(_empties(ti, MAX_EMPTY_IN_A_ROW + 1))
+    with pytest.raises(RemoteProtocolError, match="empty transport messages in a row"):
+        tr.next_plaintext_into(out) if into else tr.next_plaintext()
 
 
 # -- refusals: transport -----------------------------------------------------------------

@@ -183,6 +183,7 @@ class Stepping:
                     self._active.service.close()
                 self._active = None
             self._matchmaker.led = None
+            self._matchmaker.withdraw_left_over()
             self._busy = False
             if self._closed:  # closed during the step
                 self._unregister()
