@@ -24,6 +24,11 @@ Rules:
   costs a lookup about two round trips, not the whole request timeout). One request per
   silence, not all: where latencies differ widely, a slow node among the k closest must
   still get its turn (a store to it is not cancelled after one fast answer).
+- One address, one node: once a request to an address is given up on (silence), the
+  other candidates at that address are given up on too (those in flight), or never asked
+  (the rest, and any named there later in the lookup). A reply naming dozens of made-up
+  PeerIDs at one address that never answers cost every lookup through it a hedge delay
+  per made-up node (~1.2 s a get, a security review); one now.
 - A node the caller knows to be silent (``silent(node)``: it let a recent request go
   unanswered) is asked but given up on at once, while another request is in flight or a
   candidate is left to ask: its answer still counts if it comes, and the lookup does not
@@ -59,6 +64,7 @@ class _Status(enum.Enum):
     ANSWERED = enum.auto()
     FAILED = enum.auto()
     GIVEN_UP = enum.auto()  # in flight, but no longer waited for
+    SKIPPED = enum.auto()  # never asked: another node at its address was silent
 
 
 @dataclass(slots=True)
@@ -114,6 +120,7 @@ class LookupState:
         self.converged = False
         self.quiet = 0  # answers in a row that brought no node closer than the closest seen
         self._closest_seen: int | None = None
+        self._silent_addresses: set[str] = set()  # where a request was given up on
 
     def add(self, node: NodeInfo, hop: int) -> None:
         """Learn of ``node`` (a seed, or named in an answer); duplicates keep the lower hop."""
@@ -130,6 +137,7 @@ class LookupState:
             if (
                 known.status is _Status.FAILED
                 and node.address not in failed_at
+                and node.address not in self._silent_addresses
                 and len(failed_at) <= _MAX_ADDRESS_RETRIES
             ):
                 # It failed at the address we first heard; another reply names another:
@@ -139,6 +147,9 @@ class LookupState:
                 bisect.insort(self._order, (known.distance, node.peer_id))
             return
         distance = self._distance(node)
+        if node.address in self._silent_addresses:
+            self._candidates[node.peer_id] = _Candidate(node, distance, hop, _Status.SKIPPED)
+            return
         self._candidates[node.peer_id] = _Candidate(node, distance, hop)
         bisect.insort(self._order, (distance, node.peer_id))
         if self._closest_seen is None or distance < self._closest_seen:
@@ -179,6 +190,18 @@ class LookupState:
         candidate.status = _Status.GIVEN_UP
         self.in_flight -= 1
         self._order.remove((candidate.distance, node.peer_id))
+        address = candidate.node.address
+        if address is None or address in self._silent_addresses:
+            return
+        self._silent_addresses.add(address)
+        for other in self._candidates.values():  # (see the module rules)
+            if other.node.address != address:
+                continue
+            if other.status is _Status.IN_FLIGHT:
+                self.give_up(other.node)
+            elif other.status is _Status.NEW:
+                other.status = _Status.SKIPPED
+                self._order.remove((other.distance, other.node.peer_id))
 
     def given_up(self) -> list[NodeInfo]:
         """Nodes given up on that never answered nor failed."""

@@ -263,6 +263,10 @@ class Holders:
         self._nodes: dict[PeerID, tuple[int, bool | None]] = {}
         # addresses at which a node failed (the lookup asks it again only elsewhere)
         self._failed: dict[PeerID, set[str]] = {}
+        # the one node not yet answered that stands for each address: one address, one
+        # node (made-up PeerIDs at an address that never answers, which the lookup never
+        # asks, held gets from ending at their quorum: a security review)
+        self._at: dict[str, PeerID] = {}
         self.any = False  # some node answered holding the key
 
     def learn(self, nodes: Sequence[NodeInfo]) -> None:
@@ -270,7 +274,10 @@ class Holders:
         dialable = [n for n in nodes if n.address is not None]
         for node in heapq.nsmallest(self._k, dialable, key=self._distance):
             failed_at = self._failed.get(node.peer_id, ())
-            if node.peer_id not in self._nodes and node.address not in failed_at:
+            if node.peer_id in self._nodes or node.address in failed_at:
+                continue
+            assert node.address is not None
+            if self._at.setdefault(node.address, node.peer_id) == node.peer_id:
                 self._nodes[node.peer_id] = (self._distance(node), None)
 
     def _distance(self, node: NodeInfo) -> int:
@@ -284,6 +291,8 @@ class Holders:
         self._nodes.pop(node.peer_id, None)
         if node.address is not None:
             self._failed.setdefault(node.peer_id, set()).add(node.address)
+            if self._at.get(node.address) == node.peer_id:
+                del self._at[node.address]  # (another PeerID named there may be the one)
 
     def _counted(self) -> int:
         if not self._closest_first:

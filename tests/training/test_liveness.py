@@ -277,3 +277,23 @@ async def test_a_member_alive_to_pings_that_never_completes_a_chunk_ends_by_the_
             if part.reducer != hostile.peer_id:
                 assert part.status is PartStatus.SOME
                 assert part.dropped[hostile.peer_id] is DropReason.TIMEOUT, part
+
+
+async def test_a_gone_client_is_dead_at_the_deadline_it_was_given(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """``mark_gone_clients`` returns when a client with no connection is found dead; asked
+    again at exactly that time it must find it so. It compared ``now - since`` with the
+    grace while returning ``since + grace``: at since = 0.08, grace 0.5, the two differ
+    by rounding, nothing was marked and a reducer waiting until the deadline spun there
+    (for good under a virtual clock: an outside tester's fuzzer)."""
+    node = _Node()
+    node.rpc.connected_peers = lambda: []  # type: ignore[method-assign]  # the client left
+    liveness = _liveness(node, None)  # OTHER: a client (no address)
+    autojump_clock.jump(0.08 - trio.current_time())
+    assert trio.current_time() == 0.08
+    due = liveness.mark_gone_clients([OTHER])
+    assert due == 0.08 + 0.5 and OTHER not in liveness.bad
+    await trio.sleep_until(due)
+    assert liveness.mark_gone_clients([OTHER]) == math.inf
+    assert liveness.bad == {OTHER: DropReason.DEAD}
