@@ -202,6 +202,43 @@ async def test_two_processes_with_one_key_are_both_listed(
     }
 
 
+async def test_one_peer_id_is_visited_at_a_few_addresses_at_most(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A node naming itself at 32 relay ports made ``swarm status`` count 37 peers among 5
+    (an outside review): one PeerID is visited at 4 addresses at most (here 8 processes
+    with one key, each named by the first node)."""
+    net = MemoryNetwork(latency=0.01)
+    shared = Identity.from_seed(b"k" * 32)
+    with trio.fail_after(120):
+        async with AsyncExitStack() as stack:
+            first = await stack.enter_async_context(
+                open_peer("10.0.3.1:1000", network=net.interface("10.0.3.1"))
+            )
+            for i in range(2, 10):
+                await stack.enter_async_context(
+                    open_peer(
+                        f"10.0.3.{i}:1000", identity=shared, network=net.interface(f"10.0.3.{i}")
+                    )
+                )
+
+            def all_of_them(request: Request) -> Reply:
+                nodes = tuple(NodeInfo(shared.peer_id, f"10.0.3.{i}:1000") for i in range(2, 10))
+                return Reply(FindNodeResponse(nodes).to_body())
+
+            first.rpc.unregister("dht.find_node")
+            first.rpc.register_quick("dht.find_node", all_of_them)
+            client = await stack.enter_async_context(
+                open_peer(
+                    None, [first.address], client_mode=True, network=net.interface("10.0.3.99")
+                )
+            )
+            elsewhere: dict[PeerID, set[str]] = {}
+            found = await crawl(client, request_timeout=REQUEST_TIMEOUT, elsewhere=elsewhere)
+    assert {pid for pid, _ in found} == {first.peer_id, shared.peer_id}
+    assert len(elsewhere[shared.peer_id]) + 1 == 4
+
+
 class FewFiles(MemoryInterface):
     """A memory network interface in a process with ``budget`` file descriptors for
     connections: a dial beyond them fails as a socket would (EMFILE)."""
