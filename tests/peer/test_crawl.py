@@ -5,6 +5,7 @@ from __future__ import annotations
 import errno
 from contextlib import AsyncExitStack
 
+import pytest
 import trio
 import trio.testing
 
@@ -162,68 +163,31 @@ async def test_the_walk_asks_each_peer_its_targets_at_once(
     assert elapsed < 2.0, elapsed  # one after another: 3.6 s (9 round trips a peer)
 
 
-async def test_two_processes_with_one_key_are_both_listed(
-    autojump_clock: trio.testing.MockClock,
+@pytest.mark.parametrize("processes", [2, 8])
+async def test_processes_with_one_key_are_listed_at_a_few_addresses(
+    autojump_clock: trio.testing.MockClock, processes: int
 ) -> None:
     """A trial's ``swarm status`` counted 4 peers with 5 processes up: two used one key
     file, and the walk kept one address per PeerID. Both addresses that proved it are
-    kept now (``elsewhere``), for status to list both and say why."""
+    kept now (``elsewhere``), for status to list both and say why; but a node naming
+    itself at 32 relay ports made the count 37 among 5 (an outside review): one PeerID is
+    visited at 4 addresses at most."""
     net = MemoryNetwork(latency=0.01)
     shared = Identity.from_seed(b"k" * 32)
+    twins = [f"10.0.3.{i}:1000" for i in range(2, 2 + processes)]
     with trio.fail_after(120):
         async with AsyncExitStack() as stack:
             first = await stack.enter_async_context(
                 open_peer("10.0.3.1:1000", network=net.interface("10.0.3.1"))
             )
-            for i in (2, 3):  # the twins
+            for where in twins:
+                host = where.split(":")[0]
                 await stack.enter_async_context(
-                    open_peer(
-                        f"10.0.3.{i}:1000", identity=shared, network=net.interface(f"10.0.3.{i}")
-                    )
+                    open_peer(where, identity=shared, network=net.interface(host))
                 )
 
-            def both(request: Request) -> Reply:  # a table of each twin, as nodes may hold
-                nodes = tuple(NodeInfo(shared.peer_id, f"10.0.3.{i}:1000") for i in (2, 3))
-                return Reply(FindNodeResponse(nodes).to_body())
-
-            first.rpc.unregister("dht.find_node")
-            first.rpc.register_quick("dht.find_node", both)
-            client = await stack.enter_async_context(
-                open_peer(
-                    None, [first.address], client_mode=True, network=net.interface("10.0.3.9")
-                )
-            )
-            elsewhere: dict[PeerID, set[str]] = {}
-            found = await crawl(client, request_timeout=REQUEST_TIMEOUT, elsewhere=elsewhere)
-    assert dict(found)[shared.peer_id] in ("10.0.3.2:1000", "10.0.3.3:1000")
-    assert {dict(found)[shared.peer_id], *elsewhere[shared.peer_id]} == {
-        "10.0.3.2:1000",
-        "10.0.3.3:1000",
-    }
-
-
-async def test_one_peer_id_is_visited_at_a_few_addresses_at_most(
-    autojump_clock: trio.testing.MockClock,
-) -> None:
-    """A node naming itself at 32 relay ports made ``swarm status`` count 37 peers among 5
-    (an outside review): one PeerID is visited at 4 addresses at most (here 8 processes
-    with one key, each named by the first node)."""
-    net = MemoryNetwork(latency=0.01)
-    shared = Identity.from_seed(b"k" * 32)
-    with trio.fail_after(120):
-        async with AsyncExitStack() as stack:
-            first = await stack.enter_async_context(
-                open_peer("10.0.3.1:1000", network=net.interface("10.0.3.1"))
-            )
-            for i in range(2, 10):
-                await stack.enter_async_context(
-                    open_peer(
-                        f"10.0.3.{i}:1000", identity=shared, network=net.interface(f"10.0.3.{i}")
-                    )
-                )
-
-            def all_of_them(request: Request) -> Reply:
-                nodes = tuple(NodeInfo(shared.peer_id, f"10.0.3.{i}:1000") for i in range(2, 10))
+            def all_of_them(request: Request) -> Reply:  # a table of each, as nodes may hold
+                nodes = tuple(NodeInfo(shared.peer_id, where) for where in twins)
                 return Reply(FindNodeResponse(nodes).to_body())
 
             first.rpc.unregister("dht.find_node")
@@ -236,7 +200,9 @@ async def test_one_peer_id_is_visited_at_a_few_addresses_at_most(
             elsewhere: dict[PeerID, set[str]] = {}
             found = await crawl(client, request_timeout=REQUEST_TIMEOUT, elsewhere=elsewhere)
     assert {pid for pid, _ in found} == {first.peer_id, shared.peer_id}
-    assert len(elsewhere[shared.peer_id]) + 1 == 4
+    listed = {dict(found)[shared.peer_id], *elsewhere[shared.peer_id]}
+    assert listed <= set(twins)
+    assert len(listed) == min(processes, 4)
 
 
 class FewFiles(MemoryInterface):
