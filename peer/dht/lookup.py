@@ -29,6 +29,11 @@ Rules:
   (the rest, and any named there later in the lookup). A reply naming dozens of made-up
   PeerIDs at one address that never answers cost every lookup through it a hedge delay
   per made-up node (~1.2 s a get, a security review); one now.
+- A node that failed, went silent or was skipped at one address, and that a reply names
+  at another (or named there while it was being asked), is asked there, up to
+  ``_MAX_ADDRESS_RETRIES`` addresses; whichever of its requests answers first counts, the
+  others are superseded. A liar answering first could name a genuine node's real PeerID
+  at a silent address and keep it out of the lookup (an outside re-check: 40 of 40).
 - A node the caller knows to be silent (``silent(node)``: it let a recent request go
   unanswered) is asked but given up on at once, while another request is in flight or a
   candidate is left to ask: its answer still counts if it comes, and the lookup does not
@@ -74,8 +79,10 @@ class _Candidate:
     hop: int
     status: _Status = _Status.NEW
     failed_at: set[str] | None = None  # addresses at which it failed (see LookupState.add)
+    elsewhere: NodeInfo | None = None  # named at another address while asked at this one
 
 
+_ASK_ELSEWHERE = frozenset({_Status.FAILED, _Status.GIVEN_UP, _Status.SKIPPED})
 _MAX_ADDRESS_RETRIES = 3
 """Other addresses a node that failed is asked at, when replies name it there: a lie about
 its address (a dead one) must not hide it for good, nor may lies cost many dials."""
@@ -121,6 +128,9 @@ class LookupState:
         self.quiet = 0  # answers in a row that brought no node closer than the closest seen
         self._closest_seen: int | None = None
         self._silent_addresses: set[str] = set()  # where a request was given up on
+        # requests given up on, still running at an address their node was since named
+        # elsewhere and asked there: their outcome no longer moves the node's status
+        self._superseded: dict[tuple[PeerID, str | None], _Candidate] = {}
 
     def add(self, node: NodeInfo, hop: int) -> None:
         """Learn of ``node`` (a seed, or named in an answer); duplicates keep the lower hop."""
@@ -133,18 +143,10 @@ class LookupState:
         known = self._candidates.get(node.peer_id)
         if known is not None:
             known.hop = min(known.hop, hop)
-            failed_at = known.failed_at or set()
-            if (
-                known.status is _Status.FAILED
-                and node.address not in failed_at
-                and node.address not in self._silent_addresses
-                and len(failed_at) <= _MAX_ADDRESS_RETRIES
-            ):
-                # It failed at the address we first heard; another reply names another:
-                # ask it there (an initial peer that named the k closest at dead addresses
-                # hid them from a newcomer for good: a review)
-                known.node, known.status = node, _Status.NEW
-                bisect.insort(self._order, (known.distance, node.peer_id))
+            if known.status is _Status.IN_FLIGHT and node.address != known.node.address:
+                known.elsewhere = known.elsewhere or node  # (should this request fail)
+            else:
+                self._ask_elsewhere(known, node)
             return
         distance = self._distance(node)
         if node.address in self._silent_addresses:
@@ -154,6 +156,28 @@ class LookupState:
         bisect.insort(self._order, (distance, node.peer_id))
         if self._closest_seen is None or distance < self._closest_seen:
             self._closest_seen = distance
+
+    def _ask_elsewhere(self, known: _Candidate, node: NodeInfo) -> None:
+        """It failed, went silent, or was skipped at the address we first heard; a reply
+        names another: ask it there (an initial peer that named the k closest at dead
+        addresses hid them from a newcomer for good; a liar naming a node's real PeerID at
+        a silent address hid it from every lookup the liar answered first: reviews). A
+        request still running at the first address is superseded (see on_answer)."""
+        failed_at = known.failed_at or set()
+        if (
+            known.status not in _ASK_ELSEWHERE
+            or node.address == known.node.address
+            or node.address in failed_at
+            or node.address in self._silent_addresses
+            or len(failed_at) > _MAX_ADDRESS_RETRIES
+        ):
+            return
+        if known.node.address is not None:
+            known.failed_at = failed_at | {known.node.address}
+        if known.status is _Status.GIVEN_UP:
+            self._superseded[node.peer_id, known.node.address] = known
+        known.node, known.status, known.elsewhere = node, _Status.NEW, None
+        bisect.insort(self._order, (known.distance, node.peer_id))
 
     def _distance(self, node: NodeInfo) -> int:
         return int.from_bytes(node.peer_id.raw, "big") ^ self.target  # its DHTID's
@@ -191,17 +215,18 @@ class LookupState:
         self.in_flight -= 1
         self._order.remove((candidate.distance, node.peer_id))
         address = candidate.node.address
-        if address is None or address in self._silent_addresses:
-            return
-        self._silent_addresses.add(address)
-        for other in self._candidates.values():  # (see the module rules)
-            if other.node.address != address:
-                continue
-            if other.status is _Status.IN_FLIGHT:
-                self.give_up(other.node)
-            elif other.status is _Status.NEW:
-                other.status = _Status.SKIPPED
-                self._order.remove((other.distance, other.node.peer_id))
+        if address is not None and address not in self._silent_addresses:
+            self._silent_addresses.add(address)
+            for other in self._candidates.values():  # (see the module rules)
+                if other.node.address != address:
+                    continue
+                if other.status is _Status.IN_FLIGHT:
+                    self.give_up(other.node)
+                elif other.status is _Status.NEW:
+                    other.status = _Status.SKIPPED
+                    self._order.remove((other.distance, other.node.peer_id))
+        if candidate.elsewhere is not None:
+            self._ask_elsewhere(candidate, candidate.elsewhere)
 
     def given_up(self) -> list[NodeInfo]:
         """Nodes given up on that never answered nor failed."""
@@ -210,6 +235,23 @@ class LookupState:
     def on_answer(self, node: NodeInfo, nodes: Iterable[NodeInfo]) -> None:
         self.answers += 1
         candidate = self._candidates[node.peer_id]
+        if self._superseded.pop((node.peer_id, node.address), None) is not None:
+            # A request superseded by the node's new address answered first (the handshake
+            # proved the node there): this address wins, the request at the new one is
+            # superseded in turn (a liar naming a slow node at a silent address must not
+            # hide its late answer).
+            key = (node.peer_id, candidate.node.address)
+            if candidate.status is _Status.ANSWERED:
+                return  # (answered at the new address already)
+            if candidate.status is _Status.IN_FLIGHT:
+                self._superseded[key] = candidate
+                self.in_flight -= 1
+                self._order.remove((candidate.distance, node.peer_id))
+            elif candidate.status is _Status.NEW:
+                self._order.remove((candidate.distance, node.peer_id))
+            elif candidate.status is _Status.GIVEN_UP:
+                self._superseded[key] = candidate
+            candidate.node, candidate.status = node, _Status.GIVEN_UP  # (answered below)
         if candidate.status is _Status.GIVEN_UP:  # late, but alive: back among the closest
             bisect.insort(self._order, (candidate.distance, node.peer_id))
         else:
@@ -227,6 +269,9 @@ class LookupState:
             self.quiet = 0
 
     def on_failure(self, node: NodeInfo) -> None:
+        if self._superseded.pop((node.peer_id, node.address), None) is not None:
+            self.failed += 1
+            return
         candidate = self._candidates[node.peer_id]
         if node.address is not None:
             candidate.failed_at = (candidate.failed_at or set()) | {node.address}
@@ -235,6 +280,8 @@ class LookupState:
             self.in_flight -= 1
             self._order.remove((candidate.distance, node.peer_id))
         candidate.status = _Status.FAILED
+        if candidate.elsewhere is not None:
+            self._ask_elsewhere(candidate, candidate.elsewhere)
 
     def done(self) -> bool:
         if self.in_flight:
@@ -305,20 +352,22 @@ async def iterative_lookup(
         state.add(node, hop=1)
     send, receive = trio.open_memory_channel[tuple[NodeInfo, Sequence[NodeInfo] | None]](math.inf)
 
-    running: dict[PeerID, trio.CancelScope] = {}  # requests still waited on by their task
+    # requests still waited on by their task, by node and address (a node named anew at
+    # another address is asked there while its request at the first may still run)
+    running: dict[tuple[PeerID, str | None], trio.CancelScope] = {}
 
     async def ask(node: NodeInfo) -> None:
         with trio.CancelScope() as scope:
-            running[node.peer_id] = scope
+            running[node.peer_id, node.address] = scope
             try:
                 send.send_nowait((node, await query(node)))
             finally:
-                del running[node.peer_id]
+                del running[node.peer_id, node.address]
 
     hedge_delay = hedge_after if first_hedge is None else min(hedge_after, first_hedge)
     first_answer: float | None = None
     start = trio.current_time()
-    sent_at: dict[PeerID, float] = {}
+    sent_at: dict[tuple[PeerID, str | None], float] = {}
     async with trio.open_nursery() as nursery:
         while True:
             limit = state.parallelism(alpha)
@@ -330,7 +379,7 @@ async def iterative_lookup(
                 next_node = state.next_to_query()
                 if next_node is None:
                     break
-                sent_at[next_node.peer_id] = trio.current_time()
+                sent_at[next_node.peer_id, next_node.address] = trio.current_time()
                 nursery.start_soon(ask, next_node)
                 if (
                     silent is not None
@@ -351,10 +400,10 @@ async def iterative_lookup(
                     continue
                 if may_hedge():
                     waiting = state.in_flight_nodes()
-                    state.give_up(min(waiting, key=lambda n: sent_at[n.peer_id]))
+                    state.give_up(min(waiting, key=lambda n: sent_at[n.peer_id, n.address]))
                 else:  # our requests queue for slots that those given up on may hold
                     for given_up in state.given_up():
-                        if (scope := running.get(given_up.peer_id)) is not None:
+                        if scope := running.get((given_up.peer_id, given_up.address)):
                             scope.cancel()
                 continue
             node, answer = received

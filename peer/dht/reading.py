@@ -288,7 +288,10 @@ class Holders:
         self.any = self.any or holds
 
     def failed(self, node: NodeInfo) -> None:
-        self._nodes.pop(node.peer_id, None)
+        if self._nodes.get(node.peer_id, (0, None))[1] is None:
+            # (one that answered proved itself: its request at another address, a liar's
+            # silent one, failing later takes nothing back)
+            self._nodes.pop(node.peer_id, None)
         if node.address is not None:
             self._failed.setdefault(node.peer_id, set()).add(node.address)
             if self._at.get(node.address) == node.peer_id:

@@ -583,3 +583,63 @@ async def test_made_up_nodes_at_one_silent_address_cost_one_hedge(
     assert list(result.closest) == closest(honest)
     assert asked_fakes <= 3  # the first wave only (alpha), given up on together
     assert elapsed < 0.2, elapsed  # one hedge (50 ms) and a few round trips; before: > 1 s
+
+
+@pytest.mark.parametrize("made_up", [0, 3])
+async def test_a_node_a_liar_names_at_a_silent_address_is_asked_where_others_name_it(
+    autojump_clock: trio.abc.Clock, made_up: int
+) -> None:
+    """A liar answering first names the closest genuine node's real PeerID at an address
+    that never answers (beside ``made_up`` made-up PeerIDs there); honest replies name it
+    at its true address. It was asked only at the liar's address, given up on there, and
+    missing from the result in 40 of 40 trials (an outside re-check); it is asked where the
+    others name it now, its request at the silent address superseded."""
+    rng = random.Random(11)
+    target = rng.getrandbits(ID_BITS)
+    honest = [node(rng.getrandbits(ID_BITS)) for _ in range(60)]
+    genuine = NodeInfo(PeerID((target ^ rng.getrandbits(30)).to_bytes(32, "big")), "10.9.9.9:1")
+    silent = "192.0.2.1:9"
+    fakes = [
+        NodeInfo(PeerID((target ^ rng.getrandbits(20)).to_bytes(32, "big")), silent)
+        for _ in range(made_up)
+    ]
+    liar = honest[0]
+
+    def closest(nodes: list[NodeInfo]) -> list[NodeInfo]:
+        return sorted(nodes, key=lambda x: DHTID.from_peer_id(x.peer_id) ^ target)[:20]
+
+    async def query(n: NodeInfo) -> list[NodeInfo] | None:
+        if n.address == silent:
+            await trio.sleep_forever()
+        if n == liar:
+            await trio.sleep(0.001)
+            return [*fakes, NodeInfo(genuine.peer_id, silent)]
+        await trio.sleep(0.003)
+        return closest([*honest, genuine])
+
+    result = await iterative_lookup(
+        target, [liar, *honest[1:3]], query, k=20, alpha=3, hedge_after=1.0
+    )
+    assert result.closest[0] == genuine
+    assert list(result.closest) == closest([*honest, genuine])
+
+
+def test_a_slow_node_a_liar_names_elsewhere_still_counts_when_it_answers() -> None:
+    """The reverse: a slow genuine node is given up on at its true address, then a liar
+    names it at a silent one, where it is asked. Its late answer from its true address
+    counts, and the request at the silent address is superseded (its failure is no news)."""
+    state = LookupState(target=0, k=2)
+    genuine, silent = node(1), NodeInfo(node(1).peer_id, "192.0.2.1:9")
+    state.add(genuine, hop=1)
+    state.add(node(2), hop=1)
+    assert state.next_to_query() == genuine
+    state.give_up(genuine)
+    state.add(silent, hop=2)  # the liar's word
+    assert state.next_to_query() == silent
+    assert state.next_to_query() == node(2)
+    state.on_answer(genuine, [])  # late, from where it really is
+    assert state.in_flight == 1  # node(2)'s; the silent address's no longer counts
+    state.on_failure(silent)
+    state.on_answer(node(2), [])
+    assert state.done()
+    assert state.result().closest == (genuine, node(2))
