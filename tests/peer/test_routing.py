@@ -576,9 +576,10 @@ async def test_made_up_nodes_at_one_silent_address_cost_one_hedge(
         return fakes if n == liar else closest(honest)
 
     start = trio.current_time()
-    result = await iterative_lookup(
-        target, [liar, *honest[1:3]], query, k=20, alpha=3, hedge_after=1.0
-    )
+    with trio.fail_after(60):
+        result = await iterative_lookup(
+            target, [liar, *honest[1:3]], query, k=20, alpha=3, hedge_after=1.0
+        )
     elapsed = trio.current_time() - start
     assert list(result.closest) == closest(honest)
     assert asked_fakes <= 3  # the first wave only (alpha), given up on together
@@ -617,9 +618,10 @@ async def test_a_node_a_liar_names_at_a_silent_address_is_asked_where_others_nam
         await trio.sleep(0.003)
         return closest([*honest, genuine])
 
-    result = await iterative_lookup(
-        target, [liar, *honest[1:3]], query, k=20, alpha=3, hedge_after=1.0
-    )
+    with trio.fail_after(60):
+        result = await iterative_lookup(
+            target, [liar, *honest[1:3]], query, k=20, alpha=3, hedge_after=1.0
+        )
     assert result.closest[0] == genuine
     assert list(result.closest) == closest([*honest, genuine])
 

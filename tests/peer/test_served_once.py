@@ -7,13 +7,15 @@ payment, an averaging contribution) ran twice and the caller saw success (a revi
 from __future__ import annotations
 
 import math
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import pytest
 import trio
 import trio.testing
 
 from peer import PeerUnavailableError
-from peer.host import open_rpc_host
+from peer.host import RpcHost, open_rpc_host
 from peer.memnet import MemoryNetwork
 from peer.rpc import Reply, Request
 from protocol.address import Address
@@ -21,6 +23,17 @@ from protocol.identity import Identity
 
 A, B = Identity.from_seed(b"a" * 32), Identity.from_seed(b"b" * 32)
 IDLE = 60.0  # HostConfig's default idle_timeout
+
+
+@asynccontextmanager
+async def _pair(net: MemoryNetwork) -> AsyncIterator[tuple[RpcHost, RpcHost, Address]]:
+    """Hosts a (caller) and b (callee) on ``net``, and b's address."""
+    async with (
+        open_rpc_host(A, listen=Address("a", 1), network=net.interface("a")) as a,
+        open_rpc_host(B, listen=Address("b", 1), network=net.interface("b")) as b,
+    ):
+        assert b.listen_address is not None
+        yield a, b, b.listen_address
 
 
 @pytest.mark.parametrize("quiet", [IDLE / 2 - 1, IDLE / 2 + 1])
@@ -37,13 +50,9 @@ async def test_a_call_served_before_the_connection_ended_runs_once_and_fails(
         return Reply({"ok": True})
 
     with trio.fail_after(120):
-        async with (
-            open_rpc_host(A, listen=Address("a", 1), network=net.interface("a")) as a,
-            open_rpc_host(B, listen=Address("b", 1), network=net.interface("b")) as b,
-        ):
+        async with _pair(net) as (a, b, address):
             b.register("pay", pay)
-            assert b.listen_address is not None
-            await a.call(b.listen_address, "pay", {})
+            await a.call(address, "pay", {})
             served.clear()
             await trio.sleep(quiet)
 
@@ -59,7 +68,7 @@ async def test_a_call_served_before_the_connection_ended_runs_once_and_fails(
             async with trio.open_nursery() as nursery:
                 nursery.start_soon(end_it)
                 with pytest.raises(PeerUnavailableError):
-                    await a.call(b.listen_address, "pay", {})
+                    await a.call(address, "pay", {})
             assert len(served) == 1
             await trio.testing.wait_all_tasks_blocked()
             assert a.lost_at(b.peer_id) > -math.inf  # a departure, not an idle close
@@ -77,13 +86,9 @@ async def test_a_close_without_bye_after_a_quiet_spell_is_a_loss(
     it was taken for the peer's idle timer (no ``lost_at``, no DHT ping)."""
     net = MemoryNetwork(latency=0.01)
     with trio.fail_after(120):
-        async with (
-            open_rpc_host(A, listen=Address("a", 1), network=net.interface("a")) as a,
-            open_rpc_host(B, listen=Address("b", 1), network=net.interface("b")) as b,
-        ):
+        async with _pair(net) as (a, b, address):
             b.register("echo", echo)
-            assert b.listen_address is not None
-            await a.call(b.listen_address, "echo", {})
+            await a.call(address, "echo", {})
             await trio.sleep(IDLE / 2 + 5)
             closed = trio.current_time()
             await b.disconnect(a.peer_id)  # a plain close, as a dying process's kernel's
