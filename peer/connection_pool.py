@@ -26,6 +26,7 @@ from .errors import (
     STOPPED,
     DuplicateIdentityError,
     PeerBusyError,
+    PeerSilentError,
     PeerStoppedError,
     PeerUnavailableError,
     SelfDialError,
@@ -142,6 +143,7 @@ class ConnectionPool:
             detail = str(dial.error)
             if isinstance(dial.error, trio.TooSlowError):  # (it has no text of its own)
                 detail = f"no connection within the dial timeout ({self.config.dial_timeout:g} s)"
+                error = PeerSilentError
             raise error(f"cannot reach {address}: {detail}") from dial.error
         return dial.connection
 

@@ -44,6 +44,12 @@ class PeerUnavailableError(SwarmError):
     """The peer cannot be reached, failed the handshake, or the connection died mid-call."""
 
 
+class PeerSilentError(PeerUnavailableError):
+    """Nothing came from the peer in time: a dial or handshake that outlasted the dial
+    timeout, or a connection silent while calls waited on it. Our own link stalling looks
+    the same from here (the DHT tells the two apart by whether anyone else was heard)."""
+
+
 class PeerBusyError(PeerUnavailableError):
     """The peer answered the connection with the busy signal (``protocol.noise.BUSY_SIGNAL``)
     instead of its handshake: it is up, but turned us away for now (its connection limits

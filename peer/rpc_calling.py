@@ -21,7 +21,7 @@ import trio
 from protocol.rpc import MAX_REQUEST_ID, MAX_TIMEOUT, FrameKind, RpcFrame
 
 from .calls import ConnectionClosedError, PendingCall, PendingStream, Reply, ReplyStream
-from .errors import PeerUnavailableError, RemoteError
+from .errors import PeerSilentError, PeerUnavailableError, RemoteError
 from .rpc_link import PEER_SILENCE, RpcLink, call_finished
 
 logger = logging.getLogger("peer.rpc")
@@ -269,9 +269,7 @@ class Calling(RpcLink):
         since = asked if self._unanswered_since is None else self._unanswered_since
         silent = trio.current_time() - since
         logger.debug("%r: nothing from the peer for %.1f s while calls waited", self, silent)
-        self.abort(
-            PeerUnavailableError(f"nothing from the peer for {silent:.1f} s while calls waited")
-        )
+        self.abort(PeerSilentError(f"nothing from the peer for {silent:.1f} s while calls waited"))
 
     def stream(
         self, method: str, body: dict[str, Any] | None = None, payload: bytes | memoryview = b""

@@ -29,7 +29,7 @@ from protocol.rpc import (
 )
 
 from .calls import ConnectionClosedError, HandlerRegistry, PendingCall, PendingStream, Reply
-from .errors import LimitExceededError, PeerUnavailableError
+from .errors import LimitExceededError, PeerSilentError, PeerUnavailableError
 from .receive_budget import ReceiveBudget
 from .secure import SecureStream
 from .send_budget import SendBudget
@@ -191,7 +191,8 @@ class RpcLink:
         self._outbox.close()
         self._served.unpark_all()
         for pending in self._pending.values():
-            error = PeerUnavailableError(f"connection to {self.peer_id.short()} lost: {cause}")
+            kind = PeerSilentError if isinstance(cause, PeerSilentError) else PeerUnavailableError
+            error = kind(f"connection to {self.peer_id.short()} lost: {cause}")
             error.__cause__ = cause
             if isinstance(pending, PendingCall):
                 if not pending.done.is_set():  # (one already failed keeps its error)

@@ -7,6 +7,7 @@ written at the top of :mod:`peer.dht.protocol`.
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections import OrderedDict
 from collections.abc import Awaitable, Callable
@@ -40,6 +41,14 @@ _CLIENTS_REMEMBERED = 4096
 _RECHECK_SOURCE = "(a client's old address)"  # proofs of those wait for each other
 
 
+class Unanswered(enum.Enum):
+    """What a call that got no answer says of the node asked (see the module's rules)."""
+
+    FAILED = "failed"  # counted against the node
+    BUSY = "busy"  # timed out while the node's bytes kept arriving: up, its link full
+    CUT_OFF = "cut off"  # timed out while nothing came from any peer: our link, not its
+
+
 class Learning:
     """The contact bookkeeping of :class:`~.protocol.DHTProtocol`, one of its base classes
     (the attributes below are the protocol's, set in its constructor)."""
@@ -65,7 +74,7 @@ class Learning:
     _moved: OrderedDict[PeerID, str]
     # and three of its methods (its calls)
     _address_of: Callable[[str, PeerID], Address]
-    _request: Callable[..., Awaitable[tuple[Any, bool]]]
+    _request: Callable[..., Awaitable[tuple[Any, Unanswered | None]]]
     ping_failure: Callable[[NodeInfo], str]
 
     def learn(self, node: NodeInfo) -> None:
@@ -255,14 +264,15 @@ class Learning:
                     continue  # it left meanwhile (a ping queued per failed call, before)
                 try:
                     ping = PingRequest(self.sender)
-                    response, busy = await self._request(node, ping, PingResponse)
+                    response, unanswered = await self._request(node, ping, PingResponse)
                 finally:
                     self._checking.discard(node.peer_id)
                 now_held = self.table.get(node.peer_id)
                 known = now_held is not None  # a failed ping may have evicted it already
                 if now_held is not None and now_held.address != node.address:
                     continue  # it moved while the ping was under way: says nothing of it
-                if busy:  # kept, but not refreshed: it has not answered
+                if unanswered is not None and unanswered is not Unanswered.FAILED:
+                    # kept, but not refreshed: it has not answered (busy, or we were cut off)
                     self.table.ping_result(node.peer_id, alive=None, now=self._now())
                     continue
                 self.table.ping_result(node.peer_id, alive=response is not None, now=self._now())

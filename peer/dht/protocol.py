@@ -29,6 +29,14 @@ Learning rules (the routing table's only inputs):
   bytes; counting those timeouts emptied its table after every failed round. Such a ping
   keeps the contact but does not refresh it; and only while the contact was seen (it
   answered or asked us something) within ``refresh_interval``.
+- Nor does a timeout (a lookup giving up, a dial or connection gone silent: see
+  ``PeerSilentError``) while nothing at all came from any peer since
+  the request was sent (since the lookup began), for the first ``CUT_OFF_GRACE`` seconds
+  of such a silence: then our own link is the one stalled or down, and every contact
+  would fail at once. A client-mode volunteer whose link stalled for half a second lost
+  every contact to its in-flight requests' timeouts, and nobody dials a client back: it
+  stepped alone until its refresh re-dialed its initial peers. Such a ping keeps the
+  contact, unrefreshed, as above; nor is the node marked silent.
 - A call that could not reach the node (a refused dial, or a connection that broke under
   it: a NAT that forgot its mapping) counts as a failure; where a replacement waits, the
   node is pinged at once instead of evicted, and the ping, on a fresh connection, evicts
@@ -74,12 +82,12 @@ from protocol.messages import (
     StoreResponse,
 )
 
-from ..errors import PeerBusyError, PeerUnavailableError, RemoteError
+from ..errors import PeerBusyError, PeerSilentError, PeerUnavailableError, RemoteError
 from ..host import RpcHost
 from ..network import out_of_files
 from .config import DHTConfig
 from .learning import CLIENT_RECHECK as CLIENT_RECHECK
-from .learning import Learning
+from .learning import Learning, Unanswered
 from .routing import RoutingTable
 from .serving import Serving
 from .storage import DHTStorage
@@ -92,6 +100,11 @@ SILENT_FOR = 60.0
 """Seconds a node that went silent is asked without being waited for (see the module's
 rules); then a lookup waits its hedge delay for it again, once."""
 _MAX_SILENT = 4096
+CUT_OFF_GRACE = 60.0
+"""Seconds during which requests that time out while nothing comes from any peer do not
+count against their nodes (see the module's rules): our own link stalled. A silence that
+lasts longer counts, so that the last contact of a node that is not cut off but alone
+(its only contact froze) still leaves in time."""
 
 _M = TypeVar("_M", bound=Message)
 
@@ -144,6 +157,7 @@ class DHTProtocol(Learning, Serving):
         self._unreachable: set[PeerID] = set()
         self._unparsable: set[PeerID] = set()  # senders of requests we could not parse
         self._silent: dict[PeerID, float] = {}  # since when (trio time): see is_silent
+        self._cut_off_at: float | None = None  # see cut_off_since (trio time)
         # peers whose requests said they are clients (no sender), until one names an
         # address or a dial proves it -> when they last asked, or their address was dialed
         self._clients: dict[PeerID, float] = {}
@@ -165,8 +179,8 @@ class DHTProtocol(Learning, Serving):
         ping waited (busy, not gone: see the module's rules). ``take_slot``: as
         :meth:`store`."""
         request = PingRequest(self.sender)
-        response, busy = await self._request(node, request, PingResponse, take_slot=take_slot)
-        return response is not None or busy
+        response, unanswered = await self._request(node, request, PingResponse, take_slot=take_slot)
+        return response is not None or unanswered is Unanswered.BUSY
 
     async def find_node(self, node: NodeInfo, target: DHTID) -> FindNodeResponse | None:
         """``node``'s closest contacts to ``target``; None when it failed."""
@@ -204,9 +218,9 @@ class DHTProtocol(Learning, Serving):
 
     async def _request(
         self, node: NodeInfo, request: Message, response_type: type[_M], *, take_slot: bool = True
-    ) -> tuple[_M | None, bool]:
-        """``node``'s response (None when the call failed), and whether the call timed out
-        while ``node``'s bytes kept arriving (then it does not count against ``node``)."""
+    ) -> tuple[_M | None, Unanswered | None]:
+        """``node``'s response (None when the call failed), and when it failed, what that
+        says of ``node`` (only ``Unanswered.FAILED`` counted against it)."""
         assert node.address is not None
         address = self._address_of(node.address, node.peer_id)
         method: str = getattr(request, "METHOD")  # noqa: B009 - a ClassVar of request types
@@ -222,7 +236,9 @@ class DHTProtocol(Learning, Serving):
             maybe_alive = True  # a timeout, or an error answer: slow or busy, not dead
             turned_away = False
             unreachable = False
+            silent = False  # nothing came from it in time: a dial or connection gone silent
             ours = False
+            asked = trio.current_time()
             with trio.move_on_after(self.config.request_timeout) as deadline:
                 try:
                     reply = await self.host.call(address, method, request.to_body())
@@ -241,6 +257,7 @@ class DHTProtocol(Learning, Serving):
                     # up, but at its limits for our address (which a neighbour behind our
                     # NAT may have used up by flooding it): no sign that it left
                     turned_away = isinstance(exc, PeerBusyError)
+                    silent = isinstance(exc, PeerSilentError)
                     unreachable = isinstance(exc, PeerUnavailableError) and not turned_away
                 else:
                     self._unreachable.discard(node.peer_id)
@@ -248,23 +265,39 @@ class DHTProtocol(Learning, Serving):
                         self._recheck_client(node)
                     elif self._address_proven(node, address):
                         self.learn(node)
-                    return response, False
+                    return response, None
         finally:
             if take_slot:
                 self._limiter.release()
         self.calls_failed += 1
         if self.host.stopped or ours:  # our shutdown or our limits: no news of the contact
-            return None, False
+            return None, Unanswered.CUT_OFF
         if deadline.cancelled_caught and self.heard_lately(node):
             logger.debug("%s to %s timed out; its bytes keep coming", method, node.peer_id.short())
-            return None, True
+            return None, Unanswered.BUSY
+        if (deadline.cancelled_caught or silent) and self.cut_off_since(asked):
+            logger.debug(
+                "%s to %s timed out; nothing came from anyone", method, node.peer_id.short()
+            )
+            return None, Unanswered.CUT_OFF
         if deadline.cancelled_caught:
             self.mark_silent(node)
         if not turned_away or self._busy_too_long(node):
             # (a failed ping decides: it is not pinged again)
             unreachable = unreachable and method != PingRequest.METHOD
             self.record_failure(node, timed_out=maybe_alive or turned_away, unreachable=unreachable)
-        return None, False
+        return None, Unanswered.FAILED
+
+    def cut_off_since(self, asked: float) -> bool:
+        """Whether a request sent at ``asked`` that timed out (or that a lookup gave up on)
+        says nothing of its node: nothing came from any peer since, and this silence began
+        less than ``CUT_OFF_GRACE`` seconds ago (see the module's rules)."""
+        if self.host.heard_from_anyone_since(asked):
+            return False
+        began = self._cut_off_at
+        if began is None or self.host.heard_from_anyone_since(began):
+            began = self._cut_off_at = asked  # a new silence
+        return trio.current_time() - began < CUT_OFF_GRACE
 
     def _busy_too_long(self, node: NodeInfo) -> bool:
         """Whether a contact that turned us away as busy has not been heard from for a

@@ -1,0 +1,101 @@
+"""A peer whose own link stalls keeps its contacts. Every request in flight times out at
+once then, and nothing comes from anyone: that says nothing of the contacts. A client-mode
+volunteer whose link stalled for half a second (5 s more latency for what it sent and
+received then) lost every contact to those timeouts and, nobody dialing a client back,
+averaged alone until its refresh re-dialed its initial peers (an outside re-check: 5 of 5
+runs)."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+from contextlib import contextmanager
+
+import pytest
+import trio
+import trio.testing
+
+from peer import Peer, open_peer
+from peer.memnet import MemoryNetwork
+from protocol.identity import Identity
+
+SERVERS = 4
+VOLUNTEER = "10.0.1.1"
+
+
+class _Lines(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@contextmanager
+def _peer_lines() -> Iterator[_Lines]:
+    lines = _Lines()
+    logger = logging.getLogger("peer")
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(lines)
+    try:
+        yield lines
+    finally:
+        logger.removeHandler(lines)
+        logger.setLevel(level)
+
+
+async def _stall(net: MemoryNetwork, volunteer: Peer) -> None:
+    """A matchmaking's worth of requests: stores and reads during a half-second stall of
+    the volunteer's link, and reads right after it (they queue behind the late bytes)."""
+    net.slow_host(VOLUNTEER, 5.0)
+    async with trio.open_nursery() as nursery:
+        for i in range(3):
+            nursery.start_soon(volunteer.dht.store, f"during {i}", i, 600.0)
+        await trio.sleep(0.5)
+        net.slow_host(VOLUNTEER, 0.0)
+        for i in range(3):
+            nursery.start_soon(volunteer.dht.get, f"during {i}")
+
+
+@pytest.mark.parametrize("client_mode", [True, False], ids=["client", "server"])
+async def test_a_stall_of_our_own_link_keeps_every_contact(
+    autojump_clock: trio.testing.MockClock, client_mode: bool
+) -> None:
+    net = MemoryNetwork(latency=0.005)
+    with _peer_lines() as lines, trio.fail_after(120):
+        async with (
+            open_peer("10.0.0.1:4000", network=net.interface("10.0.0.1")) as boot,
+            trio.open_nursery() as nursery,
+        ):
+            for i in range(2, SERVERS + 1):
+                await nursery.start(_serve, net, f"10.0.0.{i}", boot.address)
+            async with open_peer(
+                None if client_mode else f"{VOLUNTEER}:4000",
+                [boot.address],
+                client_mode=client_mode,
+                network=net.interface(VOLUNTEER),
+            ) as volunteer:
+                assert await volunteer.dht.store("before", 1, ttl=600)
+                contacts = sorted(volunteer.dht.routing_table_peers())
+                assert len(contacts) == SERVERS
+                lines.lines.clear()
+
+                await _stall(net, volunteer)
+                await trio.sleep(30)  # every request of the stall has ended
+
+                assert sorted(volunteer.dht.routing_table_peers()) == contacts
+                assert not [line for line in lines.lines if "peer left" in line]
+                assert await volunteer.dht.store("after", 3, ttl=600)
+                assert await volunteer.dht.get("after") == 3
+            nursery.cancel_scope.cancel()
+
+
+async def _serve(
+    net: MemoryNetwork, host: str, boot: str, *, task_status: trio.TaskStatus[None]
+) -> None:
+    identity = Identity.from_seed(host.encode().ljust(32, b"\0"))
+    async with open_peer(f"{host}:4000", [boot], identity, network=net.interface(host)):
+        task_status.started()
+        await trio.sleep_forever()
