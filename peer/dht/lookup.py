@@ -34,6 +34,14 @@ Rules:
   ``_MAX_ADDRESS_RETRIES`` addresses; whichever of its requests answers first counts, the
   others are superseded. A liar answering first could name a genuine node's real PeerID
   at a silent address and keep it out of the lookup (an outside re-check: 40 of 40).
+- A reply whose nodes went silent is discredited: each silence (a request given up on,
+  once per address) counts against the replies that named the node, in shares (1/m each
+  for m replies), and a reply with ``_REFERRER_SILENCES`` of them, more than its nodes'
+  answers, is discredited until they answer as often. Its other nodes are asked only
+  when a credible reply (or the seeds) names them too, and its requests in flight are
+  given up on. A liar naming 20 made-up nodes at 20 addresses that never answer cost a
+  lookup a hedge delay each (~1 s); about three now. Honest replies share the blame for
+  the nodes that froze among the closest (every reply names them), and keep credit.
 - A node the caller knows to be silent (``silent(node)``: it let a recent request go
   unanswered) is asked but given up on at once, while another request is in flight or a
   candidate is left to ask: its answer still counts if it comes, and the lookup does not
@@ -70,6 +78,7 @@ class _Status(enum.Enum):
     FAILED = enum.auto()
     GIVEN_UP = enum.auto()  # in flight, but no longer waited for
     SKIPPED = enum.auto()  # never asked: another node at its address was silent
+    UNVOUCHED = enum.auto()  # never asked (yet): only discredited replies named it
 
 
 @dataclass(slots=True)
@@ -80,10 +89,15 @@ class _Candidate:
     status: _Status = _Status.NEW
     failed_at: set[str] | None = None  # addresses at which it failed (see LookupState.add)
     elsewhere: NodeInfo | None = None  # named at another address while asked at this one
+    named_by: list[PeerID] | None = None  # the nodes whose answers named it (None: a seed)
 
 
 _ASK_ELSEWHERE = frozenset({_Status.FAILED, _Status.GIVEN_UP, _Status.SKIPPED})
 _MAX_ADDRESS_RETRIES = 3
+_REFERRER_SILENCES = 3.0
+"""Silences (requests given up on) among the nodes a reply named, each shared among the
+replies that named it, after which that reply's other nodes are asked only if another
+reply names them too, while its nodes' silences outnumber their answers."""
 """Other addresses a node that failed is asked at, when replies name it there: a lie about
 its address (a dead one) must not hide it for good, nor may lies cost many dials."""
 
@@ -131,9 +145,15 @@ class LookupState:
         # requests given up on, still running at an address their node was since named
         # elsewhere and asked there: their outcome no longer moves the node's status
         self._superseded: dict[tuple[PeerID, str | None], _Candidate] = {}
+        # per node that answered: the silences and answers of the nodes it named (see
+        # _REFERRER_SILENCES), and the nodes discredited by them
+        self._silences: dict[PeerID, float] = {}
+        self._vouched: dict[PeerID, int] = {}
+        self._discredited: set[PeerID] = set()
 
-    def add(self, node: NodeInfo, hop: int) -> None:
-        """Learn of ``node`` (a seed, or named in an answer); duplicates keep the lower hop."""
+    def add(self, node: NodeInfo, hop: int, named_by: PeerID | None = None) -> None:
+        """Learn of ``node`` (a seed, or named in the answer of ``named_by``); duplicates
+        keep the lower hop."""
         if node.address is None:
             return
         if node.peer_id == self.exclude:
@@ -143,6 +163,14 @@ class LookupState:
         known = self._candidates.get(node.peer_id)
         if known is not None:
             known.hop = min(known.hop, hop)
+            if known.named_by is not None:
+                if named_by is None:
+                    known.named_by = None  # a seed: no reply's word needed
+                elif named_by not in known.named_by:
+                    known.named_by.append(named_by)
+            if known.status is _Status.UNVOUCHED and not self._unvouched(known):
+                known.status = _Status.NEW  # vouched for by another reply now
+                bisect.insort(self._order, (known.distance, node.peer_id))
             if known.status is _Status.IN_FLIGHT and node.address != known.node.address:
                 known.elsewhere = known.elsewhere or node  # (should this request fail)
             else:
@@ -152,7 +180,8 @@ class LookupState:
         if node.address in self._silent_addresses:
             self._candidates[node.peer_id] = _Candidate(node, distance, hop, _Status.SKIPPED)
             return
-        self._candidates[node.peer_id] = _Candidate(node, distance, hop)
+        referrers = None if named_by is None else [named_by]
+        self._candidates[node.peer_id] = _Candidate(node, distance, hop, named_by=referrers)
         bisect.insort(self._order, (distance, node.peer_id))
         if self._closest_seen is None or distance < self._closest_seen:
             self._closest_seen = distance
@@ -184,14 +213,59 @@ class LookupState:
 
     def next_to_query(self) -> NodeInfo | None:
         """The closest unasked node among the k closest live ones, now marked in flight."""
-        for _, peer_id in self._order[: self.k]:
-            candidate = self._candidates[peer_id]
+        i = 0
+        while i < self.k and i < len(self._order):
+            candidate = self._candidates[self._order[i][1]]
             if candidate.status is _Status.NEW:
+                if self._discredited and self._unvouched(candidate):
+                    candidate.status = _Status.UNVOUCHED  # (see the module rules)
+                    del self._order[i]
+                    continue
                 candidate.status = _Status.IN_FLIGHT
                 self.in_flight += 1
                 self.queried += 1
                 return candidate.node
+            i += 1
         return None
+
+    def _unvouched(self, candidate: _Candidate) -> bool:
+        """Whether only discredited replies named ``candidate``."""
+        named_by = candidate.named_by
+        return named_by is not None and all(p in self._discredited for p in named_by)
+
+    def _count_silence(self, candidate: _Candidate) -> bool:
+        """``candidate`` went silent: a share of it against each reply that named it.
+        Returns whether that discredited one."""
+        if not candidate.named_by:
+            return False
+        share = 1.0 / len(candidate.named_by)
+        discredited = False
+        for referrer in candidate.named_by:
+            silences = self._silences[referrer] = self._silences.get(referrer, 0.0) + share
+            if (
+                silences >= _REFERRER_SILENCES
+                and silences > self._vouched.get(referrer, 0)
+                and referrer not in self._discredited
+            ):
+                self._discredited.add(referrer)
+                discredited = True
+        return discredited
+
+    def _count_answer(self, candidate: _Candidate) -> None:
+        """``candidate`` answered: to the credit of each reply that named it."""
+        for referrer in candidate.named_by or ():
+            vouched = self._vouched[referrer] = self._vouched.get(referrer, 0) + 1
+            if referrer in self._discredited and vouched >= self._silences[referrer]:
+                self._discredited.discard(referrer)
+                self._revive()
+
+    def _revive(self) -> None:
+        """Ask again the nodes left unasked for want of a credible reply naming them, now
+        that a reply naming them has its credit back."""
+        for peer_id, candidate in self._candidates.items():
+            if candidate.status is _Status.UNVOUCHED and not self._unvouched(candidate):
+                candidate.status = _Status.NEW
+                bisect.insort(self._order, (candidate.distance, peer_id))
 
     def parallelism(self, alpha: int) -> int:
         """How many requests may be in flight now."""
@@ -215,6 +289,11 @@ class LookupState:
         self.in_flight -= 1
         self._order.remove((candidate.distance, node.peer_id))
         address = candidate.node.address
+        if address not in self._silent_addresses and self._count_silence(candidate):
+            # nor is any request waited for that only a discredited reply's word sent
+            for other in self._candidates.values():
+                if other.status is _Status.IN_FLIGHT and self._unvouched(other):
+                    self.give_up(other.node)
         if address is not None and address not in self._silent_addresses:
             self._silent_addresses.add(address)
             for other in self._candidates.values():  # (see the module rules)
@@ -257,11 +336,12 @@ class LookupState:
         else:
             self.in_flight -= 1
         candidate.status = _Status.ANSWERED
+        self._count_answer(candidate)
         closest_before = self._closest_seen
         if len(nodes := list(nodes)) > self.k:  # a reply names k contacts; more buy nothing
             nodes = heapq.nsmallest(self.k, nodes, key=self._distance)
         for other in nodes:
-            self.add(other, candidate.hop + 1)
+            self.add(other, candidate.hop + 1, node.peer_id)
         if self._closest_seen == closest_before:
             self.quiet += 1
             self.converged = self.converged or self.quiet >= self.settle_after

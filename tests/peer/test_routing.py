@@ -10,6 +10,7 @@ from typing import Any
 import pytest
 import trio
 
+from peer.dht import lookup as lookup_module
 from peer.dht.lookup import LookupState, iterative_lookup
 from peer.dht.routing import RoutingTable
 from protocol.dhtid import DHTID, ID_BITS
@@ -584,6 +585,81 @@ async def test_made_up_nodes_at_one_silent_address_cost_one_hedge(
     assert list(result.closest) == closest(honest)
     assert asked_fakes <= 3  # the first wave only (alpha), given up on together
     assert elapsed < 0.2, elapsed  # one hedge (50 ms) and a few round trips; before: > 1 s
+
+
+async def test_made_up_nodes_at_many_silent_addresses_cost_a_few_hedges(
+    autojump_clock: trio.abc.Clock,
+) -> None:
+    """As above, at 20 different addresses that never answer: each cost a hedge delay,
+    ~1 s a lookup through one liar. Three silences among the nodes one reply named (and
+    no answer among them) discredit it: its other nodes are not asked (nor waited for)
+    unless a credible reply names them too."""
+    rng = random.Random(5)
+    target = rng.getrandbits(ID_BITS)
+    honest = [node(rng.getrandbits(ID_BITS)) for _ in range(40)]
+    liar = honest[0]
+    fakes = [
+        NodeInfo(PeerID((target ^ rng.getrandbits(32)).to_bytes(32, "big")), f"192.0.2.{i}:9")
+        for i in range(20)
+    ]
+    asked_fakes = 0
+
+    def closest(nodes: list[NodeInfo]) -> list[NodeInfo]:
+        return sorted(nodes, key=lambda x: DHTID.from_peer_id(x.peer_id) ^ target)[:20]
+
+    async def query(n: NodeInfo) -> list[NodeInfo] | None:
+        nonlocal asked_fakes
+        if n.address is not None and n.address.startswith("192.0.2."):
+            asked_fakes += 1
+            await trio.sleep_forever()
+        await trio.sleep(0.001)
+        return fakes if n == liar else closest(honest)
+
+    start = trio.current_time()
+    with trio.fail_after(60):
+        result = await iterative_lookup(
+            target, [liar, *honest[1:3]], query, k=20, alpha=3, hedge_after=1.0
+        )
+    elapsed = trio.current_time() - start
+    assert list(result.closest) == closest(honest)
+    assert asked_fakes <= 5  # alpha, then one more per silence until the third
+    assert elapsed < 0.2, elapsed  # three hedges (50 ms) and round trips; before: 1.0 s
+
+
+async def test_frozen_nodes_every_reply_names_discredit_no_reply(
+    autojump_clock: trio.abc.Clock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The honest case the rule above must leave alone: the 8 nodes closest to the target
+    froze, and the replies still name them. A silence counts against each reply that
+    named the node in shares, so no honest reply loses its credit: the lookup finds what
+    it finds without the rule, and asks the same nodes."""
+    target = random.Random(7).getrandbits(ID_BITS)
+
+    async def run() -> tuple[list[NodeInfo], int]:
+        rng = random.Random(7)
+        frozen = [
+            NodeInfo(PeerID((target ^ rng.getrandbits(40)).to_bytes(32, "big")), f"10.8.0.{i}:1")
+            for i in range(8)
+        ]
+        live = [node(rng.getrandbits(ID_BITS)) for _ in range(80)]
+        views = {n.peer_id: rng.sample([*frozen, *live], 60) for n in live}
+
+        async def query(n: NodeInfo) -> list[NodeInfo] | None:
+            if n in frozen:
+                await trio.sleep_forever()
+            await trio.sleep(rng.uniform(0.001, 0.004))
+            view = views[n.peer_id]
+            return sorted(view, key=lambda x: DHTID.from_peer_id(x.peer_id) ^ target)[:20]
+
+        result = await iterative_lookup(target, live[:3], query, k=20, alpha=3, hedge_after=1.0)
+        assert not set(result.closest) & set(frozen)
+        return list(result.closest), result.queried
+
+    with trio.fail_after(60):
+        found, queried = await run()
+        monkeypatch.setattr(lookup_module, "_REFERRER_SILENCES", math.inf)
+        assert await run() == (found, queried)
+    assert len(found) == 20
 
 
 @pytest.mark.parametrize("made_up", [0, 3])
