@@ -8,8 +8,6 @@ runs)."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
-from contextlib import contextmanager
 
 import pytest
 import trio
@@ -21,29 +19,6 @@ from protocol.identity import Identity
 
 SERVERS = 4
 VOLUNTEER = "10.0.1.1"
-
-
-class _Lines(logging.Handler):
-    def __init__(self) -> None:
-        super().__init__(logging.INFO)
-        self.lines: list[str] = []
-
-    def emit(self, record: logging.LogRecord) -> None:
-        self.lines.append(record.getMessage())
-
-
-@contextmanager
-def _peer_lines() -> Iterator[_Lines]:
-    lines = _Lines()
-    logger = logging.getLogger("peer")
-    level = logger.level
-    logger.setLevel(logging.INFO)
-    logger.addHandler(lines)
-    try:
-        yield lines
-    finally:
-        logger.removeHandler(lines)
-        logger.setLevel(level)
 
 
 async def _stall(net: MemoryNetwork, volunteer: Peer) -> None:
@@ -61,10 +36,11 @@ async def _stall(net: MemoryNetwork, volunteer: Peer) -> None:
 
 @pytest.mark.parametrize("client_mode", [True, False], ids=["client", "server"])
 async def test_a_stall_of_our_own_link_keeps_every_contact(
-    autojump_clock: trio.testing.MockClock, client_mode: bool
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture, client_mode: bool
 ) -> None:
     net = MemoryNetwork(latency=0.005)
-    with _peer_lines() as lines, trio.fail_after(120):
+    caplog.set_level(logging.INFO, logger="peer")
+    with trio.fail_after(120):
         async with (
             open_peer("10.0.0.1:4000", network=net.interface("10.0.0.1")) as boot,
             trio.open_nursery() as nursery,
@@ -80,13 +56,13 @@ async def test_a_stall_of_our_own_link_keeps_every_contact(
                 assert await volunteer.dht.store("before", 1, ttl=600)
                 contacts = sorted(volunteer.dht.routing_table_peers())
                 assert len(contacts) == SERVERS
-                lines.lines.clear()
+                caplog.clear()
 
                 await _stall(net, volunteer)
                 await trio.sleep(30)  # every request of the stall has ended
 
                 assert sorted(volunteer.dht.routing_table_peers()) == contacts
-                assert not [line for line in lines.lines if "peer left" in line]
+                assert not [line for line in caplog.messages if "peer left" in line]
                 assert await volunteer.dht.store("after", 3, ttl=600)
                 assert await volunteer.dht.get("after") == 3
             nursery.cancel_scope.cancel()
