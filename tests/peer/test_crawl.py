@@ -19,6 +19,20 @@ from protocol.messages import FindNodeResponse, NodeInfo
 REQUEST_TIMEOUT = 3.0
 
 
+async def _peers(
+    stack: AsyncExitStack, net: MemoryNetwork, count: int, subnet: str, port: int = 1000
+) -> list[Peer]:
+    """``count`` peers at ``{subnet}.1``, ``{subnet}.2``, ..., each joining through the
+    first, open until ``stack`` closes."""
+    peers: list[Peer] = []
+    for i in range(count):
+        host = f"{subnet}.{i + 1}"
+        initial = [peers[0].address] if peers else []
+        peer = open_peer(f"{host}:{port}", initial, network=net.interface(host))
+        peers.append(await stack.enter_async_context(peer))
+    return peers
+
+
 async def test_a_stalling_peer_costs_the_walk_one_request_timeout(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
@@ -66,15 +80,7 @@ async def test_made_up_peers_at_an_address_that_never_answers_cost_one_visit(
     net = MemoryNetwork(latency=0.01)
     with trio.fail_after(600):
         async with AsyncExitStack() as stack:
-            honest: list[Peer] = []
-            for i in range(4):
-                where = f"10.0.0.{i + 1}"
-                initial = [honest[0].address] if honest else []
-                honest.append(
-                    await stack.enter_async_context(
-                        open_peer(f"{where}:1000", initial, network=net.interface(where))
-                    )
-                )
+            honest = await _peers(stack, net, 4, "10.0.0")
             hole = await stack.enter_async_context(
                 open_peer("10.0.0.9:1000", network=net.interface("10.0.0.9"))
             )
@@ -112,15 +118,7 @@ async def test_a_full_node_that_crawls_stays_in_the_tables_it_asks(
     net = MemoryNetwork(latency=0.01)
     with trio.fail_after(600):
         async with AsyncExitStack() as stack:
-            peers: list[Peer] = []
-            for i in range(4):
-                initial = [peers[0].address] if peers else []
-                where = f"10.0.0.{i + 1}"
-                peers.append(
-                    await stack.enter_async_context(
-                        open_peer(f"{where}:1000", initial, network=net.interface(where))
-                    )
-                )
+            peers = await _peers(stack, net, 4, "10.0.0")
             me = peers[3]
             before = [me.peer_id in p.dht.table for p in peers[:3]]
             assert any(before)
@@ -139,17 +137,7 @@ async def test_the_walk_asks_each_peer_its_targets_at_once(
     net = MemoryNetwork(latency=latency)
     with trio.fail_after(600):
         async with AsyncExitStack() as stack:
-            peers: list[Peer] = []
-            for i in range(16):
-                peers.append(
-                    await stack.enter_async_context(
-                        open_peer(
-                            f"10.0.1.{i + 1}:0",
-                            [peers[0].address] if peers else [],
-                            network=net.interface(f"10.0.1.{i + 1}"),
-                        )
-                    )
-                )
+            peers = await _peers(stack, net, 16, "10.0.1", port=0)
             client = await stack.enter_async_context(
                 open_peer(
                     None, [peers[0].address], client_mode=True, network=net.interface("10.0.2.1")
@@ -234,17 +222,7 @@ async def test_a_walk_short_of_files_still_lists_every_peer(
     interface.__class__ = FewFiles
     with trio.fail_after(600):
         async with AsyncExitStack() as stack:
-            peers: list[Peer] = []
-            for i in range(20):
-                peers.append(
-                    await stack.enter_async_context(
-                        open_peer(
-                            f"10.0.1.{i + 1}:1000",
-                            [peers[0].address] if peers else [],
-                            network=net.interface(f"10.0.1.{i + 1}"),
-                        )
-                    )
-                )
+            peers = await _peers(stack, net, 20, "10.0.1")
             client = await stack.enter_async_context(
                 open_peer(None, [peers[0].address], client_mode=True, network=interface)
             )
