@@ -208,12 +208,6 @@ class RpcHost(ConnectionPool, InboundAdmission):
             return trio.current_time()
         return max((c.last_received for c in connections), default=-math.inf)
 
-    def heard_from_anyone_since(self, since: float) -> bool:
-        """Whether bytes from any peer arrived, on an open connection, at trio time
-        ``since`` or later (or we are the ones not reading one). A call that timed out
-        while nothing came from anyone says more of our own link than of the peer asked."""
-        return any(c.not_reading or c.last_received >= since for c in self._connections)
-
     # -- handlers --------------------------------------------------------------------------
 
     def register(self, method: str, handler: Handler) -> None:

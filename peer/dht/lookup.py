@@ -15,6 +15,13 @@ Rules:
   trips, not requests).
 - The lookup ends when the k closest live candidates have all answered (or fewer,
   when the network knows fewer), and nothing is in flight.
+- A lookup that has no answer yet does not end while a request it gave up on runs: with
+  nobody else to ask, it waits for them (to their own timeout). A request given up on
+  before the first answer (under a guess from the caller's recent lookups), more recently
+  than twice that answer's own round trip, is waited for again. A
+  volunteer whose round trip grew past that guess gave up on its few contacts in turn,
+  ended with no answer, and failed every store and get while they answered, later (an
+  outside tester: 2 contacts at 60 ms more each way).
 - A request left unanswered through a silence of the hedge delay (no answer at all for
   that long, and the lookup's timer not woken more than half that late: a loop that
   late is busy, and the answers may be waiting in it unread) is given up on: it stops
@@ -307,6 +314,16 @@ class LookupState:
         if candidate.elsewhere is not None:
             self._ask_elsewhere(candidate, candidate.elsewhere)
 
+    def resume(self, node: NodeInfo) -> None:
+        """Wait for ``node`` again, given up on under a hedge delay that the lookup's first
+        answer showed too short (our round trip grew): in flight, among the closest."""
+        candidate = self._candidates[node.peer_id]
+        if candidate.status is not _Status.GIVEN_UP or candidate.node != node:
+            return
+        candidate.status = _Status.IN_FLIGHT
+        self.in_flight += 1
+        bisect.insort(self._order, (candidate.distance, node.peer_id))
+
     def given_up(self) -> list[NodeInfo]:
         """Nodes given up on that never answered nor failed."""
         return [c.node for c in self._candidates.values() if c.status is _Status.GIVEN_UP]
@@ -395,7 +412,7 @@ async def iterative_lookup(
     wanted: Callable[[], int] | None = None,
     hedge_after: float = math.inf,
     may_hedge: Callable[[], bool] = lambda: True,
-    on_given_up: Callable[[NodeInfo], None] | None = None,
+    on_given_up: Callable[[NodeInfo, bool], None] | None = None,
     max_in_flight: int | None = None,
     first_hedge: float | None = None,
     silent: Callable[[NodeInfo], bool] | None = None,
@@ -415,9 +432,12 @@ async def iterative_lookup(
     oldest request in flight (see the module rules), when ``may_hedge()`` allows it (False
     while our own requests queue for a slot: then the silence is ours, not the peer's;
     the requests this lookup gave up on, which may hold those slots, are cancelled then).
-    ``on_given_up(node)`` is called for each request given up on that was still unanswered
-    at the end (cancelled then). ``max_in_flight``: at most this many requests at once
-    (the caller's slots: more would only queue, and stop the hedging). ``first_hedge``:
+    ``on_given_up(node, proven)`` is called for each request given up on that was still
+    unanswered at the end (cancelled then); ``proven``: the lookup had an answer to a
+    request sent no earlier, a hedge delay or more before it ended (our link worked while
+    the node stayed silent; not so when a stall of ours ended just before the lookup).
+    ``max_in_flight``: at most this many requests at once (the caller's slots: more would
+    only queue, and stop the hedging). ``first_hedge``:
     the silence before any answer instead of ``hedge_after`` (at most that), e.g. from
     the first answers of the caller's recent lookups: frozen nodes among the first asked
     would each cost ``hedge_after`` otherwise. ``silent(node)``: whether ``node`` is
@@ -448,6 +468,8 @@ async def iterative_lookup(
     first_answer: float | None = None
     start = trio.current_time()
     sent_at: dict[tuple[PeerID, str | None], float] = {}
+    unwaited: set[tuple[PeerID, str | None]] = set()  # known silent: asked, not waited for
+    answered_at: list[float] = []  # when answers came, in order
     async with trio.open_nursery() as nursery:
         while True:
             limit = state.parallelism(alpha)
@@ -467,12 +489,19 @@ async def iterative_lookup(
                     and (state.in_flight > 1 or state.has_unasked())
                 ):
                     state.give_up(next_node)  # asked, not waited for
-            if state.in_flight == 0:
-                break
+                    unwaited.add((next_node.peer_id, next_node.address))
             received = None
-            waited_from = trio.current_time()
-            with trio.move_on_after(hedge_delay):
-                received = await receive.receive()
+            if state.in_flight == 0 and (state.answers or not running):
+                try:  # (an answer already here still counts)
+                    received = receive.receive_nowait()
+                except trio.WouldBlock:
+                    break
+            else:
+                waited_from = trio.current_time()
+                # nobody left to ask, nobody answered yet: wait for those given up on (they
+                # bound their own time; see the module rules)
+                with trio.move_on_after(hedge_delay if state.in_flight else math.inf):
+                    received = await receive.receive()
             if received is None:  # nothing answered for hedge_delay seconds
                 if trio.current_time() - waited_from > 1.5 * hedge_delay:
                     # Woken that late, our own event loop is behind (a busy process): the
@@ -488,16 +517,28 @@ async def iterative_lookup(
                 continue
             node, answer = received
             if answer is not None and state.answers == 0:
-                first_answer = trio.current_time() - start
+                now = trio.current_time()
+                first_answer = now - start
                 hedge_delay = min(hedge_after, max(2 * first_answer, MIN_HEDGE_DELAY))
+                # those given up on under a guess this answer's own round trip shows too
+                # short: wait again (its round trip, not the lookup's time: frozen nodes
+                # asked first delay the first answer, and must not be waited for again)
+                window = max(2 * (now - sent_at[node.peer_id, node.address]), MIN_HEDGE_DELAY)
+                for given_up in state.given_up():
+                    key = (given_up.peer_id, given_up.address)
+                    if key in running and key not in unwaited and now - sent_at[key] < window:
+                        state.resume(given_up)
             if answer is None:
                 state.on_failure(node)
             else:
+                answered_at.append(trio.current_time())
                 state.on_answer(node, answer)
                 if stop is not None and stop():
                     break
         nursery.cancel_scope.cancel()  # requests given up on and still unanswered
     if on_given_up is not None:
+        end = trio.current_time()
         for node in state.given_up():
-            on_given_up(node)
+            after = bisect.bisect_left(answered_at, sent_at[node.peer_id, node.address])
+            on_given_up(node, after < len(answered_at) and end - answered_at[after] >= hedge_delay)
     return replace(state.result(), first_answer_s=first_answer)

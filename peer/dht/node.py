@@ -264,13 +264,12 @@ class DHT:
         query: Query,
         stop: Callable[[], bool] | None = None,
         wanted: Callable[[], int] | None = None,
-        on_given_up: Callable[[NodeInfo], None] | None = None,
+        on_given_up: Callable[[NodeInfo, bool], None] | None = None,
     ) -> LookupResult:
         self._check_running()
         # Twice k seeds: when some of the closest known are dead, the next ones take
         # their place instead of the lookup running dry.
         seeds = self.table.nearest(target, 2 * self.config.k)
-        started = trio.current_time()
         result = await iterative_lookup(
             target,
             seeds,
@@ -282,7 +281,7 @@ class DHT:
             wanted=wanted,
             hedge_after=self.config.hedge_after,
             may_hedge=self.protocol.has_free_slot,
-            on_given_up=on_given_up or (lambda node: self._given_up(node, started)),
+            on_given_up=on_given_up or self._given_up,
             max_in_flight=self.config.max_concurrent_requests,
             first_hedge=self._first_hedge(),
             silent=self._silent_stranger,
@@ -306,12 +305,12 @@ class DHT:
         if self.host.stopped:  # the nursery is gone: no lookup could run, none may lie
             raise PeerStoppedError(STOPPED)
 
-    def _given_up(self, node: NodeInfo, since: float) -> None:
+    def _given_up(self, node: NodeInfo, proven: bool) -> None:
         # A request outlasted a lookup's hedging: as a timeout (it counts toward
-        # max_failures, so a frozen node leaves the table after a few lookups), unless the
-        # node's bytes came lately (a busy link, not a frozen node), or nothing came from
-        # anyone since the lookup (``since``) began (our link: DHTProtocol's rules).
-        if not self.protocol.heard_lately(node) and not self.protocol.cut_off_since(since):
+        # max_failures, so a frozen node leaves the table after a few lookups), when
+        # ``proven`` (others answered while it stayed silent: not our link stalling, see
+        # iterative_lookup) and the node's bytes did not come lately (a busy link).
+        if proven and not self.protocol.heard_lately(node):
             self.protocol.record_failure(node, timed_out=True)
             self.protocol.mark_silent(node)
 

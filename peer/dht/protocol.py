@@ -29,14 +29,16 @@ Learning rules (the routing table's only inputs):
   bytes; counting those timeouts emptied its table after every failed round. Such a ping
   keeps the contact but does not refresh it; and only while the contact was seen (it
   answered or asked us something) within ``refresh_interval``.
-- Nor does a timeout (a lookup giving up, a dial or connection gone silent: see
-  ``PeerSilentError``) while nothing at all came from any peer since
-  the request was sent (since the lookup began), for the first ``CUT_OFF_GRACE`` seconds
-  of such a silence: then our own link is the one stalled or down, and every contact
-  would fail at once. A client-mode volunteer whose link stalled for half a second lost
-  every contact to its in-flight requests' timeouts, and nobody dials a client back: it
-  stepped alone until its refresh re-dialed its initial peers. Such a ping keeps the
-  contact, unrefreshed, as above; nor is the node marked silent.
+- Nor does a timeout (or a dial or connection gone silent: ``PeerSilentError``) while no
+  request of ours sent since was answered, for the first ``CUT_OFF_GRACE`` seconds of
+  such a silence: our own link may be the one stalled or down, and then every contact
+  fails at once. A client-mode volunteer whose link stalled for half a second lost every
+  contact to its in-flight requests' timeouts, and nobody dials a client back: it stepped
+  alone until its refresh re-dialed its initial peers. Such a ping keeps the contact,
+  unrefreshed, as above; nor is the node marked silent. (Bytes from anyone are not
+  enough: after a stall, fresh connections work while the old ones still carry what was
+  sent during it; a lookup's give-up counts only when answers came meanwhile, see
+  ``iterative_lookup``.)
 - A call that could not reach the node (a refused dial, or a connection that broke under
   it: a NAT that forgot its mapping) counts as a failure; where a replacement waits, the
   node is pinged at once instead of evicted, and the ping, on a fresh connection, evicts
@@ -157,7 +159,8 @@ class DHTProtocol(Learning, Serving):
         self._unreachable: set[PeerID] = set()
         self._unparsable: set[PeerID] = set()  # senders of requests we could not parse
         self._silent: dict[PeerID, float] = {}  # since when (trio time): see is_silent
-        self._cut_off_at: float | None = None  # see cut_off_since (trio time)
+        self._cut_off_at: float | None = None  # see _cut_off (trio time)
+        self._answered_sent = -math.inf  # when the latest-sent request answered was sent
         # peers whose requests said they are clients (no sender), until one names an
         # address or a dial proves it -> when they last asked, or their address was dialed
         self._clients: dict[PeerID, float] = {}
@@ -260,6 +263,7 @@ class DHTProtocol(Learning, Serving):
                     silent = isinstance(exc, PeerSilentError)
                     unreachable = isinstance(exc, PeerUnavailableError) and not turned_away
                 else:
+                    self._answered_sent = max(self._answered_sent, asked)
                     self._unreachable.discard(node.peer_id)
                     if node.peer_id in self._clients:
                         self._recheck_client(node)
@@ -275,7 +279,7 @@ class DHTProtocol(Learning, Serving):
         if deadline.cancelled_caught and self.heard_lately(node):
             logger.debug("%s to %s timed out; its bytes keep coming", method, node.peer_id.short())
             return None, Unanswered.BUSY
-        if (deadline.cancelled_caught or silent) and self.cut_off_since(asked):
+        if (deadline.cancelled_caught or silent) and self._cut_off(asked):
             logger.debug(
                 "%s to %s timed out; nothing came from anyone", method, node.peer_id.short()
             )
@@ -288,14 +292,14 @@ class DHTProtocol(Learning, Serving):
             self.record_failure(node, timed_out=maybe_alive or turned_away, unreachable=unreachable)
         return None, Unanswered.FAILED
 
-    def cut_off_since(self, asked: float) -> bool:
-        """Whether a request sent at ``asked`` that timed out (or that a lookup gave up on)
-        says nothing of its node: nothing came from any peer since, and this silence began
-        less than ``CUT_OFF_GRACE`` seconds ago (see the module's rules)."""
-        if self.host.heard_from_anyone_since(asked):
+    def _cut_off(self, asked: float) -> bool:
+        """Whether a request sent at ``asked`` that timed out says nothing of its node: no
+        request of ours sent since was answered (our link may be the one stalled), and this
+        silence began less than ``CUT_OFF_GRACE`` seconds ago (see the module's rules)."""
+        if self._answered_sent >= asked:
             return False
         began = self._cut_off_at
-        if began is None or self.host.heard_from_anyone_since(began):
+        if began is None or self._answered_sent >= began:
             began = self._cut_off_at = asked  # a new silence
         return trio.current_time() - began < CUT_OFF_GRACE
 

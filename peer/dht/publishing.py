@@ -135,12 +135,11 @@ class Publishing:
             stored = stored or any(response.accepted)
             return response.nodes
 
-        def given_up(node: NodeInfo) -> None:
+        def given_up(node: NodeInfo, proven: bool) -> None:
             # sent again: its outcome counts for or against the node, not the give-up
             if not self.store_in_background(node, key_id, key, entries):
-                self._dht._given_up(node, started)
+                self._dht._given_up(node, proven)
 
-        started = trio.current_time()
         result = await self._dht._lookup(key_id, query, on_given_up=given_up)
         if self._dht.storage is not None and self._dht._among_closest(key_id, result.closest):
             for entry in entries:

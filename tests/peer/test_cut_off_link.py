@@ -1,9 +1,9 @@
-"""A peer whose own link stalls keeps its contacts. Every request in flight times out at
-once then, and nothing comes from anyone: that says nothing of the contacts. A client-mode
-volunteer whose link stalled for half a second (5 s more latency for what it sent and
-received then) lost every contact to those timeouts and, nobody dialing a client back,
-averaged alone until its refresh re-dialed its initial peers (an outside re-check: 5 of 5
-runs)."""
+"""A peer whose own link stalls, or slows down, keeps its contacts, and its lookups answer.
+In a stall every request in flight times out at once, and nothing comes from anyone: that
+says nothing of the contacts. A client-mode volunteer whose link stalled for half a second
+(5 s more latency for what it sent and received then) lost every contact to those
+timeouts and, nobody dialing a client back, averaged alone until its refresh re-dialed its
+initial peers (an outside re-check: 5 of 5 runs)."""
 
 from __future__ import annotations
 
@@ -65,6 +65,34 @@ async def test_a_stall_of_our_own_link_keeps_every_contact(
                 assert not [line for line in caplog.messages if "peer left" in line]
                 assert await volunteer.dht.store("after", 3, ttl=600)
                 assert await volunteer.dht.get("after") == 3
+            nursery.cancel_scope.cancel()
+
+
+@pytest.mark.parametrize("servers", [1, 2, 3])
+async def test_lookups_through_a_link_that_slowed_down_still_answer(
+    autojump_clock: trio.testing.MockClock, servers: int
+) -> None:
+    """An outside tester's client with 2 or 3 contacts: its lookups, used to 10 ms round
+    trips, gave up on each contact after 50 ms once 60-100 ms came on each way, and every
+    store returned False and every get None, in ~0.1 s, for as long as the link was slow
+    (tests/peer/test_routing.py -k nobody_left)."""
+    net = MemoryNetwork(latency=0.005)
+    with trio.fail_after(120):
+        async with (
+            open_peer("10.0.0.1:4000", network=net.interface("10.0.0.1")) as boot,
+            trio.open_nursery() as nursery,
+        ):
+            for i in range(2, servers + 1):
+                await nursery.start(_serve, net, f"10.0.0.{i}", boot.address)
+            async with open_peer(
+                None, [boot.address], client_mode=True, network=net.interface(VOLUNTEER)
+            ) as volunteer:
+                for i in range(40):  # its recent lookups: answers within 10 ms
+                    assert await volunteer.dht.store(f"fast {i}", i, ttl=600)
+                net.slow_host(VOLUNTEER, 0.1)
+                for i in range(3):
+                    assert await volunteer.dht.store(f"slow {i}", i, ttl=600)
+                    assert await volunteer.dht.get(f"slow {i}") == i
             nursery.cancel_scope.cancel()
 
 

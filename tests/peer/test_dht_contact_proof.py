@@ -232,9 +232,6 @@ class _MovedHost:
     def last_heard(self, peer_id: PeerID) -> float:
         return -math.inf
 
-    def heard_from_anyone_since(self, since: float) -> bool:
-        return True  # (others answer: a timeout here is the peer's)
-
     def dialed(self, address: Address) -> bool:
         return True
 

@@ -432,11 +432,43 @@ async def test_a_lookup_gives_up_on_a_frozen_node_and_takes_the_next_one(
     seeds = [node(i) for i in range(100, 120)]
     start = trio.current_time()
     result = await iterative_lookup(
-        0, seeds, query, k=10, alpha=3, hedge_after=1.0, on_given_up=given_up.append
+        0,
+        seeds,
+        query,
+        k=10,
+        alpha=3,
+        hedge_after=1.0,
+        on_given_up=lambda n, _: given_up.append(n),
     )
     assert trio.current_time() - start < 1.0  # not the 3 s timeout
     assert given_up == [frozen]
     assert [DHTID.from_peer_id(n.peer_id) for n in result.closest] == list(range(101, 111))
+
+
+@pytest.mark.parametrize("delays", [(0.12,), (0.12, 0.12), (0.12, 0.12, 0.12), (0.12, 0.2)])
+async def test_a_lookup_with_nobody_left_to_ask_waits_for_the_slow_ones(
+    autojump_clock: trio.testing.MockClock, delays: tuple[float, ...]
+) -> None:
+    """Our round trip grew to ``delays``, past the 50 ms first hedge that our recent
+    lookups set: the lookup gave up on each of its few contacts in turn and ended with no
+    answer at 0.05 s per contact, its requests cancelled (an outside tester: every store
+    False and get None while the slow link lasted). With nobody else to ask, it waits for
+    them; and once the first answer shows the hedge delay too short, it waits again for
+    those it gave up on since (the last case: the 0.2 s one, given up on at 0.1 s)."""
+    seeds = [node(i) for i in range(1, len(delays) + 1)]
+
+    async def query(asker: NodeInfo) -> list[NodeInfo] | None:
+        await trio.sleep(delays[seeds.index(asker)])
+        return seeds
+
+    start = trio.current_time()
+    with trio.fail_after(10):
+        result = await iterative_lookup(
+            0, seeds, query, k=20, alpha=3, hedge_after=1.0, first_hedge=0.05
+        )
+    assert set(result.closest) == set(seeds)
+    assert result.first_answer_s == pytest.approx(0.12)
+    assert trio.current_time() - start == pytest.approx(max(delays))
 
 
 @pytest.mark.parametrize("first_hedge, took", [(None, 3.1), (0.05, 0.25)])
@@ -478,7 +510,13 @@ async def test_no_hedging_after_our_own_loop_stood_still(
     async with trio.open_nursery() as nursery:
         nursery.start_soon(stall)
         result = await iterative_lookup(
-            0, seeds, query, k=3, alpha=3, hedge_after=1.0, on_given_up=given_up.append
+            0,
+            seeds,
+            query,
+            k=3,
+            alpha=3,
+            hedge_after=1.0,
+            on_given_up=lambda n, _: given_up.append(n),
         )
     # 101 and 102 answered at 0.1 s; the 0.2 s silence was due at 0.3 s but woke at
     # 0.65 s, with the slow node's answer due: no fourth request (103 is never asked)
@@ -499,7 +537,13 @@ async def test_a_late_answer_still_counts(autojump_clock: trio.testing.MockClock
     seeds = [node(i) for i in range(100, 104)]
     given_up: list[NodeInfo] = []
     result = await iterative_lookup(
-        0, seeds, query, k=3, alpha=3, hedge_after=1.0, on_given_up=given_up.append
+        0,
+        seeds,
+        query,
+        k=3,
+        alpha=3,
+        hedge_after=1.0,
+        on_given_up=lambda n, _: given_up.append(n),
     )
     # 101 and 102 answer at 0.1 s; after 0.2 s of silence 103 takes the slow one's place
     assert asked[-1] == (pytest.approx(0.3), node(103))
