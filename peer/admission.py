@@ -112,6 +112,7 @@ class InboundAdmission:
             *,
             group: str | None = None,
             busy: bool = False,
+            dialed: str | None = None,
             task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
         ) -> None: ...
 

@@ -10,6 +10,7 @@ address).
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
@@ -205,7 +206,11 @@ class ConnectionPool:
             if len(self._by_address) >= _MAX_REMEMBERED_ADDRESSES:
                 self._by_address.clear()
             self._by_address[address.hostport] = secure.remote_peer_id
-            await self._nursery.start(self._serve_connection, secure, self.peer_id)
+            await self._nursery.start(
+                functools.partial(self._serve_connection, dialed=address.hostport),
+                secure,
+                self.peer_id,
+            )
             dial.connection = self._by_peer.get(secure.remote_peer_id)
             if dial.connection is None:
                 raise PeerUnavailableError(f"the connection to {address} closed at once")
@@ -238,10 +243,12 @@ class ConnectionPool:
         *,
         group: str | None = None,
         busy: bool = False,
+        dialed: str | None = None,
         task_status: trio.TaskStatus[None] = trio.TASK_STATUS_IGNORED,
     ) -> None:
         """Serve a secure connection until it ends; ``group``: the host group of an
         inbound one (it is then one of that host's, for :meth:`_idlest_inbound`);
+        ``dialed``: the HOST:PORT of an outbound one;
         ``busy``: no slot is left for it, so it closes after a ``bye`` at once (the peer
         sends what crossed it again on a fresh connection)."""
         config = self.config
@@ -261,6 +268,7 @@ class ConnectionPool:
                 None if is_loopback_host(secure.remote_host) else host_group(secure.remote_host)
             ),
         )
+        connection.dialed = dialed
         peer_id = connection.peer_id
         self.connections_opened += 1
         self._connections[connection] = initiator

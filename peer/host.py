@@ -23,6 +23,7 @@ Rules:
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import logging
 import math
@@ -325,6 +326,15 @@ class RpcHost(ConnectionPool, InboundAdmission):
         peer_id = address.peer_id
         return peer_id is not None and self._by_address.get(address.hostport) == peer_id
 
+    def reached_elsewhere(self, address: Address) -> str | None:
+        """The HOST:PORT we dialed the connection that calls to ``address`` use now, when
+        it is not ``address``'s (None: no such connection, one the peer dialed, or one we
+        dialed there). A peer that restarted elsewhere answers calls to its old address over
+        its connection at the new one: that proves the new address, not the old."""
+        connection = self._pooled(address)
+        dialed = None if connection is None else connection.dialed
+        return dialed if dialed is not None and dialed != address.hostport else None
+
     async def prove_address(self, address: Address) -> bool:
         """Whether a peer holding ``address.peer_id``'s key listens at ``address``: dial it
         on a connection of its own (never the pool: a pooled connection the peer opened
@@ -351,7 +361,11 @@ class RpcHost(ConnectionPool, InboundAdmission):
         if len(self._by_address) >= _MAX_REMEMBERED_ADDRESSES:
             self._by_address.clear()
         self._by_address[address.hostport] = address.peer_id
-        await self._nursery.start(self._serve_connection, secure, self.peer_id)
+        await self._nursery.start(
+            functools.partial(self._serve_connection, dialed=address.hostport),
+            secure,
+            self.peer_id,
+        )
         return True
 
     async def disconnect(self, peer_id: PeerID) -> None:

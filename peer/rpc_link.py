@@ -101,6 +101,7 @@ class RpcLink:
         self._reader: FrameReader | None = None
         self.peer_id = peer_id
         self.remote_host = remote_host
+        self.dialed: str | None = None  # the HOST:PORT we dialed (None: the peer dialed us)
         self.max_frame_size = max_frame_size
         # the peer accepts at least the protocol's least maximum, perhaps no more: a frame
         # beyond it that the peer refused would end the connection for every call on it

@@ -15,6 +15,10 @@ Learning rules (the routing table's only inputs):
 - A reply teaches us the node we called when we dialed its address and the handshake
   proved its id (or the table holds it at that address already): a reply over a pooled
   connection the peer opened proves its id, not the address a third party named for it.
+  A reply over a connection we dialed at another address teaches us the node at that
+  one: a peer killed and restarted elsewhere with its key answered calls to its dead
+  address over its new connection, and a client kept it at the dead address for half an
+  hour and more (an outside tester's soak).
   Nodes named *inside* replies are only lookup candidates until they answer.
 - A request without a sender says its peer is a client now: it leaves the table (it may
   have restarted in client mode with the same identity, its old address dead; our calls to
@@ -267,6 +271,10 @@ class DHTProtocol(Learning, Serving):
                     self._unreachable.discard(node.peer_id)
                     if node.peer_id in self._clients:
                         self._recheck_client(node)
+                    elif (elsewhere := self.host.reached_elsewhere(address)) is not None:
+                        # over the connection we dialed at another address: it listens
+                        # there (restarted elsewhere?), not provably at this one
+                        self.learn(NodeInfo(node.peer_id, elsewhere))
                     elif self._address_proven(node, address):
                         self.learn(node)
                     return response, None
