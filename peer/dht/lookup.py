@@ -44,11 +44,12 @@ Rules:
 - A reply whose nodes went silent is discredited: each silence (a request given up on,
   once per address) counts against the replies that named the node, in shares (1/m each
   for m replies), and a reply with ``_REFERRER_SILENCES`` of them, more than its nodes'
-  answers, is discredited until they answer as often. Its other nodes are asked only
-  when a credible reply (or the seeds) names them too, and its requests in flight are
-  given up on. A liar naming 20 made-up nodes at 20 addresses that never answer cost a
-  lookup a hedge delay each (~1 s); about three now. Honest replies share the blame for
-  the nodes that froze among the closest (every reply names them), and keep credit.
+  answers, is discredited until they answer as often. While another reply keeps its
+  credit, its other nodes are asked only when a credible reply (or the seeds) names them
+  too, and its requests in flight are given up on. A liar naming 20 made-up nodes at 20
+  addresses that never answer cost a lookup a hedge delay each (~1 s); about three now.
+  Honest replies share the blame for the nodes that froze among the closest (every reply
+  names them), and keep credit; a lookup's only reply is never discredited.
 - A node the caller knows to be silent (``silent(node)``: it let a recent request go
   unanswered) is asked but given up on at once, while another request is in flight or a
   candidate is left to ask: its answer still counts if it comes, and the lookup does not
@@ -157,6 +158,7 @@ class LookupState:
         self._silences: dict[PeerID, float] = {}
         self._vouched: dict[PeerID, int] = {}
         self._discredited: set[PeerID] = set()
+        self._referrers: set[PeerID] = set()  # nodes whose answers named nodes
 
     def add(self, node: NodeInfo, hop: int, named_by: PeerID | None = None) -> None:
         """Learn of ``node`` (a seed, or named in the answer of ``named_by``); duplicates
@@ -236,9 +238,16 @@ class LookupState:
         return None
 
     def _unvouched(self, candidate: _Candidate) -> bool:
-        """Whether only discredited replies named ``candidate``."""
+        """Whether only discredited replies named ``candidate``, while another reply keeps
+        its credit (the only reply of a lookup, a newcomer's bootstrap node naming the
+        frozen nodes closest to it first, was discredited, and the newcomer joined knowing
+        that node alone: an outside re-check, 9 of 24 joins)."""
         named_by = candidate.named_by
-        return named_by is not None and all(p in self._discredited for p in named_by)
+        return (
+            named_by is not None
+            and len(self._referrers) > len(self._discredited)
+            and all(p in self._discredited for p in named_by)
+        )
 
     def _count_silence(self, candidate: _Candidate) -> bool:
         """``candidate`` went silent: a share of it against each reply that named it.
@@ -256,6 +265,8 @@ class LookupState:
             ):
                 self._discredited.add(referrer)
                 discredited = True
+        if discredited and len(self._discredited) == len(self._referrers):
+            self._revive()  # none keeps its credit: no reply's word counts against another
         return discredited
 
     def _count_answer(self, candidate: _Candidate) -> None:
@@ -268,7 +279,7 @@ class LookupState:
 
     def _revive(self) -> None:
         """Ask again the nodes left unasked for want of a credible reply naming them, now
-        that a reply naming them has its credit back."""
+        that a reply naming them has its credit back (or none has)."""
         for peer_id, candidate in self._candidates.items():
             if candidate.status is _Status.UNVOUCHED and not self._unvouched(candidate):
                 candidate.status = _Status.NEW
@@ -357,6 +368,8 @@ class LookupState:
         closest_before = self._closest_seen
         if len(nodes := list(nodes)) > self.k:  # a reply names k contacts; more buy nothing
             nodes = heapq.nsmallest(self.k, nodes, key=self._distance)
+        if nodes:
+            self._referrers.add(node.peer_id)
         for other in nodes:
             self.add(other, candidate.hop + 1, node.peer_id)
         if self._closest_seen == closest_before:

@@ -686,6 +686,33 @@ async def test_frozen_nodes_every_reply_names_discredit_no_reply(
     assert len(found) == 20
 
 
+async def test_a_lookups_only_reply_is_not_discredited(autojump_clock: trio.abc.Clock) -> None:
+    """A newcomer joins through one node, whose reply names first the 5 nodes closest to
+    the newcomer, all frozen: three silences discredited that reply, the lookup's only
+    one, and the newcomer joined knowing its bootstrap node alone (an outside re-check:
+    9 of 24 joins). A reply is discredited only while another keeps its credit."""
+    rng = random.Random(3)
+    target = rng.getrandbits(ID_BITS)
+    frozen = [
+        NodeInfo(PeerID((target ^ rng.getrandbits(40)).to_bytes(32, "big")), f"10.8.0.{i}:1")
+        for i in range(5)
+    ]
+    live = [node(rng.getrandbits(ID_BITS)) for _ in range(15)]
+    bootstrap = node(rng.getrandbits(ID_BITS))
+
+    async def query(n: NodeInfo) -> list[NodeInfo] | None:
+        if n in frozen:
+            await trio.sleep_forever()
+        await trio.sleep(0.01)
+        return [*frozen, *live] if n == bootstrap else live
+
+    with trio.fail_after(60):
+        result = await iterative_lookup(
+            target, [bootstrap], query, k=20, alpha=3, hedge_after=1.0, first_hedge=0.05
+        )
+    assert set(result.closest) == {*live, bootstrap}
+
+
 @pytest.mark.parametrize("made_up", [0, 3])
 async def test_a_node_a_liar_names_at_a_silent_address_is_asked_where_others_name_it(
     autojump_clock: trio.abc.Clock, made_up: int
