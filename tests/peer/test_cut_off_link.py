@@ -8,6 +8,8 @@ initial peers (an outside re-check: 5 of 5 runs)."""
 from __future__ import annotations
 
 import logging
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
 
 import pytest
 import trio
@@ -41,31 +43,19 @@ async def test_a_stall_of_our_own_link_keeps_every_contact(
     net = MemoryNetwork(latency=0.005)
     caplog.set_level(logging.INFO, logger="peer")
     with trio.fail_after(120):
-        async with (
-            open_peer("10.0.0.1:4000", network=net.interface("10.0.0.1")) as boot,
-            trio.open_nursery() as nursery,
-        ):
-            for i in range(2, SERVERS + 1):
-                await nursery.start(_serve, net, f"10.0.0.{i}", boot.address)
-            async with open_peer(
-                None if client_mode else f"{VOLUNTEER}:4000",
-                [boot.address],
-                client_mode=client_mode,
-                network=net.interface(VOLUNTEER),
-            ) as volunteer:
-                assert await volunteer.dht.store("before", 1, ttl=600)
-                contacts = sorted(volunteer.dht.routing_table_peers())
-                assert len(contacts) == SERVERS
-                caplog.clear()
+        async with _swarm(net, SERVERS, client_mode) as volunteer:
+            assert await volunteer.dht.store("before", 1, ttl=600)
+            contacts = sorted(volunteer.dht.routing_table_peers())
+            assert len(contacts) == SERVERS
+            caplog.clear()
 
-                await _stall(net, volunteer)
-                await trio.sleep(30)  # every request of the stall has ended
+            await _stall(net, volunteer)
+            await trio.sleep(30)  # every request of the stall has ended
 
-                assert sorted(volunteer.dht.routing_table_peers()) == contacts
-                assert not [line for line in caplog.messages if "peer left" in line]
-                assert await volunteer.dht.store("after", 3, ttl=600)
-                assert await volunteer.dht.get("after") == 3
-            nursery.cancel_scope.cancel()
+            assert sorted(volunteer.dht.routing_table_peers()) == contacts
+            assert not [line for line in caplog.messages if "peer left" in line]
+            assert await volunteer.dht.store("after", 3, ttl=600)
+            assert await volunteer.dht.get("after") == 3
 
 
 @pytest.mark.parametrize("servers", [1, 2, 3])
@@ -78,22 +68,33 @@ async def test_lookups_through_a_link_that_slowed_down_still_answer(
     (tests/peer/test_routing.py -k nobody_left)."""
     net = MemoryNetwork(latency=0.005)
     with trio.fail_after(120):
-        async with (
-            open_peer("10.0.0.1:4000", network=net.interface("10.0.0.1")) as boot,
-            trio.open_nursery() as nursery,
-        ):
-            for i in range(2, servers + 1):
-                await nursery.start(_serve, net, f"10.0.0.{i}", boot.address)
-            async with open_peer(
-                None, [boot.address], client_mode=True, network=net.interface(VOLUNTEER)
-            ) as volunteer:
-                for i in range(40):  # its recent lookups: answers within 10 ms
-                    assert await volunteer.dht.store(f"fast {i}", i, ttl=600)
-                net.slow_host(VOLUNTEER, 0.1)
-                for i in range(3):
-                    assert await volunteer.dht.store(f"slow {i}", i, ttl=600)
-                    assert await volunteer.dht.get(f"slow {i}") == i
-            nursery.cancel_scope.cancel()
+        async with _swarm(net, servers, client_mode=True) as volunteer:
+            for i in range(40):  # its recent lookups: answers within 10 ms
+                assert await volunteer.dht.store(f"fast {i}", i, ttl=600)
+            net.slow_host(VOLUNTEER, 0.1)
+            for i in range(3):
+                assert await volunteer.dht.store(f"slow {i}", i, ttl=600)
+                assert await volunteer.dht.get(f"slow {i}") == i
+
+
+@asynccontextmanager
+async def _swarm(net: MemoryNetwork, servers: int, client_mode: bool) -> AsyncIterator[Peer]:
+    """``servers`` nodes at 10.0.0.1, 10.0.0.2, ..., and a volunteer that joined through
+    the first (a client, or listening at ``VOLUNTEER``), open for the context."""
+    async with (
+        open_peer("10.0.0.1:4000", network=net.interface("10.0.0.1")) as boot,
+        trio.open_nursery() as nursery,
+    ):
+        for i in range(2, servers + 1):
+            await nursery.start(_serve, net, f"10.0.0.{i}", boot.address)
+        async with open_peer(
+            None if client_mode else f"{VOLUNTEER}:4000",
+            [boot.address],
+            client_mode=client_mode,
+            network=net.interface(VOLUNTEER),
+        ) as volunteer:
+            yield volunteer
+        nursery.cancel_scope.cancel()
 
 
 async def _serve(

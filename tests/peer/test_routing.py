@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import math
 import random
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -18,6 +19,11 @@ from protocol.identity import PeerID
 from protocol.messages import NodeInfo
 
 LOCAL = DHTID(0)
+
+
+def _into(given_up: list[NodeInfo]) -> Callable[[NodeInfo, bool], None]:
+    """An ``on_given_up`` that keeps the nodes given up on."""
+    return lambda node, proven: given_up.append(node)
 
 
 @functools.cache
@@ -432,13 +438,7 @@ async def test_a_lookup_gives_up_on_a_frozen_node_and_takes_the_next_one(
     seeds = [node(i) for i in range(100, 120)]
     start = trio.current_time()
     result = await iterative_lookup(
-        0,
-        seeds,
-        query,
-        k=10,
-        alpha=3,
-        hedge_after=1.0,
-        on_given_up=lambda n, _: given_up.append(n),
+        0, seeds, query, k=10, alpha=3, hedge_after=1.0, on_given_up=_into(given_up)
     )
     assert trio.current_time() - start < 1.0  # not the 3 s timeout
     assert given_up == [frozen]
@@ -510,13 +510,7 @@ async def test_no_hedging_after_our_own_loop_stood_still(
     async with trio.open_nursery() as nursery:
         nursery.start_soon(stall)
         result = await iterative_lookup(
-            0,
-            seeds,
-            query,
-            k=3,
-            alpha=3,
-            hedge_after=1.0,
-            on_given_up=lambda n, _: given_up.append(n),
+            0, seeds, query, k=3, alpha=3, hedge_after=1.0, on_given_up=_into(given_up)
         )
     # 101 and 102 answered at 0.1 s; the 0.2 s silence was due at 0.3 s but woke at
     # 0.65 s, with the slow node's answer due: no fourth request (103 is never asked)
@@ -537,13 +531,7 @@ async def test_a_late_answer_still_counts(autojump_clock: trio.testing.MockClock
     seeds = [node(i) for i in range(100, 104)]
     given_up: list[NodeInfo] = []
     result = await iterative_lookup(
-        0,
-        seeds,
-        query,
-        k=3,
-        alpha=3,
-        hedge_after=1.0,
-        on_given_up=lambda n, _: given_up.append(n),
+        0, seeds, query, k=3, alpha=3, hedge_after=1.0, on_given_up=_into(given_up)
     )
     # 101 and 102 answer at 0.1 s; after 0.2 s of silence 103 takes the slow one's place
     assert asked[-1] == (pytest.approx(0.3), node(103))
