@@ -46,7 +46,7 @@ class Unanswered(enum.Enum):
 
     FAILED = "failed"  # counted against the node
     BUSY = "busy"  # timed out while the node's bytes kept arriving: up, its link full
-    CUT_OFF = "cut off"  # timed out while nothing came from any peer: our link, not its
+    CUT_OFF = "cut off"  # timed out, no later request of ours answered: our link, perhaps
 
 
 class Learning:
@@ -271,7 +271,7 @@ class Learning:
                 known = now_held is not None  # a failed ping may have evicted it already
                 if now_held is not None and now_held.address != node.address:
                     continue  # it moved while the ping was under way: says nothing of it
-                if unanswered is not None and unanswered is not Unanswered.FAILED:
+                if unanswered in (Unanswered.BUSY, Unanswered.CUT_OFF):
                     # kept, but not refreshed: it has not answered (busy, or we were cut off)
                     self.table.ping_result(node.peer_id, alive=None, now=self._now())
                     continue

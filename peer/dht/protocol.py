@@ -107,10 +107,10 @@ SILENT_FOR = 60.0
 rules); then a lookup waits its hedge delay for it again, once."""
 _MAX_SILENT = 4096
 CUT_OFF_GRACE = 60.0
-"""Seconds during which requests that time out while nothing comes from any peer do not
-count against their nodes (see the module's rules): our own link stalled. A silence that
-lasts longer counts, so that the last contact of a node that is not cut off but alone
-(its only contact froze) still leaves in time."""
+"""Seconds during which requests that time out while no request of ours sent since is
+answered do not count against their nodes (see the module's rules): our own link may
+have stalled. A silence that lasts longer counts, so that the last contact of a node
+that is not cut off but alone (its only contact froze) still leaves in time."""
 
 _M = TypeVar("_M", bound=Message)
 

@@ -33,6 +33,13 @@ async def _peers(
     return peers
 
 
+async def _client(stack: AsyncExitStack, interface: MemoryInterface, first: Peer) -> Peer:
+    """A client-mode peer on ``interface`` that joined through ``first``, open until
+    ``stack`` closes."""
+    peer = open_peer(None, [first.address], client_mode=True, network=interface)
+    return await stack.enter_async_context(peer)
+
+
 async def test_a_stalling_peer_costs_the_walk_one_request_timeout(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
@@ -55,11 +62,7 @@ async def test_a_stalling_peer_costs_the_walk_one_request_timeout(
             )
             stalling.rpc.unregister("dht.find_node")
             stalling.rpc.register("dht.find_node", never)
-            client = await stack.enter_async_context(
-                open_peer(
-                    None, [first.address], client_mode=True, network=net.interface("10.0.0.3")
-                )
-            )
+            client = await _client(stack, net.interface("10.0.0.3"), first)
             start = trio.current_time()
             peers = await crawl(client, request_timeout=REQUEST_TIMEOUT)
             elapsed = trio.current_time() - start
@@ -95,11 +98,7 @@ async def test_made_up_peers_at_an_address_that_never_answers_cost_one_visit(
             )
             liar.rpc.unregister("dht.find_node")
             liar.rpc.register("dht.find_node", lie)
-            client = await stack.enter_async_context(
-                open_peer(
-                    None, [honest[0].address], client_mode=True, network=net.interface("10.0.0.7")
-                )
-            )
+            client = await _client(stack, net.interface("10.0.0.7"), honest[0])
             start = trio.current_time()
             found = await crawl(client, request_timeout=REQUEST_TIMEOUT)
             elapsed = trio.current_time() - start
@@ -138,11 +137,7 @@ async def test_the_walk_asks_each_peer_its_targets_at_once(
     with trio.fail_after(600):
         async with AsyncExitStack() as stack:
             peers = await _peers(stack, net, 16, "10.0.1", port=0)
-            client = await stack.enter_async_context(
-                open_peer(
-                    None, [peers[0].address], client_mode=True, network=net.interface("10.0.2.1")
-                )
-            )
+            client = await _client(stack, net.interface("10.0.2.1"), peers[0])
             start = trio.current_time()
             found = await crawl(client, request_timeout=REQUEST_TIMEOUT)
             elapsed = trio.current_time() - start
@@ -180,11 +175,7 @@ async def test_processes_with_one_key_are_listed_at_a_few_addresses(
 
             first.rpc.unregister("dht.find_node")
             first.rpc.register_quick("dht.find_node", all_of_them)
-            client = await stack.enter_async_context(
-                open_peer(
-                    None, [first.address], client_mode=True, network=net.interface("10.0.3.99")
-                )
-            )
+            client = await _client(stack, net.interface("10.0.3.99"), first)
             elsewhere: dict[PeerID, set[str]] = {}
             found = await crawl(client, request_timeout=REQUEST_TIMEOUT, elsewhere=elsewhere)
     assert {pid for pid, _ in found} == {first.peer_id, shared.peer_id}
@@ -223,9 +214,7 @@ async def test_a_walk_short_of_files_still_lists_every_peer(
     with trio.fail_after(600):
         async with AsyncExitStack() as stack:
             peers = await _peers(stack, net, 20, "10.0.1")
-            client = await stack.enter_async_context(
-                open_peer(None, [peers[0].address], client_mode=True, network=interface)
-            )
+            client = await _client(stack, interface, peers[0])
             short: set[str] = set()
             found = await crawl(client, request_timeout=REQUEST_TIMEOUT, short_of_files=short)
     assert len(found) == 20 and not short
