@@ -47,7 +47,8 @@ class PeerUnavailableError(SwarmError):
 class PeerSilentError(PeerUnavailableError):
     """Nothing came from the peer in time: a dial or handshake that outlasted the dial
     timeout, or a connection silent while calls waited on it. Our own link stalling looks
-    the same from here (the DHT tells the two apart by whether anyone else was heard)."""
+    the same from here (the DHT tells the two apart by whether a request of ours sent
+    later was answered)."""
 
 
 class PeerBusyError(PeerUnavailableError):

@@ -18,10 +18,10 @@ Rules:
 - A lookup that has no answer yet does not end while a request it gave up on runs: with
   nobody else to ask, it waits for them (to their own timeout). A request given up on
   before the first answer (under a guess from the caller's recent lookups), more recently
-  than twice that answer's own round trip, is waited for again. A
-  volunteer whose round trip grew past that guess gave up on its few contacts in turn,
-  ended with no answer, and failed every store and get while they answered, later (an
-  outside tester: 2 contacts at 60 ms more each way).
+  than twice that answer's own round trip, is waited for again. A volunteer whose round
+  trip grew past that guess gave up on its few contacts in turn, ended with no answer,
+  and failed every store and get while they answered, later (an outside tester: 2
+  contacts at 60 ms more each way).
 - A request left unanswered through a silence of the hedge delay (no answer at all for
   that long, and the lookup's timer not woken more than half that late: a loop that
   late is busy, and the answers may be waiting in it unread) is given up on: it stops
@@ -102,12 +102,12 @@ class _Candidate:
 
 _ASK_ELSEWHERE = frozenset({_Status.FAILED, _Status.GIVEN_UP, _Status.SKIPPED})
 _MAX_ADDRESS_RETRIES = 3
+"""Other addresses a node that failed is asked at, when replies name it there: a lie about
+its address (a dead one) must not hide it for good, nor may lies cost many dials."""
 _REFERRER_SILENCES = 3.0
 """Silences (requests given up on) among the nodes a reply named, each shared among the
 replies that named it, after which that reply's other nodes are asked only if another
 reply names them too, while its nodes' silences outnumber their answers."""
-"""Other addresses a node that failed is asked at, when replies name it there: a lie about
-its address (a dead one) must not hide it for good, nor may lies cost many dials."""
 
 
 @dataclass(frozen=True, slots=True)
