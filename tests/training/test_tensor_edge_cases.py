@@ -309,6 +309,37 @@ async def test_a_parameter_given_new_memory_is_an_error_at_the_next_step(
     assert keep
 
 
+@pytest.mark.parametrize(
+    "reshape",
+    [
+        lambda t: t.unsqueeze_(0),
+        lambda t: t.t_(),  # square: the shape stays, the strides do not
+        lambda t: t.resize_(2),  # shrinks in place: the same memory, less of it
+    ],
+    ids=["unsqueeze_", "t_", "resize_"],
+)
+async def test_a_tensor_reshaped_in_place_is_an_error_that_says_so(
+    autojump_clock: trio.testing.MockClock, reshape: Callable[[torch.Tensor], object]
+) -> None:
+    """The same memory under another shape or strides: refused as at creation (a transposed
+    tensor is), and the error names the in-place reshape, not a replaced ``.data`` that
+    never happened (an outside tester followed that lead after ``unsqueeze_``)."""
+    tensor = torch.arange(4.0).reshape(2, 2)
+    address = tensor.data_ptr()
+    with trio.fail_after(30):
+        async with memnet_swarm(1) as (_, nodes):
+            averager = Averager(nodes[0], "t/p", [tensor], config=fast_config())
+            reshape(tensor)
+            assert tensor.data_ptr() == address
+            before = tensor.clone()
+            with pytest.raises(
+                RuntimeError, match=r"tensor 0 changed its shape or strides"
+            ) as error:
+                await averager.step(timeout=5.0)
+    assert "replaced" not in str(error.value)
+    assert torch.equal(tensor, before)  # nothing written
+
+
 def test_the_blocking_step_refuses_replaced_memory_before_warning_about_it() -> None:
     """In a plain script: the error, not the warning that the old memory is unreferenced."""
     net = MemoryNetwork()

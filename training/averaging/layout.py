@@ -138,7 +138,22 @@ class FlatVector:
                 self._views[i] = _float32_view(tensor)
         for i, ref in enumerate(self._originals):
             original = ref() if ref is not None else None
-            if original is not None and not _same_memory(original, self.tensors[i]):
+            if original is None:
+                continue
+            ours = self.tensors[i]
+            if _same_memory(original, ours):
+                if original.shape == ours.shape and original.stride() == ours.stride():
+                    continue
+                raise RuntimeError(
+                    f"tensor {i} changed its shape or strides in place "
+                    f"({tuple(original.shape)}, strides {original.stride()}; was "
+                    f"{tuple(ours.shape)}, strides {ours.stride()}): unsqueeze_(), squeeze_(),"
+                    " t_(), transpose_(), as_strided_() or a shrinking resize_() on the same "
+                    "memory; the averager averages the layout it was made with: make a new "
+                    "Averager with the current tensors (close() this one first), or reshape "
+                    "out of place (x.unsqueeze(0)) and keep the original"
+                )
+            else:
                 raise RuntimeError(
                     f"tensor {i} now holds other memory than when the Averager was made "
                     f"({tuple(original.shape)} {original.dtype} on {original.device}, was "
@@ -293,11 +308,18 @@ def _bytes_used(tensor: torch.Tensor) -> int:
 
 
 def _same_memory(original: torch.Tensor, ours: torch.Tensor) -> bool:
-    """Whether the caller's tensor still is the memory we average (``ours``); other memory
-    (another device, a sparse tensor too) has another address, and empty tensors none."""
-    if original.dtype != ours.dtype or original.shape != ours.shape:
+    """Whether the caller's tensor still holds the memory we average (``ours``), whatever
+    its shape now (see :meth:`FlatVector.check_memory`); other memory (another device, a
+    sparse tensor too) has another address, and empty tensors none."""
+    if (original.dtype, original.device, original.layout) != (
+        ours.dtype,
+        ours.device,
+        ours.layout,
+    ):
         return False
-    return original.data_ptr() == ours.data_ptr() or ours.numel() == 0
+    if ours.numel() == 0:
+        return original.numel() == 0
+    return original.data_ptr() == ours.data_ptr() and original.numel() <= ours.numel()
 
 
 def _torch_allocated(tensor: torch.Tensor) -> int | None:
