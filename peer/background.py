@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import itertools
 import logging
 import os
 import sys
@@ -179,6 +180,44 @@ class BackgroundContext:
         )
 
 
+_RUNNING: dict[int, Callable[..., None]] = {}
+"""Each background peer not stopped yet: how to stop it (its ``shut_down``), by start order."""
+_PEER_KEYS = itertools.count()
+_hooks_lock = threading.Lock()
+_hooks_registered = False
+
+
+def _stop_running_peers() -> None:
+    """At exit: stop every background peer a script left running, the newest first."""
+    while _RUNNING:
+        try:
+            stop_it = _RUNNING.pop(max(_RUNNING))
+        except (KeyError, ValueError):  # a leave() in another thread took it
+            continue
+        try:
+            stop_it()
+        except Exception:  # the others still stop (a hook of its own each did before)
+            logger.exception("stopping a background peer at exit failed")
+
+
+def _register_exit_hooks() -> None:
+    """Once per process: a script that ends inside a block stops its peers at exit, while
+    their threads still run (once the interpreter finalizes, a thread is frozen and
+    joining it hangs). Also before Python waits for the script's own (non-daemon)
+    threads: one that loops until the peer stops (PeerStoppedError) held the exit
+    forever, atexit's hooks coming only after it (``threading._register_atexit``: what
+    concurrent.futures uses). One hook for all peers: those lists keep what is registered
+    (a hook per peer left ~0.5 KB behind at each open and close)."""
+    global _hooks_registered
+    with _hooks_lock:
+        if _hooks_registered:
+            return
+        _hooks_registered = True
+        atexit.register(_stop_running_peers)
+        with contextlib.suppress(AttributeError, RuntimeError):  # too late: atexit's will do
+            threading._register_atexit(_stop_running_peers)  # type: ignore[attr-defined]
+
+
 def _start_in_background(
     listen: str | None,
     initial_peers: Iterable[str | Address] | None,
@@ -276,11 +315,8 @@ def _start_in_background(
                 "the peer's thread still waits for an interrupted call to unwind: left behind"
             )
 
-    pending = [shut_down]  # emptied once stopped: the hook left behind then holds nothing
-
-    def at_exit() -> None:
-        if pending:
-            pending.pop()()
+    key = next(_PEER_KEYS)
+    _RUNNING[key] = shut_down  # until stopped: by leave() or at exit, whichever comes first
 
     def leave(raise_failure: bool) -> None:
         if threading.current_thread() is thread:  # its join would wait for itself
@@ -289,20 +325,11 @@ def _start_in_background(
                 "(inside a function given to node.run or node.run_sync): leave it from "
                 "the thread that entered it, or any other"
             )
-        atexit.unregister(at_exit)
-        if pending and not sys.is_finalizing():  # else an exit hook already stopped it
-            pending.pop()(now=not raise_failure)
-        pending.clear()
+        stop_it = _RUNNING.pop(key, None)
+        if stop_it is not None and not sys.is_finalizing():  # else an exit hook stopped it
+            stop_it(now=not raise_failure)
         if failure and raise_failure:  # the loop crashed while the block ran
             raise failure[0]
 
-    # A script that ends inside the block: stop the peer at exit, while its thread still
-    # runs (once the interpreter finalizes, the thread is frozen and joining it hangs).
-    # Before Python waits for the script's own (non-daemon) threads, too: one that loops
-    # until the peer stops (PeerStoppedError) held the exit forever, atexit's hooks coming
-    # only after it. (``threading._register_atexit``: what concurrent.futures uses; it has
-    # no unregister, hence ``pending``.)
-    atexit.register(at_exit)
-    with contextlib.suppress(AttributeError, RuntimeError):  # too late: atexit's will do
-        threading._register_atexit(at_exit)  # type: ignore[attr-defined]
+    _register_exit_hooks()
     return node, leave

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import multiprocessing
 import signal
 import subprocess
@@ -204,6 +205,38 @@ def test_script_ending_inside_the_block_exits() -> None:
         if pid == 0:  # exits normally (atexit hooks run) with the parent's peer copied
             sys.exit(0)
         assert os.waitpid(pid, 0)[1] == 0
+        print("done", flush=True)
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert done.returncode == 0 and done.stdout == "done\n", done.stderr
+
+
+def test_opening_and_closing_blocks_leaves_no_exit_hook_behind() -> None:
+    """Each block used to register exit hooks of its own that nothing could take back
+    (``threading._register_atexit`` has no unregister): ~0.5 KB left per open and close,
+    found by an outside tester over 1,000 cycles. Two peers left open still stop at exit
+    (``test_script_ending_inside_the_block_exits``, and the subprocess below)."""
+    with peer.run_in_background():
+        pass
+    hooks = (atexit._ncallbacks(), len(threading._threading_atexits))  # type: ignore[attr-defined]
+    for _ in range(5):
+        with peer.run_in_background():
+            pass
+    assert (atexit._ncallbacks(), len(threading._threading_atexits)) == hooks  # type: ignore[attr-defined]
+    script = textwrap.dedent(
+        """
+        import peer
+        first = peer.run_in_background().__enter__()  # entered, never left
+        second = peer.run_in_background().__enter__()
+        with peer.run_in_background() as third:
+            third.dht.store("k", 1)
         print("done", flush=True)
         """
     )
