@@ -191,6 +191,7 @@ async def _status(args: argparse.Namespace, stop: _SignalStop) -> dict[str, Any]
     is none."""
     import trio
 
+    from protocol.address import Address
     from protocol.errors import SwarmError
     from protocol.identity import PeerID
 
@@ -210,16 +211,21 @@ async def _status(args: argparse.Namespace, stop: _SignalStop) -> dict[str, Any]
     try:
         with trio.CancelScope() as scope, stop.cancelling(scope):
             with trio.move_on_after(args.timeout) as deadline:
+                initial_peers = _unique_peers(args.initial_peers)
                 async with open_peer(  # nobody answering is a report too: 0 peers, exit 1
                     listen=None,
-                    initial_peers=_unique_peers(args.initial_peers),
+                    initial_peers=initial_peers,
                     client_mode=True,
                     config=config,
                     ensure_bootstrap_success=False,
                 ) as node:
                     errors = dict(node.dht.contact_errors)
                     await crawl(
-                        node, answered=answered, elsewhere=elsewhere, short_of_files=short_of_files
+                        node,
+                        answered=answered,
+                        elsewhere=elsewhere,
+                        short_of_files=short_of_files,
+                        start=[Address.parse(text) for text in initial_peers],
                     )
     except (SwarmError, OSError) as exc:
         return str(exc)
