@@ -62,7 +62,7 @@ async def _bootstrap(args: argparse.Namespace, stop: _SignalStop) -> int:
     except SwarmError as exc:  # a bad host or port; a key file that holds no key
         return _fail("bootstrap", str(exc))
     except OSError as exc:  # the key file cannot be read or created (it names the file)
-        return _fail("bootstrap", f"identity file {args.identity}: {exc.strerror or exc}")
+        return _fail("bootstrap", _identity_file_error(args.identity, exc))
     if args.initial_peers is not None and not given:  # `--initial-peers $PEERS`, PEERS empty
         logger.warning("--initial-peers was given without an address: starting a new network alone")
     contacts = None if args.identity is None else contacts_file(args.identity)
@@ -172,6 +172,17 @@ def _unique_peers(addresses: Sequence[str]) -> list[str]:
                 raise
             raise ProtocolError(f"malformed address {given!r}: {message}") from None
     return list(unique)
+
+
+def _identity_file_error(path: str, exc: OSError) -> str:
+    folder = os.path.dirname(path) or "."
+    if isinstance(exc, FileNotFoundError) and not os.path.isdir(folder):
+        # "No such file or directory" read as "the key file is missing", which is created
+        return (
+            f"identity file {path}: its folder {folder} does not exist (the key file is "
+            "created, its folder is not: mkdir -p it first)"
+        )
+    return f"identity file {path}: {exc.strerror or exc}"
 
 
 def _fail(command: str, message: str) -> int:
