@@ -39,6 +39,7 @@ class _SignalStop:
     def __init__(self) -> None:
         self.signum: int | None = None
         self._raise = True
+        self._mask: set[int | signal.Signals] | None = None  # this thread's, before _handle blocked
         self._cancel: Callable[[], object] | None = None
         # Taken over even when ignored from the start: a shell script starts its background
         # jobs with SIGINT ignored (`swarm bootstrap & ... kill -INT $!`), and a node that
@@ -68,6 +69,12 @@ class _SignalStop:
         self.signum = signum
         if self._raise:
             raise _Interrupted
+        # Later ones wait with the kernel (this thread's, the one that gets them while the
+        # others' masks let it), dropped at restore()'s SIG_IGN: caught, each is written to
+        # trio's wakeup socket, and one that came while trio closed it printed a
+        # BrokenPipeError traceback on a clean stop (an outside tester: 1 of ~80 stops by
+        # `timeout`, which sends SIGTERM twice).
+        self._mask = signal.pthread_sigmask(signal.SIG_BLOCK, self.signals)
         if self._cancel is not None:
             self._cancel()
 
@@ -106,4 +113,4 @@ class _SignalStop:
             for s in self.signals:
                 signal.signal(s, signal.SIG_IGN)
         finally:
-            signal.pthread_sigmask(signal.SIG_SETMASK, mask)
+            signal.pthread_sigmask(signal.SIG_SETMASK, mask if self._mask is None else self._mask)

@@ -467,3 +467,34 @@ def test_a_signal_while_the_handlers_go_in_is_a_clean_stop(
         stop.restore()
         for signum, previous in stop._previous.items():
             real(signum, previous)
+
+
+def test_signals_after_the_first_wait_blocked_until_they_are_ignored() -> None:
+    """Once a signal stops the loop, later ones are blocked in this thread until
+    ``restore()`` ignores them: each one caught was written to trio's wakeup socket, and
+    one that came while trio closed it printed a BrokenPipeError traceback on a clean stop
+    (an outside tester, 1 of ~80 stops by ``timeout``, which sends SIGTERM twice). A real
+    second signal comes too, and is dropped: no handler runs, nothing is left pending."""
+    import signal
+    import threading
+
+    from peer import cli_signals
+
+    before = signal.pthread_sigmask(signal.SIG_BLOCK, [])
+    stop = cli_signals._SignalStop()
+    previous = dict(stop._previous)
+    try:
+        stop.hand_over()
+        stop._handle(signal.SIGTERM, None)  # the first, as the loop runs
+        assert {signal.SIGINT, signal.SIGTERM} <= signal.pthread_sigmask(signal.SIG_BLOCK, [])
+        # a second, to this thread (the process's other threads may take one sent to it)
+        signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
+        assert signal.SIGTERM in signal.sigpending()
+        stop.restore()  # SIG_IGN drops it
+        assert signal.pthread_sigmask(signal.SIG_BLOCK, []) == before
+        assert signal.SIGTERM not in signal.sigpending()
+        assert stop.signum == signal.SIGTERM
+    finally:
+        for signum, handler in previous.items():
+            signal.signal(signum, handler)
+        signal.pthread_sigmask(signal.SIG_SETMASK, before)
