@@ -93,6 +93,11 @@ class BackgroundDHT:
         return self._owner.run_sync(lambda: dict(self._owner.peer.dht.contact_errors))
 
     @property
+    def initial_peers_answered(self) -> dict[str, PeerID]:
+        """See :attr:`peer.dht.DHT.initial_peers_answered`."""
+        return self._owner.run_sync(lambda: dict(self._owner.peer.dht.initial_peers_answered))
+
+    @property
     def stats(self) -> LookupStats:
         """A copy of :attr:`peer.dht.DHT.stats` (this node's lookups so far), read on the
         peer's loop."""

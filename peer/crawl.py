@@ -10,7 +10,6 @@ from __future__ import annotations
 import heapq
 import logging
 import random
-from collections.abc import Sequence
 
 import trio
 
@@ -44,7 +43,6 @@ async def crawl(
     answered: dict[PeerID, str] | None = None,
     elsewhere: dict[PeerID, set[str]] | None = None,
     short_of_files: set[str] | None = None,
-    start: Sequence[Address] = (),
 ) -> list[tuple[PeerID, str]]:
     """Every peer that answered, with its ``HOST:PORT``, sorted by PeerID.
 
@@ -58,10 +56,6 @@ async def crawl(
             answered too (each proved it in its handshake): another process with its key.
         short_of_files: filled with the ``HOST:PORT``s not asked because this process had no
             file descriptor left to dial them with (the walk is then incomplete).
-        start: addresses visited first, each where it was given (``swarm status``'s
-            initial peers; one without a PeerID as the one that answers its dial): the
-            routing table keeps one address per PeerID, so two processes with one key
-            file, both given, showed as one (an outside tester, 5 of 5 runs).
 
     Each peer's connection is closed once it answered every target (the node's own
     contacts' too: its join held one each; it dials again when it needs one), and a
@@ -88,8 +82,7 @@ async def crawl(
     again: list[Address] = []
     seen: set[str] = set()
     settled: dict[str, PeerID | None] = {}  # HOST:PORT -> who answered there (None: silent)
-    frontier: list[Address] = [*await _proven(node, start, request_timeout)]
-    frontier += [addr for _, addr in _known(node)]
+    frontier: list[Address] = [addr for _, addr in _known(node)]
     limiter = trio.CapacityLimiter(max_parallel)
     # a full node names itself as any request of its DHT does: asked without a sender, a
     # peer takes it for one that restarted in client mode, and drops it from its table
@@ -183,25 +176,6 @@ async def crawl(
         frontier += again
         again = []
     return sorted(answered.items())
-
-
-async def _proven(node: Peer, given: Sequence[Address], each_within: float) -> list[Address]:
-    """``given``, each with the PeerID that its dial proved when it had none (those that
-    do not answer within ``each_within`` seconds left out)."""
-    proven: list[Address] = [address for address in given if address.peer_id is not None]
-
-    async def prove(address: Address) -> None:
-        with trio.move_on_after(each_within):
-            try:
-                proven.append(address.with_peer_id(await node.rpc.connect(address)))
-            except (SwarmError, OSError) as exc:
-                logger.debug("crawl: %s did not answer: %s", address, exc)
-
-    async with trio.open_nursery() as nursery:
-        for address in given:
-            if address.peer_id is None:
-                nursery.start_soon(prove, address)
-    return proven
 
 
 def _known(node: Peer) -> list[tuple[PeerID, Address]]:

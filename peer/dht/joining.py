@@ -42,6 +42,8 @@ class Joining:
         self.initial_peers: list[Address] = []
         # initial peers that did not answer at the last contact -> why (for error messages)
         self.contact_errors: dict[str, str] = {}
+        # HOST:PORT of each initial peer that answered (handshake and ping) -> its PeerID
+        self.answered: dict[str, PeerID] = {}
         self._twins: set[str] = set()  # initial peers that proved our own PeerID
         # initial peers whose address proved another PeerID, each said once (with it)
         self._changed_identities: set[tuple[str, PeerID]] = set()
@@ -242,6 +244,7 @@ class Joining:
             if await self._dht.protocol.ping(NodeInfo(peer_id, address.hostport)):
                 reached += 1
                 self.contact_errors.pop(key, None)  # (the same address given twice)
+                self.answered[address.hostport] = peer_id
             else:
                 self.contact_errors[key] = "no answer to a ping"
 

@@ -215,6 +215,12 @@ class DHT:
         """Initial peers that did not answer at the last contact -> why."""
         return self._joining.contact_errors
 
+    @property
+    def initial_peers_answered(self) -> dict[str, PeerID]:
+        """``HOST:PORT`` of each initial peer that answered a contact -> the PeerID its
+        handshake proved (``swarm status`` finds two processes on one key file by it)."""
+        return self._joining.answered
+
     @plain_interrupt
     async def refresh(self) -> None:
         """One maintenance round (the service runs one every ``refresh_interval``). See

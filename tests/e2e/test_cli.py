@@ -455,3 +455,32 @@ def test_bootstrap_does_not_count_itself_among_the_initial_peers(
     log = _read_until(with_another.proc.stderr, " is up\n")
     warning = next(line for line in log.splitlines() if " WARNING peer.dht.joining: " in line)
     assert f"(tried {NOBODY}: " in warning and itself not in warning
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("with_peer_id", [True, False], ids=["PEERID@HOST:PORT", "HOST:PORT"])
+def test_status_lists_both_processes_on_one_key_file_when_given_both(
+    bootstraps: list[Bootstrap], tmp_path: Path, with_peer_id: bool
+) -> None:
+    """Two bootstrap nodes on one key file that know nothing of each other, both given to
+    ``swarm status``: the walk starts from the routing table, which keeps one address per
+    PeerID, so status listed one and warned of nothing (an outside tester, 5 of 5 runs)."""
+    key = str(tmp_path / "shared.key")
+    twins = [Bootstrap("--identity", key), Bootstrap("--identity", key)]
+    bootstraps.extend(twins)
+    given = [t.address if with_peer_id else t.address.split("@")[1] for t in twins]
+    out = subprocess.run(
+        [*SWARM, "status", "--initial-peers", *given, "--json", "--timeout", "20"],
+        capture_output=True,
+        text=True,
+        timeout=40,
+        env=env_with_root(),
+    )
+    assert out.returncode == 0, out.stderr
+    listed = {peer["address"] for peer in json.loads(out.stdout)["peers"]}
+    assert listed == {t.address for t in twins}
+    peer_id, hostports = (
+        twins[0].address.split("@")[0],
+        sorted(t.address.split("@")[1] for t in twins),
+    )
+    assert f"swarm status: {peer_id} answered at {' and '.join(hostports)}: several" in out.stderr

@@ -13,7 +13,6 @@ from peer import Reply, Request
 from peer.crawl import crawl
 from peer.memnet import MemoryInterface, MemoryNetwork, MemoryStream
 from peer.node import Peer, open_peer
-from protocol.address import Address
 from protocol.identity import Identity, PeerID
 from protocol.messages import FindNodeResponse, NodeInfo
 
@@ -183,41 +182,6 @@ async def test_processes_with_one_key_are_listed_at_a_few_addresses(
     listed = {dict(found)[shared.peer_id], *elsewhere[shared.peer_id]}
     assert listed <= set(twins)
     assert len(listed) == min(processes, 4)
-
-
-@pytest.mark.parametrize("with_peer_id", [True, False], ids=["PEERID@HOST:PORT", "HOST:PORT"])
-async def test_twins_given_as_starting_points_are_both_listed(
-    autojump_clock: trio.testing.MockClock, with_peer_id: bool
-) -> None:
-    """Two bootstrap nodes on one key file that know nothing of each other, both given to
-    ``swarm status``: the routing table keeps one address per PeerID, and the walk began
-    from the table alone, so status listed one and warned of nothing (an outside tester,
-    5 of 5 runs). Each starting point is visited where it was given now."""
-    net = MemoryNetwork(latency=0.01)
-    shared = Identity.from_seed(b"t" * 32)
-    with trio.fail_after(120):
-        async with AsyncExitStack() as stack:
-            twins = [
-                await stack.enter_async_context(
-                    open_peer(
-                        f"10.0.4.{i}:1000", identity=shared, network=net.interface(f"10.0.4.{i}")
-                    )
-                )
-                for i in (1, 2)
-            ]
-            given = [twin.address if with_peer_id else twin.address.split("@")[1] for twin in twins]
-            client = await stack.enter_async_context(
-                open_peer(None, given, client_mode=True, network=net.interface("10.0.4.99"))
-            )
-            elsewhere: dict[PeerID, set[str]] = {}
-            found = await crawl(
-                client,
-                request_timeout=REQUEST_TIMEOUT,
-                elsewhere=elsewhere,
-                start=[Address.parse(text) for text in given],
-            )
-    assert [pid for pid, _ in found] == [shared.peer_id]
-    assert {found[0][1], *elsewhere[shared.peer_id]} == {"10.0.4.1:1000", "10.0.4.2:1000"}
 
 
 class FewFiles(MemoryInterface):
