@@ -232,6 +232,21 @@ def parse_closed(entries: Mapping[Any, Any], exclude: str, step: int) -> list[De
     return out
 
 
+def decided_set(
+    declared: list[Declaration], entries: Mapping[Any, Any], me: Declaration
+) -> list[Declaration]:
+    """``declared`` without the declarations that came after the round was decided with
+    ours: when "done" markers saw our step tag, the peers that wrote them grouped the
+    declarations their reads saw (``saw``), and a declaration none of them saw (a newcomer
+    a moment after their close) would make our groups differ from theirs. Unchanged when
+    no marker saw us, or a marker's list was cut at ``MAX_SAW`` (it cannot tell)."""
+    lists = [value["saw"] for value in entries.values() if saw_tag(value, me.step)]
+    if not lists or any(len(tags) >= MAX_SAW for tags in lists):
+        return declared
+    seen = set().union(*lists)
+    return [d for d in declared if d.peer_id == me.peer_id or d.step in seen]
+
+
 def saw_tag(value: object, step: int) -> bool:
     """Whether ``value`` is a "done" marker whose read saw step tag ``step`` (``saw``)."""
     return (

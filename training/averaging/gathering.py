@@ -17,7 +17,14 @@ from protocol.errors import ProtocolError
 from protocol.identity import PeerID
 
 from .config import AveragerConfig
-from .grouping import Declaration, parse_closed, parse_declarations, parse_done, phase_of
+from .grouping import (
+    Declaration,
+    decided_set,
+    parse_closed,
+    parse_declarations,
+    parse_done,
+    phase_of,
+)
 from .round_state import RoundState
 
 _MAX_MISSING_PINGS = 4
@@ -97,7 +104,10 @@ class Gathering:
                 values = {s: v for s, (v, _) in read.entries.items()}
                 declared = parse_declarations(values)
                 # peers whose read of the round had our declaration, and that withdrew
-                # since: we group the set they grouped
+                # since: we group the set they grouped, without the declarations that came
+                # after it (one more reshuffled every pair of a grid, and peers that had
+                # waited together were each alone: an outside tester, 1.9 % of the steps)
+                declared = decided_set(declared, values, state.me)
                 named = {d.peer_id for d in declared}  # a value that reads as both: once
                 kept = [
                     d for d in parse_closed(values, self._subkey, state.me.step)

@@ -40,6 +40,7 @@ from .declarations import MAX_STEP_TAG as MAX_STEP_TAG
 from .declarations import MAX_WEIGHT as MAX_WEIGHT
 from .declarations import Declaration
 from .declarations import closed_marker as closed_marker
+from .declarations import decided_set as decided_set
 from .declarations import done_marker as done_marker
 from .declarations import parse_closed as parse_closed
 from .declarations import parse_declarations as parse_declarations
