@@ -996,16 +996,15 @@ def test_phase_is_the_lower_median_of_counts_clients_included(
 
 
 @pytest.mark.slow
-def test_an_undeclared_caller_is_admitted_and_listed_last(
+def test_an_undeclared_caller_is_refused_and_the_group_averages_without_it(
     bootstrap: str, library: list[LibraryPeer], tmp_path: Path
 ) -> None:
     """We do not declare; just before the close we read the round, and join the leader of
-    the two library peers' group: admitted while there is room, listed after its group by
-    raw PeerID bytes (9.5 "Order"), and the other member takes the list as it comes (it
-    sends us its chunks of our part, never having seen our declaration)."""
+    the two library peers' group. A caller the leader did not expect must have a
+    declaration in the round (9.5 "Order"): one that never declared joined every leader
+    with room, took its share of the vector and froze (an outside review). So it is told
+    `full`, and the two library peers average between themselves, the whole vector."""
     prefix = f"cleanroom/averaging/{uuid.uuid4().hex}"
-    _, round_seed = seeds(prefix, 0, 1)
-    ranked = sorted((p.peer_id for p in library), key=lambda p: rank_key(round_seed, p))
     theirs = [Member(weight=1.0, epoch=2, seed=81), Member(weight=2.0, epoch=2, seed=82)]
     done = run_round(
         bootstrap,
@@ -1021,11 +1020,14 @@ def test_an_undeclared_caller_is_admitted_and_listed_last(
     )
     me = done.cleanroom.identity.peer_id_text
     assert me not in done.report.declarations
-    confirmation = done.report.confirmation
-    assert confirmation is not None, done.report.note
-    assert [p for p, _ in confirmation["members"]] == [*ranked, me]
-    assert_averaged(done, "none")
-    assert_reduced_by_cleanroom(done)
+    assert done.report.confirmation is None
+    assert "'full'" in done.report.note, done.report.note
+    expected = sum(m.weight * values_for(m.seed, 6000).astype(np.float64) for m in theirs)
+    expected /= sum(m.weight for m in theirs)
+    for info, peer in zip(done.library, done.library_ids, strict=True):
+        assert info["outcome"] == "averaged", info
+        assert sorted(info["group"]) == sorted(done.library_ids), info
+        np.testing.assert_allclose(done.results[peer], expected, rtol=1e-6, atol=1e-6)
 
 
 # ---------------------------------------------------------------- 9: abort, retry, complete

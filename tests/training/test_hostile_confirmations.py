@@ -1,5 +1,6 @@
-"""A leader whose confirmation no honest leader sends (malformed, more members than
-``group_size``, a member of another layout, our own declaration misstated) is benched by
+"""A leader whose confirmation no honest leader sends (malformed, parts not cut by the
+listed bandwidths, more members than ``group_size``, a member of another layout, our own
+declaration misstated) is benched by
 each member that got it: the members skip it from the next round on and average without
 it. Before, an unconfirmed round left the grid phase, and so the ranking, as it was, and
 the same hostile leader led, and spoiled, every later round (an outside tester's trial:
@@ -32,6 +33,14 @@ Tamper = Callable[[dict[str, Any], PeerID], dict[str, Any]]
 
 def _bad_spans(body: dict[str, Any], me: PeerID) -> dict[str, Any]:
     return {**body, "spans": [[0, 1] for _ in body["spans"]]}  # they do not tile
+
+
+def _whole_vector_to_the_first(body: dict[str, Any], me: PeerID) -> dict[str, Any]:
+    """Parts that tile, cut as no bandwidths cut them: the first reducer (the leader, in
+    hash order) takes the whole vector, every other part empty (an outside review's
+    leader set every value so, and every report said averaged, ``all``)."""
+    total = body["spans"][-1][1]
+    return {**body, "spans": [[0, total], *([total, total] for _ in body["spans"][1:])]}
 
 
 def _a_fifth_member(body: dict[str, Any], me: PeerID) -> dict[str, Any]:
@@ -96,12 +105,20 @@ def tamper_first_leader(nodes: list[Peer], how: Tamper) -> list[PeerID]:
     ("how", "said"),
     [
         (_bad_spans, "malformed"),
+        (_whole_vector_to_the_first, "cutting the parts otherwise than its members'"),
         (_a_fifth_member, "listing 5 members, more than our group_size 4"),
         (_another_layout, "with another layout"),
         (_our_weight_forged, "misstating our declaration (weight 1e+300"),
         (_our_epoch_forged, "epoch 4611686018427387903; we declared"),
     ],
-    ids=["malformed", "over-group-size", "another-layout", "our-weight", "our-epoch"],
+    ids=[
+        "malformed",
+        "whole-vector",
+        "over-group-size",
+        "another-layout",
+        "our-weight",
+        "our-epoch",
+    ],
 )
 async def test_a_leader_that_sends_a_bad_confirmation_is_benched_and_left_out(
     autojump_clock: trio.testing.MockClock, how: Tamper, said: str

@@ -108,3 +108,47 @@ async def test_a_confirmed_member_that_joins_again_gets_the_same_group(
             verify_round(members, infos)  # type: ignore[arg-type]
             for info, _ in results:
                 assert info is not None and info.outcome is Outcome.AVERAGED, info
+
+
+async def test_a_caller_that_never_declared_is_refused(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A peer that never declares skipped the check above (nobody saw it in another
+    group): it joined every leader with room, took its share of the vector and froze, and
+    every honest step ended partial, 0 % averaged, at its timeout (an outside review). An
+    unexpected caller must have a declaration in the round now."""
+    with trio.fail_after(60):
+        async with memnet_swarm(7) as (_, nodes):
+            intruder, honest_nodes = nodes[6], nodes[:6]
+            # 6 peers, group_size 4: two groups of 3 on the grid, each with room for one
+            members = make_members(honest_nodes, 3000, fast_config(group_size=4))
+            for m in members:  # the honest joins come a little late: the leaders wait
+                slow_joins(m.averager.node, 0.3)
+            replies: list[object] = []
+
+            async def join_a_leader() -> None:
+                while True:
+                    states = [m.averager._matchmaker.current for m in members]
+                    if all(s is not None and s.closed.is_set() for s in states):
+                        leaders = [s for s in states if s is not None and s.is_leader]
+                        if len(leaders) == 2:
+                            break
+                    await trio.sleep(0.001)
+                leader = leaders[0]
+                assert leader.me.address is not None
+                forged = replace(leader.me, peer_id=intruder.peer_id, address=intruder.address)
+                body = {"round": leader.number, "decl": forged.to_wire()}
+                reply = await intruder.rpc.call(
+                    Address.parse(leader.me.address), f"{method_prefix('t/x')}.join", body
+                )
+                replies.append(reply.body)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(join_a_leader)
+                results = await step_all(members, timeout=20.0)
+            assert replies == [{"status": "full"}]
+            infos = [info for info, _ in results]
+            verify_round(members, infos)  # type: ignore[arg-type]
+            for info, _ in results:
+                assert info is not None and info.outcome is Outcome.AVERAGED, info
+                assert len(info.group) == 3

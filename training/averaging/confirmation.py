@@ -27,7 +27,7 @@ from protocol.identity import PeerID
 
 from .bench import Bench
 from .config import AveragerConfig
-from .grouping import Declaration
+from .grouping import Declaration, round_key
 from .layout import bounded_bandwidths, split_spans
 from .messages import MAX_GROUP_ID, GroupConfirmation, JoinRequest, method_prefix
 from .round_state import LayoutMismatchError, MatchResult, RoundState
@@ -211,7 +211,7 @@ class Confirmation:
                 if status == "ok":
                     try:
                         conf = GroupConfirmation.from_body(answer.body, self.total)
-                        problem = _misstated(conf, state.me, self.config.group_size)
+                        problem = _misstated(conf, state.me, self.config.group_size, self.total)
                     except ProtocolError as exc:
                         problem = f"malformed: {exc}"
                     if problem is not None:
@@ -370,6 +370,12 @@ class Confirmation:
                 # joins every group with room (and serves none) spoiled each of them. A
                 # caller we did not see at all (another view of the round) is welcome.
                 return Reply({"status": "full"})
+            if joiner not in state.expected and not await self._declared_now(state, joiner):
+                # Nor one that never declared: it skipped the check above by not declaring,
+                # joined every leader with room, took its share of the vector and froze
+                # (an outside review: every honest step partial, 0 % averaged, held to its
+                # timeout). Declared, it is placed by the ranking like everyone else.
+                return Reply({"status": "full"})
             # room for those we expect first: a caller we did not expect (another view of
             # the round, or an intruder) must not take the place of a member on its way
             missing = state.expected - state.joined.keys() - {joiner}
@@ -392,6 +398,15 @@ class Confirmation:
         if conf is None or not any(m.peer_id == request.peer_id for m in conf.members):
             return Reply({"status": "closed"})
         return Reply(conf.to_body())
+
+    async def _declared_now(self, state: RoundState, joiner: PeerID) -> bool:
+        """Whether ``joiner`` has a declaration (or a "done" marker) in our round now: a
+        read of the round key, within ``join_timeout`` (a caller with another view of the
+        round declared before it read, so before it joins)."""
+        with trio.move_on_after(self.config.join_timeout):
+            entries = await self.node.dht.get_entries(round_key(self.prefix, state.number))
+            return str(joiner) in entries
+        return False
 
     async def _as_member(
         self, state: RoundState, join: JoinRequest, caller: PeerID
@@ -449,12 +464,22 @@ class Confirmation:
         return f"{method_prefix(self.prefix)}.{name}"
 
 
-def _misstated(conf: GroupConfirmation, me: Declaration, group_size: int) -> str | None:
+def _misstated(conf: GroupConfirmation, me: Declaration, group_size: int, total: int) -> str | None:
     """What makes a well-formed confirmation one that no honest leader sends (None: nothing):
     more members than ``group_size`` (a leader takes at most that many joiners), a member of
-    another layout (a join of another layout is refused), or our own declaration other than
+    another layout (a join of another layout is refused), our own declaration other than
     we sent it (a leader that forged our weight or epoch had the others average with a
-    weight, or drop themselves as stale against an epoch, that we never declared)."""
+    weight, or drop themselves as stale against an epoch, that we never declared), or parts
+    cut otherwise than the listed bandwidths cut them (a hostile leader made itself the
+    reducer of the whole vector, every other part empty, and set every value: an outside
+    review; the cut is a pure function of the members it lists, bounded as in spans.py)."""
+    reducers = [m.bandwidth for m in conf.members if not m.client_mode]
+    try:
+        expected = split_spans(total, bounded_bandwidths(reducers))
+    except ValueError as exc:  # no reducer, or bandwidths that cut nothing
+        return f"listing members whose bandwidths cut no parts ({exc})"
+    if [tuple(span) for span in conf.spans] != [tuple(span) for span in expected]:
+        return "cutting the parts otherwise than its members' declared bandwidths do"
     if len(conf.members) > group_size:
         return f"listing {len(conf.members)} members, more than our group_size {group_size}"
     sent = Declaration.from_wire(me.peer_id, me.to_wire(tagged=False))  # as the leader read it
