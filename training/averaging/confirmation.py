@@ -293,7 +293,9 @@ class Confirmation:
             state.attempt = None
         if target in state.gone:
             return _Failed("the leader failed a ping meanwhile", True, True, "failed a ping")
-        return _Failed("the leader did not confirm in time")
+        # named: a leader that holds every join (a hostile one ground its rank to lead
+        # every round) reads as a pattern only when the notes say who it was
+        return _Failed(f"the leader {target.short()} did not confirm in time")
 
     async def _take_over(
         self,
