@@ -20,6 +20,7 @@ from training import Outcome
 from training.averaging.grouping import (
     Declaration,
     closed_marker,
+    decided_set,
     parse_closed,
     parse_done,
 )
@@ -145,3 +146,31 @@ async def test_a_declaration_after_the_early_close_does_not_regroup_the_round(
     assert late.outcome == Outcome.AVERAGED, late.note
     assert all(info.outcome == Outcome.AVERAGED for info in early), [i.note for i in early]
     assert newcomer.outcome != Outcome.AVERAGED  # the round was decided without it
+
+
+def test_the_decided_set_is_read_from_markers_of_our_layout_alone() -> None:
+    """Peers of another layout group apart, and their markers list every tag their reads
+    saw: taken as our round's decision, they left out our peers that declared after those
+    reads, and 4 peers of one layout split into 2 + 2 (an outside re-check, 5 of 5 seeds).
+    An untagged declaration (a peer before step tags) no list can name: it stays."""
+    ids = [Identity.from_seed(bytes([i + 1]) * 32).peer_id for i in range(5)]
+
+    def declaration(i: int, layout: str, step: int) -> Declaration:
+        return Declaration(
+            ids[i], f"{ids[i]}@10.0.0.{i + 1}:1000", 1.0, 0, 1.0, layout, 0, 64, step=step
+        )
+
+    me, early, late, untagged, foreign = (
+        declaration(0, "ours", 100),
+        declaration(1, "ours", 101),
+        declaration(2, "ours", 102),
+        declaration(3, "ours", 0),
+        declaration(4, "theirs", 104),
+    )
+    declared = [me, late, untagged, foreign]
+    # a marker of another layout that saw us: no decision of ours
+    theirs = {str(ids[4]): closed_marker("theirs", foreign, [100, 101])}
+    assert decided_set(declared, theirs, me) == declared
+    # one of our layout: the late declaration goes, the untagged and the foreign stay
+    ours = {**theirs, str(ids[1]): closed_marker("ours", early, [100, 104])}
+    assert decided_set(declared, ours, me) == [me, untagged, foreign]

@@ -235,16 +235,28 @@ def parse_closed(entries: Mapping[Any, Any], exclude: str, step: int) -> list[De
 def decided_set(
     declared: list[Declaration], entries: Mapping[Any, Any], me: Declaration
 ) -> list[Declaration]:
-    """``declared`` without the declarations that came after the round was decided with
-    ours: when "done" markers saw our step tag, the peers that wrote them grouped the
-    declarations their reads saw (``saw``), and a declaration none of them saw (a newcomer
-    a moment after their close) would make our groups differ from theirs. Unchanged when
-    no marker saw us, or a marker's list was cut at ``MAX_SAW`` (it cannot tell)."""
-    lists = [value["saw"] for value in entries.values() if saw_tag(value, me.step)]
+    """``declared`` without the declarations of our layout that came after the round was
+    decided with ours: when "done" markers of our layout saw our step tag, the peers that
+    wrote them grouped the declarations their reads saw (``saw``), and one none of them
+    saw (a newcomer a moment after their close) would make our groups differ from theirs.
+    Only markers of our layout count (peers of another group apart, and their reads say
+    nothing of when ours decided: a re-check saw 4 peers split 2 + 2 by them), and only
+    tagged declarations of our layout are left out (an untagged one, from a peer before
+    step tags, no list can name). Unchanged when no marker saw us, or a marker's list was
+    cut at ``MAX_SAW`` (it cannot tell)."""
+    lists = [
+        value["saw"]
+        for value in entries.values()
+        if saw_tag(value, me.step) and value.get("layout") == me.layout
+    ]
     if not lists or any(len(tags) >= MAX_SAW for tags in lists):
         return declared
     seen = set().union(*lists)
-    return [d for d in declared if d.peer_id == me.peer_id or d.step in seen]
+    return [
+        d
+        for d in declared
+        if d.peer_id == me.peer_id or d.layout != me.layout or not d.step or d.step in seen
+    ]
 
 
 def saw_tag(value: object, step: int) -> bool:
