@@ -161,7 +161,7 @@ class TcpNetwork:
         a newcomer instead of failing every accept.
 
         Under a limit too small for that reserve (below 40), what is free now less
-        ``_TIGHT_SPARE``, at least 1: a floor of 8 promised connections that did not
+        ``_TIGHT_SPARE``, at most 8 and at least 1: a floor of 8 promised connections that did not
         exist (``ulimit -n 12``: 9 descriptors held idle, 3 free, 2 of 10 peers joined
         and the rest timed out, never evicted for: an outside tester)."""
         soft = _soft_file_limit()
@@ -171,8 +171,9 @@ class TcpNetwork:
             return soft - FD_RESERVE
         held = _open_files()
         if held is None:  # (no /proc: not Linux)
-            return max(soft - FD_RESERVE, _MIN_RESERVED_BUDGET)
-        return max(soft - held - _TIGHT_SPARE, 1)
+            return _MIN_RESERVED_BUDGET
+        # at most what the reserve gives at 40 (no jump from 30 at 39 down to 8 at 40)
+        return max(min(soft - held - _TIGHT_SPARE, _MIN_RESERVED_BUDGET), 1)
 
     async def connect(self, host: str, port: int) -> trio.abc.Stream:
         """Open a TCP stream to ``host:port``.

@@ -157,7 +157,8 @@ TIGHT_BUDGET = textwrap.dedent(
 @pytest.mark.parametrize("limit", [12, 20, 39])
 def test_a_tight_file_limit_counts_the_files_left(limit: int) -> None:
     """Below 40 the 32 spare files do not fit: the budget is what is free now less 4,
-    at least 1. It was 8 whatever was free: under ``ulimit -n 12`` (9 files held by an
+    at most 8 (what 40 gives: at 39 it was 30, a re-check found) and at least 1. It was 8
+    whatever was free: under ``ulimit -n 12`` (9 files held by an
     idle node) 2 of 10 peers joined a bootstrap node, the others timed out instead of
     taking an idle connection's place (an outside tester; 7 of 10 now, 10 of 10 at 16)."""
     root = str(Path(__file__).resolve().parents[2])
@@ -169,7 +170,7 @@ def test_a_tight_file_limit_counts_the_files_left(limit: int) -> None:
     )
     assert out.returncode == 0, out.stderr
     held, budget = map(int, out.stdout.split())
-    assert budget == max(limit - held - 4, 1)
+    assert budget == max(min(limit - held - 4, 8), 1)
 
 
 FULL_LISTENER = textwrap.dedent(
