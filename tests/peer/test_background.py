@@ -191,6 +191,19 @@ def _call_in_child(node: peer.BackgroundPeer, results: Any) -> None:
         results.put((type(exc).__name__, "forked child" if "forked child" in str(exc) else ""))
 
 
+def _exits_printing_done(script: str) -> None:
+    """Run ``script`` in a fresh interpreter at the repo's root: it must print "done" and
+    exit 0 within 30 s (a peer left running at exit used to hang it)."""
+    done = subprocess.run(
+        [sys.executable, "-c", script],
+        capture_output=True,
+        text=True,
+        timeout=30,
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    assert done.returncode == 0 and done.stdout == "done\n", done.stderr
+
+
 def test_script_ending_inside_the_block_exits() -> None:
     """A script that ends (or a forked child that exits) without leaving the block: the
     peer stops at exit instead of the interpreter hanging on the frozen thread."""
@@ -208,14 +221,7 @@ def test_script_ending_inside_the_block_exits() -> None:
         print("done", flush=True)
         """
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        cwd=Path(__file__).resolve().parents[2],
-    )
-    assert done.returncode == 0 and done.stdout == "done\n", done.stderr
+    _exits_printing_done(script)
 
 
 def test_opening_and_closing_blocks_leaves_no_exit_hook_behind() -> None:
@@ -240,14 +246,7 @@ def test_opening_and_closing_blocks_leaves_no_exit_hook_behind() -> None:
         print("done", flush=True)
         """
     )
-    done = subprocess.run(
-        [sys.executable, "-c", script],
-        capture_output=True,
-        text=True,
-        timeout=30,
-        cwd=Path(__file__).resolve().parents[2],
-    )
-    assert done.returncode == 0 and done.stdout == "done\n", done.stderr
+    _exits_printing_done(script)
 
 
 def test_a_block_runs_once() -> None:

@@ -15,6 +15,7 @@ import trio
 import trio.testing
 from test_averaging_support import fast_config, make_members, memnet_swarm, step_all
 
+from peer import Peer
 from protocol.identity import Identity
 from training import Outcome
 from training.averaging.grouping import (
@@ -28,6 +29,18 @@ from training.averaging.grouping import (
 STEPS = 12
 
 
+def _slow_reads(node: Peer, seconds: float) -> None:
+    """Every read of a round by ``node`` starts ``seconds`` late."""
+    dht = node.dht
+    read_entries = dht.read_entries
+
+    async def slow_read(key: str, **kwargs: Any) -> Any:
+        await trio.sleep(seconds)
+        return await read_entries(key, **kwargs)
+
+    dht.read_entries = slow_read  # type: ignore[method-assign,assignment]
+
+
 async def test_a_reader_slower_than_the_lone_peers_marker_groups_the_same_set(
     autojump_clock: trio.testing.MockClock,
 ) -> None:
@@ -39,14 +52,7 @@ async def test_a_reader_slower_than_the_lone_peers_marker_groups_the_same_set(
     with trio.fail_after(300):
         async with memnet_swarm(3, first_seed=100) as (_, nodes):
             members = make_members(nodes, 4096, fast_config(group_size=2))
-            dht = nodes[0].dht
-            read_entries = dht.read_entries
-
-            async def slow_read(key: str, **kwargs: Any) -> Any:
-                await trio.sleep(0.1)
-                return await read_entries(key, **kwargs)
-
-            dht.read_entries = slow_read  # type: ignore[method-assign,assignment]
+            _slow_reads(nodes[0], 0.1)
 
             async def run(i: int) -> None:
                 for _ in range(STEPS):
@@ -110,14 +116,7 @@ async def _newcomer_after_an_early_close(first_seed: int) -> list[Any]:
         members = make_members(nodes, 4096, fast_config(group_size=2))
         for _ in range(3):
             await step_all(members[:4], timeout=20.0)
-        dht = nodes[3].dht
-        read_entries = dht.read_entries
-
-        async def late_read(key: str, **kwargs: Any) -> Any:
-            await trio.sleep(0.3)
-            return await read_entries(key, **kwargs)
-
-        dht.read_entries = late_read  # type: ignore[method-assign,assignment]
+        _slow_reads(nodes[3], 0.3)
         infos: list[Any] = [None] * 5
 
         async def step(i: int, after: float = 0.0) -> None:

@@ -7,9 +7,11 @@ caller we did not see declare at all is still welcome. Memory network, virtual t
 from __future__ import annotations
 
 from dataclasses import replace
+from typing import Any
 
 import trio
 from test_averaging_support import (
+    Member,
     fast_config,
     make_members,
     memnet_swarm,
@@ -21,6 +23,26 @@ from test_averaging_support import (
 from protocol.address import Address
 from training import Outcome
 from training.averaging.messages import GroupConfirmation, method_prefix
+from training.averaging.round_state import RoundState
+
+
+async def _two_leaders(members: list[Member]) -> list[RoundState]:
+    """Once every member's round is decided, the states of its two leaders."""
+    while True:
+        states = [m.averager._matchmaker.current for m in members]
+        if all(s is not None and s.closed.is_set() for s in states):
+            leaders = [s for s in states if s is not None and s.is_leader]
+            if len(leaders) == 2:
+                return leaders
+        await trio.sleep(0.001)
+
+
+def _two_groups_of_three_averaged(members: list[Member], results: list[Any]) -> None:
+    infos = [info for info, _ in results]
+    verify_round(members, infos)
+    for info in infos:
+        assert info is not None and info.outcome is Outcome.AVERAGED, info
+        assert len(info.group) == 3
 
 
 async def test_a_member_of_another_group_is_refused(
@@ -36,13 +58,7 @@ async def test_a_member_of_another_group_is_refused(
             replies: list[object] = []
 
             async def join_the_other_group() -> None:
-                while True:
-                    states = [m.averager._matchmaker.current for m in members]
-                    if all(s is not None and s.closed.is_set() for s in states):
-                        leaders = [s for s in states if s is not None and s.is_leader]
-                        if len(leaders) == 2:
-                            break
-                    await trio.sleep(0.001)
+                leaders = await _two_leaders(members)
                 ours, theirs = leaders
                 joiner = next(
                     m for m in members if m.peer_id in ours.order and m.peer_id != ours.me.peer_id
@@ -59,11 +75,7 @@ async def test_a_member_of_another_group_is_refused(
                 nursery.start_soon(join_the_other_group)
                 results = await step_all(members, timeout=20.0)
             assert replies == [{"status": "full"}]
-            infos = [info for info, _ in results]
-            verify_round(members, infos)  # type: ignore[arg-type]
-            for info, _ in results:
-                assert info is not None and info.outcome is Outcome.AVERAGED, info
-                assert len(info.group) == 3
+            _two_groups_of_three_averaged(members, results)
 
 
 async def test_a_confirmed_member_that_joins_again_gets_the_same_group(
@@ -127,13 +139,7 @@ async def test_a_caller_that_never_declared_is_refused(
             replies: list[object] = []
 
             async def join_a_leader() -> None:
-                while True:
-                    states = [m.averager._matchmaker.current for m in members]
-                    if all(s is not None and s.closed.is_set() for s in states):
-                        leaders = [s for s in states if s is not None and s.is_leader]
-                        if len(leaders) == 2:
-                            break
-                    await trio.sleep(0.001)
+                leaders = await _two_leaders(members)
                 leader = leaders[0]
                 assert leader.me.address is not None
                 forged = replace(leader.me, peer_id=intruder.peer_id, address=intruder.address)
@@ -147,8 +153,4 @@ async def test_a_caller_that_never_declared_is_refused(
                 nursery.start_soon(join_a_leader)
                 results = await step_all(members, timeout=20.0)
             assert replies == [{"status": "full"}]
-            infos = [info for info, _ in results]
-            verify_round(members, infos)  # type: ignore[arg-type]
-            for info, _ in results:
-                assert info is not None and info.outcome is Outcome.AVERAGED, info
-                assert len(info.group) == 3
+            _two_groups_of_three_averaged(members, results)
