@@ -221,10 +221,9 @@ async def _status(args: argparse.Namespace, stop: _SignalStop) -> dict[str, Any]
     try:
         with trio.CancelScope() as scope, stop.cancelling(scope):
             with trio.move_on_after(args.timeout) as deadline:
-                initial_peers = _unique_peers(args.initial_peers)
                 async with open_peer(  # nobody answering is a report too: 0 peers, exit 1
                     listen=None,
-                    initial_peers=initial_peers,
+                    initial_peers=_unique_peers(args.initial_peers),
                     client_mode=True,
                     config=config,
                     ensure_bootstrap_success=False,

@@ -378,6 +378,8 @@ class Confirmation:
                 # (an outside review: every honest step partial, 0 % averaged, held to its
                 # timeout). Declared, it is placed by the ranking like everyone else.
                 return Reply({"status": "full"})
+            if state.answered.is_set():  # (answered while we read)
+                return Reply({"status": "closed"})
             # room for those we expect first: a caller we did not expect (another view of
             # the round, or an intruder) must not take the place of a member on its way
             missing = state.expected - state.joined.keys() - {joiner}
