@@ -366,25 +366,27 @@ class Confirmation:
         joiner = join.declaration.peer_id
         if (why := self.bench.reason(joiner)) is not None:  # it sent us garbage lately
             return Reply({"status": "benched", "reason": why})
+        unexpected = False  # (a caller we did not expect, counted as expected once checked)
         if joiner not in state.joined:
             if joiner in state.elsewhere:
                 # We saw it declare, and the round put it in another group: one peer that
                 # joins every group with room (and serves none) spoiled each of them. A
                 # caller we did not see at all (another view of the round) is welcome.
                 return Reply({"status": "full"})
-            if joiner not in state.expected and not await self._declared_now(state, joiner):
-                # Nor one that never declared: it skipped the check above by not declaring,
-                # joined every leader with room, took its share of the vector and froze
-                # (an outside review: every honest step partial, 0 % averaged, held to its
-                # timeout). Declared, it is placed by the ranking like everyone else.
-                return Reply({"status": "full"})
-            if state.answered.is_set():  # (answered while we read)
-                return Reply({"status": "closed"})
             # room for those we expect first: a caller we did not expect (another view of
             # the round, or an intruder) must not take the place of a member on its way
             missing = state.expected - state.joined.keys() - {joiner}
             if len(state.joined) + len(missing) >= self.config.group_size:
                 return Reply({"status": "full"})
+            unexpected = joiner not in state.expected
+            if unexpected and not await self._declared_now(state, joiner):
+                # Nor one that never declared: it skipped the check above by not declaring,
+                # joined every leader with room, took its share of the vector and froze
+                # (an outside review: every honest step partial, 0 % averaged, held to its
+                # timeout). Declared, it is placed by the ranking like everyone else.
+                return Reply({"status": "full"})
+            if state.answered.is_set():  # (answered meanwhile: our deadline came)
+                return Reply({"status": "closed"})
             state.joined[joiner] = join.declaration
             state.notify()
         state.waiting[joiner] += 1
@@ -397,6 +399,8 @@ class Confirmation:
                 # cancelled; or it gave up): confirmed, it would be waited for as dead, a
                 # whole stall_timeout (a client-trial member killed after its join).
                 state.joined.pop(joiner, None)
+                if unexpected:  # (counted as expected since its check: not waited for)
+                    state.expected.discard(joiner)
                 state.notify()
         conf = state.confirmation
         if conf is None or not any(m.peer_id == request.peer_id for m in conf.members):
@@ -406,11 +410,21 @@ class Confirmation:
     async def _declared_now(self, state: RoundState, joiner: PeerID) -> bool:
         """Whether ``joiner`` has a declaration (or a "done" marker) in our round now: a
         read of the round key, within ``join_timeout`` (a caller with another view of the
-        round declared before it read, so before it joins)."""
-        with trio.move_on_after(self.config.join_timeout):
-            entries = await self.node.dht.get_entries(round_key(self.prefix, state.number))
-            return str(joiner) in entries
-        return False
+        round declared before it read, so before it joins). Meanwhile the caller counts as
+        expected, so that we do not answer the others without it (a read of 0.5 s on a
+        slow link let the leader confirm first, and an honest caller with another view
+        was left alone in the next round)."""
+        state.expected.add(joiner)
+        declared = False
+        try:
+            with trio.move_on_after(self.config.join_timeout):
+                entries = await self.node.dht.get_entries(round_key(self.prefix, state.number))
+                declared = str(joiner) in entries
+        finally:
+            if not declared:
+                state.expected.discard(joiner)
+                state.notify()
+        return declared
 
     async def _as_member(
         self, state: RoundState, join: JoinRequest, caller: PeerID
