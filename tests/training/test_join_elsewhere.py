@@ -22,6 +22,7 @@ from test_averaging_support import (
 
 from protocol.address import Address
 from training import Outcome
+from training.averaging.grouping import round_key
 from training.averaging.messages import GroupConfirmation, method_prefix
 from training.averaging.round_state import RoundState
 
@@ -154,3 +155,50 @@ async def test_a_caller_that_never_declared_is_refused(
                 results = await step_all(members, timeout=20.0)
             assert replies == [{"status": "full"}]
             _two_groups_of_three_averaged(members, results)
+
+
+async def test_a_declared_caller_is_awaited_while_the_leader_reads_the_round(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A caller the leader did not see declare (it declared after the leader's window: another
+    view of the round) is checked with a read of the round key. The members the leader
+    expects may all join during that read: the leader must not answer them first, which
+    left the caller "closed" and alone in the next round (a CI run at 0.25 s of latency)."""
+    with trio.fail_after(60):
+        async with memnet_swarm(7) as (_, nodes):
+            late, honest_nodes = nodes[6], nodes[:6]
+            # 6 peers, group_size 4: two groups of 3 on the grid, each with room for one
+            members = make_members(honest_nodes, 3000, fast_config(group_size=4))
+            for m in members:  # the expected joins land while the leader reads (0.3 s)
+                slow_joins(m.averager.node, 0.3)
+            replies: list[object] = []
+
+            async def declare_late_and_join() -> None:
+                leader = (await _two_leaders(members))[0]
+                assert leader.me.address is not None
+                node = next(m.averager.node for m in members if m.peer_id == leader.me.peer_id)
+                get_entries = node.dht.get_entries
+
+                async def slow_read(key: str) -> Any:
+                    await trio.sleep(0.4)  # within the leader's join_timeout (0.5 s)
+                    return await get_entries(key)
+
+                node.dht.get_entries = slow_read  # type: ignore[method-assign,assignment]
+                decl = replace(leader.me, peer_id=late.peer_id, address=late.address)
+                key = round_key("t/x", leader.number)
+                assert await late.dht.store(key, decl.to_wire(), ttl=30.0, subkey=str(late.peer_id))
+                body = {"round": leader.number, "decl": decl.to_wire()}
+                reply = await late.rpc.call(
+                    Address.parse(leader.me.address), f"{method_prefix('t/x')}.join", body
+                )
+                replies.append(reply.body)
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(declare_late_and_join)
+                await step_all(members, timeout=20.0)
+            assert len(replies) == 1
+            reply = replies[0]
+            assert isinstance(reply, dict) and reply.get("status") != "closed", reply
+            confirmed = GroupConfirmation.from_body(reply, 3000)
+            assert late.peer_id in {m.peer_id for m in confirmed.members}
+            assert len(confirmed.members) == 4
