@@ -16,7 +16,11 @@ from .storage import ENTRY_OVERHEAD
 class DHTConfig:
     """Tuning of one DHT node. The defaults follow the Kademlia paper unless noted."""
 
-    k: int = 20  # bucket size, and how many nodes hold each key
+    k: int = 20  # bucket size, and how many nodes hold each key (see ``replicas``)
+    # How many of the closest nodes a store reaches: None means k, the paper's rule. Fewer
+    # replicas cost fewer STORE RPCs (hivemind 1.1's DHTNode stores to 5 of k = 20) and
+    # survive less churn: a key is lost when all its holders leave before a republish.
+    replicas: int | None = None
     alpha: int = 3  # requests in flight per lookup
     # A get ends once this many of the k closest nodes holding the key have answered
     # (their entries merged, newest version of each subkey; at most k count); the paper's
@@ -76,6 +80,11 @@ class DHTConfig:
     # Concurrent pings of least-recently-seen contacts of full buckets.
     max_parallel_pings: int = 8
 
+    @property
+    def store_replicas(self) -> int:
+        """How many of the closest nodes each store reaches (``replicas``, or k)."""
+        return self.k if self.replicas is None else self.replicas
+
     def __post_init__(self) -> None:
         check_field_types(self)
         for name in (
@@ -94,6 +103,15 @@ class DHTConfig:
                 raise ValueError(
                     f"DHTConfig.{name} must be an integer of at least 1, got {value!r}"
                 )
+        if self.replicas is not None and not (
+            isinstance(self.replicas, numbers.Integral)
+            and not isinstance(self.replicas, bool)
+            and 1 <= self.replicas <= self.k
+        ):
+            raise ValueError(
+                f"DHTConfig.replicas must be None (k) or an integer in [1, k={self.k}], "
+                f"got {self.replicas!r}"
+            )
         if self.k > MAX_NODES:  # the k closest travel in one reply
             raise ValueError(
                 f"DHTConfig.k must be at most {MAX_NODES} (the nodes one DHT reply may name, "

@@ -92,7 +92,7 @@ class Handover:
         # them decides as among the k + 1 nearest would (the thresholds are at most k),
         # without sorting the table or rehashing ids once per key (~5x less CPU).
         others = self._dht.table.contact_ids(exclude=node.peer_id)
-        k = self._dht.config.k
+        k = self._dht.config.store_replicas
         todo: list[tuple[DHTID, str]] = []
         for index, key_id in enumerate(self._dht.storage.keys()):
             if index % 256 == 255:

@@ -271,8 +271,12 @@ class DHT:
         stop: Callable[[], bool] | None = None,
         wanted: Callable[[], int] | None = None,
         on_given_up: Callable[[NodeInfo, bool], None] | None = None,
+        k: int | None = None,
     ) -> LookupResult:
+        """An iterative lookup of the ``k`` (default: the config's k) nodes closest to
+        ``target``, each asked with ``query``."""
         self._check_running()
+        k = self.config.k if k is None else k
         # Twice k seeds: when some of the closest known are dead, the next ones take
         # their place instead of the lookup running dry.
         seeds = self.table.nearest(target, 2 * self.config.k)
@@ -280,7 +284,7 @@ class DHT:
             target,
             seeds,
             query,
-            k=self.config.k,
+            k=k,
             alpha=self.config.alpha,
             exclude=self.peer_id,
             stop=stop,
@@ -358,8 +362,10 @@ class DHT:
         tables keep naming it after that)."""
         return node.peer_id not in self.table and self.protocol.is_silent(node)
 
-    def _among_closest(self, target: DHTID, closest: Sequence[NodeInfo]) -> bool:
-        if len(closest) < self.config.k:
+    def _among_closest(self, target: DHTID, closest: Sequence[NodeInfo], count: int) -> bool:
+        """Whether we are among the ``count`` nodes closest to ``target``, given the
+        ``count`` closest others a lookup found."""
+        if len(closest) < count:
             return True
         farthest = DHTID.from_peer_id(closest[-1].peer_id)
         return self.node_id.distance(target) < farthest.distance(target)

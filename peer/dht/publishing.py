@@ -140,8 +140,10 @@ class Publishing:
             if not self.store_in_background(node, key_id, key, entries):
                 self._dht._given_up(node, proven)
 
-        result = await self._dht._lookup(key_id, query, on_given_up=given_up)
-        if self._dht.storage is not None and self._dht._among_closest(key_id, result.closest):
+        replicas = self._dht.config.store_replicas
+        result = await self._dht._lookup(key_id, query, on_given_up=given_up, k=replicas)
+        among = self._dht._among_closest(key_id, result.closest, replicas)
+        if self._dht.storage is not None and among:
             for entry in entries:
                 try:
                     stored = self._dht.storage.store(key_id, entry, owner, key) or stored
