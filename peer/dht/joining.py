@@ -241,12 +241,13 @@ class Joining:
             # on busy cores had handshakes done 2.85 s into the 3 s, and the ping then cut
             # off, the volunteer sent home ("no answer within 3.0 s") by a bootstrap node
             # that had logged it joining (an outside tester: 8-14 of 32 in 5 of 7 runs).
-            if await self._dht.protocol.ping(NodeInfo(peer_id, address.hostport)):
+            failure = await self._dht.protocol.ping_or_why(NodeInfo(peer_id, address.hostport))
+            if failure is None:
                 reached += 1
                 self.contact_errors.pop(key, None)  # (the same address given twice)
                 self.answered[address.hostport] = peer_id
             else:
-                self.contact_errors[key] = "no answer to a ping"
+                self.contact_errors[key] = failure
 
         background = self._dht._service if until_one else None
         if background is None:  # (or bootstrap() before serve(): all of them, as before)

@@ -72,7 +72,7 @@ import trio
 
 from protocol.address import Address
 from protocol.dhtid import DHTID
-from protocol.errors import SwarmError
+from protocol.errors import ProtocolError, SwarmError
 from protocol.identity import PeerID
 from protocol.messages import (
     Entry,
@@ -185,9 +185,28 @@ class DHTProtocol(Learning, Serving):
         """True when ``node`` answered a ping in time, or its bytes kept arriving while the
         ping waited (busy, not gone: see the module's rules). ``take_slot``: as
         :meth:`store`."""
+        return await self.ping_or_why(node, take_slot=take_slot) is None
+
+    async def ping_or_why(self, node: NodeInfo, *, take_slot: bool = True) -> str | None:
+        """:meth:`ping`, saying why it failed: None when ``node`` answered (or was busy),
+        else a short reason for a person. A node that answered with an error or with a
+        reply we cannot parse runs another version of swarm, most likely: "no answer"
+        told a volunteer whose bootstrap node was upgraded first nothing true (a tester)."""
         request = PingRequest(self.sender)
-        response, unanswered = await self._request(node, request, PingResponse, take_slot=take_slot)
-        return response is not None or unanswered is Unanswered.BUSY
+        errors: list[BaseException] = []
+        response, unanswered = await self._request(
+            node, request, PingResponse, take_slot=take_slot, errors=errors
+        )
+        if response is not None or unanswered is Unanswered.BUSY:
+            return None
+        if not errors:
+            return f"no answer to a ping within {self.config.request_timeout:g} s"
+        exc = errors[-1]
+        if isinstance(exc, RemoteError):
+            return f"it answered a ping with an error ({exc}): another version of swarm?"
+        if isinstance(exc, ProtocolError):
+            return f"its answer to a ping does not parse ({exc}): another version of swarm?"
+        return f"no answer to a ping ({exc})" if str(exc) else "no answer to a ping"
 
     async def find_node(self, node: NodeInfo, target: DHTID) -> FindNodeResponse | None:
         """``node``'s closest contacts to ``target``; None when it failed."""
@@ -224,10 +243,17 @@ class DHTProtocol(Learning, Serving):
         return response
 
     async def _request(
-        self, node: NodeInfo, request: Message, response_type: type[_M], *, take_slot: bool = True
+        self,
+        node: NodeInfo,
+        request: Message,
+        response_type: type[_M],
+        *,
+        take_slot: bool = True,
+        errors: list[BaseException] | None = None,
     ) -> tuple[_M | None, Unanswered | None]:
         """``node``'s response (None when the call failed), and when it failed, what that
-        says of ``node`` (only ``Unanswered.FAILED`` counted against it)."""
+        says of ``node`` (only ``Unanswered.FAILED`` counted against it); the call's error,
+        if any, goes into ``errors``."""
         assert node.address is not None
         address = self._address_of(node.address, node.peer_id)
         method: str = getattr(request, "METHOD")  # noqa: B009 - a ClassVar of request types
@@ -252,6 +278,8 @@ class DHTProtocol(Learning, Serving):
                     response = response_type.from_body(reply.body)
                 except (SwarmError, OSError) as exc:
                     logger.debug("%s to %s failed: %r", method, node.peer_id.short(), exc)
+                    if errors is not None:
+                        errors.append(exc)
                     maybe_alive = isinstance(exc, RemoteError)
                     # this process out of file descriptors: no news of the contact (each
                     # contact was evicted as "a request failed" and the table emptied within
