@@ -1572,17 +1572,21 @@ class CleanroomAverager:
 
     def _choose_round(self, now: float) -> int:
         """9.2: floor(t / w) + 1 when it closes at least w/2 away; else that one if still
-        w/8 away and somebody declared in it; else the next."""
+        w/8 away and somebody of our layout declared in it; else the next."""
         window = self.gather_window
         r = math.floor(now / window) + 1
         if r * window - now >= window / 2:
             return r
         if r * window - now >= window / 8:
             read = self._read(round_key(self.prefix, r))
-            if any(
-                is_peer_id_text(s) and parse_declaration(s, v) is not None for s, v in read.items()
-            ):
-                return r
+            for s, v in read.items():
+                decl = parse_declaration(s, v) if is_peer_id_text(s) else None
+                if (
+                    decl is not None
+                    and decl["layout"] == self.layout
+                    and s != self.identity.peer_id_text
+                ):
+                    return r
         return r + 1
 
     def step(self, weight: float, epoch: int, timeout: float = 15.0, count: int = 0) -> StepReport:

@@ -914,7 +914,9 @@ async def test_a_ready_peer_joins_the_round_the_text_names(
                     value = by_hand(stored)
                     key = spec_round_key(PREFIX, spec_next_round(virtual_clock(), WINDOW))
                     assert await c_node.dht.store(key, value, ttl=30.0, subkey=subkey)
-                    declared = spec_read(subkey, value) is not None
+                    # 9.2: a valid declaration of B's own layout
+                    read = spec_read(subkey, value)
+                    declared = read is not None and read.layout == e2e_layout()
                 t = await sleep_to(b_offset)
                 first = spec_next_round(t, WINDOW)
                 if a_offset is not None:  # A's declaration, as a reader finds it

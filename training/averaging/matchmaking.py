@@ -352,9 +352,15 @@ class Matchmaker(Gathering, LayoutCheck, Confirmation):
         return number
 
     async def _declared(self, number: int, deadline: float) -> bool:
+        """Whether a peer of our layout declared in round ``number`` (one of another
+        layout, a misconfigured or newer peer, drew a correct newcomer into a round where
+        it could only fail, while the next round's peers waited for it: a tester)."""
         with trio.move_on_at(deadline):
             entries = await self.node.dht.get_entries(round_key(self.prefix, number))
-            return bool(parse_declarations({s: v for s, (v, _) in entries.items()}))
+            declared = parse_declarations({s: v for s, (v, _) in entries.items()})
+            return any(
+                d.layout == self._layout and str(d.peer_id) != self._subkey for d in declared
+            )
         return False
 
     async def _run_round(self, state: RoundState, deadline: float) -> MatchResult:
