@@ -42,7 +42,8 @@ class TensorWarnings:
         if lost:
             self._warned_unreferenced = True
             warnings.warn(
-                f"Averager {self.prefix!r}: tensors {lost} are referenced by nothing but this "
+                f"Averager {self.prefix!r}: {len(lost)} of its {len(self.flat.tensors)} tensors "
+                f"({_shorten(lost)}) are referenced by nothing but this "
                 "averager, so nobody will see their average. Were they parameters' .grad? "
                 "optimizer.zero_grad() sets .grad to None (torch's default) and the next "
                 "backward makes new tensors: call zero_grad(set_to_none=False) so the same "
