@@ -11,8 +11,11 @@ venv: $(STAMP)
 
 # torch is installed first, pinned to the CPU build: an unpinned torch, or torch==2.13.0 from
 # PyPI on Linux, is a multi-GB CUDA build. A local +cpu wheel (pip's find-links) is taken when
-# there is one, else PyTorch's CPU index is asked; where neither has a +cpu build (macOS, whose
-# wheels are CPU-only anyway), the plain pin.
+# there is one, else PyTorch's CPU index is asked; on Linux, when neither has it (that index
+# unreachable), the set-up stops and says so rather than fall back to PyPI's pin (it did, saying
+# "CPU build": an outside tester); elsewhere (macOS, whose wheels are CPU-only) the plain pin.
+# The interpreter is checked before the venv is made (Python 3.10 ended in "No matching
+# distribution found for torch==2.13.0", which named no version).
 # One shell for the whole recipe, so that:
 # - two set-ups at once (two `make demo` in a fresh clone) take turns under a lock (flock,
 #   where there is one), and the second finds the work done: pip crashed in one of them;
@@ -24,12 +27,22 @@ $(STAMP): pyproject.toml
 	if command -v flock >/dev/null 2>&1; then exec 9>$(VENV).lock; flock 9; fi; \
 	if [ -f $(STAMP) ] && [ $(STAMP) -nt pyproject.toml ]; then exit 0; fi; \
 	echo "setting up $(VENV): torch 2.13.0 (CPU build), then this project"; \
-	$(BIN)/python -m pip --version >/dev/null 2>&1 || $(PYTHON) -m venv --clear $(VENV); \
+	if ! $(BIN)/python -m pip --version >/dev/null 2>&1; then \
+	  $(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || { \
+	    echo "swarm needs Python 3.11 or newer ('$(PYTHON)':" \
+	      "$$($(PYTHON) --version 2>/dev/null || echo not found)): make PYTHON=/path/to/python3.11 ..." >&2; \
+	    exit 1; }; \
+	  $(PYTHON) -m venv --clear $(VENV); \
+	fi; \
 	$(BIN)/python -m pip install --quiet --upgrade pip; \
 	$(BIN)/python -m pip install --quiet torch==2.13.0+cpu 2>/dev/null \
 	  || $(BIN)/python -m pip install --quiet torch==2.13.0+cpu \
-	       --index-url https://download.pytorch.org/whl/cpu 2>/dev/null \
-	  || $(BIN)/python -m pip install --quiet torch==2.13.0; \
+	       --index-url https://download.pytorch.org/whl/cpu \
+	  || if [ "$$(uname -s)" = Linux ]; then \
+	       echo "could not install torch==2.13.0+cpu (no local wheel, and PyTorch's CPU index" \
+	         "did not answer): install it into $(VENV) yourself, then run make again; PyPI's" \
+	         "torch==2.13.0 is a multi-GB CUDA build on Linux, so it is not taken" >&2; exit 1; \
+	     else $(BIN)/python -m pip install --quiet torch==2.13.0; fi; \
 	$(BIN)/python -m pip install --quiet -e '.[dev]'; \
 	touch $(STAMP)
 
