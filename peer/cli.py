@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib.metadata
 import ipaddress
 import logging
 import math
@@ -136,6 +137,15 @@ def _announce_host(text: str) -> str:
     return host
 
 
+def _version() -> str:
+    """This installation's version (from its metadata; "unknown" when run from a tree
+    that was never installed)."""
+    try:
+        return importlib.metadata.version("swarm")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="swarm",
@@ -143,6 +153,7 @@ def _parser() -> argparse.ArgumentParser:
         epilog="Run 'swarm COMMAND --help' for the options of one command.",
     )
     parser.add_argument("-v", "--verbose", action="store_true", help="log at DEBUG level")
+    parser.add_argument("--version", action="version", version=f"swarm {_version()}")
     # the same flag after the command; SUPPRESS keeps it from resetting a top-level -v
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument(

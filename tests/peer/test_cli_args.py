@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import importlib.metadata
 import io
 import logging
 import stat
@@ -84,6 +85,14 @@ def test_help_reads_as_prose(argv: list[str], capsys: pytest.CaptureFixture[str]
     assert description[0].isupper() and description.rstrip().endswith(".")
     if argv == ["--help"]:
         assert "bootstrap" in text and "status" in text
+
+
+def test_version_is_the_installed_one(capsys: pytest.CaptureFixture[str]) -> None:
+    """``swarm --version`` answered "the following arguments are required: COMMAND"."""
+    with pytest.raises(SystemExit) as exit_:
+        _parser().parse_args(["--version"])
+    assert exit_.value.code == 0
+    assert capsys.readouterr().out == f"swarm {importlib.metadata.version('swarm')}\n"
 
 
 @pytest.mark.parametrize(
