@@ -72,7 +72,7 @@ import trio
 
 from protocol.address import Address
 from protocol.dhtid import DHTID
-from protocol.errors import ProtocolError, SwarmError
+from protocol.errors import ProtocolError, RemoteProtocolError, SwarmError
 from protocol.identity import PeerID
 from protocol.messages import (
     Entry,
@@ -106,6 +106,8 @@ SILENT_FOR = 60.0
 """Seconds a node that went silent is asked without being waited for (see the module's
 rules); then a lookup waits its hedge delay for it again, once."""
 _MAX_SILENT = 4096
+_REFUSERS_REMEMBERED = 1024  # peers that refused our requests as unparsable, named once
+_REFUSED_WARNING_INTERVAL = 60.0
 CUT_OFF_GRACE = 60.0
 """Seconds during which requests that time out while no request of ours sent since is
 answered do not count against their nodes (see the module's rules): our own link may
@@ -174,6 +176,10 @@ class DHTProtocol(Learning, Serving):
         # peer -> the address a contact was known at before its latest claim of another
         self._moved: OrderedDict[PeerID, str] = OrderedDict()
         self._next_unparsable_warning = -math.inf
+        # peers that refused a request of ours as unparsable (or sent a reply we could not
+        # parse), each named once at WARNING, at most once a minute: see _warn_refused
+        self._refusers: set[PeerID] = set()
+        self._next_refused_warning = -math.inf
 
     # ---- calls -----------------------------------------------------------------------
 
@@ -280,6 +286,7 @@ class DHTProtocol(Learning, Serving):
                     logger.debug("%s to %s failed: %r", method, node.peer_id.short(), exc)
                     if errors is not None:
                         errors.append(exc)
+                    self._warn_refused(node, method, exc)
                     maybe_alive = isinstance(exc, RemoteError)
                     # this process out of file descriptors: no news of the contact (each
                     # contact was evicted as "a request failed" and the table emptied within
@@ -327,6 +334,33 @@ class DHTProtocol(Learning, Serving):
             unreachable = unreachable and method != PingRequest.METHOD
             self.record_failure(node, timed_out=maybe_alive or turned_away, unreachable=unreachable)
         return None, Unanswered.FAILED
+
+    def _warn_refused(self, node: NodeInfo, method: str, exc: BaseException) -> None:
+        """Say once per peer, at WARNING (at most once a minute), that a peer refused a
+        request of ours as one it cannot parse, or answered one with a reply we cannot
+        parse: one of us runs another version of swarm. Only the receiving side said so
+        (a mixed-versions trial: an older node's hand-overs to a newer one were refused 8
+        times, and its log at the default level said nothing)."""
+        refused = isinstance(exc, RemoteError) and exc.code == "bad_request"
+        if not refused and not isinstance(exc, RemoteProtocolError):
+            return
+        now = self._now()
+        if node.peer_id in self._refusers or now < self._next_refused_warning:
+            return
+        if len(self._refusers) >= _REFUSERS_REMEMBERED:
+            self._refusers.clear()
+        self._refusers.add(node.peer_id)
+        self._next_refused_warning = now + _REFUSED_WARNING_INTERVAL
+        what = "refused our" if refused else "sent a reply this node cannot parse to our"
+        logger.warning(
+            "peer %s at %s %s %s (%s): another version of swarm (the older side should"
+            " update), or a faulty peer?",
+            node.peer_id.short(),
+            node.address,
+            what,
+            method,
+            exc,
+        )
 
     def _cut_off(self, asked: float) -> bool:
         """Whether a request sent at ``asked`` that timed out says nothing of its node: no
