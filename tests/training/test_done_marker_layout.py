@@ -5,8 +5,10 @@ told nothing wrong. Markers of unknown layout (older peers) count for nothing.""
 
 from __future__ import annotations
 
+import logging
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import numpy as np
@@ -232,3 +234,32 @@ def test_done_markers_are_counted_by_layout() -> None:
         "f": "done",
     }
     assert parse_done(entries, exclude="me") == Counter({"ours": 1, "theirs": 1, None: 2})
+
+
+async def test_a_foreign_layout_is_warned_about_once_whatever_describes_it(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A stranger's declaration names its settings in words; its "done" marker keeps the
+    declaration without them. Keyed by the words, the one layout was warned about twice,
+    the second time without what differs (an outside tester). Once per fingerprint, with
+    the fullest words at hand."""
+    with trio.fail_after(60):
+        async with memnet_swarm(3) as (_, nodes):
+            matchmaker = Matchmaker(nodes[0], "t/x", fast_config(), 1000, lambda: 0.0)
+            words = "1 tensor (1 float32; shapes 1000), codec none, layout v9"
+            me = Declaration(nodes[0].peer_id, nodes[0].address, 1.0, 0, 1.0, "ours", 0, 1000)
+            me = replace(me, detail=words)
+            mate = replace(me, peer_id=nodes[1].peer_id, address=nodes[1].address)
+            odd = replace(
+                me,
+                peer_id=nodes[2].peer_id,
+                address=nodes[2].address,
+                layout="theirs",
+                detail=words.replace("codec none", "codec float16"),
+            )
+            caplog.set_level(logging.WARNING, logger="training.averaging.matchmaking")
+            bare = replace(odd, detail="")  # as its done marker keeps it
+            for others in ([mate, bare], [mate, odd], [mate, odd, bare], [mate, bare]):
+                matchmaker._check_layouts(me, others, Counter())
+    said = [r.getMessage() for r in caplog.records if "another tensor layout" in r.getMessage()]
+    assert len(said) == 1, said

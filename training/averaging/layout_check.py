@@ -122,9 +122,20 @@ class LayoutCheck:
                     f"codec, group_size or staleness rule averaged under {self.prefix!r} "
                     f"({'; '.join(sides)}), none of ours"
                 )
-        new = sorted(set(foreign) - self._foreign)[: MAX_FOREIGN_LAYOUTS - len(self._foreign)]
+        # Once per foreign layout fingerprint, not per description: a peer's "done" marker
+        # keeps its declaration without the detail, which described the same layout in
+        # other words, and it was warned about twice, the second time without what differs
+        # (an outside tester). The fullest description of each is the one shown.
+        described: dict[str, str] = {}
+        for d in others:
+            text = d.describe_layout()
+            if d.layout != me.layout and len(text) > len(described.get(d.layout, "")):
+                described[d.layout] = text
+        room = MAX_FOREIGN_LAYOUTS - len(self._foreign)
+        new = sorted(set(described) - self._foreign)[:room]
         if new:  # a split swarm averages less: say so, once
             self._foreign.update(new)
+            foreign = sorted(described.values())
             differs = _differences(me, others)
             logger.warning(
                 "peers under %r declared another tensor layout, codec, group_size or "
