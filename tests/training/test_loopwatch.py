@@ -9,6 +9,7 @@ import trio.testing
 from test_averaging_support import fast_config, memnet_swarm
 
 from training import Averager, AveragingInfo, Outcome
+from training.averaging.descriptions import deadline_note
 from training.averaging.loopwatch import PERIOD, LoopWatch
 
 
@@ -105,3 +106,13 @@ async def test_a_peer_left_alone_while_it_stood_still_says_that_first(
             first, *others = info.note.split("; ")
             assert first.startswith("this process stood still for"), info.note
             assert others, info.note  # the matchmaker's own note follows
+
+
+def test_a_deadline_after_a_stall_does_not_advise_more_time() -> None:
+    """A process suspended past its step's timeout reported its healthy reducers as
+    ``timeout`` and advised allowing the step more time (an outside tester)."""
+    assert "allow the step more time" in deadline_note(2)
+    stalled = deadline_note(2, stalled=True)
+    assert "allow the step more time" not in stalled
+    assert stalled.endswith("(this process standing still is the likely cause)")
+    assert deadline_note(0, stalled=True) == ""

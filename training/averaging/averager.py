@@ -401,7 +401,7 @@ class Averager(Handlers, Benching, Stepping, TensorWarnings):
                 stall,
                 stale_note(plan, self.config.max_staleness),
                 cut_here(service),
-                deadline_note(butterfly.cut_by_deadline),
+                deadline_note(butterfly.cut_by_deadline, stalled=bool(stall)),
                 left_note(dropped, liveness),
             ),
             me=me.peer_id,

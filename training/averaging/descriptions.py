@@ -46,14 +46,19 @@ def cut_here(service: ReducerService | None) -> str:
     )
 
 
-def deadline_note(parts: int) -> str:
+def deadline_note(parts: int, stalled: bool = False) -> str:
     """The note of a step whose timeout ended its all-reduce before ``parts`` parts came
     back: their reducers are reported as ``timeout`` (the note of each part says why), and
-    the step's note said nothing, which read as the others' fault (an outside tester)."""
+    the step's note said nothing, which read as the others' fault (an outside tester).
+    ``stalled``: this process stood still during the all-reduce (said in the note), the
+    likely cause: more time would not have helped a process suspended past its timeout,
+    as the advice said (another tester)."""
     if not parts:
         return ""
-    return (
-        f"this step's timeout came before {parts} part(s) were done: their reducers are "
+    said = f"this step's timeout came before {parts} part(s) were done: their reducers are "
+    if stalled:
+        return said + "reported as timeout (this process standing still is the likely cause)"
+    return said + (
         "reported as timeout (allow the step more time if they were slow; a reducer that "
         "stays alive and serves no result holds every step to its timeout)"
     )
