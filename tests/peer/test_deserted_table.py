@@ -166,6 +166,7 @@ async def test_a_peer_left_alone_says_so_and_when_it_is_back_in_touch(
                     await alone.event.wait()
                     assert [r.levelno for r in alone.records] == [logging.WARNING]
                     assert BOOT.peer_id.short() in alone.records[0].getMessage()
+                    assert "and its initial peers at each refresh" in alone.records[0].getMessage()
                     lines = [r.getMessage() for r in every.records]
                     left = lines.index(next(m for m in lines if m.startswith("peer left: ")))
                     assert "knows no other peer now" in lines[left + 1], lines  # right after
@@ -180,4 +181,33 @@ async def test_a_peer_left_alone_says_so_and_when_it_is_back_in_touch(
     finally:
         for handler in (alone, back, every):
             logger.removeHandler(handler)
+        logger.setLevel(level)
+
+
+async def test_the_first_node_left_alone_names_no_initial_peers(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """The first node of a network has no initial peers to ping: its line said it would
+    ping them (an outside tester, at every bootstrap node's shutdown of its swarm)."""
+    net = MemoryNetwork(latency=0.005)
+    alone = _LineEvent("knows no other peer now")
+    logger = logging.getLogger("peer")
+    level = logger.level
+    logger.setLevel(logging.INFO)
+    logger.addHandler(alone)
+    try:
+        with trio.fail_after(3600):
+            async with trio.open_nursery() as nursery:
+                await nursery.start(_serve_boot, net)
+                boot = f"{BOOT.peer_id}@10.0.0.1:4000"
+                async with open_peer("10.0.0.2:4000", [boot], network=net.interface("10.0.0.2")):
+                    pass  # joined, and gone: the boot node finds it gone at a refresh
+                await alone.event.wait()
+                nursery.cancel_scope.cancel()
+        assert [r.levelno for r in alone.records] == [logging.INFO]
+        message = alone.records[0].getMessage()
+        assert "initial peers" not in message, message
+        assert message.endswith("it pings the departed contacts at each refresh"), message
+    finally:
+        logger.removeHandler(alone)
         logger.setLevel(level)
