@@ -263,3 +263,5 @@ async def test_a_foreign_layout_is_warned_about_once_whatever_describes_it(
                 matchmaker._check_layouts(me, others, Counter())
     said = [r.getMessage() for r in caplog.records if "another tensor layout" in r.getMessage()]
     assert len(said) == 1, said
+    where = nodes[2].address.rpartition("@")[2]
+    assert f"declared by {nodes[2].peer_id.short()} at {where})" in said[0], said  # who

@@ -137,10 +137,19 @@ class LayoutCheck:
             self._foreign.update(new)
             foreign = sorted(described.values())
             differs = _differences(me, others)
+            # who: an operator could not tell which volunteer was misconfigured (a tester)
+            strangers = sorted({_who(d) for d in others if d.layout in new})
+            shown = ", ".join(strangers[:8]) + (", ..." if len(strangers) > 8 else "")
             logger.warning(
                 "peers under %r declared another tensor layout, codec, group_size or "
                 "staleness rule: they cannot average with us, only among themselves, if "
-                "several (%sours: %s; theirs: %s%s)",
+                "several (%sours: %s; theirs: %s, declared by %s%s)",
                 self.prefix, f"theirs differ in: {differs}; " if differs else "",
-                me.describe_layout(), foreign, f"; {same_words}" if same_words else "",
+                me.describe_layout(), foreign, shown, f"; {same_words}" if same_words else "",
             )  # fmt: skip
+
+
+def _who(declaration: Declaration) -> str:
+    """A declarer as a person can find it: its short PeerID and where it listens."""
+    where = declaration.address.rpartition("@")[2] if declaration.address else "client mode"
+    return f"{declaration.peer_id.short()} at {where}"
