@@ -197,14 +197,21 @@ class RpcHost(ConnectionPool, InboundAdmission):
         so during a round may have died."""
         return self._lost_at.get(peer_id, -math.inf)
 
-    def last_heard(self, peer_id: PeerID) -> float:
+    def last_heard(self, peer_id: PeerID, *, pooled: bool = False) -> float:
         """trio time bytes from ``peer_id`` last arrived, on any open connection (-inf:
         none), part of a frame included. A peer whose answer to one call is late but whose
         bytes keep coming is busy, not frozen. Now, while we are the ones not reading one
         of its connections (its frame waits for room in the receive budget): the averager
         took such peers for frozen, and dropped them, when its pings' answers queued
-        behind that frame."""
+        behind that frame.
+
+        ``pooled``: only the connection our calls to it use. Bytes over another one say
+        nothing of that one: a NAT that forgot it loses what is written there, while the
+        peer, having dialed afresh, talks to us over a second connection (an outside
+        tester: the dead one was taken for busy and kept, rounds held to their timeout)."""
         connections = [c for c in self._connections if c.peer_id == peer_id]
+        if pooled:
+            connections = [c for c in connections if self._by_peer.get(peer_id) is c]
         if any(c.not_reading for c in connections):
             return trio.current_time()
         return max((c.last_received for c in connections), default=-math.inf)

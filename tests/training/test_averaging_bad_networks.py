@@ -30,6 +30,7 @@ from test_averaging_support import (
 from peer import MemoryNetwork, Peer
 from protocol.codecs import get_codec
 from protocol.identity import Identity, PeerID
+from protocol.messages import NodeInfo
 from training import AveragingInfo, DropReason, Outcome, PartStatus
 from training.averaging import averager as averager_module
 from training.averaging.reducer import ChunkRejected, PartReducer
@@ -616,3 +617,52 @@ async def test_silently_dead_connection_mid_round_is_replaced(
                 stall = members[0].averager.config.stall_timeout
                 assert max(elapsed) <= 3 * stall
             assert holes == [1]
+
+
+async def test_a_dead_pooled_connection_beside_a_live_one_is_replaced(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """A NAT forgot a connection mid-round: what either side writes on it is lost, and the
+    peer that lost it (its side timed out unseen) dials afresh, so that its bytes now come
+    over a second connection while our calls still go over the dead, pooled one. The
+    silence was taken for a busy peer (its bytes kept coming, on the other connection),
+    the dead connection was never closed, and every round with that pair ran to its
+    timeout for 40-70 s (an outside tester, real TCP and nftables). Only bytes over the
+    connection our calls use show a busy peer."""
+    with trio.fail_after(300):
+        async with bad_swarm(3) as (net, nodes):
+            members = make_members(nodes[:2], SIZE, fast_config(max_inflight=3))
+            infos, _ = await one_round(members)  # the pair's connection is up
+            assert fully_averaged(infos, 2), describe(members, infos)
+            # ``us`` keeps the old connection pooled when ``lost`` dials anew: the new one
+            # takes the pool's place only when its dialer's PeerID is the lower
+            for us, lost in (nodes[:2], nodes[1::-1]):
+                old = us.rpc._by_peer[lost.peer_id]
+                dialer = us.rpc._connections[old]
+                if dialer == lost.peer_id or lost.peer_id.raw > dialer.raw:
+                    break
+            target = NodeInfo(us.peer_id, us.address.rpartition("@")[2])
+            forgot = trio.Event()
+
+            def forget() -> None:
+                if not forgot.is_set():
+                    assert net.blackhole(host_of(0), host_of(1)) == 1
+                    del lost.rpc._by_peer[us.peer_id]  # forgotten on its side, unseen on ours
+                    forgot.set()
+
+            async def keep_talking() -> None:  # its DHT traffic, over its new connection
+                await forgot.wait()
+                while True:
+                    await lost.dht.protocol.ping(target)
+                    await trio.sleep(0.2)
+
+            after_acks(members[0], 1, forget)
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(keep_talking)
+                infos, elapsed = await one_round(members)
+                assert forgot.is_set()
+                nursery.cancel_scope.cancel()
+            assert fully_averaged(infos, 2), describe(members, infos)
+            assert max(elapsed) <= 3 * members[0].averager.config.stall_timeout, elapsed
+            infos, _ = await one_round(members)  # and the next round too
+            assert fully_averaged(infos, 2), describe(members, infos)

@@ -259,7 +259,7 @@ class Liveness:
         answer = await self._ping(peer_id, address)
         if answer is not DropReason.FROZEN:
             return self._answered(peer_id, answer)
-        heard = self.node.rpc.last_heard(peer_id)
+        heard = self.node.rpc.last_heard(peer_id, pooled=True)  # (where our calls wait)
         if heard >= started - self.timeout:  # busy, not frozen
             self._alive_at[peer_id] = heard
             return None
