@@ -14,8 +14,9 @@ venv: $(STAMP)
 # there is one, else PyTorch's CPU index is asked; on Linux, when neither has it (that index
 # unreachable), the set-up stops and says so rather than fall back to PyPI's pin (it did, saying
 # "CPU build": an outside tester); elsewhere (macOS, whose wheels are CPU-only) the plain pin.
-# The interpreter is checked before the venv is made (Python 3.10 ended in "No matching
-# distribution found for torch==2.13.0", which named no version).
+# The interpreter is checked before the venv is made, and the venv's when there is one
+# (Python 3.10 ended in "No matching distribution found for torch==2.13.0", which named no
+# version; a venv an earlier set-up left made with it then blamed the network: a re-check).
 # One shell for the whole recipe, so that:
 # - two set-ups at once (two `make demo` in a fresh clone) take turns under a lock (flock,
 #   where there is one), and the second finds the work done: pip crashed in one of them;
@@ -27,10 +28,15 @@ $(STAMP): pyproject.toml
 	if command -v flock >/dev/null 2>&1; then exec 9>$(VENV).lock; flock 9; fi; \
 	if [ -f $(STAMP) ] && [ $(STAMP) -nt pyproject.toml ]; then exit 0; fi; \
 	echo "setting up $(VENV): torch 2.13.0 (CPU build), then this project"; \
+	if [ -x $(BIN)/python ] && ! $(BIN)/python -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then \
+	  echo "$(VENV) holds $$($(BIN)/python --version 2>&1); swarm needs Python 3.11 or newer:" \
+	    "remove it (make clean), then make PYTHON=/path/to/python3.11 ..." >&2; exit 1; \
+	fi; \
 	if ! $(BIN)/python -m pip --version >/dev/null 2>&1; then \
 	  $(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || { \
 	    echo "swarm needs Python 3.11 or newer ('$(PYTHON)':" \
-	      "$$($(PYTHON) --version 2>/dev/null || echo not found)): make PYTHON=/path/to/python3.11 ..." >&2; \
+	      "$$(command -v $(PYTHON) >/dev/null && $(PYTHON) --version 2>&1 || echo not found)):" \
+	      "make PYTHON=/path/to/python3.11 ..." >&2; \
 	    exit 1; }; \
 	  $(PYTHON) -m venv --clear $(VENV); \
 	fi; \

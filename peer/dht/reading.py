@@ -75,7 +75,10 @@ class Reading:
             self._merge(key_id, owner, record, values, entry, verified=True)
             support[entry.subkey] = 1
         quorum = min(self._dht.config.value_quorum, self._dht.config.k) if latest else 1
-        holders = Holders(key_id, self._dht.config.k, quorum, closest_first=latest)
+        config = self._dht.config
+        holders = Holders(
+            key_id, config.k, quorum, closest_first=latest, replicas=config.store_replicas
+        )
         if self._dht.storage is not None:  # a client is no node of the key's k closest
             holders.answered(self._dht.peer_id, self._dht.node_id, bool(local))
         holders.learn(self._dht.table.nearest(key_id, 2 * self._dht.config.k))  # the lookup's seeds
@@ -245,17 +248,27 @@ class Reading:
 class Holders:
     """Which nodes a get heard from, to end it at ``quorum`` holders of the key.
 
-    With ``closest_first``, a holder counts only while fewer than k nodes are known to be
-    closer to the key (its own reply names its closest contacts): a node asked on the
-    way by a store's lookup keeps a copy of that one store, so a holder outside the k
-    closest may hold a few of a shared key's subkeys, or an old version (a getter far
-    from the key met such nodes first and saw 25 of 40 writers' subkeys); the k closest
-    got every store.
+    With ``closest_first``, a holder counts only while fewer than ``replicas`` nodes are
+    known to be closer to the key (its own reply names its closest contacts): a node
+    asked on the way by a store's lookup keeps a copy of that one store, so a holder
+    outside the closest may hold a few of a shared key's subkeys, or an old version (a
+    getter far from the key met such nodes first and saw 25 of 40 writers' subkeys); the
+    ``replicas`` closest (k by default) got every store. (Counted among the k closest
+    with fewer replicas, such copies ended reads with 2 of 20 subkeys: a re-check.)
     """
 
-    def __init__(self, target: DHTID, k: int, quorum: int, *, closest_first: bool) -> None:
+    def __init__(
+        self,
+        target: DHTID,
+        k: int,
+        quorum: int,
+        *,
+        closest_first: bool,
+        replicas: int | None = None,
+    ) -> None:
         self._target = target
         self._k = k
+        self._replicas = k if replicas is None else replicas
         self._quorum = quorum
         self._closest_first = closest_first
         # peer -> (distance to the key, True/False: answered holding it or not; None: not
@@ -300,8 +313,8 @@ class Holders:
     def _counted(self) -> int:
         if not self._closest_first:
             return sum(bool(holds) for _, holds in self._nodes.values())
-        # k nodes known closer to the key: not one of its k holders
-        closest = heapq.nsmallest(self._k, self._nodes.values(), key=lambda item: item[0])
+        # ``replicas`` nodes known closer to the key: not one of its holders
+        closest = heapq.nsmallest(self._replicas, self._nodes.values(), key=lambda item: item[0])
         return sum(bool(holds) for _, holds in closest)
 
     def enough(self) -> bool:

@@ -132,3 +132,27 @@ async def test_a_newcomer_among_the_closest_replicas_is_handed_the_key(
             await trio.sleep(10.0)  # its join lookups reach the holders, which hand it over
             assert late.dht.storage is not None and late.dht.storage.get(key_id)
             nursery.cancel_scope.cancel()
+
+
+async def test_every_reader_gets_every_subkey_of_a_shared_key(
+    autojump_clock: trio.testing.MockClock,
+) -> None:
+    """Nodes a store's lookup asks on the way keep a copy of that one store: with fewer
+    replicas than k, reads counted such partial copies among the k closest toward their
+    quorum, and a reader far from the key got 2 or 4 of 20 writers' subkeys (a re-check).
+    A holder counts only among the ``replicas`` closest."""
+    net = MemoryNetwork(latency=0.005)
+    config = PeerConfig(dht=peer.DHTConfig(replicas=5))
+    rng = random.Random(2)
+    with trio.fail_after(900):
+        async with trio.open_nursery() as nursery:
+            swarm = await _swarm(nursery, net, 40, config)
+            for j in range(4):
+                key = f"shared/{j}"
+                writers = rng.sample(range(len(swarm)), 20)
+                for w in writers:
+                    assert await swarm[w].dht.store(key, w, ttl=300.0, subkey=f"s{w}")
+                want = {f"s{w}": w for w in writers}
+                for reader in swarm:
+                    assert await reader.dht.get(key) == want, key
+            nursery.cancel_scope.cancel()
