@@ -36,7 +36,7 @@ class _SlowHost:
     async def call(self, *args: Any) -> None:
         await trio.sleep_forever()
 
-    def last_heard(self, peer_id: PeerID) -> float:
+    def last_heard(self, peer_id: PeerID, *, pooled: bool = False) -> float:
         return self.heard
 
     def connected_peers(self) -> list[PeerID]:
