@@ -453,11 +453,12 @@ class DHT:
         nobody else stored.
 
         ``latest=True`` merges what the first ``value_quorum`` holders of the key among
-        its k closest nodes answer (this node counts when it holds the key; a holder with
-        k nodes known closer to the key does not count: it may be a node a store asked on
-        the way, which holds that store only, while every STORE reached the k closest): the
-        newest version of each subkey among them. When fewer such nodes hold the key, the
-        lookup runs until the k closest have answered.
+        its closest nodes answer (this node counts when it holds the key; a holder with
+        ``replicas`` (k by default) nodes known closer to the key does not count: it may be
+        a node a store asked on the way, which holds that store only, while every STORE
+        reached the ``replicas`` closest): the newest version of each subkey among them.
+        When fewer such nodes hold the key, the lookup runs until the k closest have
+        answered.
         ``latest=False`` returns after the first node that holds anything (faster; may
         miss subkeys or newer versions).
         A holder counts once every page of a key too large for one reply has come: one

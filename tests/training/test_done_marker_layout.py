@@ -26,6 +26,7 @@ from test_averaging_support import (
 )
 
 from peer import Peer
+from protocol.identity import Identity
 from training import Averager, AveragingInfo, LayoutMismatchError, Outcome
 from training.averaging.grouping import Declaration, done_marker, parse_done
 from training.averaging.layout_check import OUTNUMBERED_ROUNDS
@@ -265,3 +266,42 @@ async def test_a_foreign_layout_is_warned_about_once_whatever_describes_it(
     assert len(said) == 1, said
     where = nodes[2].address.rpartition("@")[2]
     assert f"declared by {nodes[2].peer_id.short()} at {where})" in said[0], said  # who
+
+
+async def test_each_foreign_layout_warning_names_only_its_own_declarers_and_stays_short(
+    autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A second stranger's warning listed the first one's layout and differences too,
+    under the second one's name only; 300 strangers of distinct layouts made one warning
+    of 40,785 characters (a re-check)."""
+    with trio.fail_after(60):
+        async with memnet_swarm(3) as (_, nodes):
+            matchmaker = Matchmaker(nodes[0], "t/x", fast_config(), 1000, lambda: 0.0)
+            words = "1 tensor (1 float32; shapes 1000), codec none, layout v9"
+            me = Declaration(nodes[0].peer_id, nodes[0].address, 1.0, 0, 1.0, "ours", 0, 1000)
+            me = replace(me, detail=words)
+            mate = replace(me, peer_id=nodes[1].peer_id, address=nodes[1].address)
+            first = replace(
+                me, peer_id=nodes[2].peer_id, address=nodes[2].address, layout="f16",
+                detail=words.replace("codec none", "codec float16"),
+            )  # fmt: skip
+            second_id = Identity.from_seed(b"s" * 32).peer_id
+            second = replace(
+                me, peer_id=second_id, address=f"{second_id}@10.9.0.2:7000", layout="2k",
+                total=2000, detail=words.replace("shapes 1000", "shapes 2000"),
+            )  # fmt: skip
+            caplog.set_level(logging.WARNING, logger="training.averaging.matchmaking")
+            matchmaker._check_layouts(me, [mate, first], Counter())
+            matchmaker._check_layouts(me, [mate, first, second], Counter())
+            ids = [Identity.from_seed(bytes([i]) * 32).peer_id for i in range(256)]
+            crowd = [
+                replace(second, peer_id=p, address=f"{p}@10.9.1.{i}:7000", layout=f"x{i}")
+                for i, p in enumerate(ids)
+            ]
+            matchmaker._check_layouts(me, [mate, *crowd], Counter())
+    said = [r.getMessage() for r in caplog.records if "another tensor layout" in r.getMessage()]
+    assert len(said) == 3, said
+    assert "codec float16" in said[0] and "shapes 2000" not in said[0]
+    assert "shapes 2000" in said[1] and "codec float16" not in said[1], said[1]
+    assert f"declared by {second_id.short()} at 10.9.0.2:7000)" in said[1], said[1]
+    assert len(said[2]) < 5000, len(said[2])

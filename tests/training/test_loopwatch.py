@@ -3,14 +3,20 @@ so in its report: the members it lists as ``timeout`` may have been waiting for 
 
 from __future__ import annotations
 
+from collections.abc import AsyncIterator
+from typing import Any
+
 import numpy as np
+import pytest
 import trio
 import trio.testing
-from test_averaging_support import fast_config, memnet_swarm
+from test_averaging_attacks import SIZE
+from test_averaging_support import fast_config, make_members, memnet_swarm, step_all
 
 from training import Averager, AveragingInfo, Outcome
 from training.averaging.descriptions import deadline_note
 from training.averaging.loopwatch import PERIOD, LoopWatch
+from training.averaging.reducing import ReducerService
 
 
 async def test_a_loop_that_stood_still_is_measured(
@@ -116,3 +122,45 @@ def test_a_deadline_after_a_stall_does_not_advise_more_time() -> None:
     assert "allow the step more time" not in stalled
     assert stalled.endswith("(this process standing still is the likely cause)")
     assert deadline_note(0, stalled=True) == ""
+
+
+@pytest.mark.parametrize(("stall", "blamed"), [(1.2, False), (8.0, True)])
+async def test_a_short_stall_does_not_take_the_blame_for_a_reducer_that_never_served(
+    autojump_clock: trio.testing.MockClock,
+    monkeypatch: pytest.MonkeyPatch,
+    stall: float,
+    blamed: bool,
+) -> None:
+    """A reducer takes every chunk and never serves its result: every honest step runs to
+    its timeout. A stall of 1.2 s in it (stall_timeout 2 s, noted from 1 s) took the
+    blame, and the advice about such a reducer was gone (a re-check); a stall of
+    stall_timeout or more, after which the members drop us, is the likely cause."""
+    with trio.fail_after(120):
+        async with memnet_swarm(4) as (_, nodes):
+            members = make_members(nodes[:3], SIZE, fast_config())
+            members += make_members(nodes[3:], SIZE, fast_config(bandwidth=1e300), seed=1)
+            hoarder = members[3].peer_id
+            serve = ReducerService.results
+
+            async def never() -> AsyncIterator[Any]:
+                await trio.sleep_forever()
+                yield
+
+            def results(self: ReducerService, member: Any) -> Any:
+                return never() if self.plan.me == hoarder else serve(self, member)
+
+            monkeypatch.setattr(ReducerService, "results", results)
+
+            async def stand_still() -> None:
+                await trio.sleep(5.0)  # into the all-reduce
+                autojump_clock.jump(stall)  # nothing runs meanwhile
+
+            async with trio.open_nursery() as nursery:
+                nursery.start_soon(stand_still)
+                results_ = await step_all(members, timeout=12.0)
+    info = results_[0][0]
+    assert info is not None
+    assert "this process stood still" in info.note, info.note
+    assert "this step's timeout came before" in info.note, info.note
+    assert ("standing still is the likely cause" in info.note) is blamed, info.note
+    assert ("serves no result holds every step" in info.note) is not blamed, info.note

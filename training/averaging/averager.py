@@ -401,7 +401,12 @@ class Averager(Handlers, Benching, Stepping, TensorWarnings):
                 stall,
                 stale_note(plan, self.config.max_staleness),
                 cut_here(service),
-                deadline_note(butterfly.cut_by_deadline, stalled=bool(stall)),
+                # (a stall of stall_timeout or more: members then drop us; a shorter one
+                # is no likely cause of a reducer that never served: a re-check)
+                deadline_note(
+                    butterfly.cut_by_deadline,
+                    stalled=watch.longest >= self.config.stall_timeout,
+                ),
                 left_note(dropped, liveness),
             ),
             me=me.peer_id,

@@ -135,10 +135,14 @@ class LayoutCheck:
         new = sorted(set(described) - self._foreign)[:room]
         if new:  # a split swarm averages less: say so, once
             self._foreign.update(new)
-            foreign = sorted(described.values())
-            differs = _differences(me, others)
+            # the new layouts only, each with its own declarers: a warning that listed every
+            # foreign layout of the read named only the new one's peers, as if they had
+            # declared them all, and grew with the strangers (300: 40,785 characters)
+            foreign = [described[layout] for layout in new]
+            strays = [d for d in others if d.layout in new]
+            differs = _differences(me, strays)
             # who: an operator could not tell which volunteer was misconfigured (a tester)
-            strangers = sorted({_who(d) for d in others if d.layout in new})
+            strangers = sorted({_who(d) for d in strays})
             shown = ", ".join(strangers[:8]) + (", ..." if len(strangers) > 8 else "")
             logger.warning(
                 "peers under %r declared another tensor layout, codec, group_size or "
