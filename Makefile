@@ -29,13 +29,13 @@ $(STAMP): pyproject.toml
 	if [ -f $(STAMP) ] && [ $(STAMP) -nt pyproject.toml ]; then exit 0; fi; \
 	echo "setting up $(VENV): torch 2.13.0 (CPU build), then this project"; \
 	if [ -x $(BIN)/python ] && ! $(BIN)/python -c 'import sys; sys.exit(sys.version_info < (3, 11))'; then \
-	  echo "$(VENV) holds $$($(BIN)/python --version 2>&1); swarm needs Python 3.11 or newer:" \
+	  echo "$(VENV) holds $$($(BIN)/python --version 2>&1 | head -n 1); swarm needs Python 3.11 or newer:" \
 	    "remove it (make clean), then make PYTHON=/path/to/python3.11 ..." >&2; exit 1; \
 	fi; \
 	if ! $(BIN)/python -m pip --version >/dev/null 2>&1; then \
 	  $(PYTHON) -c 'import sys; sys.exit(sys.version_info < (3, 11))' 2>/dev/null || { \
 	    echo "swarm needs Python 3.11 or newer ('$(PYTHON)':" \
-	      "$$(command -v $(PYTHON) >/dev/null && $(PYTHON) --version 2>&1 || echo not found)):" \
+	      "$$(command -v $(PYTHON) >/dev/null && $(PYTHON) --version 2>&1 | head -n 1 || echo not found)):" \
 	      "make PYTHON=/path/to/python3.11 ..." >&2; \
 	    exit 1; }; \
 	  $(PYTHON) -m venv --clear $(VENV); \
