@@ -237,6 +237,17 @@ def test_done_markers_are_counted_by_layout() -> None:
     assert parse_done(entries, exclude="me") == Counter({"ours": 1, "theirs": 1, None: 2})
 
 
+WORDS = "1 tensor (1 float32; shapes 1000), codec none, layout v9"
+
+
+def _ours_two(nodes: list[Peer]) -> tuple[Matchmaker, Declaration, Declaration]:
+    """The first node's matchmaker, its declaration, and a mate's of the same layout."""
+    matchmaker = Matchmaker(nodes[0], "t/x", fast_config(), 1000, lambda: 0.0)
+    me = Declaration(nodes[0].peer_id, nodes[0].address, 1.0, 0, 1.0, "ours", 0, 1000)
+    me = replace(me, detail=WORDS)
+    return matchmaker, me, replace(me, peer_id=nodes[1].peer_id, address=nodes[1].address)
+
+
 async def test_a_foreign_layout_is_warned_about_once_whatever_describes_it(
     autojump_clock: trio.testing.MockClock, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -246,17 +257,13 @@ async def test_a_foreign_layout_is_warned_about_once_whatever_describes_it(
     the fullest words at hand."""
     with trio.fail_after(60):
         async with memnet_swarm(3) as (_, nodes):
-            matchmaker = Matchmaker(nodes[0], "t/x", fast_config(), 1000, lambda: 0.0)
-            words = "1 tensor (1 float32; shapes 1000), codec none, layout v9"
-            me = Declaration(nodes[0].peer_id, nodes[0].address, 1.0, 0, 1.0, "ours", 0, 1000)
-            me = replace(me, detail=words)
-            mate = replace(me, peer_id=nodes[1].peer_id, address=nodes[1].address)
+            matchmaker, me, mate = _ours_two(nodes)
             odd = replace(
                 me,
                 peer_id=nodes[2].peer_id,
                 address=nodes[2].address,
                 layout="theirs",
-                detail=words.replace("codec none", "codec float16"),
+                detail=WORDS.replace("codec none", "codec float16"),
             )
             caplog.set_level(logging.WARNING, logger="training.averaging.matchmaking")
             bare = replace(odd, detail="")  # as its done marker keeps it
@@ -276,19 +283,15 @@ async def test_each_foreign_layout_warning_names_only_its_own_declarers_and_stay
     of 40,785 characters (a re-check)."""
     with trio.fail_after(60):
         async with memnet_swarm(3) as (_, nodes):
-            matchmaker = Matchmaker(nodes[0], "t/x", fast_config(), 1000, lambda: 0.0)
-            words = "1 tensor (1 float32; shapes 1000), codec none, layout v9"
-            me = Declaration(nodes[0].peer_id, nodes[0].address, 1.0, 0, 1.0, "ours", 0, 1000)
-            me = replace(me, detail=words)
-            mate = replace(me, peer_id=nodes[1].peer_id, address=nodes[1].address)
+            matchmaker, me, mate = _ours_two(nodes)
             first = replace(
                 me, peer_id=nodes[2].peer_id, address=nodes[2].address, layout="f16",
-                detail=words.replace("codec none", "codec float16"),
+                detail=WORDS.replace("codec none", "codec float16"),
             )  # fmt: skip
             second_id = Identity.from_seed(b"s" * 32).peer_id
             second = replace(
                 me, peer_id=second_id, address=f"{second_id}@10.9.0.2:7000", layout="2k",
-                total=2000, detail=words.replace("shapes 1000", "shapes 2000"),
+                total=2000, detail=WORDS.replace("shapes 1000", "shapes 2000"),
             )  # fmt: skip
             caplog.set_level(logging.WARNING, logger="training.averaging.matchmaking")
             matchmaker._check_layouts(me, [mate, first], Counter())
