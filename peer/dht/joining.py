@@ -72,7 +72,7 @@ class Joining:
         self.initial_peers = list(dict.fromkeys(initial_peers))  # each one contacted once
         # a peer that joined a network is alarmed to lose it; its first node is not (a
         # bootstrap node whose volunteers all ended their run)
-        self._dht.protocol.alone_level = logging.WARNING if self.initial_peers else logging.INFO
+        self._dht.protocol.has_initial_peers = bool(self.initial_peers)
         reached, busy = await self._contact(self.initial_peers, until_one=True)
         if not reached and busy and self._dht.config.busy_join_timeout > 0:
             reached = await self._retry_busy(busy, deadline)

@@ -68,7 +68,7 @@ class Learning:
     on_new_contact: Callable[[NodeInfo, bool], None] | None
     _deserted: bool
     _alone_after: NodeInfo | None
-    alone_level: int
+    has_initial_peers: bool
     _clients: dict[PeerID, float]
     _rejoined_at: dict[PeerID, float]
     _moved: OrderedDict[PeerID, str]
@@ -112,9 +112,9 @@ class Learning:
         if last is not None:
             # (a peer with no initial peers, the first bootstrap node, has none to ping: its
             # line said it would, an outside tester saw)
-            initial = ", and its initial peers" if self.alone_level > logging.INFO else ""
+            initial = ", and its initial peers" if self.has_initial_peers else ""
             logger.log(
-                self.alone_level,
+                logging.WARNING if self.has_initial_peers else logging.INFO,
                 "this peer knows no other peer now (its last contact, %s, left): its stores "
                 "reach no other node and its gets find nothing until one answers again; it "
                 "pings the departed contacts%s at each refresh",

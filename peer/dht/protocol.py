@@ -155,10 +155,9 @@ class DHTProtocol(Learning, Serving):
         table.on_emptied = self._emptied
         self._deserted = False  # the table emptied, and nobody joined it since
         self._alone_after: NodeInfo | None = None  # see note_left
-        self.alone_level = logging.INFO
-        """The level of the line that says the table emptied (``Joining.bootstrap`` makes
-        it a WARNING for a peer that joined through initial peers, and the line then names
-        them among those it pings)."""
+        self.has_initial_peers = False
+        """Set by ``Joining.bootstrap``: the line that says the table emptied is then a
+        WARNING (INFO for a network's first node) and names them among those it pings."""
         self.calls_sent = 0
         self.calls_failed = 0
         # contacts whose last ping could not connect (their port closed: a clean exit, or
